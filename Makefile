@@ -1,0 +1,48 @@
+# `make test` and `make demo` do all set-up from nothing: a fresh machine needs only
+# CPython 3.11, pip, gcc and make.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_USAGE_STATS_ENABLED := 0
+export RAY_DISABLE_DOCKER_CPU_WARNING := 1
+
+.PHONY: install test test-fast test-slow lint demo bench clean
+
+$(PY):
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or run: make PYTHON=/path/to/python3.11)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+
+# torch is pinned to the CPU build that lies on disk; installing it first keeps pip
+# from resolving a multi-GB CUDA build for anything that depends on torch.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+lint: install
+	$(VENV)/bin/ruff check proto fabricd worker scheduler tests bench
+	$(VENV)/bin/mypy
+
+test: install lint
+	$(VENV)/bin/pytest -q -ra --durations=15
+
+test-fast: install
+	$(VENV)/bin/pytest -q -m "not slow"
+
+test-slow: install
+	$(VENV)/bin/pytest -q -m slow
+
+demo: install
+	$(PY) -m fabricd.demo
+
+bench: install
+	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache runs
