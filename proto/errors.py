@@ -1,0 +1,90 @@
+"""One exception hierarchy for bad input on any wire, bridge or certificate.
+
+Callers catch `ProtocolError` (or a subclass), never `Exception`. Every message says
+what was wrong and what is allowed.
+"""
+
+from __future__ import annotations
+
+
+class ProtocolError(Exception):
+    """Base of every rejection of bad input from a peer, a bridge client or a file."""
+
+
+class MalformedFrame(ProtocolError):
+    """The bytes are not a well-formed frame (truncated, not msgpack, trailing data)."""
+
+
+class MessageTooLarge(ProtocolError):
+    """A frame, header, body or length prefix exceeds its limit."""
+
+
+class UnknownMessageType(ProtocolError):
+    """The `type` field names no message this side knows."""
+
+
+class UnsupportedVersion(ProtocolError):
+    """The `v` field is a schema version this side does not speak."""
+
+
+class InvalidMessage(ProtocolError):
+    """A field is missing, extra, of the wrong type or out of range (the message names it)."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class LengthMismatch(ProtocolError):
+    """An update body is longer or shorter than its header's byte_length."""
+
+
+class DigestMismatch(ProtocolError):
+    """An update body's sha256 differs from its header's."""
+
+
+class SignatureError(ProtocolError):
+    """A signature does not verify with the expected key."""
+
+
+class NotAMember(ProtocolError):
+    """The peer has no valid membership certificate (base of all membership rejections)."""
+
+
+class CertificateExpired(NotAMember):
+    """The certificate is outside its validity window (expired or not yet valid)."""
+
+
+class CertificateRevoked(NotAMember):
+    """The certificate's serial is on the revocation list."""
+
+
+class ForeignCertificate(NotAMember):
+    """The certificate was not signed by this federation's CA."""
+
+
+class PeerMismatch(NotAMember):
+    """The certificate is for another peer ID, or its key does not hash to its peer ID."""
+
+
+class WrongRole(NotAMember):
+    """The certificate's role is not the one this operation requires."""
+
+
+__all__ = [
+    "CertificateExpired",
+    "CertificateRevoked",
+    "DigestMismatch",
+    "ForeignCertificate",
+    "InvalidMessage",
+    "LengthMismatch",
+    "MalformedFrame",
+    "MessageTooLarge",
+    "NotAMember",
+    "PeerMismatch",
+    "ProtocolError",
+    "SignatureError",
+    "UnknownMessageType",
+    "UnsupportedVersion",
+    "WrongRole",
+]

@@ -1,0 +1,282 @@
+"""Wire messages between daemons: membership, discovery, update streams, control, envelopes.
+
+Every message is a frozen dataclass with `TYPE: ClassVar[str]`, its fields declared
+with a schema; it is validated when constructed and when decoded (`proto.codec`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from proto._schema import (
+    I64_MAX,
+    U32_MAX,
+    Bin,
+    Bool,
+    Data,
+    Float,
+    Int,
+    ListOf,
+    Schema,
+    Text,
+    pack,
+    spec,
+)
+from proto.certs import (
+    CLUSTER_ID_PATTERN,
+    PEER_ID_PATTERN,
+    Certificate,
+    RevocationList,
+    public_key_bytes,
+    verify_certificate,
+)
+from proto.errors import PeerMismatch, SignatureError
+from proto.ids import MAX_CERTIFICATE_BYTES, MAX_MESSAGE_BYTES
+
+RECORD_DOMAIN = b"fedpilot-cluster-record-v1\x00"
+ENVELOPE_DOMAIN = b"fedpilot-envelope-v1\x00"
+UPDATE_STATUSES = ("ok", "duplicate", "rejected")
+
+# Reusable field schemas (also used by proto.bridge).
+CLUSTER_ID = Text(64, 1, pattern=CLUSTER_ID_PATTERN)
+PEER_ID = Text(128, 1, pattern=PEER_ID_PATTERN)
+ADDRS = ListOf(Text(512, 1), max_items=32)
+CAPACITY = Int(0, U32_MAX)
+TIMESTAMP = Float(0.0, 1e12)
+JOB_ID = Text(128, 1)
+NODE_ID = Text(256, 1)
+MESSAGE_ID = Text(256, 1)
+REQUEST_ID = Text(128, 1)
+REASON = Text(1024, allow_control=True)
+ROUND = Int(0, U32_MAX)
+TENSOR_COUNT = Int(0, 10_000_000)
+BYTE_LENGTH = Int(0, I64_MAX)
+SHA256 = Bin(32, exact=(32,))
+SIGNATURE = Bin(64, exact=(64,))
+CERTIFICATE = Bin(MAX_CERTIFICATE_BYTES)
+
+
+class Message(Schema):
+    """Base of every daemon-to-daemon message (one registry, keyed by TYPE)."""
+
+    REGISTRY: ClassVar[dict[str, type[Schema]]] = {}
+
+
+# ---- membership -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MemberHello(Message):
+    """First message on PROTOCOL_MEMBER: the sender's membership certificate."""
+
+    TYPE: ClassVar[str] = "MemberHello"
+    certificate: bytes = spec(Bin(MAX_CERTIFICATE_BYTES, 1))
+
+
+@dataclass(frozen=True)
+class MemberAck(Message):
+    """Reply on PROTOCOL_MEMBER: accepted or not (with reason), plus the replier's certificate."""
+
+    TYPE: ClassVar[str] = "MemberAck"
+    accepted: bool = spec(Bool())
+    reason: str = spec(REASON)
+    certificate: bytes = spec(CERTIFICATE)
+
+
+# ---- discovery --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ClusterRecord(Message):
+    """A cluster's DHT record, signed by its daemon's identity key (empty signature = unsigned)."""
+
+    TYPE: ClassVar[str] = "ClusterRecord"
+    cluster_id: str = spec(CLUSTER_ID)
+    peer_id: str = spec(PEER_ID)
+    addrs: tuple[str, ...] = spec(ADDRS)
+    capacity: int = spec(CAPACITY)
+    issued_at: float = spec(TIMESTAMP)
+    certificate: bytes = spec(CERTIFICATE)
+    signature: bytes = spec(Bin(64, exact=(0, 64)), default=b"")
+
+    def signing_bytes(self) -> bytes:
+        """The exact bytes the signature covers (every field but the signature)."""
+        return RECORD_DOMAIN + pack([
+            self.cluster_id, self.peer_id, list(self.addrs), self.capacity,
+            self.issued_at, self.certificate,
+        ])
+
+    def sign(self, private_key: Ed25519PrivateKey) -> ClusterRecord:
+        """A copy of this record signed with `private_key`."""
+        return replace(self, signature=private_key.sign(self.signing_bytes()))
+
+    def verify(self, public_key: Ed25519PublicKey | bytes) -> None:
+        """Raise SignatureError unless the record is signed by `public_key`."""
+        if not self.signature:
+            raise SignatureError(f"cluster record for {self.cluster_id!r} is not signed")
+        key = public_key if isinstance(public_key, Ed25519PublicKey) else \
+            Ed25519PublicKey.from_public_bytes(public_key_bytes(public_key))
+        try:
+            key.verify(self.signature, self.signing_bytes())
+        except InvalidSignature:
+            raise SignatureError(
+                f"cluster record for {self.cluster_id!r} (peer {self.peer_id}) has a bad signature"
+            ) from None
+
+    def verify_member(
+        self,
+        ca_public: Ed25519PublicKey | bytes,
+        *,
+        now: float,
+        revoked: Collection[int] | RevocationList = (),
+    ) -> Certificate:
+        """Check the embedded certificate (CA, validity, revocation, role "cluster"), that it
+        names this record's peer and cluster, and the signature with the certificate's key.
+        Returns the certificate; raises NotAMember subclasses or SignatureError."""
+        cert = verify_certificate(
+            self.certificate, ca_public, now=now, revoked=revoked,
+            expected_peer_id=self.peer_id, required_role="cluster",
+        )
+        if cert.cluster_id != self.cluster_id:
+            raise PeerMismatch(
+                f"record claims cluster {self.cluster_id!r} but peer {self.peer_id}'s "
+                f"certificate is for cluster {cert.cluster_id!r}"
+            )
+        self.verify(cert.public_key)
+        return cert
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Published on TOPIC_HEARTBEAT about once a second by every daemon."""
+
+    TYPE: ClassVar[str] = "Heartbeat"
+    cluster_id: str = spec(CLUSTER_ID)
+    peer_id: str = spec(PEER_ID)
+    addrs: tuple[str, ...] = spec(ADDRS)
+    capacity: int = spec(CAPACITY)
+    seq: int = spec(Int())
+    sent_at: float = spec(TIMESTAMP)
+
+
+# ---- update streams ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class UpdateHeader(Message):
+    """First frame on PROTOCOL_UPDATE; `byte_length` raw safetensors bytes follow."""
+
+    TYPE: ClassVar[str] = "UpdateHeader"
+    job_id: str = spec(JOB_ID)
+    round: int = spec(ROUND)
+    source_node: str = spec(NODE_ID)
+    target_node: str = spec(NODE_ID)
+    message_id: str = spec(MESSAGE_ID)
+    tensor_count: int = spec(TENSOR_COUNT)
+    byte_length: int = spec(BYTE_LENGTH)
+    sha256: bytes = spec(SHA256)
+
+
+UPDATE_HEADER_FIELDS = (
+    "job_id", "round", "source_node", "target_node", "message_id",
+    "tensor_count", "byte_length", "sha256",
+)
+
+
+@dataclass(frozen=True)
+class UpdateAck(Message):
+    """The receiver's verdict on one update stream."""
+
+    TYPE: ClassVar[str] = "UpdateAck"
+    message_id: str = spec(MESSAGE_ID)
+    status: str = spec(Text(16, choices=UPDATE_STATUSES))
+    reason: str = spec(REASON)
+    received_bytes: int = spec(BYTE_LENGTH)
+
+
+# ---- control ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ControlRequest(Message):
+    """A request on PROTOCOL_CONTROL; `body` is plain data (see proto._schema.Data)."""
+
+    TYPE: ClassVar[str] = "ControlRequest"
+    request_id: str = spec(REQUEST_ID)
+    body: dict[str, Any] = spec(Data())
+
+
+@dataclass(frozen=True)
+class ControlResponse(Message):
+    """The reply to a ControlRequest with the same request_id."""
+
+    TYPE: ClassVar[str] = "ControlResponse"
+    request_id: str = spec(REQUEST_ID)
+    ok: bool = spec(Bool())
+    body: dict[str, Any] = spec(Data())
+    reason: str = spec(REASON)
+
+
+# ---- signed envelopes -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SignedEnvelope(Message):
+    """`payload` signed by the holder of `certificate` (e.g. a scheduler's job or routing)."""
+
+    TYPE: ClassVar[str] = "SignedEnvelope"
+    payload: bytes = spec(Bin(MAX_MESSAGE_BYTES))
+    certificate: bytes = spec(Bin(MAX_CERTIFICATE_BYTES, 1))
+    signature: bytes = spec(SIGNATURE)
+
+
+def sign_envelope(
+    payload: bytes, certificate: bytes, private_key: Ed25519PrivateKey
+) -> SignedEnvelope:
+    """Sign `payload` with `private_key`, whose public key must be the certificate's."""
+    return SignedEnvelope(
+        payload=payload, certificate=certificate,
+        signature=private_key.sign(ENVELOPE_DOMAIN + payload),
+    )
+
+
+def open_envelope(
+    env: SignedEnvelope,
+    ca_public: Ed25519PublicKey | bytes,
+    *,
+    now: float,
+    revoked: Collection[int] | RevocationList = (),
+    required_role: str | None = "scheduler",
+) -> tuple[Certificate, bytes]:
+    """Verify the certificate against the CA (validity, revocation, role) and the signature
+    with the certificate's key; return (certificate, payload). Raises NotAMember subclasses
+    or SignatureError."""
+    cert = verify_certificate(
+        env.certificate, ca_public, now=now, revoked=revoked, required_role=required_role
+    )
+    try:
+        Ed25519PublicKey.from_public_bytes(cert.public_key).verify(
+            env.signature, ENVELOPE_DOMAIN + env.payload
+        )
+    except InvalidSignature:
+        raise SignatureError(
+            f"envelope signature does not match the key of peer {cert.peer_id} "
+            f"(certificate serial {cert.serial})"
+        ) from None
+    return cert, env.payload
+
+
+__all__ = [
+    "ClusterRecord",
+    "ControlRequest",
+    "ControlResponse",
+    "Heartbeat",
+    "MemberAck",
+    "MemberHello",
+    "Message",
+    "SignedEnvelope",
+    "UpdateAck",
+    "UpdateHeader",
+    "open_envelope",
+    "sign_envelope",
+]
