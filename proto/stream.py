@@ -1,0 +1,127 @@
+"""Update-stream bodies: bounded, verified reception; chunked sending; idempotent delivery.
+
+On PROTOCOL_UPDATE a sender writes `frame(UpdateHeader)` then `byte_length` raw
+safetensors bytes (in chunks from `iter_chunks`) and reads one `frame(UpdateAck)`.
+The receiver feeds the body into an `UpdateReceiver` and delivers only what `finish()`
+returns; `DeliveredIds` makes delivery idempotent by message id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from proto.errors import DigestMismatch, LengthMismatch, MessageTooLarge
+from proto.ids import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
+from proto.messages import UpdateHeader
+
+
+class UpdateReceiver:
+    """Collects one update body in bounded memory and verifies it before release.
+
+    Raises MessageTooLarge at construction if `header.byte_length > max_bytes`, so
+    nothing is read for an update that could never be accepted.
+    """
+
+    def __init__(self, header: UpdateHeader, max_bytes: int) -> None:
+        if header.byte_length > max_bytes:
+            raise MessageTooLarge(
+                f"update {header.message_id!r} announces {header.byte_length} bytes, over the "
+                f"limit of {max_bytes} bytes"
+            )
+        self.header = header
+        self.received = 0
+        self._chunks: list[bytes] = []
+        self._hash = hashlib.sha256()
+        self._finished = False
+
+    @property
+    def remaining(self) -> int:
+        """Bytes still expected."""
+        return self.header.byte_length - self.received
+
+    def feed(self, chunk: bytes | bytearray | memoryview) -> None:
+        """Add the next piece of the body; LengthMismatch if it runs past byte_length."""
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        n = len(chunk)
+        if n > self.remaining:
+            raise LengthMismatch(
+                f"update {self.header.message_id!r}: body runs past its byte_length "
+                f"{self.header.byte_length} (got {self.received + n} bytes)"
+            )
+        if n:
+            data = bytes(chunk)
+            self._hash.update(data)
+            self._chunks.append(data)
+            self.received += n
+
+    def finish(self) -> bytes:
+        """The whole body, after checking its length and sha256 against the header.
+
+        Raises LengthMismatch (short body) or DigestMismatch; can be called once.
+        """
+        if self._finished:
+            raise RuntimeError("finish() called twice")
+        self._finished = True
+        chunks, self._chunks = self._chunks, []
+        if self.received != self.header.byte_length:
+            raise LengthMismatch(
+                f"update {self.header.message_id!r}: body ended after {self.received} of "
+                f"{self.header.byte_length} bytes"
+            )
+        if not hmac.compare_digest(self._hash.digest(), self.header.sha256):
+            raise DigestMismatch(
+                f"update {self.header.message_id!r}: sha256 of the body is "
+                f"{self._hash.hexdigest()}, header says {self.header.sha256.hex()}"
+            )
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def iter_chunks(
+    body: bytes | bytearray | memoryview, chunk_size: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[memoryview]:
+    """Zero-copy slices of `body`, each at most `chunk_size` bytes (<= MAX_CHUNK_BYTES,
+    so a chunk always fits in one yamux frame). Yields nothing for an empty body."""
+    if not 0 < chunk_size <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_size must be in 1..{MAX_CHUNK_BYTES}, got {chunk_size}")
+    view = memoryview(body).cast("B")
+    for start in range(0, len(view), chunk_size):
+        yield view[start:start + chunk_size]
+
+
+class DeliveredIds:
+    """The most recent `capacity` message ids (LRU); `seen(id)` records and reports repeats."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def seen(self, message_id: str) -> bool:
+        """True if `message_id` was already recorded; otherwise record it and return False."""
+        if message_id in self._ids:
+            self._ids.move_to_end(message_id)
+            return True
+        self._ids[message_id] = None
+        if len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+        return False
+
+    def discard(self, message_id: str) -> None:
+        """Forget `message_id` (e.g. when its delivery failed and a retry must get through)."""
+        self._ids.pop(message_id, None)
+
+    def __contains__(self, message_id: object) -> bool:
+        return message_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+def sha256(data: bytes | bytearray | memoryview) -> bytes:
+    """The 32-byte sha256 digest an UpdateHeader carries."""
+    return hashlib.sha256(data).digest()
