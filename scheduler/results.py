@@ -1,0 +1,160 @@
+"""Write a finished job's results directory: summary, per-round metrics, model, plots.
+
+Everything here is plain files a person or another tool can read: JSON, CSV, safetensors
+and PNG. Plots use matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROUND_FIELDS = ("round", "accuracy", "loss", "personalized_accuracy",
+                "bytes_intra", "bytes_inter", "seconds")
+
+
+@dataclass
+class RoundRecord:
+    """What one round reports to the scheduler."""
+
+    round: int
+    accuracy: float
+    loss: float
+    personalized_accuracy: float
+    bytes_intra: int
+    bytes_inter: int
+    seconds: float
+
+
+@dataclass
+class ClusterRecordSummary:
+    cluster_id: str
+    clients: int
+    actors_materialized: int
+    daemon_bytes_sent: int = 0
+    daemon_bytes_received: int = 0
+
+
+@dataclass
+class JobSummary:
+    """The `summary.json` of a job; field names are a public contract."""
+
+    job_id: str
+    backend: str
+    placement_strategy: str
+    topology: str
+    aggregation: str
+    compression: str
+    communities: int
+    clusters: list[ClusterRecordSummary] = field(default_factory=list)
+    rounds: list[RoundRecord] = field(default_factory=list)
+    final_accuracy: float = 0.0
+    best_accuracy: float = 0.0
+    personalized_accuracy: float = 0.0
+    bytes_inter_total: int = 0
+    bytes_intra_total: int = 0
+    seconds_total: float = 0.0
+    replans: int = 0
+    migrations: int = 0
+
+    def finish(self) -> None:
+        """Derive the totals from the per-round records."""
+        if self.rounds:
+            self.final_accuracy = self.rounds[-1].accuracy
+            self.best_accuracy = max(r.accuracy for r in self.rounds)
+            self.personalized_accuracy = self.rounds[-1].personalized_accuracy
+        self.bytes_inter_total = sum(r.bytes_inter for r in self.rounds)
+        self.bytes_intra_total = sum(r.bytes_intra for r in self.rounds)
+        self.seconds_total = sum(r.seconds for r in self.rounds)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def write_results(
+    out_dir: str | os.PathLike[str],
+    summary: JobSummary,
+    *,
+    placement: Mapping[str, Any] | None = None,
+    model_bytes: bytes | None = None,
+) -> Path:
+    """Write summary.json, metrics.csv, placement.json, model.safetensors and both plots."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary.finish()
+    (out / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+    write_metrics_csv(out / "metrics.csv", summary.rounds)
+    if placement is not None:
+        (out / "placement.json").write_text(json.dumps(placement, indent=2) + "\n")
+    if model_bytes is not None:
+        (out / "model.safetensors").write_bytes(model_bytes)
+    plot_accuracy(out / "accuracy.png", {summary.job_id: summary.rounds})
+    plot_traffic(out / "traffic.png", {summary.job_id: summary.rounds})
+    return out
+
+
+def write_metrics_csv(path: Path, rounds: Sequence[RoundRecord]) -> None:
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(ROUND_FIELDS))
+        writer.writeheader()
+        for record in rounds:
+            writer.writerow(asdict(record))
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_accuracy(path: Path, series: Mapping[str, Sequence[RoundRecord]]) -> None:
+    """One line per series (a job or a strategy): global and personalized accuracy by round."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, rounds in series.items():
+        xs = [r.round for r in rounds]
+        line, = ax.plot(xs, [r.accuracy for r in rounds], marker="o", ms=3,
+                        label=f"{label} (global)")
+        ax.plot(xs, [r.personalized_accuracy for r in rounds], ls="--",
+                color=line.get_color(), label=f"{label} (personalized)")
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy")
+    ax.set_ylim(0.0, 1.0)
+    ax.set_title("Accuracy by round")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_traffic(path: Path, series: Mapping[str, Sequence[RoundRecord]]) -> None:
+    """Cumulative intra- and inter-cluster bytes by round, one pair of lines per series."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, rounds in series.items():
+        xs = [r.round for r in rounds]
+        inter, intra, total_inter, total_intra = [], [], 0, 0
+        for r in rounds:
+            total_inter += r.bytes_inter
+            total_intra += r.bytes_intra
+            inter.append(total_inter / 1e6)
+            intra.append(total_intra / 1e6)
+        line, = ax.plot(xs, inter, marker="o", ms=3, label=f"{label} inter-cluster")
+        ax.plot(xs, intra, ls="--", color=line.get_color(), label=f"{label} intra-cluster")
+    ax.set_xlabel("round")
+    ax.set_ylabel("cumulative traffic (MB)")
+    ax.set_title("Traffic by round")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

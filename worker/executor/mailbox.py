@@ -1,0 +1,83 @@
+"""Where a cluster's incoming model messages wait for the node that needs them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+Key = tuple[int, str, str, str]  # (round, kind, source node, target node)
+
+
+class MessageTimeout(TimeoutError):
+    """A node waited too long for a neighbour's message."""
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """One model message: weights (or a handle the context can resolve) and sample count."""
+
+    weights: Any
+    samples: int
+    nbytes: int
+    remote: bool
+
+
+class Mailbox:
+    """Thread-safe store of messages keyed by (round, kind, src, dst).
+
+    A message is handed out once: `take` removes it, so memory is released as soon as
+    its reader has it (object references are freed when the last holder drops them).
+    """
+
+    def __init__(self) -> None:
+        self._items: dict[Key, Envelope] = {}
+        self._cond = threading.Condition()
+        self._closed: str | None = None
+
+    def put(self, key: Key, envelope: Envelope) -> bool:
+        """Store a message; a repeat of a key already stored or taken is ignored (False)."""
+        with self._cond:
+            if key in self._items:
+                return False
+            self._items[key] = envelope
+            self._cond.notify_all()
+            return True
+
+    def take(self, key: Key, timeout: float, where: str = "") -> Envelope:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while key not in self._items:
+                if self._closed is not None:
+                    raise MessageTimeout(f"stopped while waiting for {_describe(key)}: {self._closed}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise MessageTimeout(
+                        f"no {key[1]!r} message from node {key[2]}{where} to node {key[3]} "
+                        f"in round {key[0]} after {timeout:.0f} s"
+                    )
+                self._cond.wait(left)
+            return self._items.pop(key)
+
+    def close(self, reason: str) -> None:
+        """Wake every waiter with an error (used when the job is stopped)."""
+        with self._cond:
+            self._closed = reason
+            self._cond.notify_all()
+
+    def drop_rounds_before(self, round_index: int) -> int:
+        """Forget messages of finished rounds nobody will read (e.g. after a node moved)."""
+        with self._cond:
+            stale = [k for k in self._items if k[0] < round_index]
+            for k in stale:
+                del self._items[k]
+            return len(stale)
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+
+def _describe(key: Key) -> str:
+    return f"{key[1]!r} message {key[2]} -> {key[3]} (round {key[0]})"
