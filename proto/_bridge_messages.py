@@ -1,0 +1,194 @@
+"""Bridge message types (re-exported by proto.bridge; see its docstring for framing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from proto._schema import I64_MAX, Bool, Data, Float, Int, Schema, Text
+from proto._schema import spec as _spec
+from proto.messages import (
+    BYTE_LENGTH,
+    CLUSTER_ID,
+    JOB_ID,
+    MESSAGE_ID,
+    NODE_ID,
+    REASON,
+    REQUEST_ID,
+    ROUND,
+    SHA256,
+    TENSOR_COUNT,
+    UpdateHeader,
+)
+
+OPTIONAL_CLUSTER_ID = Text(64, 0, pattern=r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+ROLE = Text(32, 1, pattern=r"[A-Za-z0-9_.-]+")
+
+
+class BridgeMessage(Schema):
+    """Base of every bridge message (its own registry, separate from daemon messages)."""
+
+    REGISTRY: ClassVar[dict[str, type[Schema]]] = {}
+    CARRIES_PAYLOAD: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class Hello(BridgeMessage):
+    """First frame from a bridge client: who it is (role e.g. "executor", "cli")."""
+
+    TYPE: ClassVar[str] = "Hello"
+    role: str = _spec(ROLE)
+    cluster_id: str = _spec(OPTIONAL_CLUSTER_ID, default="")
+    job_id: str = _spec(Text(128), default="")
+
+
+@dataclass(frozen=True)
+class StatusRequest(BridgeMessage):
+    TYPE: ClassVar[str] = "StatusRequest"
+
+
+@dataclass(frozen=True)
+class StatusReply(BridgeMessage):
+    """The daemon's status: cluster_id, peer_id, listen_addrs, clusters[...] (plain data)."""
+
+    TYPE: ClassVar[str] = "StatusReply"
+    status: dict[str, Any] = _spec(Data())
+
+
+@dataclass(frozen=True)
+class ProbeRequest(BridgeMessage):
+    """Ask the daemon to send `bytes` random bytes as one update stream to `cluster_id`."""
+
+    TYPE: ClassVar[str] = "ProbeRequest"
+    cluster_id: str = _spec(CLUSTER_ID)
+    bytes: int = _spec(Int(0, 1 << 40))
+
+
+@dataclass(frozen=True)
+class ProbeReply(BridgeMessage):
+    TYPE: ClassVar[str] = "ProbeReply"
+    cluster_id: str = _spec(CLUSTER_ID)
+    rtt_ms: float = _spec(Float(0.0))
+    bytes: int = _spec(Int(0, 1 << 40))
+    seconds: float = _spec(Float(0.0))
+    throughput_mb_s: float = _spec(Float(0.0))
+
+
+@dataclass(frozen=True)
+class SendUpdate(BridgeMessage):
+    """Executor → daemon: stream this update (payload) to `target_cluster`."""
+
+    TYPE: ClassVar[str] = "SendUpdate"
+    CARRIES_PAYLOAD: ClassVar[bool] = True
+    target_cluster: str = _spec(CLUSTER_ID)
+    job_id: str = _spec(JOB_ID)
+    round: int = _spec(ROUND)
+    source_node: str = _spec(NODE_ID)
+    target_node: str = _spec(NODE_ID)
+    message_id: str = _spec(MESSAGE_ID)
+    tensor_count: int = _spec(TENSOR_COUNT)
+    byte_length: int = _spec(BYTE_LENGTH)
+    sha256: bytes = _spec(SHA256)
+
+    def header(self) -> UpdateHeader:
+        """The UpdateHeader to put on the wire."""
+        return UpdateHeader(**{k: getattr(self, k) for k in _HEADER_FIELDS})
+
+    @classmethod
+    def from_header(cls, target_cluster: str, header: UpdateHeader) -> SendUpdate:
+        return cls(target_cluster=target_cluster,
+                   **{k: getattr(header, k) for k in _HEADER_FIELDS})
+
+
+@dataclass(frozen=True)
+class SendResult(BridgeMessage):
+    """Daemon → executor: the outcome of one SendUpdate (`bytes` sent)."""
+
+    TYPE: ClassVar[str] = "SendResult"
+    message_id: str = _spec(MESSAGE_ID)
+    ok: bool = _spec(Bool())
+    reason: str = _spec(REASON)
+    bytes: int = _spec(Int(0, I64_MAX))
+
+
+@dataclass(frozen=True)
+class Delivery(BridgeMessage):
+    """Daemon → executor: a verified update (payload) for a local node."""
+
+    TYPE: ClassVar[str] = "Delivery"
+    CARRIES_PAYLOAD: ClassVar[bool] = True
+    job_id: str = _spec(JOB_ID)
+    round: int = _spec(ROUND)
+    source_node: str = _spec(NODE_ID)
+    target_node: str = _spec(NODE_ID)
+    message_id: str = _spec(MESSAGE_ID)
+    tensor_count: int = _spec(TENSOR_COUNT)
+    byte_length: int = _spec(BYTE_LENGTH)
+    sha256: bytes = _spec(SHA256)
+    source_cluster: str = _spec(OPTIONAL_CLUSTER_ID, default="")
+
+    def header(self) -> UpdateHeader:
+        return UpdateHeader(**{k: getattr(self, k) for k in _HEADER_FIELDS})
+
+    @classmethod
+    def from_header(cls, header: UpdateHeader, source_cluster: str = "") -> Delivery:
+        return cls(source_cluster=source_cluster,
+                   **{k: getattr(header, k) for k in _HEADER_FIELDS})
+
+
+@dataclass(frozen=True)
+class ControlSend(BridgeMessage):
+    """Executor/scheduler → daemon: send a control request to `target_cluster`."""
+
+    TYPE: ClassVar[str] = "ControlSend"
+    request_id: str = _spec(REQUEST_ID)
+    target_cluster: str = _spec(CLUSTER_ID)
+    body: dict[str, Any] = _spec(Data())
+
+
+@dataclass(frozen=True)
+class ControlDelivery(BridgeMessage):
+    """Daemon → executor: a control request from a verified member."""
+
+    TYPE: ClassVar[str] = "ControlDelivery"
+    request_id: str = _spec(REQUEST_ID)
+    from_cluster: str = _spec(CLUSTER_ID)
+    from_peer: str = _spec(Text(128, 1))
+    from_role: str = _spec(ROLE)
+    body: dict[str, Any] = _spec(Data())
+
+
+@dataclass(frozen=True)
+class ControlReply(BridgeMessage):
+    """Executor → daemon: the answer to a ControlDelivery."""
+
+    TYPE: ClassVar[str] = "ControlReply"
+    request_id: str = _spec(REQUEST_ID)
+    ok: bool = _spec(Bool())
+    body: dict[str, Any] = _spec(Data())
+    reason: str = _spec(REASON)
+
+
+@dataclass(frozen=True)
+class ControlResult(BridgeMessage):
+    """Daemon → sender: the remote answer to a ControlSend."""
+
+    TYPE: ClassVar[str] = "ControlResult"
+    request_id: str = _spec(REQUEST_ID)
+    ok: bool = _spec(Bool())
+    body: dict[str, Any] = _spec(Data())
+    reason: str = _spec(REASON)
+
+
+@dataclass(frozen=True)
+class Error(BridgeMessage):
+    """Either side: the last frame was rejected (reason says why)."""
+
+    TYPE: ClassVar[str] = "Error"
+    reason: str = _spec(REASON)
+
+
+_HEADER_FIELDS = (
+    "job_id", "round", "source_node", "target_node", "message_id",
+    "tensor_count", "byte_length", "sha256",
+)

@@ -1,0 +1,265 @@
+"""The local bridge between fabricd and its executor/CLI: a Unix socket (mode 0600).
+
+Frame = u32 big-endian header length + msgpack header map (`v`, `type`, fields...,
+`payload_length`) + `payload_length` raw bytes. Only SendUpdate and Delivery carry a
+payload (the safetensors body, `payload_length == byte_length`); every other type has
+`payload_length == 0`. Blocking helpers serve a plain socket, async ones a trio stream.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from proto._bridge_messages import (
+    BridgeMessage,
+    ControlDelivery,
+    ControlReply,
+    ControlResult,
+    ControlSend,
+    Delivery,
+    Error,
+    Hello,
+    ProbeReply,
+    ProbeRequest,
+    SendResult,
+    SendUpdate,
+    StatusReply,
+    StatusRequest,
+)
+from proto._schema import I64_MAX, Int, from_map, pack, unpack_limited
+from proto.codec import ExactReader
+from proto.errors import InvalidMessage, MalformedFrame, MessageTooLarge
+from proto.ids import MAX_BRIDGE_HEADER_BYTES
+
+HEADER_PREFIX = struct.Struct(">I")
+PAYLOAD_LENGTH = "payload_length"
+
+# ---- framing ----------------------------------------------------------------------------
+
+def bridge_header(msg: BridgeMessage, payload_length: int,
+                  *, max_header: int = MAX_BRIDGE_HEADER_BYTES) -> bytes:
+    """The length prefix + header of a frame whose payload has `payload_length` bytes."""
+    if not isinstance(msg, BridgeMessage):
+        raise TypeError(f"expected a proto.bridge message, got {type(msg).__name__}")
+    _check_payload_length(msg, payload_length)
+    header = msg.to_map()
+    header[PAYLOAD_LENGTH] = payload_length
+    data = pack(header)
+    if len(data) > max_header:
+        raise MessageTooLarge(
+            f"bridge {msg.TYPE} header is {len(data)} bytes, over the limit of {max_header}"
+        )
+    return HEADER_PREFIX.pack(len(data)) + data
+
+
+def encode_bridge(msg: BridgeMessage, payload: bytes = b"") -> bytes:
+    """One whole bridge frame (header and payload) as bytes."""
+    return bridge_header(msg, len(payload)) + bytes(payload)
+
+
+def parse_header_length(prefix: bytes, max_header: int) -> int:
+    """The header length announced by a 4-byte prefix; MessageTooLarge over `max_header`."""
+    if len(prefix) != HEADER_PREFIX.size:
+        raise MalformedFrame(f"truncated bridge length prefix ({len(prefix)} of 4 bytes)")
+    (length,) = HEADER_PREFIX.unpack(prefix)
+    if length > max_header:
+        raise MessageTooLarge(
+            f"bridge header length {length} bytes is over the limit of {max_header} bytes"
+        )
+    return int(length)
+
+
+def decode_bridge_header(data: bytes, max_payload: int,
+                         *, max_header: int = MAX_BRIDGE_HEADER_BYTES
+                         ) -> tuple[BridgeMessage, int]:
+    """(message, payload_length) from a header (without its prefix); ProtocolError if bad."""
+    obj = unpack_limited(data, max_header)
+    if not isinstance(obj, dict):
+        raise MalformedFrame(f"bridge header must be a msgpack map, got {type(obj).__name__}")
+    msg = from_map(BridgeMessage.REGISTRY, obj, extra=frozenset({PAYLOAD_LENGTH}))
+    assert isinstance(msg, BridgeMessage)
+    if PAYLOAD_LENGTH not in obj:
+        raise InvalidMessage(f"{msg.TYPE}: missing field '{PAYLOAD_LENGTH}'", field=PAYLOAD_LENGTH)
+    length = Int(0, I64_MAX).check(PAYLOAD_LENGTH, obj[PAYLOAD_LENGTH])
+    if length > max_payload:
+        raise MessageTooLarge(
+            f"bridge {msg.TYPE} payload of {length} bytes is over the limit of {max_payload}"
+        )
+    _check_payload_length(msg, length)
+    return msg, length
+
+
+def _check_payload_length(msg: BridgeMessage, length: int) -> None:
+    if msg.CARRIES_PAYLOAD:
+        expected = msg.byte_length  # type: ignore[attr-defined]
+        if length != expected:
+            raise InvalidMessage(
+                f"{msg.TYPE}: payload_length {length} differs from byte_length {expected}",
+                field=PAYLOAD_LENGTH,
+            )
+    elif length != 0:
+        raise InvalidMessage(
+            f"{msg.TYPE} carries no payload, but payload_length is {length}", field=PAYLOAD_LENGTH
+        )
+
+
+# ---- blocking sockets -------------------------------------------------------------------
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            break
+        got += k
+    del buf[got:]
+    return buf
+
+
+def send_bridge(sock: socket.socket, msg: BridgeMessage, payload: bytes = b"") -> None:
+    """Write one frame to a blocking socket."""
+    sock.sendall(bridge_header(msg, len(payload)))
+    if payload:
+        sock.sendall(payload)
+
+
+def recv_bridge(sock: socket.socket, max_payload: int,
+                *, max_header: int = MAX_BRIDGE_HEADER_BYTES) -> tuple[BridgeMessage, bytes]:
+    """Read one frame from a blocking socket: (message, payload).
+
+    EOFError if the peer closed before a frame; MalformedFrame if it closed inside one;
+    other ProtocolErrors for bad content. Oversized lengths are refused before reading.
+    """
+    prefix = _recv_exactly(sock, HEADER_PREFIX.size)
+    if not prefix:
+        raise EOFError("bridge closed")
+    header = _recv_exactly(sock, parse_header_length(bytes(prefix), max_header))
+    msg, length = decode_bridge_header(bytes(header), max_payload, max_header=max_header)
+    payload = _recv_exactly(sock, length) if length else bytearray()
+    if len(payload) != length:
+        raise MalformedFrame(f"bridge {msg.TYPE}: payload ended after {len(payload)} of {length}")
+    return msg, bytes(payload)
+
+
+# ---- trio (or any async stream with send_all / receive_some) ----------------------------
+
+class AsyncSendStream(Protocol):
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None: ...
+
+
+async def send_bridge_async(stream: AsyncSendStream, msg: BridgeMessage,
+                            payload: bytes = b"") -> None:
+    """Write one frame to a trio stream."""
+    await stream.send_all(bridge_header(msg, len(payload)))
+    if payload:
+        await stream.send_all(payload)
+
+
+async def recv_bridge_async(read_exactly: Callable[[int], Awaitable[bytes]], max_payload: int,
+                            *, max_header: int = MAX_BRIDGE_HEADER_BYTES
+                            ) -> tuple[BridgeMessage, bytes]:
+    """Read one frame with `read_exactly` (e.g. `ExactReader(stream.receive_some).read_exactly`).
+
+    Same errors as `recv_bridge`.
+    """
+    prefix = await read_exactly(HEADER_PREFIX.size)
+    if not prefix:
+        raise EOFError("bridge closed")
+    header = await read_exactly(parse_header_length(prefix, max_header))
+    msg, length = decode_bridge_header(header, max_payload, max_header=max_header)
+    payload = await read_exactly(length) if length else b""
+    if len(payload) != length:
+        raise MalformedFrame(f"bridge {msg.TYPE}: payload ended after {len(payload)} of {length}")
+    return msg, payload
+
+
+class BridgeStream:
+    """A trio stream speaking bridge frames: `await send(msg, payload)`, `await recv()`."""
+
+    def __init__(self, stream: Any, max_payload: int,
+                 *, max_header: int = MAX_BRIDGE_HEADER_BYTES) -> None:
+        self.stream = stream
+        self.max_payload = max_payload
+        self.max_header = max_header
+        self._reader = ExactReader(stream.receive_some)
+
+    async def send(self, msg: BridgeMessage, payload: bytes = b"") -> None:
+        await send_bridge_async(self.stream, msg, payload)
+
+    async def recv(self) -> tuple[BridgeMessage, bytes]:
+        return await recv_bridge_async(self._reader.read_exactly, self.max_payload,
+                                       max_header=self.max_header)
+
+
+class BridgeClient:
+    """A blocking bridge client (executor, CLI): connects, sends Hello, then request/reply.
+
+    The daemon decides whether it answers Hello; this client does not wait for a reply.
+    """
+
+    def __init__(self, path: str, *, role: str, cluster_id: str = "", job_id: str = "",
+                 max_payload: int = 1 << 31, timeout: float | None = None) -> None:
+        self.max_payload = max_payload
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(path)
+        except OSError as exc:
+            self.sock.close()
+            raise ConnectionError(
+                f"cannot connect to the fabricd bridge at {path}: {exc} (is fabricd running "
+                "with this config?)"
+            ) from exc
+        send_bridge(self.sock, Hello(role=role, cluster_id=cluster_id, job_id=job_id))
+
+    def send(self, msg: BridgeMessage, payload: bytes = b"") -> None:
+        send_bridge(self.sock, msg, payload)
+
+    def recv(self) -> tuple[BridgeMessage, bytes]:
+        return recv_bridge(self.sock, self.max_payload)
+
+    def request(self, msg: BridgeMessage, payload: bytes = b"") -> tuple[BridgeMessage, bytes]:
+        """Send one frame and return the next frame received."""
+        self.send(msg, payload)
+        return self.recv()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> BridgeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = [
+    "BridgeClient",
+    "BridgeMessage",
+    "BridgeStream",
+    "ControlDelivery",
+    "ControlReply",
+    "ControlResult",
+    "ControlSend",
+    "Delivery",
+    "Error",
+    "Hello",
+    "ProbeReply",
+    "ProbeRequest",
+    "SendResult",
+    "SendUpdate",
+    "StatusReply",
+    "StatusRequest",
+    "bridge_header",
+    "decode_bridge_header",
+    "encode_bridge",
+    "recv_bridge",
+    "recv_bridge_async",
+    "send_bridge",
+    "send_bridge_async",
+]
