@@ -1,0 +1,298 @@
+#!/usr/bin/env bash
+# Three fabricd clusters on one Linux machine, each in its own network namespace with
+# its own IP, joined by veth links to a bridge that lives in a fourth namespace. Nothing
+# touches the host's own network: every link and address exists only inside namespaces
+# this script creates (and `down` deletes).
+#
+#   netns-testbed.sh up            create namespaces + links, CA + configs, start daemons
+#   netns-testbed.sh status        namespaces, daemon pids and `fabricd status` of each
+#   netns-testbed.sh exec ID CMD   run CMD inside cluster ID's namespace
+#   netns-testbed.sh down          stop the daemons, delete namespaces and the state dir
+#                                  (safe to repeat, also after a crash or a failed `up`)
+#
+#   layout (defaults):  ns fp-a  eth0 10.77.0.1 --veth-- v-a \
+#                       ns fp-b  eth0 10.77.0.2 --veth-- v-b -- br0 (ns fp-br)
+#                       ns fp-c  eth0 10.77.0.3 --veth-- v-c /
+#   b and c bootstrap from a; each daemon listens on /ip4/<its IP>/tcp/4001.
+#
+# Environment:
+#   FP_NETNS_PREFIX  namespace name prefix (fp)
+#   FP_STATE_DIR     configs, CA, logs and pids (/tmp/$FP_NETNS_PREFIX-netns-testbed)
+#   FABRICD          fabricd executable (the repository's .venv/bin/fabricd, else PATH)
+#   PYTHON           python3 used to read fabricd's JSON (next to FABRICD, else python3)
+#   FP_CLUSTERS      cluster ids, the first is the bootstrap peer ("a b c")
+#   FP_SUBNET        first three octets of the /24 (10.77.0); cluster i gets .i
+#   FP_PORT          fabricd TCP port (4001)
+#   FP_RAY           [ray] address written into each cluster.toml (inprocess)
+#   FP_SCHEDULER     1: also make namespace $FP_NETNS_PREFIX-scheduler (.200) and a
+#                    scheduler config, for `fedpilot-scheduler submit --mesh` (0)
+#   FP_START_TIMEOUT seconds `up` waits for every daemon to answer `fabricd status` (60)
+#   FP_KEEP_ON_FAIL  1: a failed `up` leaves everything in place for inspection (0)
+# Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(dirname "$here")
+
+PREFIX=${FP_NETNS_PREFIX:-fp}
+STATE=${FP_STATE_DIR:-/tmp/$PREFIX-netns-testbed}
+if [ -z "${FABRICD:-}" ]; then
+    if [ -x "$repo/.venv/bin/fabricd" ]; then FABRICD=$repo/.venv/bin/fabricd; else FABRICD=fabricd; fi
+fi
+if [ -z "${PYTHON:-}" ]; then
+    fabricd_path=$(command -v "$FABRICD" || true)
+    if [ -n "$fabricd_path" ] && [ -x "$(dirname "$fabricd_path")/python" ]; then
+        PYTHON=$(dirname "$fabricd_path")/python
+    else
+        PYTHON=python3
+    fi
+fi
+export FABRICD PYTHON
+read -r -a CLUSTERS <<<"${FP_CLUSTERS:-a b c}"
+SUBNET=${FP_SUBNET:-10.77.0}
+PORT=${FP_PORT:-4001}
+RAY=${FP_RAY:-inprocess}
+WITH_SCHEDULER=${FP_SCHEDULER:-0}
+START_TIMEOUT=${FP_START_TIMEOUT:-60}
+BRIDGE_NS=$PREFIX-br
+MARKER=$STATE/.netns-testbed
+
+log() { echo "netns-testbed: $*" >&2; }
+die() { log "$*"; exit 1; }
+
+ns_of() { echo "$PREFIX-$1"; }
+
+# The IP of the i-th cluster (1-based), or of the scheduler.
+ip_of() {
+    local id=$1 i=1 c
+    if [ "$id" = scheduler ]; then echo "$SUBNET.200"; return; fi
+    for c in "${CLUSTERS[@]}"; do
+        if [ "$c" = "$id" ]; then echo "$SUBNET.$i"; return; fi
+        i=$((i + 1))
+    done
+    die "unknown cluster '$id' (clusters: ${CLUSTERS[*]})"
+}
+
+ns_exists() { ip netns list | awk '{print $1}' | grep -qxF "$1"; }
+
+# Every namespace this testbed owns: from the marker of a previous `up` if there is one,
+# else from the current settings.
+owned_namespaces() {
+    if [ -f "$MARKER" ]; then
+        sed -n 's/^namespace=//p' "$MARKER"
+    else
+        local c
+        for c in "${CLUSTERS[@]}"; do ns_of "$c"; done
+        ns_of scheduler
+        echo "$BRIDGE_NS"
+    fi
+}
+
+check_prerequisites() {
+    [ "$(id -u)" -eq 0 ] || die "must run as root (creates network namespaces)"
+    command -v ip >/dev/null || die "iproute2's 'ip' not found (apt-get install iproute2)"
+    command -v "$FABRICD" >/dev/null || die "fabricd '$FABRICD' not found; set FABRICD=/path/to/fabricd"
+    if [ ${#CLUSTERS[@]} -lt 1 ] || [ ${#CLUSTERS[@]} -gt 99 ]; then
+        die "FP_CLUSTERS must name 1 to 99 clusters"
+    fi
+    local c
+    for c in "${CLUSTERS[@]}"; do
+        case "$c" in
+            br|scheduler) die "cluster id '$c' is reserved by this script" ;;
+            *[!A-Za-z0-9_.-]*) die "cluster id '$c' may hold only letters, digits, '-', '_', '.'" ;;
+        esac
+        [ ${#c} -le 12 ] || die "cluster id '$c' is too long for an interface name (max 12)"
+    done
+}
+
+make_network() {
+    local c ns
+    ip netns add "$BRIDGE_NS"
+    echo "namespace=$BRIDGE_NS" >>"$MARKER"
+    ip -n "$BRIDGE_NS" link set lo up
+    ip -n "$BRIDGE_NS" link add br0 type bridge
+    ip -n "$BRIDGE_NS" link set br0 up
+    local members=("${CLUSTERS[@]}")
+    [ "$WITH_SCHEDULER" != 1 ] || members+=(scheduler)
+    for c in "${members[@]}"; do
+        ns=$(ns_of "$c")
+        ip netns add "$ns"
+        echo "namespace=$ns" >>"$MARKER"
+        ip -n "$ns" link set lo up
+        # Both ends are created inside namespaces: the pair never exists in the host's.
+        ip -n "$ns" link add eth0 type veth peer name "v-$c" netns "$BRIDGE_NS"
+        ip -n "$BRIDGE_NS" link set "v-$c" master br0
+        ip -n "$BRIDGE_NS" link set "v-$c" up
+        ip -n "$ns" addr add "$(ip_of "$c")/24" dev eth0
+        ip -n "$ns" link set eth0 up
+        log "namespace $ns: eth0 $(ip_of "$c")/24"
+    done
+}
+
+make_configs() {
+    local args=(--out "$STATE" --ca "$STATE/ca" --port "$PORT" --ray "$RAY") c
+    for c in "${CLUSTERS[@]}"; do args+=(--cluster "$c=$(ip_of "$c")"); done
+    [ "$WITH_SCHEDULER" != 1 ] || args+=(--scheduler "$(ip_of scheduler)")
+    "$here/gen-configs.sh" "${args[@]}" >&2
+}
+
+start_daemons() {
+    local c ns dir pid
+    for c in "${CLUSTERS[@]}"; do
+        ns=$(ns_of "$c")
+        dir=$STATE/$c
+        # setsid: the daemon outlives this script and the caller's terminal; `ip netns
+        # exec` execs in place, so $! is the daemon's own pid.
+        setsid ip netns exec "$ns" "$FABRICD" --config "$dir/cluster.toml" \
+            </dev/null >"$dir/fabricd.log" 2>&1 &
+        pid=$!
+        echo "$pid" >"$dir/fabricd.pid"
+        log "started fabricd for cluster $c in $ns (pid $pid, log $dir/fabricd.log)"
+    done
+}
+
+wait_ready() {
+    local deadline=$((SECONDS + START_TIMEOUT)) c pending
+    while :; do
+        pending=()
+        for c in "${CLUSTERS[@]}"; do
+            pid_alive "$STATE/$c/fabricd.pid" || {
+                log "fabricd of cluster $c exited; last lines of $STATE/$c/fabricd.log:"
+                tail -n 20 "$STATE/$c/fabricd.log" >&2 || true
+                return 1
+            }
+            "$FABRICD" status --config "$STATE/$c/cluster.toml" >/dev/null 2>&1 || pending+=("$c")
+        done
+        [ ${#pending[@]} -gt 0 ] || return 0
+        if [ "$SECONDS" -ge "$deadline" ]; then
+            log "no answer to 'fabricd status' after ${START_TIMEOUT}s from: ${pending[*]}"
+            return 1
+        fi
+        sleep 0.5
+    done
+}
+
+# pid_alive PIDFILE: the pid in PIDFILE is a running fabricd.
+pid_alive() {
+    local pid
+    pid=$(cat "$1" 2>/dev/null) || return 1
+    [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q fabricd
+}
+
+cmd_up() {
+    check_prerequisites
+    local ns
+    while read -r ns; do
+        ! ns_exists "$ns" || die "namespace $ns already exists: run '$0 down' first"
+    done < <(owned_namespaces)
+    [ ! -e "$STATE" ] || [ -f "$MARKER" ] || die "$STATE exists and was not made by this script; set FP_STATE_DIR"
+    [ ! -e "$STATE" ] || die "$STATE is left from an earlier run: run '$0 down' first"
+    mkdir -p "$STATE"
+    : >"$MARKER"
+    trap 'on_up_failure' EXIT
+    make_network
+    make_configs
+    start_daemons
+    wait_ready
+    trap - EXIT
+    local c
+    for c in "${CLUSTERS[@]}"; do
+        echo "$c $(ns_of "$c") $(ip_of "$c") $STATE/$c/cluster.toml"
+    done
+    log "up: ${#CLUSTERS[@]} daemons answering; state in $STATE"
+}
+
+on_up_failure() {
+    local rc=$?
+    [ "$rc" -ne 0 ] || return 0
+    if [ "${FP_KEEP_ON_FAIL:-0}" = 1 ]; then
+        log "up failed; everything left in place (FP_KEEP_ON_FAIL=1); clean up with '$0 down'"
+    else
+        log "up failed; cleaning up (set FP_KEEP_ON_FAIL=1 to keep the state for inspection)"
+        cmd_down || true
+    fi
+    exit "$rc"
+}
+
+cmd_down() {
+    [ "$(id -u)" -eq 0 ] || die "must run as root (deletes network namespaces)"
+    local pidfile pid ns namespaces
+    mapfile -t namespaces < <(owned_namespaces)
+    # 1. Ask our daemons to stop (by the pids we recorded) and give them time.
+    for pidfile in "$STATE"/*/fabricd.pid; do
+        [ -f "$pidfile" ] || continue
+        if pid_alive "$pidfile"; then
+            pid=$(cat "$pidfile")
+            kill -TERM "$pid" 2>/dev/null || true
+            log "sent SIGTERM to fabricd pid $pid"
+        fi
+    done
+    local deadline=$((SECONDS + 10))
+    for pidfile in "$STATE"/*/fabricd.pid; do
+        [ -f "$pidfile" ] || continue
+        while pid_alive "$pidfile" && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.2; done
+    done
+    # 2. Whatever still runs inside our namespaces (a daemon stuck in shutdown, or one
+    #    whose pid file a crash lost) is ours: kill it by pid.
+    for ns in "${namespaces[@]}"; do
+        ns_exists "$ns" || continue
+        for pid in $(ip netns pids "$ns" 2>/dev/null); do
+            if kill -KILL "$pid" 2>/dev/null; then log "killed pid $pid left in $ns"; fi
+        done
+    done
+    # 3. Deleting a namespace deletes its veth end, and with it the pair, and the bridge.
+    for ns in "${namespaces[@]}"; do
+        if ns_exists "$ns"; then
+            ip netns del "$ns"
+            log "deleted namespace $ns"
+        fi
+    done
+    # 4. Only a state dir this script made is removed.
+    if [ -f "$MARKER" ]; then
+        rm -rf -- "$STATE"
+        log "removed $STATE"
+    elif [ -e "$STATE" ]; then
+        log "left $STATE in place: it has no $MARKER, so this script did not make it"
+    fi
+}
+
+cmd_status() {
+    local c ns rc=0 pid state
+    for c in "${CLUSTERS[@]}"; do
+        ns=$(ns_of "$c")
+        if ! ns_exists "$ns"; then
+            echo "$c: namespace $ns missing"
+            rc=1
+            continue
+        fi
+        if pid_alive "$STATE/$c/fabricd.pid"; then
+            pid=$(cat "$STATE/$c/fabricd.pid")
+            state="fabricd pid $pid running"
+        else
+            state="fabricd not running"
+            rc=1
+        fi
+        echo "$c: namespace $ns, $(ip_of "$c"), $state"
+        if ! ip netns exec "$ns" "$FABRICD" status --config "$STATE/$c/cluster.toml" 2>&1 | sed 's/^/    /'; then
+            rc=1
+        fi
+    done
+    return "$rc"
+}
+
+cmd_exec() {
+    [ $# -ge 2 ] || die "usage: $0 exec CLUSTER_ID CMD [ARGS...]"
+    local c=$1
+    shift
+    ip_of "$c" >/dev/null
+    exec ip netns exec "$(ns_of "$c")" "$@"
+}
+
+case "${1:-}" in
+    up) cmd_up ;;
+    down) cmd_down ;;
+    status) cmd_status ;;
+    exec) shift; cmd_exec "$@" ;;
+    *) sed -n '2,33s/^# \{0,1\}//p' "$0" >&2; exit 2 ;;
+esac
