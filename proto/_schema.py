@@ -152,7 +152,7 @@ class ListOf(FieldSpec):
     min_items: int = 0
 
     def check(self, name: str, value: Any) -> Any:
-        if not isinstance(value, list | tuple):
+        if type(value) not in (list, tuple):
             raise _fail(name, f"expected a list, got {_type_name(value)}")
         if not self.min_items <= len(value) <= self.max_items:
             raise _fail(
@@ -185,9 +185,9 @@ def _plain(path: str, value: Any, depth: int) -> Any:
         return value
     if isinstance(value, float):
         return value
-    if isinstance(value, list | tuple):
+    if type(value) in (list, tuple):  # exact: msgpack.ExtType is a tuple subclass
         return [_plain(f"{path}[{i}]", v, depth + 1) for i, v in enumerate(value)]
-    if isinstance(value, Mapping):
+    if isinstance(value, dict):
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
