@@ -117,6 +117,7 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
         if k == 0:
             break
         got += k
+    view.release()
     del buf[got:]
     return buf
 

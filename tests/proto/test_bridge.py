@@ -1,0 +1,133 @@
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import tempfile
+import threading
+
+import msgpack
+import pytest
+import trio
+import trio.testing
+
+from proto import bridge
+from proto.errors import InvalidMessage, MalformedFrame, MessageTooLarge, UnknownMessageType
+from tests.proto.samples import BODY, BRIDGE, HEADER
+
+LIMIT = 1 << 20
+
+
+def test_every_bridge_type_has_a_sample() -> None:
+    assert {type(m).TYPE for m, _ in BRIDGE} == set(bridge.BridgeMessage.REGISTRY)
+
+
+def test_sync_round_trip_of_every_type() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        for msg, payload in BRIDGE:
+            bridge.send_bridge(a, msg, payload)
+            assert bridge.recv_bridge(b, LIMIT) == (msg, payload)
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(EOFError):
+            bridge.recv_bridge(b, LIMIT)
+
+
+@pytest.mark.trio
+async def test_trio_round_trip_of_every_type() -> None:
+    left, right = trio.testing.memory_stream_pair()
+    tx = bridge.BridgeStream(left, LIMIT)
+    rx = bridge.BridgeStream(right, LIMIT)
+    for msg, payload in BRIDGE:
+        await tx.send(msg, payload)
+        assert await rx.recv() == (msg, payload)
+    await left.aclose()
+    with pytest.raises(EOFError):
+        await rx.recv()
+
+
+def test_update_header_conversions() -> None:
+    send = bridge.SendUpdate(target_cluster="lab-b", **HEADER)
+    header = send.header()
+    assert bridge.SendUpdate.from_header("lab-b", header) == send
+    assert bridge.Delivery.from_header(header, "lab-a").header() == header
+
+
+def _frame(header: dict[str, object], payload: bytes = b"") -> bytes:
+    raw = msgpack.packb(header, use_bin_type=True)
+    return struct.pack(">I", len(raw)) + raw + payload
+
+
+def _recv(data: bytes, max_payload: int = LIMIT, **kw: int) -> tuple[bridge.BridgeMessage, bytes]:
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(data)
+        a.shutdown(socket.SHUT_WR)
+        return bridge.recv_bridge(b, max_payload, **kw)
+
+
+def test_rejects_oversized_header_prefix_before_reading() -> None:
+    with pytest.raises(MessageTooLarge, match="over the limit of 65536"):
+        _recv(struct.pack(">I", 1 << 31), max_header=65536)
+
+
+def test_rejects_oversized_payload() -> None:
+    header = {**bridge.SendUpdate(target_cluster="x", **HEADER).to_map(),
+              "payload_length": len(BODY)}
+    with pytest.raises(MessageTooLarge, match="payload of 170 bytes"):
+        _recv(_frame(header, BODY), max_payload=100)
+
+
+def test_rejects_payload_length_mismatches() -> None:
+    header = {**bridge.SendUpdate(target_cluster="x", **HEADER).to_map(), "payload_length": 3}
+    with pytest.raises(InvalidMessage, match="differs from byte_length"):
+        _recv(_frame(header, b"abc"))
+    header = {**bridge.Error(reason="x").to_map(), "payload_length": 3}
+    with pytest.raises(InvalidMessage, match="carries no payload"):
+        _recv(_frame(header, b"abc"))
+    header = bridge.Error(reason="x").to_map()
+    with pytest.raises(InvalidMessage, match="payload_length"):
+        _recv(_frame(header))
+
+
+def test_rejects_truncated_payload_and_header() -> None:
+    full = bridge.encode_bridge(bridge.SendUpdate(target_cluster="x", **HEADER), BODY)
+    with pytest.raises(MalformedFrame, match="payload ended"):
+        _recv(full[:-1])
+    with pytest.raises(MalformedFrame):
+        _recv(full[:10])
+    with pytest.raises(MalformedFrame, match="prefix"):
+        _recv(full[:2])
+
+
+def test_rejects_unknown_type_and_daemon_messages() -> None:
+    with pytest.raises(UnknownMessageType):
+        _recv(_frame({"v": 1, "type": "UpdateHeader", "payload_length": 0}))
+
+
+def test_bridge_client_over_unix_socket() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bridge.sock")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+        server.listen(1)
+        seen: list[bridge.BridgeMessage] = []
+
+        def serve() -> None:
+            conn, _ = server.accept()
+            with conn:
+                seen.append(bridge.recv_bridge(conn, LIMIT)[0])
+                msg, _ = bridge.recv_bridge(conn, LIMIT)
+                seen.append(msg)
+                bridge.send_bridge(conn, bridge.StatusReply(status={"cluster_id": "lab-a"}))
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        with bridge.BridgeClient(path, role="cli", timeout=10) as client:
+            reply, payload = client.request(bridge.StatusRequest())
+        thread.join(10)
+        server.close()
+        assert reply == bridge.StatusReply(status={"cluster_id": "lab-a"})
+        assert seen == [bridge.Hello(role="cli"), bridge.StatusRequest()]
+        with pytest.raises(ConnectionError, match="is fabricd running"):
+            bridge.BridgeClient(os.path.join(tmp, "missing.sock"), role="cli")
