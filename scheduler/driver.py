@@ -1,0 +1,208 @@
+"""The round driver: runs one federated job over the clusters of a mesh.
+
+It talks to each cluster's executor through a `ClusterChannel` (the scheduler's fabricd
+bridge in production, direct calls in the in-process backend): start the job and collect
+label histograms, plan, publish the placement and round graph, run rounds, re-plan every
+`clustering_period` rounds and migrate nodes whose cluster changed, and fetch the model.
+Model traffic never passes through here: it flows between the clusters' executors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from proto.job import JobSpec
+from scheduler.jobgraph import Placement, build_round_graph, place_job
+from scheduler.results import ClusterRecordSummary, JobSummary, RoundRecord
+
+log = logging.getLogger("fedpilot.scheduler")
+
+
+class JobFailed(RuntimeError):
+    """The job cannot go on; the message names the cluster and what happened."""
+
+
+class ClusterChannel(Protocol):
+    def request(self, cluster_id: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Send a control message to a cluster's executor and return its reply body.
+
+        Raises `JobFailed` naming the cluster if it is unreachable or refuses."""
+        ...
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    cluster_id: str
+    peer_id: str = ""
+    capacity: int = 0
+
+
+@dataclass
+class JobResult:
+    summary: JobSummary
+    placement: dict[str, Any]
+    model: bytes | None
+    daemon_bytes: dict[str, int] = field(default_factory=dict)
+
+
+Progress = Callable[[RoundRecord, int], None]
+
+
+class Driver:
+    def __init__(
+        self,
+        spec: JobSpec,
+        clusters: Sequence[ClusterInfo],
+        channel: ClusterChannel,
+        *,
+        backend: str,
+        progress: Progress | None = None,
+        timeout: float = 900.0,
+    ) -> None:
+        if not clusters:
+            raise JobFailed("no clusters to run on: the mesh lists none")
+        self.spec = spec
+        self.clusters = list(clusters)
+        self.channel = channel
+        self.backend = backend
+        self.progress = progress
+        self.timeout = timeout
+        self._pool = ThreadPoolExecutor(max_workers=max(2, len(clusters)),
+                                        thread_name_prefix="driver")
+
+    # -- fan-out -------------------------------------------------------------------------
+    def _all(self, bodies: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        futures = {cid: self._pool.submit(self.channel.request, cid, body, self.timeout)
+                   for cid, body in bodies.items()}
+        replies: dict[str, dict[str, Any]] = {}
+        failures: list[str] = []
+        for cid, fut in futures.items():
+            try:
+                replies[cid] = fut.result()
+            except JobFailed as exc:
+                failures.append(str(exc))
+        if failures:
+            raise JobFailed("; ".join(failures))
+        return replies
+
+    def _job_body(self, kind: str, **extra: Any) -> dict[str, Any]:
+        return {"kind": kind, "job_id": self.spec.job_id, **extra}
+
+    # -- the job -------------------------------------------------------------------------
+    def run(self) -> JobResult:
+        spec = self.spec
+        ids = [c.cluster_id for c in self.clusters]
+        n = spec.data.number_of_clients
+        holders = {cid: [i for i in range(n) if i % len(ids) == k] for k, cid in enumerate(ids)}
+        log.info("event=job_start job=%s clusters=%s clients=%d", spec.job_id, ",".join(ids), n)
+        started = self._all({cid: self._job_body("job.start", job=spec.to_dict(),
+                                                 clients=holders[cid]) for cid in ids})
+        histograms = np.zeros((n, 0), dtype=np.int64)
+        for cid, reply in started.items():
+            rows = {int(k): v for k, v in reply["histograms"].items()}
+            if histograms.shape[1] == 0 and rows:
+                histograms = np.zeros((n, len(next(iter(rows.values())))), dtype=np.int64)
+            for i, row in rows.items():
+                histograms[i] = row
+        capacities = {c.cluster_id: c.capacity or int(started[c.cluster_id].get("capacity", n))
+                      for c in self.clusters}
+        self._histograms = histograms
+        placement = place_job(spec, histograms, capacities, epoch=0)
+        graph = build_round_graph(spec, placement, histograms)
+        self._publish(placement, graph, imports={})
+        summary = JobSummary(
+            job_id=spec.job_id, backend=self.backend, placement_strategy=spec.placement.strategy,
+            topology=spec.topology.kind, aggregation=spec.aggregation.name,
+            compression=spec.transfer.compression, communities=placement.communities)
+        rounds = spec.training.federated_learning_rounds
+        period = spec.placement.clustering_period
+        for r in range(1, rounds + 1):
+            record = self._round(r)
+            summary.rounds.append(record)
+            if self.progress is not None:
+                self.progress(record, rounds)
+            if period > 0 and r % period == 0 and r < rounds:
+                new = place_job(spec, histograms, capacities, epoch=r // period)
+                moved = self._migrate(placement, new, graph)
+                if moved:
+                    summary.replans += 1
+                    summary.migrations += moved
+                placement = new
+                graph = build_round_graph(spec, placement, histograms)
+        model = self._fetch_model(placement, graph)
+        stopped = self._all({cid: self._job_body("job.stop") for cid in ids})
+        for c in self.clusters:
+            reply = stopped[c.cluster_id]
+            summary.clusters.append(ClusterRecordSummary(
+                cluster_id=c.cluster_id,
+                clients=sum(1 for x in placement.client_cluster if x == c.cluster_id),
+                actors_materialized=int(reply.get("actors_materialized", 0))))
+        summary.finish()
+        return JobResult(summary, placement.to_dict(), model)
+
+    def _publish(self, placement: Placement, graph: Any, imports: dict[str, dict[str, bytes]]) -> None:
+        from worker.executor.graph import to_dict  # pure data helpers; no torch/ray
+
+        node_cluster = placement.node_cluster(graph)
+        self._placement_nodes = node_cluster
+        body = {cid: self._job_body("job.plan", graph=to_dict(graph), nodes=node_cluster,
+                                    imports=imports.get(cid, {}))
+                for cid in (c.cluster_id for c in self.clusters)}
+        self._all(body)
+
+    def _round(self, r: int) -> RoundRecord:
+        t0 = time.perf_counter()
+        replies = self._all({c.cluster_id: self._job_body("round.run", round=r)
+                             for c in self.clusters})
+        evaluations = [e for rep in replies.values() for e in rep["evaluations"]]
+        weight = sum(e[3] for e in evaluations) or 1
+        accuracy = sum(e[1] * e[3] for e in evaluations) / weight
+        loss = sum(e[2] * e[3] for e in evaluations) / weight
+        correct = sum(rep["personal_correct"] for rep in replies.values())
+        total = sum(rep["personal_total"] for rep in replies.values()) or 1
+        return RoundRecord(
+            round=r, accuracy=float(accuracy), loss=float(loss),
+            personalized_accuracy=correct / total,
+            bytes_intra=sum(int(rep["bytes_intra"]) for rep in replies.values()),
+            bytes_inter=sum(int(rep["bytes_inter"]) for rep in replies.values()),
+            seconds=time.perf_counter() - t0)
+
+    def _migrate(self, old: Placement, new: Placement, graph: Any) -> int:
+        """Move nodes whose cluster changed, state and all; returns how many moved."""
+        new_graph = build_round_graph(self.spec, new, self._histograms)
+        before = old.node_cluster(graph)
+        after = new.node_cluster(new_graph)
+        moving: dict[str, list[str]] = {}
+        for node, cluster in after.items():
+            if before.get(node, cluster) != cluster:
+                moving.setdefault(before[node], []).append(node)
+        exported: dict[str, dict[str, bytes]] = {}
+        if moving:
+            replies = self._all({cid: self._job_body("node.export", nodes=nodes)
+                                 for cid, nodes in moving.items()})
+            for reply in replies.values():
+                for node, state in reply["states"].items():
+                    exported.setdefault(after[node], {})[node] = state
+        self._publish(new, new_graph, exported)
+        count = sum(len(v) for v in moving.values())
+        log.info("event=replan job=%s moved=%d", self.spec.job_id, count)
+        return count
+
+    def _fetch_model(self, placement: Placement, graph: Any) -> bytes | None:
+        nodes = placement.node_cluster(graph)
+        roots = [a for a in graph.aggregators if a not in graph.parent]
+        target = roots[0] if roots else graph.clients[0]
+        reply = self.channel.request(nodes[target], self._job_body("job.model", node=target),
+                                     self.timeout)
+        model = reply.get("model")
+        return bytes(model) if model else None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,75 @@
+"""`python -m worker.executor`: one cluster's executor process, started by fabricd.
+
+It connects to the daemon's bridge, registers for one job, answers the scheduler's
+control messages and exits after `job.stop` (or when the bridge goes away).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from worker.executor.bridge import BridgeLink
+from worker.executor.service import ExecutorService
+
+log = logging.getLogger("fedpilot.executor")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker.executor",
+        description="Run one cluster's share of a federated job (started by fabricd).")
+    parser.add_argument("--bridge", required=True, help="fabricd's bridge socket path")
+    parser.add_argument("--cluster-id", required=True, help="this cluster's id")
+    parser.add_argument("--job", required=True, help="the job id to serve")
+    parser.add_argument("--ray", default="local",
+                        help="'local' (embedded Ray), 'auto' or an address (join a cluster), "
+                             "or 'inprocess' (no Ray; threads)")
+    parser.add_argument("--num-cpus", type=float, default=None,
+                        help="CPUs for an embedded Ray (default: all)")
+    parser.add_argument("--log-format", choices=("text", "json"), default="text")
+    return parser.parse_args(argv)
+
+
+def setup_logging(fmt: str) -> None:
+    if fmt == "json":
+        style = '{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}'
+    else:
+        style = "%(asctime)s %(levelname)s %(name)s %(message)s"
+    logging.basicConfig(level=logging.INFO, format=style, stream=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging(args.log_format)
+    from worker.executor.runtime import open_context, runtime_factory
+
+    context = open_context(args.ray, num_cpus=args.num_cpus)
+    service = ExecutorService(cluster_id=args.cluster_id,
+                              make_runtime=runtime_factory(context, args.cluster_id))
+
+    def on_control(msg):  # type: ignore[no-untyped-def]
+        return True, service.handle(dict(msg.body)), ""
+
+    link = BridgeLink(args.bridge, cluster_id=args.cluster_id, job_id=args.job,
+                      on_delivery=lambda msg, payload: service.deliver(msg.message_id, payload),
+                      on_control=on_control)
+    service.link = link
+    log.info("event=executor_ready cluster=%s job=%s ray=%s", args.cluster_id, args.job, args.ray)
+    try:
+        while not service.stopped.is_set():
+            if link.wait_closed(0.5):
+                log.error("event=executor_exit cluster=%s reason=bridge_closed", args.cluster_id)
+                return 1
+        # let the reply to job.stop leave before the socket closes
+        service.stopped.wait()
+        link.wait_closed(1.0)
+        return 0
+    finally:
+        link.close()
+        context.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

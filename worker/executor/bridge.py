@@ -1,0 +1,163 @@
+"""The executor's side of fabricd's bridge: one Unix socket, a reader thread.
+
+Outgoing updates wait for the daemon's SendResult (the far daemon verified and handed
+the update to its executor); incoming deliveries go straight to the transport; control
+requests from the scheduler are answered on a separate thread so that deliveries keep
+flowing while a round runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from proto.bridge import (
+    ControlDelivery,
+    ControlReply,
+    Delivery,
+    Error,
+    Hello,
+    SendResult,
+    SendUpdate,
+    recv_bridge,
+    send_bridge,
+)
+from proto.errors import ProtocolError
+
+log = logging.getLogger("fedpilot.executor")
+
+
+class RemoteSendError(RuntimeError):
+    """fabricd could not deliver an update to the target cluster (reason from the daemon)."""
+
+
+def tensor_count(payload: bytes) -> int:
+    (size,) = struct.unpack("<Q", payload[:8])
+    header = json.loads(payload[8:8 + size])
+    return sum(1 for k in header if k != "__metadata__")
+
+
+class BridgeLink:
+    """Implements `RemoteLink` over the bridge and dispatches what the daemon sends."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        cluster_id: str,
+        job_id: str,
+        on_delivery: Callable[[Delivery, bytes], None],
+        on_control: Callable[[ControlDelivery], tuple[bool, dict[str, Any], str]],
+        max_payload: int = 1 << 30,
+        send_timeout: float = 300.0,
+    ) -> None:
+        self.cluster_id = cluster_id
+        self.job_id = job_id
+        self._on_delivery = on_delivery
+        self._on_control = on_control
+        self._max_payload = max_payload
+        self._send_timeout = send_timeout
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.connect(path)
+        except OSError as exc:
+            self._sock.close()
+            raise ConnectionError(f"cannot connect to the fabricd bridge at {path}: {exc}") from exc
+        self._write = threading.Lock()
+        self._pending: dict[str, Future[SendResult]] = {}
+        self._pending_lock = threading.Lock()
+        self._closed = threading.Event()
+        self.bytes_sent = 0
+        self.bytes_delivered = 0
+        send_bridge(self._sock, Hello(role="executor", cluster_id=cluster_id, job_id=job_id))
+        self._reader = threading.Thread(target=self._read_loop, name="bridge-reader", daemon=True)
+        self._reader.start()
+
+    # -- RemoteLink ----------------------------------------------------------------------
+    def send_update(self, *, target_cluster: str, job_id: str, round: int, source_node: str,
+                    target_node: str, message_id: str, payload: bytes) -> None:
+        msg = SendUpdate(
+            target_cluster=target_cluster, job_id=job_id, round=round, source_node=source_node,
+            target_node=target_node, message_id=message_id, tensor_count=tensor_count(payload),
+            byte_length=len(payload), sha256=hashlib.sha256(payload).digest())
+        fut: Future[SendResult] = Future()
+        with self._pending_lock:
+            self._pending[message_id] = fut
+        try:
+            with self._write:
+                send_bridge(self._sock, msg, payload)
+            result = fut.result(timeout=self._send_timeout)
+        finally:
+            with self._pending_lock:
+                self._pending.pop(message_id, None)
+        if not result.ok:
+            raise RemoteSendError(f"update {message_id} to cluster {target_cluster} was not "
+                                  f"delivered: {result.reason}")
+        self.bytes_sent += len(payload)
+
+    # -- incoming ------------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                msg, payload = recv_bridge(self._sock, self._max_payload)
+            except (OSError, ConnectionError, ProtocolError) as exc:
+                if not self._closed.is_set():
+                    log.error("event=bridge_lost cluster=%s reason=%s", self.cluster_id, exc)
+                self._fail_pending(f"bridge to fabricd lost: {exc}")
+                self._closed.set()
+                return
+            if isinstance(msg, Delivery):
+                self.bytes_delivered += len(payload)
+                try:
+                    self._on_delivery(msg, payload)
+                except Exception as exc:  # a bad update must not stop the reader
+                    log.error("event=delivery_rejected message=%s reason=%s", msg.message_id, exc)
+            elif isinstance(msg, SendResult):
+                with self._pending_lock:
+                    fut = self._pending.get(msg.message_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, ControlDelivery):
+                threading.Thread(target=self._answer, args=(msg,), daemon=True,
+                                 name=f"control-{msg.request_id}").start()
+            elif isinstance(msg, Error):
+                log.error("event=bridge_error cluster=%s reason=%s", self.cluster_id, msg.reason)
+            else:
+                log.warning("event=bridge_unexpected type=%s", msg.TYPE)
+
+    def _answer(self, msg: ControlDelivery) -> None:
+        try:
+            ok, body, reason = self._on_control(msg)
+        except Exception as exc:  # reported to the scheduler, which fails the job clearly
+            log.exception("event=control_failed request=%s", msg.request_id)
+            ok, body, reason = False, {}, f"{type(exc).__name__}: {exc}"
+        try:
+            with self._write:
+                send_bridge(self._sock, ControlReply(request_id=msg.request_id, ok=ok, body=body,
+                                                     reason=reason[:1000]))
+        except OSError as exc:
+            log.error("event=control_reply_lost request=%s reason=%s", msg.request_id, exc)
+
+    def _fail_pending(self, reason: str) -> None:
+        with self._pending_lock:
+            for mid, fut in self._pending.items():
+                if not fut.done():
+                    fut.set_result(SendResult(message_id=mid, ok=False, reason=reason, bytes=0))
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        return self._closed.wait(timeout)
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
