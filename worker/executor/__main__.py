@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 
 from worker.executor.bridge import BridgeLink
 from worker.executor.service import ExecutorService
@@ -52,19 +53,23 @@ def main(argv: list[str] | None = None) -> int:
     def on_control(msg):  # type: ignore[no-untyped-def]
         return True, service.handle(dict(msg.body)), ""
 
+    finished = threading.Event()
+
+    def on_replied(msg):  # type: ignore[no-untyped-def]
+        if service.stopped.is_set():
+            finished.set()
+
     link = BridgeLink(args.bridge, cluster_id=args.cluster_id, job_id=args.job,
                       on_delivery=lambda msg, payload: service.deliver(msg.message_id, payload),
-                      on_control=on_control)
+                      on_control=on_control, on_replied=on_replied)
     service.link = link
     log.info("event=executor_ready cluster=%s job=%s ray=%s", args.cluster_id, args.job, args.ray)
     try:
-        while not service.stopped.is_set():
-            if link.wait_closed(0.5):
+        while not finished.wait(0.5):
+            if link.wait_closed(0):
                 log.error("event=executor_exit cluster=%s reason=bridge_closed", args.cluster_id)
                 return 1
-        # let the reply to job.stop leave before the socket closes
-        service.stopped.wait()
-        link.wait_closed(1.0)
+        log.info("event=executor_exit cluster=%s reason=job_stopped", args.cluster_id)
         return 0
     finally:
         link.close()

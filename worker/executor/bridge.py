@@ -55,6 +55,7 @@ class BridgeLink:
         job_id: str,
         on_delivery: Callable[[Delivery, bytes], None],
         on_control: Callable[[ControlDelivery], tuple[bool, dict[str, Any], str]],
+        on_replied: Callable[[ControlDelivery], None] | None = None,
         max_payload: int = 1 << 30,
         send_timeout: float = 300.0,
     ) -> None:
@@ -62,6 +63,7 @@ class BridgeLink:
         self.job_id = job_id
         self._on_delivery = on_delivery
         self._on_control = on_control
+        self._on_replied = on_replied
         self._max_payload = max_payload
         self._send_timeout = send_timeout
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -144,6 +146,8 @@ class BridgeLink:
                                                      reason=reason[:1000]))
         except OSError as exc:
             log.error("event=control_reply_lost request=%s reason=%s", msg.request_id, exc)
+        if self._on_replied is not None:
+            self._on_replied(msg)
 
     def _fail_pending(self, reason: str) -> None:
         with self._pending_lock:
