@@ -1,0 +1,183 @@
+"""The docker-compose testbed: what can be checked without a container engine.
+
+`docker-compose config` validates the file the way Compose reads it; the structural
+checks make sure the one-shot `certs` service generates configs for exactly the
+addresses the services are given, and running deploy/gen-configs.sh with that very
+command line (into a temp dir, with this venv's fabricd) shows the configs it makes load,
+carry the right roles and bootstrap from a's real peer id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+COMPOSE = DEPLOY / "docker-compose.yml"
+CLUSTERS = ("a", "b", "c")
+SCRIPTS = ("gen-configs.sh", "netns-testbed.sh", "entrypoint.sh")
+
+
+def _fabricd() -> str:
+    return str(Path(sys.executable).with_name("fabricd"))
+
+
+def _compose_config() -> dict[str, Any]:
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.skip(
+            "docker-compose is not installed (Debian: apt-get install docker-compose); "
+            "the structural checks of the raw file still ran"
+        )
+    proc = subprocess.run(
+        [exe, "-f", str(COMPOSE), "config"], cwd=REPO, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"docker-compose config rejected {COMPOSE}:\n{proc.stderr}"
+    return yaml.safe_load(proc.stdout)
+
+
+def _raw_config() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _option(command: list[str], flag: str) -> list[str]:
+    return [command[i + 1] for i, arg in enumerate(command[:-1]) if arg == flag]
+
+
+def _condition(service: dict[str, Any], dep: str) -> str:
+    deps = service.get("depends_on", {})
+    assert isinstance(deps, dict), f"depends_on must use conditions, got {deps!r}"
+    assert dep in deps, f"missing depends_on {dep}"
+    return str(deps[dep]["condition"])
+
+
+@pytest.mark.parametrize("source", ["raw", "docker-compose config"])
+def test_compose_file_describes_three_clusters_and_a_scheduler(source: str) -> None:
+    config = _raw_config() if source == "raw" else _compose_config()
+    services = config["services"]
+    assert set(services) == {"certs", *CLUSTERS, "scheduler"}
+
+    certs_cmd = [str(x) for x in services["certs"]["command"]]
+    assert certs_cmd[0] == "gen-configs"
+    assert _option(certs_cmd, "--ray") == ["auto"]
+    generated = dict(spec.split("=", 1) for spec in _option(certs_cmd, "--cluster"))
+    assert list(generated) == list(CLUSTERS), "a must come first: it is the bootstrap peer"
+    assert _option(certs_cmd, "--out") == ["/cfg"]
+
+    addresses = set()
+    for cid in CLUSTERS:
+        svc = services[cid]
+        assert svc["command"] == ["cluster", f"/cfg/{cid}/cluster.toml"]
+        ip = svc["networks"]["fabric"]["ipv4_address"]
+        assert generated[cid] == ip, f"certs makes {cid} listen on {generated[cid]}, service has {ip}"
+        addresses.add(ip)
+        assert _condition(svc, "certs") == "service_completed_successfully"
+        assert "fabricd" in svc["healthcheck"]["test"]
+        assert f"/cfg/{cid}/cluster.toml" in svc["healthcheck"]["test"]
+        assert any(str(v).startswith("fabric-cfg:/cfg") for v in svc["volumes"])
+        assert not any("fabric-ca" in str(v) for v in svc["volumes"]), "CA key must stay in certs"
+    for cid in ("b", "c"):
+        assert _condition(services[cid], "a") == "service_healthy"
+
+    sched = services["scheduler"]
+    sched_ip = sched["networks"]["fabric"]["ipv4_address"]
+    assert _option(certs_cmd, "--scheduler") == [sched_ip]
+    assert sched_ip not in addresses
+    cmd = [str(x) for x in sched["command"]]
+    assert cmd[:3] == ["fedpilot-scheduler", "submit", "/jobs/digits.toml"]
+    assert _option(cmd, "--mesh") == ["/cfg/scheduler/cluster.toml"]
+    for cid in CLUSTERS:
+        assert _condition(sched, cid) == "service_healthy"
+    assert not any("fabric-ca" in str(v) for v in sched["volumes"])
+
+
+def test_dockerfile_builds_from_repo_root_and_runs_the_entrypoint() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert "FROM python:3.11-slim" in text
+    assert "torch==2.13.0" in text
+    assert 'ENTRYPOINT ["/opt/fedpilot/deploy/entrypoint.sh"]' in text
+    for copied in ("proto", "fabricd", "worker", "scheduler", "deploy/entrypoint.sh"):
+        assert copied in text
+    ignored = (REPO / ".dockerignore").read_text().split()
+    for path in (".venv", ".git"):
+        assert path in ignored
+    for needed in ("proto", "fabricd", "worker", "scheduler", "deploy", "pyproject.toml", "README.md"):
+        assert needed not in ignored
+    entry = (DEPLOY / "entrypoint.sh").read_text()
+    assert "ray start --head" in entry and "fabricd --config" in entry
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_is_valid_bash(script: str) -> None:
+    path = DEPLOY / script
+    assert os.access(path, os.X_OK), f"{path} is not executable"
+    proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is not None:
+        proc = subprocess.run([shellcheck, str(path)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout
+
+
+def _fabricd_json(*args: str) -> Any:
+    proc = subprocess.run([_fabricd(), *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"fabricd {' '.join(args)} failed:\n{proc.stderr}"
+    return json.loads(proc.stdout)
+
+
+def _run_certs_command(out: Path, ca: Path) -> subprocess.CompletedProcess[str]:
+    """Run the compose `certs` service's own command line, with its paths moved to tmp."""
+    cmd = [str(x) for x in _raw_config()["services"]["certs"]["command"]][1:]
+    cmd[cmd.index("--out") + 1] = str(out)
+    cmd[cmd.index("--ca") + 1] = str(ca)
+    env = {**os.environ, "FABRICD": _fabricd(), "PYTHON": sys.executable}
+    return subprocess.run(
+        [str(DEPLOY / "gen-configs.sh"), *cmd], env=env, capture_output=True, text=True,
+        timeout=120,
+    )
+
+
+def test_certs_command_generates_a_federation_that_bootstraps_from_a(tmp_path: Path) -> None:
+    from fabricd.config import load_config
+
+    out, ca = tmp_path / "cfg", tmp_path / "ca"
+    proc = _run_certs_command(out, ca)
+    assert proc.returncode == 0, proc.stderr
+    assert (ca / "ca.key").is_file() and (ca / "ca.pub").is_file()
+    assert not (out / "ca").exists(), "the CA key must not land in the shared config volume"
+
+    services = _raw_config()["services"]
+    configs = {cid: load_config(out / cid / "cluster.toml") for cid in (*CLUSTERS, "scheduler")}
+    for cid, cfg in configs.items():
+        assert cfg.cluster_id == cid
+        assert cfg.role == ("scheduler" if cid == "scheduler" else "cluster")
+        ip = services[cid]["networks"]["fabric"]["ipv4_address"]
+        assert cfg.listen == (f"/ip4/{ip}/tcp/4001",)
+        assert not list((out / cid).glob("ca.key")), f"{cid} must not hold the CA key"
+    for cid in CLUSTERS:
+        assert configs[cid].ray_address == "auto"
+
+    a_addrs = json.dumps(_fabricd_json("id", "--config", str(out / "a" / "cluster.toml")))
+    bootstrap = (out / "bootstrap.addr").read_text().strip()
+    a_ip = services["a"]["networks"]["fabric"]["ipv4_address"]
+    assert bootstrap.startswith(f"/ip4/{a_ip}/tcp/4001/p2p/")
+    assert bootstrap.rsplit("/", 1)[1] in a_addrs
+    assert configs["a"].bootstrap == ()
+    for cid in ("b", "c", "scheduler"):
+        assert configs[cid].bootstrap == (bootstrap,)
+
+    # A restart of the one-shot keeps every identity (so the bootstrap address stays true).
+    proc = _run_certs_command(out, ca)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "bootstrap.addr").read_text().strip() == bootstrap
+    assert json.dumps(_fabricd_json("id", "--config", str(out / "a" / "cluster.toml"))) == a_addrs

@@ -1,0 +1,215 @@
+"""Three fabricd daemons in three Linux network namespaces (deploy/netns-testbed.sh).
+
+Each daemon has its own IP on a bridge that lives in a fourth namespace, so the mesh
+forms and the probe travels over real veth links, not loopback. Needs root and the
+right to create namespaces; skipped with the reason otherwise. Teardown always runs
+`netns-testbed.sh down` and checks nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(420)]
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "deploy" / "netns-testbed.sh"
+CLUSTERS = ("a", "b", "c")
+SUBNET = "10.77.0"
+PORT = 4001
+PROBE_BYTES = 4 * 1024 * 1024
+# Generous: the mesh normally forms in a few seconds; this only bounds a hung run.
+MESH_DEADLINE_S = 90.0
+
+
+def _netns_unavailable() -> str | None:
+    """Why this machine cannot run the testbed, or None if it can."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces exist only on Linux"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root (CAP_SYS_ADMIN + CAP_NET_ADMIN)"
+    if shutil.which("ip") is None:
+        return "iproute2's 'ip' command is not installed"
+    probe = f"fpprobe{os.getpid()}"
+    proc = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return f"'ip netns add' is not permitted here: {proc.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+@dataclass
+class NetnsTestbed:
+    prefix: str
+    state: Path
+    env: dict[str, str]
+
+    def ns(self, cid: str) -> str:
+        return f"{self.prefix}-{cid}"
+
+    def ip(self, cid: str) -> str:
+        return f"{SUBNET}.{CLUSTERS.index(cid) + 1}"
+
+    def config(self, cid: str) -> str:
+        return str(self.state / cid / "cluster.toml")
+
+    def pid(self, cid: str) -> int:
+        return int((self.state / cid / "fabricd.pid").read_text())
+
+    def run_in(self, cid: str, *cmd: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["ip", "netns", "exec", self.ns(cid), *cmd], capture_output=True, text=True,
+            timeout=timeout, env=self.env,
+        )
+
+    def fabricd(self, cid: str, *args: str) -> Any:
+        proc = self.run_in(cid, self.env["FABRICD"], *args)
+        assert proc.returncode == 0, f"fabricd {' '.join(args)} in {self.ns(cid)} failed:\n{proc.stderr}"
+        return json.loads(proc.stdout)
+
+    def logs(self) -> str:
+        parts = []
+        for cid in CLUSTERS:
+            log = self.state / cid / "fabricd.log"
+            text = log.read_text()[-4000:] if log.exists() else "(no log)"
+            parts.append(f"--- {cid} fabricd.log (tail)\n{text}")
+        return "\n".join(parts)
+
+    def link_bytes(self, ns: str, dev: str) -> tuple[int, int]:
+        """(rx_bytes, tx_bytes) of interface ``dev`` in namespace ``ns``."""
+        out = subprocess.run(
+            ["ip", "-j", "-s", "-n", ns, "link", "show", "dev", dev],
+            capture_output=True, text=True, check=True,
+        ).stdout
+        stats = json.loads(out)[0]["stats64"]
+        return int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"])
+
+
+def _script(bed_env: dict[str, str], action: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(SCRIPT), action], env=bed_env, capture_output=True, text=True, timeout=240,
+    )
+
+
+@pytest.fixture
+def testbed(tmp_path: Path) -> Iterator[NetnsTestbed]:
+    reason = _netns_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    prefix = f"fpt{os.getpid() % 100000}"
+    state = tmp_path / "state"
+    env = {
+        **os.environ,
+        "FP_NETNS_PREFIX": prefix,
+        "FP_STATE_DIR": str(state),
+        "FP_CLUSTERS": " ".join(CLUSTERS),
+        "FP_SUBNET": SUBNET,
+        "FP_PORT": str(PORT),
+        "FP_KEEP_ON_FAIL": "1",
+        "FABRICD": str(Path(sys.executable).with_name("fabricd")),
+        "PYTHON": sys.executable,
+    }
+    bed = NetnsTestbed(prefix=prefix, state=state, env=env)
+    try:
+        up = _script(env, "up")
+        if up.returncode != 0:
+            pytest.fail(f"netns-testbed.sh up failed:\n{up.stderr}\n{bed.logs()}")
+        yield bed
+    finally:
+        down = _script(env, "down")
+        left = {ns for ns in _namespaces() if ns.startswith(prefix + "-")}
+        assert down.returncode == 0, f"netns-testbed.sh down failed:\n{down.stderr}"
+        assert not left, f"namespaces left behind after down: {sorted(left)}"
+        assert not state.exists(), f"{state} left behind after down"
+
+
+def _wait_for_full_mesh(bed: NetnsTestbed) -> dict[str, Any]:
+    """Poll `fabricd status` in every namespace until each lists the other two connected."""
+    deadline = time.monotonic() + MESH_DEADLINE_S
+    statuses: dict[str, Any] = {}
+    while True:
+        done = True
+        for cid in CLUSTERS:
+            statuses[cid] = bed.fabricd(cid, "status", "--config", bed.config(cid))
+            connected = {c["cluster_id"] for c in statuses[cid]["clusters"] if c["connected"]}
+            done = done and connected >= set(CLUSTERS) - {cid}
+        if done:
+            return statuses
+        if time.monotonic() > deadline:
+            pytest.fail(
+                f"mesh did not form within {MESH_DEADLINE_S:.0f}s; last statuses:\n"
+                f"{json.dumps(statuses, indent=1)}\n{bed.logs()}"
+            )
+        time.sleep(0.5)
+
+
+def _sockets(bed: NetnsTestbed, cid: str, *filters: str) -> list[list[str]]:
+    proc = bed.run_in(cid, "ss", "-Htnp", *filters)
+    assert proc.returncode == 0, proc.stderr
+    return [line.split() for line in proc.stdout.splitlines() if line.strip()]
+
+
+def test_three_namespaced_daemons_mesh_and_probe_over_veth(testbed: NetnsTestbed) -> None:
+    bed = testbed
+    statuses = _wait_for_full_mesh(bed)
+
+    peer_ids = {cid: statuses[cid]["peer_id"] for cid in CLUSTERS}
+    assert len(set(peer_ids.values())) == 3
+    for cid in CLUSTERS:
+        status = statuses[cid]
+        assert status["cluster_id"] == cid
+        own = f"/ip4/{bed.ip(cid)}/tcp/{PORT}"
+        assert any(addr.startswith(own) for addr in status["listen_addrs"]), status["listen_addrs"]
+        # Every other cluster is known under its real peer id.
+        for other in status["clusters"]:
+            assert other["peer_id"] == peer_ids[other["cluster_id"]]
+        # The daemon itself (its recorded pid) listens on its own namespace IP, and only
+        # there: nothing on the wildcard address or on another cluster's IP.
+        listeners = _sockets(bed, cid, "-l")
+        mine = [s for s in listeners if s[3] == f"{bed.ip(cid)}:{PORT}"]
+        assert mine, f"no listener on {bed.ip(cid)}:{PORT} in {bed.ns(cid)}: {listeners}"
+        assert f"pid={bed.pid(cid)}," in " ".join(mine[0]), mine[0]
+        assert not [s for s in listeners if s[3] in (f"0.0.0.0:{PORT}", f"*:{PORT}")]
+        # Its mesh connections run over the veth link between namespace addresses.
+        established = _sockets(bed, cid, "state", "established")
+        remote_ips = {s[3].rsplit(":", 1)[0] for s in established if s[2].startswith(bed.ip(cid) + ":")}
+        assert {bed.ip(o) for o in CLUSTERS if o != cid} <= remote_ips, established
+
+    # c -> a probe: a few MiB as one update stream, across c's veth, the bridge, a's veth.
+    _, c_tx0 = bed.link_bytes(bed.ns("c"), "eth0")
+    a_rx0, _ = bed.link_bytes(bed.ns("a"), "eth0")
+    bridge_c_rx0, _ = bed.link_bytes(f"{bed.prefix}-br", "v-c")
+    result = bed.fabricd(
+        "c", "probe", "--config", bed.config("c"), "--cluster", "a", "--bytes", str(PROBE_BYTES)
+    )
+    assert result["cluster_id"] == "a"
+    assert result["bytes"] == PROBE_BYTES
+    assert result["seconds"] > 0 and result["throughput_mb_s"] > 0 and result["rtt_ms"] >= 0
+    _, c_tx1 = bed.link_bytes(bed.ns("c"), "eth0")
+    a_rx1, _ = bed.link_bytes(bed.ns("a"), "eth0")
+    bridge_c_rx1, _ = bed.link_bytes(f"{bed.prefix}-br", "v-c")
+    assert c_tx1 - c_tx0 >= PROBE_BYTES, "the probe's bytes did not leave c's eth0"
+    assert bridge_c_rx1 - bridge_c_rx0 >= PROBE_BYTES, "the probe's bytes did not cross the bridge"
+    assert a_rx1 - a_rx0 >= PROBE_BYTES, "the probe's bytes did not reach a's eth0"
+
+    # The script's own status agrees that all three run.
+    status = _script(bed.env, "status")
+    assert status.returncode == 0, status.stdout + status.stderr
+    for cid in CLUSTERS:
+        assert f"{cid}: namespace {bed.ns(cid)}, {bed.ip(cid)}, fabricd pid {bed.pid(cid)} running" in status.stdout
