@@ -1,0 +1,26 @@
+"""Datasets and client partitioning, numpy only (the scheduler imports this; no torch, no ray).
+
+The partition function lives at `worker.data.partition.partition`; it is not re-exported
+here so that `worker.data.partition` stays the module.
+"""
+
+from .datasets import Dataset, DatasetError, clear_cache, load_dataset
+from .partition import (
+    DISTRIBUTIONS,
+    ClientPartition,
+    PartitionError,
+    client_data,
+    label_histograms,
+)
+
+__all__ = [
+    "DISTRIBUTIONS",
+    "ClientPartition",
+    "Dataset",
+    "DatasetError",
+    "PartitionError",
+    "clear_cache",
+    "client_data",
+    "label_histograms",
+    "load_dataset",
+]
