@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 from proto import bridge as b
 from proto import messages as m
@@ -10,7 +11,7 @@ from proto import messages as m
 PEER = "12D3KooWEhZHdc82hu9e62Xuy8tMhEG8XHCiDaYrG7nGAdRrZYRw"
 BODY = b"safetensors-bytes" * 10
 DIGEST = hashlib.sha256(BODY).digest()
-HEADER = dict(job_id="job-1", round=3, source_node="client-1", target_node="client-7",
+HEADER: dict[str, Any] = dict(job_id="job-1", round=3, source_node="client-1", target_node="client-7",
               message_id="job-1/3/client-1->client-7", tensor_count=4,
               byte_length=len(BODY), sha256=DIGEST)
 NESTED = {"kind": "plan", "clients": [1, 2, 3], "weights": [0.5, -1.25], "blob": b"\x00\x01",

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import msgpack
 import pytest
 import trio
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -88,7 +90,7 @@ def test_bad_field_values_rejected(field: str, value: object, why: str) -> None:
 
 def test_bad_values_in_other_specs() -> None:
     record = MESSAGES[2]
-    cases = [
+    cases: list[tuple[dict[str, Any], str]] = [
         (dict(addrs=["/ip4/x"] * 33), "33 items"),
         (dict(addrs="notalist"), "expected a list"),
         (dict(cluster_id="has space"), "does not match"),
