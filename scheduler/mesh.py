@@ -1,0 +1,153 @@
+"""The scheduler's door to the mesh: its own fabricd's bridge.
+
+The scheduler runs a daemon with a `scheduler` certificate; this module talks to it
+over the local bridge socket (no libp2p here). Control requests go to a cluster's
+executor through both daemons; the sending daemon signs them with its scheduler
+identity, and receiving daemons refuse job messages not signed by a scheduler.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from proto.bridge import (
+    ControlResult,
+    ControlSend,
+    Error,
+    Hello,
+    StatusReply,
+    StatusRequest,
+    recv_bridge,
+    send_bridge,
+)
+from proto.errors import ProtocolError
+from scheduler.driver import ClusterInfo, JobFailed
+
+log = logging.getLogger("fedpilot.scheduler")
+
+
+def daemon_status(socket_path: str, timeout: float = 10.0) -> dict[str, Any]:
+    """One status request to the daemon behind `socket_path`."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(socket_path)
+        send_bridge(sock, Hello(role="cli"))
+        send_bridge(sock, StatusRequest())
+        msg, _ = recv_bridge(sock, 0)
+    except OSError as exc:
+        raise JobFailed(f"cannot reach fabricd's bridge at {socket_path}: {exc} "
+                        "(is the scheduler's daemon running?)") from exc
+    finally:
+        sock.close()
+    if not isinstance(msg, StatusReply):
+        raise JobFailed(f"fabricd at {socket_path} answered {msg.TYPE} to a status request")
+    return dict(msg.status)
+
+
+def wait_for_clusters(socket_path: str, *, expected: list[str] | None = None, minimum: int = 1,
+                      timeout: float = 60.0) -> list[ClusterInfo]:
+    """Clusters the scheduler's daemon sees connected, once `expected` (or `minimum`) are."""
+    deadline = time.monotonic() + timeout
+    seen: list[ClusterInfo] = []
+    while True:
+        status = daemon_status(socket_path)
+        seen = [ClusterInfo(str(c["cluster_id"]), str(c.get("peer_id", "")),
+                            int(c.get("capacity", 0) or 0))
+                for c in status.get("clusters", [])
+                if c.get("connected") and c.get("role", "cluster") == "cluster"]
+        ids = {c.cluster_id for c in seen}
+        if expected is not None:
+            missing = [c for c in expected if c not in ids]
+            if not missing:
+                return sorted((c for c in seen if c.cluster_id in expected),
+                              key=lambda c: c.cluster_id)
+        elif len(seen) >= minimum:
+            return sorted(seen, key=lambda c: c.cluster_id)
+        if time.monotonic() > deadline:
+            if expected is not None:
+                raise JobFailed(f"cluster(s) {', '.join(missing)} did not join the mesh within "
+                                f"{timeout:.0f} s (connected: {', '.join(sorted(ids)) or 'none'})")
+            raise JobFailed(f"only {len(seen)} cluster(s) connected after {timeout:.0f} s; "
+                            f"need {minimum}")
+        time.sleep(0.25)
+
+
+class BridgeChannel:
+    """`ClusterChannel` over the scheduler daemon's bridge (many requests in flight)."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.connect(socket_path)
+        except OSError as exc:
+            self._sock.close()
+            raise JobFailed(f"cannot reach fabricd's bridge at {socket_path}: {exc}") from exc
+        send_bridge(self._sock, Hello(role="scheduler"))
+        self._write = threading.Lock()
+        self._pending: dict[str, Future[ControlResult]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._reader = threading.Thread(target=self._read_loop, daemon=True, name="mesh-reader")
+        self._reader.start()
+
+    def request(self, cluster_id: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        request_id = f"s{next(self._ids)}"
+        fut: Future[ControlResult] = Future()
+        with self._lock:
+            self._pending[request_id] = fut
+        try:
+            with self._write:
+                send_bridge(self._sock, ControlSend(request_id=request_id,
+                                                    target_cluster=cluster_id, body=body))
+            try:
+                result = fut.result(timeout=timeout)
+            except TimeoutError:
+                raise JobFailed(f"cluster {cluster_id} did not answer {body.get('kind')} "
+                                f"within {timeout:.0f} s") from None
+        except OSError as exc:
+            raise JobFailed(f"lost the scheduler's daemon while talking to cluster "
+                            f"{cluster_id}: {exc}") from exc
+        finally:
+            with self._lock:
+                self._pending.pop(request_id, None)
+        if not result.ok:
+            raise JobFailed(f"cluster {cluster_id} refused {body.get('kind')}: {result.reason}")
+        return dict(result.body)
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                msg, _ = recv_bridge(self._sock, 0)
+            except (OSError, ConnectionError, ProtocolError) as exc:
+                self._fail_all(f"bridge to the scheduler's daemon closed: {exc}")
+                return
+            if isinstance(msg, ControlResult):
+                with self._lock:
+                    fut = self._pending.get(msg.request_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, Error):
+                log.error("event=bridge_error reason=%s", msg.reason)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            for rid, fut in self._pending.items():
+                if not fut.done():
+                    fut.set_result(ControlResult(request_id=rid, ok=False, body={}, reason=reason))
+            self._closed = True
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()

@@ -1,0 +1,147 @@
+"""`fedpilot-scheduler submit`: run a job over a mesh, or over an embedded local testbed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from scheduler.driver import ClusterInfo, Driver, JobFailed
+from scheduler.results import RoundRecord, write_results
+
+log = logging.getLogger("fedpilot.scheduler")
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "submit", help="run a federated job across clusters",
+        description="Run the job in JOB_TOML across the clusters of a mesh (--mesh, through "
+                    "the scheduler's own fabricd) or on an embedded testbed of N local "
+                    "clusters (--local N). Results go to --out (default runs/<job-id>/).")
+    p.add_argument("job", metavar="JOB_TOML", help="the job file (see docs/job.md)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--mesh", metavar="SCHEDULER_TOML",
+                       help="config of the scheduler's running fabricd (role scheduler)")
+    where.add_argument("--local", metavar="N", type=int,
+                       help="start N cluster daemons + a scheduler daemon on 127.0.0.1 with a "
+                            "fresh CA, run the job, tear everything down")
+    p.add_argument("--backend", choices=("ray", "inprocess"), default="ray",
+                   help="with --local: each cluster's executor runs an embedded Ray "
+                        "(default) or threads in one process (fast, for tests)")
+    p.add_argument("--clusters", metavar="ID,ID",
+                   help="with --mesh: run on exactly these clusters (default: all connected)")
+    p.add_argument("--out", metavar="DIR", help="results directory (default runs/<job-id>)")
+    p.add_argument("--wait", metavar="SECONDS", type=float, default=60.0,
+                   help="how long to wait for clusters to join (default 60)")
+    p.add_argument("--round-timeout", metavar="SECONDS", type=float, default=900.0,
+                   help="fail a round that takes longer than this (default 900)")
+    p.add_argument("--workdir", metavar="DIR",
+                   help="with --local: keep the testbed's configs and logs here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+class ProgressBar:
+    """Rounds, accuracy and bytes; redraws in place on a terminal, one line per round else."""
+
+    def __init__(self, stream: TextIO, width: int = 24) -> None:
+        self.stream = stream
+        self.width = width
+        self.tty = stream.isatty()
+        self.inter = 0
+        self.intra = 0
+
+    def __call__(self, record: RoundRecord, total: int) -> None:
+        self.inter += record.bytes_inter
+        self.intra += record.bytes_intra
+        done = int(self.width * record.round / max(1, total))
+        bar = "#" * done + "." * (self.width - done)
+        line = (f"[{bar}] round {record.round}/{total}  acc {record.accuracy:.3f}  "
+                f"pers {record.personalized_accuracy:.3f}  inter {self.inter / 1e6:.2f} MB  "
+                f"intra {self.intra / 1e6:.2f} MB  {record.seconds:.1f}s/round")
+        if self.tty:
+            end = "\n" if record.round >= total else ""
+            self.stream.write("\r" + line + end)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def mesh_socket(config_path: str) -> str:
+    import tomllib
+
+    path = Path(config_path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise JobFailed(f"{path}: scheduler config not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise JobFailed(f"{path}: invalid TOML: {exc}") from None
+    bridge = data.get("bridge", {})
+    if not isinstance(bridge, dict) or "socket" not in bridge:
+        raise JobFailed(f"{path}: missing key 'bridge.socket' (the daemon's bridge socket)")
+    sock = Path(str(bridge["socket"]))
+    return str(sock if sock.is_absolute() else path.parent / sock)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from scheduler.jobfile import load_job
+    from scheduler.mesh import BridgeChannel, wait_for_clusters
+
+    spec = load_job(args.job)
+    out = Path(args.out or Path("runs") / spec.job_id)
+    testbed = None
+    channel = None
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    started = time.perf_counter()
+    try:
+        clusters: list[ClusterInfo]
+        if args.local is not None:
+            from scheduler.testbed import LocalTestbed
+
+            backend = "local" if args.backend == "ray" else "inprocess"
+            testbed = LocalTestbed(args.local, backend=backend, workdir=args.workdir)
+            print(f"starting a local testbed: {args.local} cluster daemon(s) + scheduler "
+                  f"({args.backend} executors) in {testbed.root}", file=sys.stderr)
+            clusters = testbed.start(timeout=args.wait)
+            socket_path = testbed.bridge_socket("scheduler")
+        else:
+            socket_path = mesh_socket(args.mesh)
+            expected = args.clusters.split(",") if args.clusters else None
+            clusters = wait_for_clusters(socket_path, expected=expected, timeout=args.wait)
+        print(f"clusters: {', '.join(c.cluster_id for c in clusters)}", file=sys.stderr)
+        channel = BridgeChannel(socket_path)
+        driver = Driver(spec, clusters, channel, backend=args.backend,
+                        progress=None if args.quiet else ProgressBar(sys.stderr),
+                        timeout=args.round_timeout)
+        try:
+            result = driver.run()
+        finally:
+            driver.close()
+        write_results(out, result.summary, placement=result.placement, model_bytes=result.model)
+        s = result.summary
+        print(json.dumps({
+            "job_id": s.job_id, "out": str(out), "clusters": [c.cluster_id for c in clusters],
+            "rounds": len(s.rounds), "final_accuracy": round(s.final_accuracy, 4),
+            "personalized_accuracy": round(s.personalized_accuracy, 4),
+            "bytes_inter_total": s.bytes_inter_total, "bytes_intra_total": s.bytes_intra_total,
+            "seconds": round(time.perf_counter() - started, 1)}))
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted: stopping the testbed", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if channel is not None:
+            channel.close()
+        if testbed is not None:
+            testbed.close()

@@ -1,0 +1,172 @@
+"""An embedded testbed on this machine: a fresh CA, N cluster daemons and the scheduler's.
+
+Used by `fedpilot-scheduler submit --local N` and by the end-to-end tests. Every daemon
+is a real `fabricd` subprocess on 127.0.0.1; each starts its own executor (embedded Ray or
+in-process) when a job reaches it. `close()` stops everything it started, in reverse
+order, also after Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO
+
+from scheduler.driver import ClusterInfo, JobFailed
+from scheduler.mesh import wait_for_clusters
+
+log = logging.getLogger("fedpilot.scheduler")
+
+
+def fabricd_command() -> list[str]:
+    """`fabricd` next to this interpreter (the venv's), else the module."""
+    script = Path(sys.executable).with_name("fabricd")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "fabricd.cli"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(args: list[str], what: str) -> str:
+    proc = subprocess.run([*fabricd_command(), *args], capture_output=True, text=True,
+                          timeout=120)
+    if proc.returncode != 0:
+        raise JobFailed(f"testbed: {what} failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout
+
+
+def set_toml_value(path: Path, section: str, key: str, value: str) -> None:
+    """Set `key = "value"` in `[section]` of a generated config (adds it if absent)."""
+    text = path.read_text()
+    pattern = re.compile(rf"(^\[{re.escape(section)}\][^\[]*?^){re.escape(key)}\s*=.*$",
+                         re.MULTILINE | re.DOTALL)
+    line = f'{key} = "{value}"'
+    if pattern.search(text):
+        text = pattern.sub(lambda m: m.group(1) + line, text, count=1)
+    elif re.search(rf"^\[{re.escape(section)}\]\s*$", text, re.MULTILINE):
+        text = re.sub(rf"^\[{re.escape(section)}\]\s*$", f"[{section}]\n{line}", text, count=1,
+                      flags=re.MULTILINE)
+    else:
+        text = text.rstrip("\n") + f"\n\n[{section}]\n{line}\n"
+    path.write_text(text)
+
+
+class LocalTestbed:
+    def __init__(self, clusters: int, *, backend: str = "local", workdir: str | None = None,
+                 capacity: int = 0, cluster_prefix: str = "cluster-") -> None:
+        if clusters < 1:
+            raise JobFailed("--local needs at least one cluster")
+        if backend not in ("local", "inprocess"):
+            raise JobFailed(f"unknown testbed backend {backend!r}; allowed: local, inprocess")
+        self.n = clusters
+        self.backend = backend
+        self.capacity = capacity
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="fedpilot-")
+        self.root = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
+        self.cluster_ids = [f"{cluster_prefix}{i + 1}" for i in range(clusters)]
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._logs: list[IO[bytes]] = []
+        self.configs: dict[str, Path] = {}
+
+    # -- set-up ------------------------------------------------------------------------------
+    def start(self, timeout: float = 60.0) -> list[ClusterInfo]:
+        ca = self.root / "ca"
+        _run(["certs", "init-ca", "--out", str(ca)], "creating the testbed CA")
+        first_addr: str | None = None
+        for name in [*self.cluster_ids, "scheduler"]:
+            out = self.root / name
+            args = ["init", "--cluster-id", name, "--listen", f"/ip4/127.0.0.1/tcp/{free_port()}",
+                    "--ca", str(ca), "--out", str(out)]
+            if name == "scheduler":
+                args += ["--role", "scheduler"]
+            elif self.capacity:
+                args += ["--capacity", str(self.capacity)]
+            if first_addr:
+                args += ["--bootstrap", first_addr]
+            _run(args, f"initialising daemon {name}")
+            config = out / "cluster.toml"
+            if name != "scheduler":
+                set_toml_value(config, "ray", "address", self.backend)
+            self.configs[name] = config
+            if first_addr is None:
+                ids = json.loads(_run(["id", "--config", str(config)], f"reading {name}'s id"))
+                addrs = ids["addrs"] if isinstance(ids, dict) else ids
+                first_addr = addrs[0]
+        for name, config in self.configs.items():
+            self._spawn(name, config)
+        return wait_for_clusters(self.bridge_socket("scheduler"), expected=self.cluster_ids,
+                                 timeout=timeout)
+
+    def _spawn(self, name: str, config: Path) -> None:
+        log_file = (self.root / f"{name}.log").open("ab")
+        self._logs.append(log_file)
+        self.procs[name] = subprocess.Popen(
+            [*fabricd_command(), "--config", str(config)], stdout=log_file,
+            stderr=subprocess.STDOUT, start_new_session=True)
+
+    def bridge_socket(self, name: str) -> str:
+        status = self._config_value(self.configs[name], "socket")
+        return status
+
+    @staticmethod
+    def _config_value(config: Path, key: str) -> str:
+        import tomllib
+
+        data = tomllib.loads(config.read_text())
+        for section in data.values():
+            if isinstance(section, dict) and key in section:
+                value = Path(str(section[key]))
+                return str(value if value.is_absolute() else config.parent / value)
+        raise JobFailed(f"{config}: no '{key}' key")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one daemon and its executor (for failure tests)."""
+        proc = self.procs[name]
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+    # -- tear-down ---------------------------------------------------------------------------
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 10
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            try:  # the executor shares the daemon's process group
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            if proc.poll() is None:
+                proc.wait(timeout=10)
+        for f in self._logs:
+            f.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> LocalTestbed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
