@@ -125,7 +125,10 @@ class Float(FieldSpec):
     def check(self, name: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise _fail(name, f"expected a number, got {_type_name(value)}")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise _fail(name, "number is too large for a float") from None
         if not math.isfinite(value):
             raise _fail(name, "must be finite (no NaN or infinity)")
         if not self.lo <= value <= self.hi:

@@ -359,3 +359,38 @@ class RevocationList(Collection[int]):
 
     def __repr__(self) -> str:
         return f"RevocationList({len(self.serials)} serials, path={self.path})"
+
+
+class RevocationWatcher:
+    """Re-reads a revocation list when its file changes (mtime, size or inode).
+
+    `current()` is cheap (one stat) and always returns the last list that parsed; a
+    malformed edit is logged and ignored until fixed, so a typo never un-revokes anyone.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._stamp: tuple[int, int, int] | None = None
+        self._list = RevocationList((), self.path)
+        self.current()
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def current(self) -> RevocationList:
+        """The up-to-date list (re-read only if the file changed since the last call)."""
+        stamp = self._stat()
+        if stamp != self._stamp:
+            try:
+                self._list = RevocationList.load(self.path)
+                log.info("event=revocation_list_loaded path=%s serials=%d",
+                         self.path, len(self._list))
+            except (ValueError, OSError) as exc:
+                log.error("event=revocation_list_invalid path=%s error=%s "
+                          "action=keeping_previous_list", self.path, exc)
+            self._stamp = stamp
+        return self._list

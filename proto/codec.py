@@ -74,8 +74,14 @@ async def read_frame(read_exactly: ReadExactly, max_size: int = MAX_MESSAGE_BYTE
 
 
 class ExactReader:
-    """Buffered `read_exactly` over any `receive(max_bytes) -> bytes` coroutine
-    (trio `stream.receive_some`, libp2p `stream.read`); b"" from `receive` means EOF."""
+    """Buffered reads over any `receive(max_bytes) -> bytes` coroutine (trio
+    `stream.receive_some`, libp2p `stream.read`); b"" from `receive` means EOF.
+
+    Each receive asks for at most MAX_RECEIVE bytes so a large read never makes the
+    transport allocate one huge buffer.
+    """
+
+    MAX_RECEIVE = 4 * 1024 * 1024
 
     def __init__(self, receive: Callable[[int], Awaitable[bytes]], chunk: int = 65536) -> None:
         self._receive = receive
@@ -86,11 +92,29 @@ class ExactReader:
     async def read_exactly(self, n: int) -> bytes:
         """Exactly `n` bytes, or fewer only if the stream ended first."""
         while len(self._buf) < n and not self.eof:
-            data = await self._receive(max(self._chunk, n - len(self._buf)))
+            want = min(max(self._chunk, n - len(self._buf)), self.MAX_RECEIVE)
+            data = await self._receive(want)
             if not data:
                 self.eof = True
                 break
             self._buf += data
-        out = bytes(self._buf[:n])
+        return self._take(n)
+
+    async def read_some(self, max_bytes: int) -> bytes:
+        """Up to `max_bytes` (buffered bytes first); b"" only at end of stream."""
+        if not self._buf and not self.eof:
+            data = await self._receive(min(max_bytes, self.MAX_RECEIVE))
+            if not data:
+                self.eof = True
+            return bytes(data)
+        return self._take(max_bytes)
+
+    def _take(self, n: int) -> bytes:
+        if n >= len(self._buf):
+            out = bytes(self._buf)
+            self._buf.clear()
+            return out
+        with memoryview(self._buf) as view:
+            out = bytes(view[:n])
         del self._buf[:n]
         return out

@@ -10,9 +10,17 @@ import msgpack
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proto import bridge
-from proto.errors import InvalidMessage, MalformedFrame, MessageTooLarge, UnknownMessageType
+from proto.errors import (
+    InvalidMessage,
+    MalformedFrame,
+    MessageTooLarge,
+    ProtocolError,
+    UnknownMessageType,
+)
 from tests.proto.samples import BODY, BRIDGE, HEADER
 
 LIMIT = 1 << 20
@@ -131,3 +139,19 @@ def test_bridge_client_over_unix_socket() -> None:
         assert seen == [bridge.Hello(role="cli"), bridge.StatusRequest()]
         with pytest.raises(ConnectionError, match="is fabricd running"):
             bridge.BridgeClient(os.path.join(tmp, "missing.sock"), role="cli")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(BRIDGE), st.binary(max_size=8), st.integers(0, 400))
+def test_decode_bridge_header_only_raises_protocol_errors(
+    sample: tuple[bridge.BridgeMessage, bytes], noise: bytes, pos: int
+) -> None:
+    header = bridge.bridge_header(sample[0], len(sample[1]))[4:]
+    pos = min(pos, len(header))
+    data = header[:pos] + noise + header[pos + len(noise) // 2:]
+    try:
+        msg, length = bridge.decode_bridge_header(data, LIMIT)
+    except ProtocolError:
+        return
+    assert bridge.decode_bridge_header(bridge.bridge_header(msg, length)[4:], LIMIT) == (
+        msg, length)

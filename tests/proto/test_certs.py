@@ -190,3 +190,16 @@ def test_signed_envelope(ca: Ed25519PrivateKey, member: Ed25519PrivateKey) -> No
     with pytest.raises(ForeignCertificate):
         open_envelope(env, certs.generate_ca().public_key(), now=NOW, revoked=(),
                       required_role="scheduler")
+
+
+def test_revocation_watcher_rereads_and_survives_typos(tmp_path: Path) -> None:
+    path = tmp_path / "revoked.txt"
+    watcher = certs.RevocationWatcher(path)
+    assert 5 not in watcher.current()
+    certs.RevocationList.append(path, 5)
+    assert 5 in watcher.current()
+    path.write_text("5\n6\nbroken line\n")
+    assert 5 in watcher.current() and 6 not in watcher.current()  # previous list kept
+    path.write_text("6\n")
+    os.utime(path, ns=(1, 1))  # a different mtime even on coarse-timestamp filesystems
+    assert set(watcher.current()) == {6}

@@ -256,3 +256,16 @@ def _packable(obj: object) -> bool:
     except (OverflowError, TypeError, ValueError):
         return False
     return True
+
+
+@pytest.mark.trio
+async def test_exact_reader_read_some_serves_buffer_first() -> None:
+    send, recv = trio.testing.memory_stream_pair()
+    reader = codec.ExactReader(recv.receive_some)
+    await send.send_all(b"abcdefgh")
+    assert await reader.read_exactly(3) == b"abc"
+    assert await reader.read_some(2) == b"de"
+    assert await reader.read_some(100) == b"fgh"
+    await send.aclose()
+    assert await reader.read_some(100) == b""
+    assert reader.eof
