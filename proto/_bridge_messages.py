@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from proto._schema import I64_MAX, Bool, Data, Float, Int, Schema, Text
-from proto._schema import spec as _spec
+from proto._schema import I64_MAX, Bool, Data, Float, Int, Schema, Text, spec
 from proto.messages import (
     BYTE_LENGTH,
     CLUSTER_ID,
@@ -37,9 +36,9 @@ class Hello(BridgeMessage):
     """First frame from a bridge client: who it is (role e.g. "executor", "cli")."""
 
     TYPE: ClassVar[str] = "Hello"
-    role: str = _spec(ROLE)
-    cluster_id: str = _spec(OPTIONAL_CLUSTER_ID, default="")
-    job_id: str = _spec(Text(128), default="")
+    role: str = spec(ROLE)
+    cluster_id: str = spec(OPTIONAL_CLUSTER_ID, default="")
+    job_id: str = spec(Text(128), default="")
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class StatusReply(BridgeMessage):
     """The daemon's status: cluster_id, peer_id, listen_addrs, clusters[...] (plain data)."""
 
     TYPE: ClassVar[str] = "StatusReply"
-    status: dict[str, Any] = _spec(Data())
+    status: dict[str, Any] = spec(Data())
 
 
 @dataclass(frozen=True)
@@ -60,18 +59,18 @@ class ProbeRequest(BridgeMessage):
     """Ask the daemon to send `bytes` random bytes as one update stream to `cluster_id`."""
 
     TYPE: ClassVar[str] = "ProbeRequest"
-    cluster_id: str = _spec(CLUSTER_ID)
-    bytes: int = _spec(Int(0, 1 << 40))
+    cluster_id: str = spec(CLUSTER_ID)
+    bytes: int = spec(Int(0, 1 << 40))
 
 
 @dataclass(frozen=True)
 class ProbeReply(BridgeMessage):
     TYPE: ClassVar[str] = "ProbeReply"
-    cluster_id: str = _spec(CLUSTER_ID)
-    rtt_ms: float = _spec(Float(0.0))
-    bytes: int = _spec(Int(0, 1 << 40))
-    seconds: float = _spec(Float(0.0))
-    throughput_mb_s: float = _spec(Float(0.0))
+    cluster_id: str = spec(CLUSTER_ID)
+    rtt_ms: float = spec(Float(0.0))
+    bytes: int = spec(Int(0, 1 << 40))
+    seconds: float = spec(Float(0.0))
+    throughput_mb_s: float = spec(Float(0.0))
 
 
 @dataclass(frozen=True)
@@ -80,15 +79,15 @@ class SendUpdate(BridgeMessage):
 
     TYPE: ClassVar[str] = "SendUpdate"
     CARRIES_PAYLOAD: ClassVar[bool] = True
-    target_cluster: str = _spec(CLUSTER_ID)
-    job_id: str = _spec(JOB_ID)
-    round: int = _spec(ROUND)
-    source_node: str = _spec(NODE_ID)
-    target_node: str = _spec(NODE_ID)
-    message_id: str = _spec(MESSAGE_ID)
-    tensor_count: int = _spec(TENSOR_COUNT)
-    byte_length: int = _spec(BYTE_LENGTH)
-    sha256: bytes = _spec(SHA256)
+    target_cluster: str = spec(CLUSTER_ID)
+    job_id: str = spec(JOB_ID)
+    round: int = spec(ROUND)
+    source_node: str = spec(NODE_ID)
+    target_node: str = spec(NODE_ID)
+    message_id: str = spec(MESSAGE_ID)
+    tensor_count: int = spec(TENSOR_COUNT)
+    byte_length: int = spec(BYTE_LENGTH)
+    sha256: bytes = spec(SHA256)
 
     def header(self) -> UpdateHeader:
         """The UpdateHeader to put on the wire."""
@@ -105,10 +104,10 @@ class SendResult(BridgeMessage):
     """Daemon → executor: the outcome of one SendUpdate (`bytes` sent)."""
 
     TYPE: ClassVar[str] = "SendResult"
-    message_id: str = _spec(MESSAGE_ID)
-    ok: bool = _spec(Bool())
-    reason: str = _spec(REASON)
-    bytes: int = _spec(Int(0, I64_MAX))
+    message_id: str = spec(MESSAGE_ID)
+    ok: bool = spec(Bool())
+    reason: str = spec(REASON)
+    bytes: int = spec(Int(0, I64_MAX))
 
 
 @dataclass(frozen=True)
@@ -117,15 +116,15 @@ class Delivery(BridgeMessage):
 
     TYPE: ClassVar[str] = "Delivery"
     CARRIES_PAYLOAD: ClassVar[bool] = True
-    job_id: str = _spec(JOB_ID)
-    round: int = _spec(ROUND)
-    source_node: str = _spec(NODE_ID)
-    target_node: str = _spec(NODE_ID)
-    message_id: str = _spec(MESSAGE_ID)
-    tensor_count: int = _spec(TENSOR_COUNT)
-    byte_length: int = _spec(BYTE_LENGTH)
-    sha256: bytes = _spec(SHA256)
-    source_cluster: str = _spec(OPTIONAL_CLUSTER_ID, default="")
+    job_id: str = spec(JOB_ID)
+    round: int = spec(ROUND)
+    source_node: str = spec(NODE_ID)
+    target_node: str = spec(NODE_ID)
+    message_id: str = spec(MESSAGE_ID)
+    tensor_count: int = spec(TENSOR_COUNT)
+    byte_length: int = spec(BYTE_LENGTH)
+    sha256: bytes = spec(SHA256)
+    source_cluster: str = spec(OPTIONAL_CLUSTER_ID, default="")
 
     def header(self) -> UpdateHeader:
         return UpdateHeader(**{k: getattr(self, k) for k in _HEADER_FIELDS})
@@ -141,9 +140,9 @@ class ControlSend(BridgeMessage):
     """Executor/scheduler → daemon: send a control request to `target_cluster`."""
 
     TYPE: ClassVar[str] = "ControlSend"
-    request_id: str = _spec(REQUEST_ID)
-    target_cluster: str = _spec(CLUSTER_ID)
-    body: dict[str, Any] = _spec(Data())
+    request_id: str = spec(REQUEST_ID)
+    target_cluster: str = spec(CLUSTER_ID)
+    body: dict[str, Any] = spec(Data())
 
 
 @dataclass(frozen=True)
@@ -151,11 +150,11 @@ class ControlDelivery(BridgeMessage):
     """Daemon → executor: a control request from a verified member."""
 
     TYPE: ClassVar[str] = "ControlDelivery"
-    request_id: str = _spec(REQUEST_ID)
-    from_cluster: str = _spec(CLUSTER_ID)
-    from_peer: str = _spec(Text(128, 1))
-    from_role: str = _spec(ROLE)
-    body: dict[str, Any] = _spec(Data())
+    request_id: str = spec(REQUEST_ID)
+    from_cluster: str = spec(CLUSTER_ID)
+    from_peer: str = spec(Text(128, 1))
+    from_role: str = spec(ROLE)
+    body: dict[str, Any] = spec(Data())
 
 
 @dataclass(frozen=True)
@@ -163,10 +162,10 @@ class ControlReply(BridgeMessage):
     """Executor → daemon: the answer to a ControlDelivery."""
 
     TYPE: ClassVar[str] = "ControlReply"
-    request_id: str = _spec(REQUEST_ID)
-    ok: bool = _spec(Bool())
-    body: dict[str, Any] = _spec(Data())
-    reason: str = _spec(REASON)
+    request_id: str = spec(REQUEST_ID)
+    ok: bool = spec(Bool())
+    body: dict[str, Any] = spec(Data())
+    reason: str = spec(REASON)
 
 
 @dataclass(frozen=True)
@@ -174,10 +173,10 @@ class ControlResult(BridgeMessage):
     """Daemon → sender: the remote answer to a ControlSend."""
 
     TYPE: ClassVar[str] = "ControlResult"
-    request_id: str = _spec(REQUEST_ID)
-    ok: bool = _spec(Bool())
-    body: dict[str, Any] = _spec(Data())
-    reason: str = _spec(REASON)
+    request_id: str = spec(REQUEST_ID)
+    ok: bool = spec(Bool())
+    body: dict[str, Any] = spec(Data())
+    reason: str = spec(REASON)
 
 
 @dataclass(frozen=True)
@@ -185,7 +184,7 @@ class Error(BridgeMessage):
     """Either side: the last frame was rejected (reason says why)."""
 
     TYPE: ClassVar[str] = "Error"
-    reason: str = _spec(REASON)
+    reason: str = spec(REASON)
 
 
 _HEADER_FIELDS = (
