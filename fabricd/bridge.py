@@ -1,0 +1,270 @@
+"""The local bridge: a Unix socket (mode 0600) for executors, schedulers and the CLI.
+
+Every client first sends ``Hello(role, cluster_id, job_id)`` (no reply). Then:
+
+- ``StatusRequest`` -> ``StatusReply``; ``ProbeRequest`` -> ``ProbeReply`` or ``Error``.
+- ``SendUpdate`` + payload -> the update is streamed to ``target_cluster`` -> ``SendResult``.
+- ``ControlSend`` -> relayed to ``target_cluster`` -> ``ControlResult``.
+- A client with role ``executor`` (or ``scheduler``) and a ``job_id`` (``*`` = every job)
+  receives ``Delivery`` + payload for that job's updates and ``ControlDelivery`` for
+  control requests addressed to it, and answers the latter with ``ControlReply``.
+
+Requests are served concurrently, so replies can come in a different order than the
+requests; match them by message_id / request_id. A malformed frame gets ``Error(reason)``
+and the connection is closed (its framing is lost); the daemon keeps serving.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import trio
+
+from fabricd.logs import get_logger
+from fabricd.updates import DeliveryError
+from proto.bridge import (
+    BridgeMessage,
+    BridgeStream,
+    ControlDelivery,
+    ControlReply,
+    ControlResult,
+    ControlSend,
+    Delivery,
+    Error,
+    Hello,
+    ProbeReply,
+    ProbeRequest,
+    SendResult,
+    SendUpdate,
+    StatusReply,
+    StatusRequest,
+)
+from proto.errors import ProtocolError
+from proto.messages import UpdateHeader
+
+log = get_logger("fabricd.bridge")
+
+CONSUMER_ROLES = ("executor", "scheduler")
+
+
+class BridgeBackend(Protocol):
+    def status(self) -> dict[str, Any]: ...
+
+    async def probe(self, cluster_id: str, nbytes: int) -> ProbeReply: ...
+
+    async def send_update(self, target_cluster: str, header: UpdateHeader, payload: bytes) -> SendResult: ...
+
+    async def send_control(self, target_cluster: str, request_id: str, body: dict[str, Any]) -> ControlResult: ...
+
+
+class RequestFailed(Exception):
+    """A bridge request that could not be served; the message goes back as Error(reason)."""
+
+
+@dataclass(eq=False)
+class BridgeClient:
+    """One connected bridge client."""
+
+    stream: BridgeStream
+    number: int
+    role: str = ""
+    cluster_id: str = ""
+    job_id: str = ""
+    send_lock: trio.Lock = field(default_factory=trio.Lock)
+    pending: dict[str, trio.MemorySendChannel[ControlReply]] = field(default_factory=dict)
+    connected_at: float = field(default_factory=time.time)
+
+    async def send(self, msg: BridgeMessage, payload: bytes = b"") -> None:
+        async with self.send_lock:
+            await self.stream.send(msg, payload)
+
+    def takes_job(self, job_id: str) -> bool:
+        return self.role in CONSUMER_ROLES and self.job_id in (job_id, "*")
+
+
+class BridgeServer:
+    """Serves the bridge socket; also the local consumer of updates and control requests."""
+
+    def __init__(self, path: Path, backend: BridgeBackend, *, cluster_id: str,
+                 max_payload: int, control_timeout: float = 30.0) -> None:
+        self.path = path
+        self.backend = backend
+        self.cluster_id = cluster_id
+        self.max_payload = max_payload
+        self.control_timeout = control_timeout
+        self.clients: list[BridgeClient] = []
+        self._numbers = 0
+        self.rejected_frames = 0
+
+    # ---- server ------------------------------------------------------------------------
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on the socket (mode 0600) until cancelled; removes the socket file on exit."""
+        if len(str(self.path)) >= 100:
+            raise OSError(f"bridge socket path {self.path} is {len(str(self.path))} characters; "
+                          "Unix sockets allow fewer than 100 - set bridge.socket to a shorter path")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() or self.path.is_symlink():
+            self.path.unlink()
+        sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)
+        try:
+            await sock.bind(str(self.path))
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, 0o600)
+        sock.listen(64)
+        listener = trio.SocketListener(sock)
+        log.info("bridge.listening", path=self.path)
+        try:
+            async with trio.open_nursery() as nursery:
+                task_status.started()
+                await trio.serve_listeners(self._serve_client, [listener], handler_nursery=nursery)
+        finally:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+    async def _serve_client(self, stream: trio.SocketStream) -> None:
+        self._numbers += 1
+        client = BridgeClient(BridgeStream(stream, self.max_payload), self._numbers)
+        try:
+            async with trio.open_nursery() as nursery:
+                await self._read_loop(client, nursery)
+                nursery.cancel_scope.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            if client in self.clients:
+                self.clients.remove(client)
+                log.info("bridge.client_left", client=client.number, role=client.role, job=client.job_id)
+            for channel in client.pending.values():
+                channel.close()
+            await stream.aclose()
+
+    async def _read_loop(self, client: BridgeClient, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                msg, payload = await client.stream.recv()
+            except EOFError:
+                return
+            except ProtocolError as exc:
+                self.rejected_frames += 1
+                reason = f"{type(exc).__name__}: {exc}"
+                log.warning("bridge.rejected", client=client.number, role=client.role or "?", reason=reason)
+                try:
+                    await client.send(Error(reason=f"rejected frame: {reason}"))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+                return
+            if not client.role:
+                if not isinstance(msg, Hello):
+                    self.rejected_frames += 1
+                    reason = f"the first frame must be Hello, got {msg.TYPE}"
+                    log.warning("bridge.rejected", client=client.number, reason=reason)
+                    await client.send(Error(reason=reason))
+                    return
+                client.role, client.cluster_id, client.job_id = msg.role, msg.cluster_id, msg.job_id
+                self.clients.append(client)
+                log.info("bridge.client_joined", client=client.number, role=msg.role, job=msg.job_id or "-")
+                continue
+            if isinstance(msg, ControlReply):
+                channel = client.pending.pop(msg.request_id, None)
+                if channel is None:
+                    log.warning("bridge.rejected", client=client.number,
+                                reason=f"ControlReply for unknown request {msg.request_id!r}")
+                    continue
+                channel.send_nowait(msg)
+                continue
+            # Slow work (network) runs in its own task, so this loop keeps reading.
+            nursery.start_soon(self._serve_request, client, msg, payload)
+
+    async def _serve_request(self, client: BridgeClient, msg: BridgeMessage, payload: bytes) -> None:
+        try:
+            reply, reply_payload = await self._dispatch(msg, payload)
+        except RequestFailed as exc:
+            reply, reply_payload = Error(reason=str(exc)), b""
+        try:
+            await client.send(reply, reply_payload)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            log.info("bridge.client_gone", client=client.number, reply=reply.TYPE)
+
+    async def _dispatch(self, msg: BridgeMessage, payload: bytes) -> tuple[BridgeMessage, bytes]:
+        if isinstance(msg, StatusRequest):
+            return StatusReply(status=self.backend.status()), b""
+        if isinstance(msg, ProbeRequest):
+            return await self.backend.probe(msg.cluster_id, msg.bytes), b""
+        if isinstance(msg, SendUpdate):
+            return await self.backend.send_update(msg.target_cluster, msg.header(), payload), b""
+        if isinstance(msg, ControlSend):
+            return await self.backend.send_control(msg.target_cluster, msg.request_id, msg.body), b""
+        raise RequestFailed(f"a client may not send {msg.TYPE} on the bridge")
+
+    # ---- local consumer (updates and control) -----------------------------------------
+
+    def _consumers(self, job_id: str, role: str | None = None) -> list[BridgeClient]:
+        found = [c for c in self.clients if c.takes_job(job_id)]
+        exact = [c for c in found if c.job_id == job_id] or found
+        if role:
+            exact = [c for c in exact if c.role == role]
+        return exact
+
+    def consumer_for(self, job_id: str) -> str | None:
+        if any(c.role == "executor" and c.takes_job(job_id) for c in self.clients):
+            return None
+        return f"no executor attached for job {job_id!r} on cluster {self.cluster_id!r}"
+
+    async def deliver(self, header: UpdateHeader, payload: bytes, source_cluster: str) -> None:
+        targets = [c for c in self._consumers(header.job_id) if c.role == "executor"]
+        if not targets:
+            raise DeliveryError(f"no executor attached for job {header.job_id!r} on cluster {self.cluster_id!r}")
+        client = targets[-1]
+        try:
+            await client.send(Delivery.from_header(header, source_cluster), payload)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise DeliveryError(f"the executor for job {header.job_id!r} went away: {exc}") from None
+
+    async def control(self, request_id: str, from_cluster: str, from_peer: str, from_role: str,
+                      body: dict[str, Any]) -> tuple[bool, dict[str, Any], str]:
+        job_id = body.get("job_id") if isinstance(body.get("job_id"), str) else None
+        to_role = body.get("to_role") if isinstance(body.get("to_role"), str) else None
+        if job_id:
+            targets = self._consumers(job_id, to_role)
+        else:
+            targets = [c for c in self.clients if c.role in CONSUMER_ROLES
+                       and (to_role is None or c.role == to_role)]
+        if not targets:
+            what = f"job {job_id!r}" if job_id else "control requests"
+            return False, {}, (f"no {to_role or 'executor'} attached for {what} on cluster "
+                               f"{self.cluster_id!r}")
+        client = targets[-1]
+        send, receive = trio.open_memory_channel[ControlReply](1)
+        key = request_id
+        client.pending[key] = send
+        try:
+            await client.send(ControlDelivery(request_id=request_id, from_cluster=from_cluster,
+                                              from_peer=from_peer, from_role=from_role, body=body))
+            with trio.move_on_after(self.control_timeout):
+                try:
+                    reply = await receive.receive()
+                except trio.EndOfChannel:
+                    return False, {}, f"the {client.role} on cluster {self.cluster_id!r} went away"
+                return reply.ok, reply.body, reply.reason
+            return False, {}, f"the {client.role} did not reply within {self.control_timeout:.0f} s"
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return False, {}, f"the {client.role} on cluster {self.cluster_id!r} went away"
+        finally:
+            client.pending.pop(key, None)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"client": c.number, "role": c.role, "job_id": c.job_id, "cluster_id": c.cluster_id}
+                for c in self.clients]
+
+
+Callback = Callable[[], Awaitable[None]]

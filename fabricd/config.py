@@ -1,0 +1,242 @@
+"""``cluster.toml``: loaded and validated once, before any socket is opened.
+
+Every error names the file, the key, the bad value and what is allowed. Relative
+paths in the file are resolved against the directory that holds it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import multiaddr
+
+ROLES = ("cluster", "scheduler")
+RAY_ADDRESS_KINDS = ("local", "auto", "inprocess")
+# AF_UNIX sun_path is 108 bytes on Linux, including the terminating NUL.
+MAX_SOCKET_PATH = 100
+MAX_FRAME_LIMIT = 16 * 1024 * 1024
+
+
+class ConfigError(Exception):
+    """A cluster.toml problem the user has to fix; the message says where and how."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_update_bytes: int = 1 << 30
+    max_inflight_bytes: int = 2 << 30
+    max_frame_bytes: int = 4 * 1024 * 1024
+    chunk_bytes: int = 4 * 1024 * 1024
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
+    stream_timeout: float = 30.0
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path
+    cluster_id: str
+    role: str
+    capacity: int
+    listen: tuple[str, ...]
+    announce: tuple[str, ...]
+    bootstrap: tuple[str, ...]
+    identity_key: Path
+    certificate: Path
+    ca_public_key: Path
+    revocation_list: Path
+    bridge_socket: Path
+    ray_address: str
+    metrics_endpoint: str
+    limits: Limits = field(default_factory=Limits)
+
+
+def _err(path: Path, key: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"{path}: key '{key}' has invalid value {value!r}; allowed: {allowed}")
+
+
+def _section(path: Path, data: dict[str, Any], name: str) -> dict[str, Any]:
+    value = data.get(name, {})
+    if not isinstance(value, dict):
+        raise _err(path, name, value, "a [" + name + "] table")
+    return value
+
+
+def _str(path: Path, sect: dict[str, Any], sname: str, key: str, default: str | None = None) -> str:
+    value = sect.get(key, default)
+    if value is None:
+        raise ConfigError(f"{path}: missing key '{sname}.{key}' (a string)")
+    if not isinstance(value, str):
+        raise _err(path, f"{sname}.{key}", value, "a string")
+    return value
+
+
+def _num(
+    path: Path, sect: dict[str, Any], sname: str, key: str, default: float, lo: float, hi: float,
+    integer: bool,
+) -> Any:
+    value = sect.get(key, default)
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or not (lo <= value <= hi):
+        kind = "an integer" if integer else "a number"
+        raise _err(path, f"{sname}.{key}", value, f"{kind} from {lo} to {hi}")
+    return value
+
+
+def _addr_list(path: Path, sect: dict[str, Any], sname: str, key: str, need_p2p: bool) -> tuple[str, ...]:
+    value = sect.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _err(path, f"{sname}.{key}", value, "a list of multiaddr strings")
+    for item in value:
+        try:
+            ma = multiaddr.Multiaddr(item)
+        except Exception as exc:
+            raise _err(path, f"{sname}.{key}", item, f"a valid multiaddr ({exc})") from None
+        protos = [p.name for p in ma.protocols()]
+        if "tcp" not in protos:
+            raise _err(path, f"{sname}.{key}", item, "a TCP multiaddr like /ip4/127.0.0.1/tcp/4001")
+        if need_p2p and "p2p" not in protos:
+            raise _err(path, f"{sname}.{key}", item, "a multiaddr ending in /p2p/<peer id>")
+    return tuple(value)
+
+
+def _path(base: Path, raw: str) -> Path:
+    p = Path(os.path.expanduser(raw))
+    return p if p.is_absolute() else (base / p)
+
+
+def short_socket_path(preferred: Path, cluster_id: str) -> Path:
+    """Return ``preferred`` if it fits AF_UNIX, else a short stable path under the temp dir."""
+    if len(str(preferred)) < MAX_SOCKET_PATH:
+        return preferred
+    import hashlib
+
+    digest = hashlib.sha256(str(preferred).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"fabricd-{digest}.sock"
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Parse and validate ``path``; raise ConfigError naming file, key and allowed values."""
+    cfg_path = Path(path).resolve()
+    try:
+        data = tomllib.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{cfg_path}: file not found (create one with `fabricd init`)") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{cfg_path}: not valid TOML: {exc}") from None
+    base = cfg_path.parent
+    known = {"cluster", "network", "identity", "bridge", "ray", "limits", "metrics"}
+    for key in data:
+        if key not in known:
+            raise _err(cfg_path, key, data[key], "sections " + ", ".join(sorted(known)))
+
+    cluster = _section(cfg_path, data, "cluster")
+    cluster_id = _str(cfg_path, cluster, "cluster", "id")
+    if not cluster_id or len(cluster_id) > 64 or not all(c.isalnum() or c in "-_." for c in cluster_id):
+        raise _err(cfg_path, "cluster.id", cluster_id, "1-64 characters of letters, digits, '-', '_', '.'")
+    role = _str(cfg_path, cluster, "cluster", "role", "cluster")
+    if role not in ROLES:
+        raise _err(cfg_path, "cluster.role", role, " or ".join(ROLES))
+    capacity = _num(cfg_path, cluster, "cluster", "capacity", 1, 0, 1_000_000, True)
+
+    net = _section(cfg_path, data, "network")
+    listen = _addr_list(cfg_path, net, "network", "listen", need_p2p=False)
+    if not listen:
+        raise ConfigError(f"{cfg_path}: missing key 'network.listen' (e.g. [\"/ip4/0.0.0.0/tcp/4001\"])")
+    announce = _addr_list(cfg_path, net, "network", "announce", need_p2p=False)
+    bootstrap = _addr_list(cfg_path, net, "network", "bootstrap", need_p2p=True)
+
+    ident = _section(cfg_path, data, "identity")
+    identity_key = _path(base, _str(cfg_path, ident, "identity", "key", "identity.key"))
+    certificate = _path(base, _str(cfg_path, ident, "identity", "certificate", "membership.cert"))
+    ca_pub = _path(base, _str(cfg_path, ident, "identity", "ca_public_key", "ca.pub"))
+    revocations = _path(base, _str(cfg_path, ident, "identity", "revocation_list", "revoked.txt"))
+    for key, p in (("identity.key", identity_key), ("identity.certificate", certificate),
+                   ("identity.ca_public_key", ca_pub)):
+        if not p.is_file():
+            raise _err(cfg_path, key, str(p), "the path of an existing file (run `fabricd init`)")
+
+    bridge = _section(cfg_path, data, "bridge")
+    sock = _path(base, _str(cfg_path, bridge, "bridge", "socket", "bridge.sock"))
+    sock = short_socket_path(sock, cluster_id)
+
+    ray = _section(cfg_path, data, "ray")
+    ray_address = _str(cfg_path, ray, "ray", "address", "inprocess")
+    if ray_address not in RAY_ADDRESS_KINDS and ":" not in ray_address:
+        raise _err(cfg_path, "ray.address", ray_address, "local, auto, inprocess or HOST:PORT")
+
+    metrics = _section(cfg_path, data, "metrics")
+    metrics_endpoint = _str(cfg_path, metrics, "metrics", "endpoint", "")
+
+    lim = _section(cfg_path, data, "limits")
+    defaults = Limits()
+    limits = Limits(
+        max_update_bytes=_num(cfg_path, lim, "limits", "max_update_bytes", defaults.max_update_bytes, 1, 1 << 40, True),
+        max_inflight_bytes=_num(cfg_path, lim, "limits", "max_inflight_bytes", defaults.max_inflight_bytes, 1, 1 << 42, True),
+        max_frame_bytes=_num(cfg_path, lim, "limits", "max_frame_bytes", defaults.max_frame_bytes, 1024, MAX_FRAME_LIMIT - 1024, True),
+        chunk_bytes=_num(cfg_path, lim, "limits", "chunk_bytes", defaults.chunk_bytes, 1024, 4 * 1024 * 1024, True),
+        heartbeat_interval=_num(cfg_path, lim, "limits", "heartbeat_interval", defaults.heartbeat_interval, 0.1, 60, False),
+        heartbeat_timeout=_num(cfg_path, lim, "limits", "heartbeat_timeout", defaults.heartbeat_timeout, 0.5, 600, False),
+        stream_timeout=_num(cfg_path, lim, "limits", "stream_timeout", defaults.stream_timeout, 1, 3600, False),
+    )
+    if limits.heartbeat_timeout <= limits.heartbeat_interval:
+        raise _err(cfg_path, "limits.heartbeat_timeout", limits.heartbeat_timeout,
+                   f"a number greater than limits.heartbeat_interval ({limits.heartbeat_interval})")
+    if limits.max_update_bytes > limits.max_inflight_bytes:
+        raise _err(cfg_path, "limits.max_update_bytes", limits.max_update_bytes,
+                   f"at most limits.max_inflight_bytes ({limits.max_inflight_bytes})")
+
+    return Config(
+        path=cfg_path, cluster_id=cluster_id, role=role, capacity=capacity, listen=listen,
+        announce=announce, bootstrap=bootstrap, identity_key=identity_key, certificate=certificate,
+        ca_public_key=ca_pub, revocation_list=revocations, bridge_socket=sock,
+        ray_address=ray_address, metrics_endpoint=metrics_endpoint, limits=limits,
+    )
+
+
+def render_config(
+    *, cluster_id: str, role: str, capacity: int, listen: list[str], bootstrap: list[str],
+    announce: list[str] | None = None,
+) -> str:
+    """The text of a fresh cluster.toml whose files live next to it."""
+
+    def arr(items: list[str]) -> str:
+        return "[" + ", ".join(f'"{i}"' for i in items) + "]"
+
+    return f"""# fabricd cluster configuration (written by `fabricd init`)
+[cluster]
+id = "{cluster_id}"
+role = "{role}"          # cluster | scheduler (must match the certificate)
+capacity = {capacity}
+
+[network]
+listen = {arr(listen)}
+announce = {arr(announce or [])}
+bootstrap = {arr(bootstrap)}
+
+[identity]
+key = "identity.key"            # libp2p ed25519 identity, mode 0600
+certificate = "membership.cert" # signed by the federation CA
+ca_public_key = "ca.pub"
+revocation_list = "revoked.txt" # one revoked serial per line; re-read while running
+
+[bridge]
+socket = "bridge.sock"          # Unix socket (mode 0600) for executors and the CLI
+
+[ray]
+address = "inprocess"           # local | auto | inprocess | HOST:PORT
+
+[limits]
+max_update_bytes = {Limits.max_update_bytes}
+max_inflight_bytes = {Limits.max_inflight_bytes}
+heartbeat_interval = 1.0
+heartbeat_timeout = 5.0
+
+[metrics]
+endpoint = ""
+"""

@@ -1,0 +1,307 @@
+"""``run(config)``: the daemon's lifetime.
+
+load config -> check identity and certificate -> start the libp2p host -> register
+handlers -> start services in order (membership, discovery, bridge) -> serve until
+SIGTERM/SIGINT -> stop services in reverse order -> close the host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from libp2p.crypto.keys import KeyPair
+
+from fabricd._host import HostStack, open_host_stack
+from fabricd.bridge import BridgeServer, RequestFailed
+from fabricd.config import Config
+from fabricd.control import ControlService
+from fabricd.discovery import ClusterRecordValidator, Discovery
+from fabricd.identity import peer_id_of, raw_private_key, read_identity
+from fabricd.logs import get_logger
+from fabricd.membership import Membership
+from fabricd.updates import UpdateService
+from proto.bridge import ControlResult, ProbeReply, SendResult
+from proto.certs import RevocationList, load_ca_public, public_key_bytes, verify_certificate
+from proto.errors import NotAMember, ProtocolError
+from proto.ids import PROBE_JOB_ID
+from proto.messages import UpdateHeader
+
+log = get_logger("fabricd.daemon")
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message names the file or setting to fix."""
+
+
+@dataclass
+class Credentials:
+    key_pair: KeyPair
+    certificate: bytes
+    ca_public: bytes
+
+
+def load_credentials(config: Config) -> Credentials:
+    """Identity, certificate and CA key from the config, cross-checked; StartupError if wrong."""
+    from fabricd.identity import IdentityError
+
+    try:
+        key_pair = read_identity(config.identity_key)
+    except IdentityError as exc:
+        raise StartupError(str(exc)) from None
+    try:
+        ca_public = public_key_bytes(load_ca_public(config.ca_public_key))
+    except (ValueError, OSError) as exc:
+        raise StartupError(f"{config.path}: identity.ca_public_key: {exc}") from None
+    certificate = config.certificate.read_bytes()
+    peer_id = str(peer_id_of(key_pair))
+    try:
+        revoked = RevocationList.load(config.revocation_list)
+    except ValueError as exc:
+        raise StartupError(f"{config.path}: identity.revocation_list: {exc}") from None
+    try:
+        cert = verify_certificate(certificate, ca_public, now=time.time(), revoked=revoked,
+                                  expected_peer_id=peer_id)
+    except NotAMember as exc:
+        raise StartupError(f"{config.certificate}: this daemon's certificate is not valid: {exc}") from None
+    if cert.cluster_id != config.cluster_id:
+        raise StartupError(f"{config.path}: cluster.id is {config.cluster_id!r} but {config.certificate} "
+                           f"is for cluster {cert.cluster_id!r}")
+    if cert.role != config.role:
+        raise StartupError(f"{config.path}: cluster.role is {config.role!r} but {config.certificate} "
+                           f"has role {cert.role!r}")
+    return Credentials(key_pair, certificate, ca_public)
+
+
+class Daemon:
+    """One running fabricd: the host stack plus its services (see module docstring)."""
+
+    def __init__(self, config: Config, creds: Credentials) -> None:
+        self.config = config
+        self.creds = creds
+        self.peer_id = str(peer_id_of(creds.key_pair))
+        self.started_at = time.time()
+        self.stack: HostStack | None = None
+        self.membership: Membership
+        self.discovery: Discovery
+        self.updates: UpdateService
+        self.control_service: ControlService
+        self.bridge: BridgeServer
+
+    # ---- lifetime ----------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[Daemon] = trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.config
+        lim = cfg.limits
+        async with open_host_stack(self.creds.key_pair, list(cfg.listen), list(cfg.announce),
+                                   lim.heartbeat_interval) as stack:
+            self.stack = stack
+            host = stack.host
+            self.membership = Membership(host, certificate=self.creds.certificate,
+                                         ca_public=self.creds.ca_public,
+                                         revocation_path=cfg.revocation_list)
+            stack.dht.register_validator(ClusterRecordValidator.namespace,
+                                         ClusterRecordValidator(self.membership))
+            self.bridge = BridgeServer(cfg.bridge_socket, self, cluster_id=cfg.cluster_id,
+                                       max_payload=lim.max_update_bytes,
+                                       control_timeout=lim.stream_timeout)
+            self.updates = UpdateService(host, self.membership, self.bridge, cluster_id=cfg.cluster_id,
+                                         max_update_bytes=lim.max_update_bytes,
+                                         max_inflight_bytes=lim.max_inflight_bytes,
+                                         chunk_bytes=lim.chunk_bytes, stream_timeout=lim.stream_timeout)
+            self.control_service = ControlService(host, self.membership, self.bridge,
+                                                  timeout=lim.stream_timeout)
+            self.discovery = Discovery(
+                stack, self.membership, cluster_id=cfg.cluster_id, capacity=cfg.capacity,
+                bootstrap=cfg.bootstrap,
+                signing_key=Ed25519PrivateKey.from_private_bytes(raw_private_key(self.creds.key_pair)),
+                heartbeat_interval=lim.heartbeat_interval, heartbeat_timeout=lim.heartbeat_timeout,
+            )
+            self.updates.register()
+            self.control_service.register()
+            self.membership.guard_all_handlers()
+
+            scopes: list[tuple[str, trio.CancelScope]] = []
+            async with trio.open_nursery() as nursery:
+                for name, serve in (("membership", self.membership.serve),
+                                    ("discovery", self.discovery.serve),
+                                    ("bridge", self.bridge.serve)):
+                    scope = await nursery.start(_scoped, serve)
+                    scopes.append((name, scope))
+                    log.info("service.started", service=name)
+                log.info("daemon.ready", cluster=cfg.cluster_id, peer=self.peer_id,
+                         addrs=",".join(self.listen_addrs()), bridge=str(cfg.bridge_socket))
+                task_status.started(self)
+                await _wait_for_signal()
+                log.info("daemon.stopping", cluster=cfg.cluster_id)
+                for name, scope in reversed(scopes):
+                    scope.cancel()
+                    await trio.sleep(0)
+                    log.info("service.stopped", service=name)
+        log.info("daemon.stopped", cluster=cfg.cluster_id)
+
+    def listen_addrs(self) -> list[str]:
+        assert self.stack is not None
+        out = []
+        for addr in self.stack.host.get_addrs():
+            text = str(addr)
+            out.append(text if "/p2p/" in text else f"{text}/p2p/{self.peer_id}")
+        return out
+
+    # ---- bridge backend ----------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        m = self.membership
+        return {
+            "cluster_id": self.config.cluster_id,
+            "peer_id": self.peer_id,
+            "role": self.config.role,
+            "listen_addrs": self.listen_addrs(),
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "clusters": self.discovery.table(),
+            "refused": [{"cluster_id": r.cluster_id, "peer_id": r.peer_id, "reason": r.reason}
+                        for r in m.refusals.values()],
+            "jobs": self.updates.counters(),
+            "bridge_clients": self.bridge.describe(),
+            "bridge_rejected_frames": self.bridge.rejected_frames,
+            "revoked_serials": len(m.revoked),
+            "control": {"served": self.control_service.served, "refused": self.control_service.refused},
+        }
+
+    async def resolve(self, cluster_id: str) -> str:
+        """The peer id of member cluster ``cluster_id``, connected and verified.
+
+        RequestFailed says "not a member" (with the reason) or "unknown cluster".
+        """
+        if cluster_id == self.config.cluster_id:
+            raise RequestFailed(f"cluster {cluster_id!r} is this daemon itself")
+        m = self.membership
+        info = self.discovery.find(cluster_id)
+        refusal = m.refusals.get(cluster_id)
+        peer_id, addrs = None, ()
+        if info is not None and (refusal is None or refusal.peer_id != info.peer_id):
+            peer_id, addrs = info.peer_id, info.addrs
+        elif refusal is not None:
+            peer_id, addrs = refusal.peer_id, refusal.addrs
+        else:
+            record = await self.discovery.lookup(cluster_id)
+            if record is not None:
+                peer_id, addrs = record.peer_id, record.addrs
+        if peer_id is None:
+            known = sorted(self.discovery.clusters)
+            raise RequestFailed(f"unknown cluster {cluster_id!r}: not connected and no DHT record "
+                                f"(known clusters: {', '.join(known) or 'none'})")
+        if m.member_certificate(peer_id) is None:
+            try:
+                if addrs:
+                    await self.discovery.connect_to(peer_id, addrs)
+                await m.wait_verdict(peer_id)
+            except NotAMember as exc:
+                raise RequestFailed(f"cluster {cluster_id!r} (peer {peer_id}) is not a member: {exc}") from None
+            except Exception as exc:  # noqa: BLE001 - dial errors of many kinds
+                if refusal is not None:
+                    raise RequestFailed(f"cluster {cluster_id!r} (peer {peer_id}) is not a member: "
+                                        f"{refusal.reason}") from None
+                raise RequestFailed(f"cannot reach cluster {cluster_id!r} (peer {peer_id}): "
+                                    f"{type(exc).__name__}: {exc}") from None
+        cert = m.member_certificate(peer_id)
+        if cert is None or cert.cluster_id != cluster_id:
+            reason = refusal.reason if refusal is not None else "no valid certificate"
+            raise RequestFailed(f"cluster {cluster_id!r} (peer {peer_id}) is not a member: {reason}")
+        return peer_id
+
+    async def probe(self, cluster_id: str, nbytes: int) -> ProbeReply:
+        peer_id = await self.resolve(cluster_id)
+        rtt_start = time.perf_counter()
+        await self._send_probe(peer_id, cluster_id, b"")
+        rtt_ms = (time.perf_counter() - rtt_start) * 1000
+        body = _probe_body(nbytes)
+        start = time.perf_counter()
+        await self._send_probe(peer_id, cluster_id, body)
+        seconds = time.perf_counter() - start
+        log.info("probe.done", cluster=cluster_id, peer=peer_id, bytes=nbytes, seconds=round(seconds, 4),
+                 rtt_ms=round(rtt_ms, 3))
+        return ProbeReply(cluster_id=cluster_id, rtt_ms=rtt_ms, bytes=nbytes, seconds=seconds,
+                          throughput_mb_s=(nbytes / seconds / 1e6) if seconds > 0 else 0.0)
+
+    async def _send_probe(self, peer_id: str, cluster_id: str, body: bytes) -> None:
+        header = UpdateHeader(job_id=PROBE_JOB_ID, round=0, source_node=self.config.cluster_id,
+                              target_node=cluster_id, message_id=uuid.uuid4().hex,
+                              tensor_count=0, byte_length=len(body),
+                              sha256=hashlib.sha256(body).digest())
+        ack = await self._send(peer_id, cluster_id, header, body)
+        if ack.status != "ok":
+            raise RequestFailed(f"cluster {cluster_id!r} rejected the probe: {ack.reason}")
+
+    async def _send(self, peer_id: str, cluster_id: str, header: UpdateHeader, body: bytes) -> Any:
+        try:
+            return await self.updates.send(peer_id, header, body)
+        except NotAMember as exc:
+            raise RequestFailed(f"cluster {cluster_id!r} is not a member: {exc}") from None
+        except ProtocolError as exc:
+            raise RequestFailed(f"update to cluster {cluster_id!r} failed: {exc}") from None
+        except trio.TooSlowError:
+            raise RequestFailed(f"cluster {cluster_id!r} did not acknowledge the update in time") from None
+        except Exception as exc:  # noqa: BLE001 - libp2p stream/dial errors
+            raise RequestFailed(f"update to cluster {cluster_id!r} failed: {type(exc).__name__}: {exc}") from None
+
+    async def send_update(self, target_cluster: str, header: UpdateHeader, payload: bytes) -> SendResult:
+        try:
+            peer_id = await self.resolve(target_cluster)
+            ack = await self._send(peer_id, target_cluster, header, payload)
+        except RequestFailed as exc:
+            return SendResult(message_id=header.message_id, ok=False, reason=str(exc), bytes=0)
+        ok = ack.status in ("ok", "duplicate")
+        reason = "" if ack.status == "ok" else f"{ack.status}: {ack.reason}"
+        return SendResult(message_id=header.message_id, ok=ok, reason=reason,
+                          bytes=header.byte_length if ack.status == "ok" else 0)
+
+    async def send_control(self, target_cluster: str, request_id: str, body: dict[str, Any]) -> ControlResult:
+        try:
+            peer_id = await self.resolve(target_cluster)
+            resp = await self.control_service.send(peer_id, request_id, body)
+        except RequestFailed as exc:
+            return ControlResult(request_id=request_id, ok=False, body={}, reason=str(exc))
+        except NotAMember as exc:
+            return ControlResult(request_id=request_id, ok=False, body={},
+                                 reason=f"cluster {target_cluster!r} is not a member: {exc}")
+        except Exception as exc:  # noqa: BLE001 - libp2p stream/dial errors, protocol errors
+            return ControlResult(request_id=request_id, ok=False, body={},
+                                 reason=f"control request to {target_cluster!r} failed: {type(exc).__name__}: {exc}")
+        return ControlResult(request_id=request_id, ok=resp.ok, body=resp.body, reason=resp.reason)
+
+
+def _probe_body(nbytes: int) -> bytes:
+    block = os.urandom(min(nbytes, 1 << 20))
+    if not block:
+        return b""
+    return (block * math.ceil(nbytes / len(block)))[:nbytes]
+
+
+async def _scoped(serve: Any, *, task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED) -> None:
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve)
+            task_status.started(scope)
+
+
+async def _wait_for_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("daemon.signal", signal=signal.Signals(signum).name)
+            return
+
+
+async def run(config: Config) -> None:
+    """Run the daemon described by ``config`` until SIGTERM/SIGINT (StartupError if it cannot)."""
+    creds = load_credentials(config)
+    daemon = Daemon(config, creds)
+    await daemon.run()

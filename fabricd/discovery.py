@@ -1,0 +1,350 @@
+"""Finding and watching the other clusters.
+
+- Bootstrap and reconnect: dial the configured bootstrap peers and every cluster we
+  have seen, until connected (so a restarted peer, or a restart of our own, rejoins).
+- Gossipsub heartbeats on TOPIC_HEARTBEAT every ``heartbeat_interval``: accepted only
+  when the forwarding peer is a verified member and the signed source matches the
+  heartbeat's peer id; a heartbeat from a cluster we are not connected to is a hint to
+  dial it (membership is then checked directly). A member silent for
+  ``heartbeat_timeout`` is marked as left.
+- Kademlia: each daemon stores a ClusterRecord signed with its identity key under
+  ``/fedpilot/<cluster_id>``; the validator accepts only records whose certificate the
+  federation CA signed for that peer and cluster.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import multiaddr
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.records.validator import Validator
+
+from fabricd._host import HostStack
+from fabricd.logs import get_logger
+from fabricd.membership import Membership
+from proto.certs import Certificate
+from proto.codec import decode, encode
+from proto.errors import ProtocolError
+from proto.ids import DHT_NAMESPACE, TOPIC_HEARTBEAT, dht_key
+from proto.messages import ClusterRecord, Heartbeat
+
+log = get_logger("fabricd.discovery")
+
+HEARTBEAT_MAX_BYTES = 16 * 1024
+RECORD_MAX_BYTES = 16 * 1024
+DIAL_TIMEOUT = 3.0
+RECORD_REFRESH = 30.0
+
+
+@dataclass
+class ClusterInfo:
+    """One other cluster as this daemon sees it."""
+
+    cluster_id: str
+    peer_id: str
+    role: str
+    addrs: tuple[str, ...] = ()
+    capacity: int = 0
+    last_heartbeat: float = 0.0
+    joined_at: float = field(default_factory=time.time)
+    left_at: float | None = None
+    joins: int = 0
+
+
+class ClusterRecordValidator(Validator):
+    """DHT validator for ``/fedpilot/<cluster_id>``: CA-certified, self-signed records only."""
+
+    namespace = DHT_NAMESPACE
+
+    def __init__(self, membership: Membership) -> None:
+        self._m = membership
+
+    def _record(self, key: str, value: bytes) -> ClusterRecord:
+        try:
+            record = decode(value, max_size=RECORD_MAX_BYTES)
+        except ProtocolError as exc:
+            raise ValueError(f"DHT record {key}: {exc}") from None
+        if not isinstance(record, ClusterRecord):
+            raise ValueError(f"DHT record {key}: expected ClusterRecord, got {record.TYPE}")
+        if key != dht_key(record.cluster_id):
+            raise ValueError(f"DHT record {key} is for cluster {record.cluster_id!r}")
+        try:
+            record.verify_member(self._m.ca_public, now=time.time(), revoked=self._m.revoked)
+        except ProtocolError as exc:
+            raise ValueError(f"DHT record {key} rejected: {exc}") from None
+        return record
+
+    def validate(self, key: str, value: bytes) -> None:
+        self._record(key, value)
+
+    def select(self, key: str, values: list[bytes]) -> int:
+        best, best_at = 0, -1.0
+        for i, value in enumerate(values):
+            try:
+                at = self._record(key, value).issued_at
+            except ValueError:
+                continue
+            if at > best_at:
+                best, best_at = i, at
+        return best
+
+
+class Discovery:
+    """The cluster table, fed by membership verdicts, heartbeats and DHT records."""
+
+    def __init__(
+        self, stack: HostStack, membership: Membership, *, cluster_id: str, capacity: int,
+        bootstrap: tuple[str, ...], signing_key: Ed25519PrivateKey, heartbeat_interval: float,
+        heartbeat_timeout: float,
+    ) -> None:
+        self.stack = stack
+        self.m = membership
+        self.cluster_id = cluster_id
+        self.capacity = capacity
+        self.bootstrap = bootstrap
+        self.signing_key = signing_key
+        self.interval = heartbeat_interval
+        self.timeout = heartbeat_timeout
+        self.clusters: dict[str, ClusterInfo] = {}
+        self._seq = 0
+        self._dial_hints: dict[str, tuple[str, ...]] = {}
+        self._next_dial: dict[str, float] = {}
+        membership.on_member = self._on_member
+        membership.on_leave = self._on_leave
+
+    @property
+    def host(self) -> Any:
+        return self.stack.host
+
+    def own_addrs(self) -> tuple[str, ...]:
+        return tuple(str(a) for a in self.host.get_addrs())
+
+    # ---- table -------------------------------------------------------------------------
+
+    def _on_member(self, peer_id: str, cert: Certificate) -> None:
+        info = self.clusters.get(cert.cluster_id)
+        if info is None or info.peer_id != peer_id:
+            info = self.clusters[cert.cluster_id] = ClusterInfo(cert.cluster_id, peer_id, cert.role)
+        info.addrs = _addrs_of(self.host, peer_id) or info.addrs
+        info.last_heartbeat = time.time()
+        info.joined_at, info.left_at = time.time(), None
+        info.joins += 1
+        log.info("cluster.joined", cluster=cert.cluster_id, peer=peer_id, role=cert.role, joins=info.joins)
+
+    def _on_leave(self, peer_id: str) -> None:
+        for info in self.clusters.values():
+            if info.peer_id == peer_id and info.left_at is None:
+                info.left_at = time.time()
+                log.info("cluster.left", cluster=info.cluster_id, peer=peer_id, cause="disconnected")
+
+    def is_connected(self, info: ClusterInfo) -> bool:
+        """Connected = a live, verified connection and a heartbeat within the timeout."""
+        if self.m.member_certificate(info.peer_id) is None:
+            return False
+        fresh = max(info.last_heartbeat, info.joined_at)
+        return time.time() - fresh <= self.timeout
+
+    def find(self, cluster_id: str) -> ClusterInfo | None:
+        return self.clusters.get(cluster_id)
+
+    def table(self) -> list[dict[str, Any]]:
+        now = time.time()
+        rows = []
+        for info in sorted(self.clusters.values(), key=lambda i: i.cluster_id):
+            rows.append({
+                "cluster_id": info.cluster_id,
+                "peer_id": info.peer_id,
+                "role": info.role,
+                "connected": self.is_connected(info),
+                "addrs": list(info.addrs),
+                "capacity": info.capacity,
+                "last_heartbeat_age_s": round(now - info.last_heartbeat, 3) if info.last_heartbeat else None,
+                "joins": info.joins,
+            })
+        return rows
+
+    # ---- services ----------------------------------------------------------------------
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        pubsub = self.stack.pubsub
+        pubsub.set_topic_validator(TOPIC_HEARTBEAT, self._validate_heartbeat, False)
+        subscription = await pubsub.subscribe(TOPIC_HEARTBEAT)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._receive_heartbeats, subscription)
+            nursery.start_soon(self._publish_heartbeats)
+            nursery.start_soon(self._dial_loop)
+            nursery.start_soon(self._watch_timeouts)
+            nursery.start_soon(self._publish_record_loop)
+            task_status.started()
+
+    def _validate_heartbeat(self, forwarder: ID, msg: Any) -> bool:
+        fwd = str(forwarder)
+        if fwd != str(self.host.get_id()) and self.m.member_certificate(fwd) is None:
+            log.warning("gossip.rejected", peer=fwd, topic=TOPIC_HEARTBEAT, reason="forwarder is not a member")
+            return False
+        try:
+            hb = decode(bytes(msg.data), max_size=HEARTBEAT_MAX_BYTES)
+            source = str(ID(bytes(msg.from_id)))
+        except (ProtocolError, ValueError) as exc:
+            log.warning("gossip.rejected", peer=fwd, topic=TOPIC_HEARTBEAT, reason=str(exc))
+            return False
+        if not isinstance(hb, Heartbeat) or hb.peer_id != source:
+            log.warning("gossip.rejected", peer=fwd, topic=TOPIC_HEARTBEAT,
+                        reason="not a Heartbeat signed by the peer it names")
+            return False
+        return True
+
+    async def _receive_heartbeats(self, subscription: Any) -> None:
+        while True:
+            msg = await subscription.get()
+            try:
+                hb = decode(bytes(msg.data), max_size=HEARTBEAT_MAX_BYTES)
+            except ProtocolError:
+                continue
+            if not isinstance(hb, Heartbeat) or hb.peer_id == str(self.host.get_id()):
+                continue
+            cert = self.m.member_certificate(hb.peer_id)
+            if cert is None:
+                # Not (yet) verified directly: only a hint of where to dial.
+                self._dial_hints[hb.peer_id] = hb.addrs
+                continue
+            if cert.cluster_id != hb.cluster_id:
+                log.warning("gossip.rejected", peer=hb.peer_id, topic=TOPIC_HEARTBEAT,
+                            reason=f"heartbeat claims cluster {hb.cluster_id!r}, certificate says {cert.cluster_id!r}")
+                continue
+            info = self.clusters.get(cert.cluster_id)
+            if info is not None and info.peer_id == hb.peer_id:
+                info.last_heartbeat = time.time()
+                info.addrs = hb.addrs or info.addrs
+                info.capacity = hb.capacity
+
+    async def _publish_heartbeats(self) -> None:
+        while True:
+            self._seq += 1
+            hb = Heartbeat(
+                cluster_id=self.cluster_id, peer_id=str(self.host.get_id()),
+                addrs=self.own_addrs()[:32], capacity=self.capacity, seq=self._seq,
+                sent_at=time.time(),
+            )
+            try:
+                await self.stack.pubsub.publish(TOPIC_HEARTBEAT, encode(hb))
+            except Exception as exc:  # noqa: BLE001 - publishing is best effort, retried next tick
+                log.debug("heartbeat.publish_failed", reason=str(exc))
+            await trio.sleep(self.interval)
+
+    async def _watch_timeouts(self) -> None:
+        while True:
+            await trio.sleep(self.interval / 2)
+            for info in self.clusters.values():
+                if info.left_at is None and not self.is_connected(info):
+                    info.left_at = time.time()
+                    log.info("cluster.left", cluster=info.cluster_id, peer=info.peer_id,
+                             cause="heartbeat timeout")
+
+    # ---- dialing -----------------------------------------------------------------------
+
+    def _dial_targets(self) -> list[PeerInfo]:
+        targets: dict[str, PeerInfo] = {}
+        for addr in self.bootstrap:
+            try:
+                info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+                targets[str(info.peer_id)] = info
+            except Exception as exc:  # noqa: BLE001 - validated at start; keep going
+                log.warning("bootstrap.bad_addr", addr=addr, reason=str(exc))
+        for cinfo in self.clusters.values():
+            if cinfo.addrs and cinfo.peer_id not in self.m.refused_by:
+                targets.setdefault(cinfo.peer_id, _peer_info(cinfo.peer_id, cinfo.addrs))
+        for peer_id, addrs in self._dial_hints.items():
+            if addrs:
+                targets.setdefault(peer_id, _peer_info(peer_id, addrs))
+        own = str(self.host.get_id())
+        return [t for pid, t in targets.items() if pid != own]
+
+    async def _dial_loop(self) -> None:
+        async with trio.open_nursery() as nursery:
+            while True:
+                connected = {str(p) for p in self.host.get_connected_peers()}
+                now = time.monotonic()
+                for target in self._dial_targets():
+                    pid = str(target.peer_id)
+                    if pid in connected or self._next_dial.get(pid, 0.0) > now:
+                        continue
+                    self._next_dial[pid] = now + 3600  # until the attempt finishes
+                    nursery.start_soon(self._dial, target)
+                await trio.sleep(0.25)
+
+    async def _dial(self, target: PeerInfo) -> None:
+        pid = str(target.peer_id)
+        ok = False
+        with trio.move_on_after(DIAL_TIMEOUT):
+            try:
+                await self.host.connect(target)
+                ok = True
+            except Exception as exc:  # noqa: BLE001 - unreachable peers are normal
+                log.debug("dial.failed", peer=pid, reason=f"{type(exc).__name__}: {exc}")
+        refused = pid in self.m.refused_by
+        self._next_dial[pid] = time.monotonic() + (10.0 if refused else (1.0 if not ok else 0.5))
+        if ok:
+            self._dial_hints.pop(pid, None)
+
+    async def connect_to(self, peer_id: str, addrs: tuple[str, ...]) -> None:
+        with trio.fail_after(DIAL_TIMEOUT):
+            await self.host.connect(_peer_info(peer_id, addrs))
+
+    # ---- DHT records -------------------------------------------------------------------
+
+    def own_record(self) -> ClusterRecord:
+        return ClusterRecord(
+            cluster_id=self.cluster_id, peer_id=str(self.host.get_id()),
+            addrs=self.own_addrs()[:32], capacity=self.capacity, issued_at=time.time(),
+            certificate=self.m.certificate,
+        ).sign(self.signing_key)
+
+    async def _publish_record_loop(self) -> None:
+        while True:
+            if self.host.get_connected_peers():
+                try:
+                    with trio.move_on_after(10):
+                        await self.stack.dht.put_value(dht_key(self.cluster_id), encode(self.own_record()))
+                        log.debug("dht.record_published", cluster=self.cluster_id)
+                except Exception as exc:  # noqa: BLE001 - retried on the next refresh
+                    log.info("dht.publish_failed", cluster=self.cluster_id, reason=f"{type(exc).__name__}: {exc}")
+                await trio.sleep(RECORD_REFRESH)
+            else:
+                await trio.sleep(1.0)
+
+    async def lookup(self, cluster_id: str) -> ClusterRecord | None:
+        """The verified DHT record of ``cluster_id``, or None if the DHT has none."""
+        with trio.move_on_after(5):
+            try:
+                value = await self.stack.dht.get_value(dht_key(cluster_id))
+            except Exception as exc:  # noqa: BLE001
+                log.info("dht.lookup_failed", cluster=cluster_id, reason=str(exc))
+                return None
+            if value is None:
+                return None
+            try:
+                record = decode(value, max_size=RECORD_MAX_BYTES)
+                if isinstance(record, ClusterRecord):
+                    record.verify_member(self.m.ca_public, now=time.time(), revoked=self.m.revoked)
+                    return record
+            except ProtocolError as exc:
+                log.warning("dht.record_rejected", cluster=cluster_id, reason=str(exc))
+        return None
+
+
+def _peer_info(peer_id: str, addrs: tuple[str, ...]) -> PeerInfo:
+    return PeerInfo(ID.from_base58(peer_id), [multiaddr.Multiaddr(a) for a in addrs])
+
+
+def _addrs_of(host: Any, peer_id: str) -> tuple[str, ...]:
+    try:
+        return tuple(str(a) for a in host.get_peerstore().addrs(ID.from_base58(peer_id)))
+    except Exception:  # noqa: BLE001
+        return ()

@@ -1,0 +1,376 @@
+"""Membership enforcement on /fedpilot/member.
+
+On every new connection the two daemons exchange certificates (MemberHello ->
+MemberAck). A peer counts as a member only after it presented a certificate that the
+federation CA signed for ITS OWN Noise-authenticated peer id, that is inside its
+validity window and not revoked. Until then (and forever, for non-members) every other
+protocol is refused by ``Membership.guard``; non-members are disconnected. The
+revocation list is re-read when its mtime changes, and members whose certificate was
+revoked or expired are dropped without a restart.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
+from libp2p.peer.id import ID
+
+from fabricd._streams import (
+    Handler,
+    close_quietly,
+    read_message,
+    remote_peer,
+    reset_quietly,
+    safe_handler,
+    stream_reader,
+    write_message,
+)
+from fabricd.logs import get_logger
+from proto.certs import Certificate, RevocationList, parse_certificate, verify_certificate
+from proto.errors import NotAMember, ProtocolError
+from proto.ids import MAX_CERTIFICATE_BYTES, PROTOCOL_MEMBER
+from proto.messages import MemberAck, MemberHello
+
+log = get_logger("fabricd.membership")
+
+MEMBER_FRAME_LIMIT = MAX_CERTIFICATE_BYTES + 2048
+VERDICT_TIMEOUT = 5.0
+RevocationCallback = Callable[[str, str], Awaitable[None]]
+
+
+@dataclass
+class PeerVerdict:
+    """What we know about one connected peer's membership."""
+
+    decided: trio.Event = field(default_factory=trio.Event)
+    certificate: Certificate | None = None
+    reason: str = ""
+    since: float = field(default_factory=time.time)
+
+    @property
+    def member(self) -> bool:
+        return self.decided.is_set() and self.certificate is not None
+
+
+@dataclass
+class Refusal:
+    """A cluster id we saw claimed (or asked for) that is not a member, and why."""
+
+    cluster_id: str
+    peer_id: str
+    reason: str
+    addrs: tuple[str, ...] = ()
+    at: float = field(default_factory=time.time)
+
+
+class _Notifee(INotifee):
+    def __init__(self, membership: Membership) -> None:
+        self._m = membership
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        return None
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        return None
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        self._m.on_connected(str(conn.muxed_conn.peer_id))
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        self._m.on_disconnected(str(conn.muxed_conn.peer_id))
+
+    async def listen(self, network: INetwork, multiaddr: object) -> None:
+        return None
+
+    async def listen_close(self, network: INetwork, multiaddr: object) -> None:
+        return None
+
+
+class Membership:
+    """Certificate exchange, per-peer verdicts, the stream guard and revocation watching."""
+
+    def __init__(
+        self, host: IHost, *, certificate: bytes, ca_public: bytes, revocation_path: Path,
+    ) -> None:
+        self.host = host
+        self.certificate = certificate
+        self.own = parse_certificate(certificate)
+        self.ca_public = ca_public
+        self.revocation_path = revocation_path
+        self.revoked = RevocationList.load(revocation_path)
+        self._revocation_mtime = _mtime(revocation_path)
+        self.verdicts: dict[str, PeerVerdict] = {}
+        #: non-members by the cluster id they claimed, and clusters that refused us
+        self.refusals: dict[str, Refusal] = {}
+        self.refused_by: dict[str, str] = {}  # peer id -> reason the peer gave us
+        self.on_member: Callable[[str, Certificate], None] | None = None
+        self.on_leave: Callable[[str], None] | None = None
+        self._spawn: trio.Nursery | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Register the member protocol, guard every other handler, watch revocations."""
+        async with trio.open_nursery() as nursery:
+            self._spawn = nursery
+            self.host.set_stream_handler(PROTOCOL_MEMBER, safe_handler("member", self._handle))  # type: ignore[arg-type]
+            self.host.get_network().register_notifee(_Notifee(self))
+            for peer in self.host.get_connected_peers():
+                self.on_connected(str(peer))
+            task_status.started()
+            await self._watch_revocations()
+
+    def guard_all_handlers(self) -> None:
+        """Wrap every handler registered so far (DHT, gossipsub, identify, ...) in the guard."""
+        mux = self.host.get_mux()
+        for proto, handler in list(mux.handlers.items()):
+            if proto is None or handler is None or proto == PROTOCOL_MEMBER:
+                continue
+            if getattr(handler, "_fabricd_guarded", False):
+                continue
+            mux.handlers[proto] = self.guard(str(proto), handler)
+
+    # ---- connection events -------------------------------------------------------------
+
+    def on_connected(self, peer_id: str) -> None:
+        if peer_id not in self.verdicts:
+            self.verdicts[peer_id] = PeerVerdict()
+        if self._spawn is not None:
+            self._spawn.start_soon(self._exchange, peer_id)
+
+    def on_disconnected(self, peer_id: str) -> None:
+        if self.host.get_network().connections.get(ID.from_base58(peer_id)):
+            return
+        verdict = self.verdicts.pop(peer_id, None)
+        if verdict is not None:
+            verdict.decided.set()
+            if verdict.certificate is not None:
+                log.info("member.disconnected", peer=peer_id, cluster=verdict.certificate.cluster_id)
+                if self.on_leave is not None:
+                    self.on_leave(peer_id)
+
+    # ---- queries -----------------------------------------------------------------------
+
+    def member_certificate(self, peer_id: str) -> Certificate | None:
+        verdict = self.verdicts.get(peer_id)
+        return verdict.certificate if verdict is not None and verdict.member else None
+
+    async def wait_verdict(self, peer_id: str, timeout: float = VERDICT_TIMEOUT) -> Certificate:
+        """The peer's certificate once verified; NotAMember with the reason otherwise."""
+        verdict = self.verdicts.get(peer_id)
+        if verdict is None:
+            verdict = self.verdicts[peer_id] = PeerVerdict()
+            if self._spawn is not None:
+                self._spawn.start_soon(self._exchange, peer_id)
+        with trio.move_on_after(timeout):
+            await verdict.decided.wait()
+        if verdict.certificate is not None:
+            return verdict.certificate
+        if peer_id in self.refused_by:
+            raise NotAMember(f"peer {peer_id} refused us: {self.refused_by[peer_id]}")
+        raise NotAMember(verdict.reason or f"peer {peer_id} presented no certificate within {timeout:.0f} s")
+
+    # ---- the guard ---------------------------------------------------------------------
+
+    def guard(
+        self, name: str, handler: Handler,
+        on_refuse: Callable[[INetStream, str], Awaitable[None]] | None = None,
+    ) -> Handler:
+        """A handler that serves only verified members; everyone else is refused and logged."""
+
+        async def guarded(stream: INetStream) -> None:
+            peer = remote_peer(stream)
+            try:
+                await self.wait_verdict(peer)
+            except NotAMember as exc:
+                log.warning("stream.refused", protocol=name, peer=peer, reason=f"not a member: {exc}")
+                if on_refuse is not None:
+                    with trio.move_on_after(2):
+                        await on_refuse(stream, f"not a member: {exc}")
+                    await close_quietly(stream)
+                else:
+                    await reset_quietly(stream)
+                return
+            await handler(stream)
+
+        wrapped = safe_handler(name, guarded)
+        wrapped._fabricd_guarded = True  # type: ignore[attr-defined]
+        return wrapped
+
+    # ---- the exchange ------------------------------------------------------------------
+
+    def _verify(self, cert_bytes: bytes, peer_id: str) -> Certificate:
+        return verify_certificate(
+            cert_bytes, self.ca_public, now=time.time(), revoked=self.revoked,
+            expected_peer_id=peer_id,
+        )
+
+    def _accept(self, peer_id: str, cert: Certificate) -> None:
+        verdict = self.verdicts.setdefault(peer_id, PeerVerdict())
+        first = verdict.certificate is None
+        verdict.certificate, verdict.reason = cert, ""
+        verdict.decided.set()
+        self.refusals.pop(cert.cluster_id, None)
+        self.refused_by.pop(peer_id, None)
+        if first:
+            log.info("member.accepted", peer=peer_id, cluster=cert.cluster_id, role=cert.role,
+                     serial=cert.serial)
+            if self.on_member is not None:
+                self.on_member(peer_id, cert)
+
+    def _reject(self, peer_id: str, reason: str, cert_bytes: bytes | None) -> None:
+        verdict = self.verdicts.setdefault(peer_id, PeerVerdict())
+        verdict.certificate, verdict.reason = None, reason
+        verdict.decided.set()
+        claimed = _claimed_cluster(cert_bytes)
+        if claimed:
+            self.refusals[claimed] = Refusal(claimed, peer_id, reason, _peer_addrs(self.host, peer_id))
+        log.warning("member.rejected", peer=peer_id, claimed_cluster=claimed or "?", reason=reason)
+        if self._spawn is not None:
+            self._spawn.start_soon(self._disconnect_later, peer_id)
+
+    async def _disconnect_later(self, peer_id: str) -> None:
+        # Give the MemberAck with the reason time to reach the peer before we hang up.
+        await trio.sleep(0.5)
+        verdict = self.verdicts.get(peer_id)
+        if verdict is not None and verdict.certificate is None:
+            try:
+                await self.host.disconnect(ID.from_base58(peer_id))
+            except Exception as exc:  # noqa: BLE001 - best effort
+                log.debug("member.disconnect_failed", peer=peer_id, reason=str(exc))
+
+    async def _handle(self, stream: INetStream) -> None:
+        peer = remote_peer(stream)
+        reader = stream_reader(stream)
+        try:
+            with trio.fail_after(10):
+                hello = await read_message(reader, MEMBER_FRAME_LIMIT)
+        except (ProtocolError, EOFError) as exc:
+            log.warning("member.bad_frame", peer=peer, reason=f"{type(exc).__name__}: {exc}")
+            await write_message(stream, MemberAck(accepted=False, reason=f"bad frame: {exc}",
+                                                  certificate=self.certificate))
+            await close_quietly(stream)
+            return
+        if not isinstance(hello, MemberHello):
+            reason = f"expected MemberHello on {PROTOCOL_MEMBER}, got {hello.TYPE}"
+            log.warning("member.bad_frame", peer=peer, reason=reason)
+            await write_message(stream, MemberAck(accepted=False, reason=reason, certificate=self.certificate))
+            await close_quietly(stream)
+            return
+        try:
+            cert = self._verify(hello.certificate, peer)
+        except NotAMember as exc:
+            self._reject(peer, f"{type(exc).__name__}: {exc}", hello.certificate)
+            await write_message(stream, MemberAck(
+                accepted=False, reason=f"not a member: {exc}", certificate=self.certificate))
+            await close_quietly(stream)
+            return
+        self._accept(peer, cert)
+        await write_message(stream, MemberAck(accepted=True, reason="", certificate=self.certificate))
+        await close_quietly(stream)
+
+    async def _exchange(self, peer_id: str) -> None:
+        """Present our certificate to ``peer_id`` and verify theirs from the reply."""
+        verdict = self.verdicts.get(peer_id)
+        if verdict is not None and verdict.decided.is_set():
+            return
+        try:
+            with trio.fail_after(10):
+                stream = await self.host.new_stream(ID.from_base58(peer_id), [PROTOCOL_MEMBER])  # type: ignore[list-item]
+                await write_message(stream, MemberHello(certificate=self.certificate))
+                ack = await read_message(stream_reader(stream), MEMBER_FRAME_LIMIT)
+                await close_quietly(stream)
+        except trio.TooSlowError:
+            self._reject(peer_id, "no reply to the membership exchange within 10 s", None)
+            return
+        except (ProtocolError, EOFError) as exc:
+            self._reject(peer_id, f"bad membership reply: {type(exc).__name__}: {exc}", None)
+            return
+        except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on dial/negotiate
+            # A peer that vanished mid-exchange is neither member nor rejected; forget it.
+            log.info("member.exchange_failed", peer=peer_id, reason=f"{type(exc).__name__}: {exc}")
+            return
+        if not isinstance(ack, MemberAck):
+            self._reject(peer_id, f"expected MemberAck, got {ack.TYPE}", None)
+            return
+        if not ack.accepted:
+            self.refused_by[peer_id] = ack.reason
+            log.warning("member.refused_by_peer", peer=peer_id, reason=ack.reason)
+        try:
+            cert = self._verify(ack.certificate, peer_id)
+        except NotAMember as exc:
+            self._reject(peer_id, f"{type(exc).__name__}: {exc}", ack.certificate)
+            return
+        if not ack.accepted:
+            # They are a member to us, but they refuse us: we cannot talk to them either.
+            self.refusals[cert.cluster_id] = Refusal(
+                cert.cluster_id, peer_id, f"peer refused us: {ack.reason}", _peer_addrs(self.host, peer_id))
+            verdict = self.verdicts.setdefault(peer_id, PeerVerdict())
+            verdict.reason = f"peer {peer_id} (cluster {cert.cluster_id}) refused us: {ack.reason}"
+            verdict.decided.set()
+            return
+        self._accept(peer_id, cert)
+
+    # ---- revocation --------------------------------------------------------------------
+
+    async def _watch_revocations(self) -> None:
+        while True:
+            await trio.sleep(1.0)
+            self.recheck()
+
+    def recheck(self) -> None:
+        """Re-read the revocation list if it changed; drop revoked or expired members."""
+        mtime = _mtime(self.revocation_path)
+        if mtime != self._revocation_mtime:
+            self._revocation_mtime = mtime
+            try:
+                self.revoked = RevocationList.load(self.revocation_path)
+                log.info("revocations.reloaded", path=self.revocation_path, serials=len(self.revoked))
+            except (ValueError, OSError) as exc:
+                log.error("revocations.unreadable", path=self.revocation_path, reason=str(exc),
+                          action="keeping the previous list")
+        now = time.time()
+        for peer_id, verdict in list(self.verdicts.items()):
+            cert = verdict.certificate
+            if cert is None:
+                continue
+            if cert.serial in self.revoked:
+                reason = f"certificate serial {cert.serial} for peer {peer_id} has been revoked"
+            elif not cert.not_before <= now <= cert.not_after:
+                reason = f"certificate serial {cert.serial} for peer {peer_id} expired"
+            else:
+                continue
+            self._reject(peer_id, reason, None)
+            self.refusals[cert.cluster_id] = Refusal(cert.cluster_id, peer_id, reason,
+                                                     _peer_addrs(self.host, peer_id))
+            if self.on_leave is not None:
+                self.on_leave(peer_id)
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return os.stat(path).st_mtime_ns / 1e9
+    except FileNotFoundError:
+        return None
+
+
+def _claimed_cluster(cert_bytes: bytes | None) -> str:
+    if not cert_bytes:
+        return ""
+    try:
+        return parse_certificate(cert_bytes).cluster_id
+    except ProtocolError:
+        return ""
+
+
+def _peer_addrs(host: IHost, peer_id: str) -> tuple[str, ...]:
+    try:
+        return tuple(str(a) for a in host.get_peerstore().addrs(ID.from_base58(peer_id)))
+    except Exception:  # noqa: BLE001 - unknown peer
+        return ()

@@ -1,0 +1,270 @@
+"""Update streams on /fedpilot/update/1.0.0.
+
+Sender: ``frame(UpdateHeader)``, the body in chunks of at most 4 MiB, then it reads one
+``frame(UpdateAck)`` (an early ack - e.g. a rejection before the body - stops the send).
+Receiver: checks the header (size limit, in-flight memory budget, a consumer for the
+job), reads the body into an ``UpdateReceiver`` (bounded), verifies length and sha256,
+drops repeated message ids, hands the payload to the local executor, and acks. Probe
+updates (job ``_probe``) are hashed and discarded, never stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.peer.id import ID
+
+from fabricd._streams import (
+    STREAM_ERRORS,
+    close_quietly,
+    read_exactly,
+    read_message_exact,
+    remote_peer,
+    write_message,
+)
+from fabricd.logs import get_logger
+from fabricd.membership import Membership
+from proto.errors import DigestMismatch, LengthMismatch, MessageTooLarge, ProtocolError
+from proto.ids import DEFAULT_CHUNK_BYTES, PROBE_JOB_ID, PROTOCOL_UPDATE
+from proto.messages import UpdateAck, UpdateHeader
+from proto.stream import DeliveredIds, UpdateReceiver, iter_chunks
+
+log = get_logger("fabricd.updates")
+
+HEADER_LIMIT = 64 * 1024
+DRAIN_SECONDS = 2.0
+
+
+class DeliveryError(Exception):
+    """The local consumer could not take an update (the reason goes back to the sender)."""
+
+
+class Consumer(Protocol):
+    def consumer_for(self, job_id: str) -> str | None:
+        """None if some local client takes updates for ``job_id``, else the reason why not."""
+
+    async def deliver(self, header: UpdateHeader, payload: bytes, source_cluster: str) -> None:
+        """Hand a verified update to the local client; DeliveryError if it cannot."""
+
+
+@dataclass
+class JobCounters:
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    sent_updates: int = 0
+    received_updates: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+
+
+class UpdateService:
+    """Serves incoming update streams and sends outgoing ones."""
+
+    def __init__(
+        self, host: IHost, membership: Membership, consumer: Consumer, *, cluster_id: str,
+        max_update_bytes: int, max_inflight_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        stream_timeout: float = 30.0,
+    ) -> None:
+        self.host = host
+        self.m = membership
+        self.consumer = consumer
+        self.cluster_id = cluster_id
+        self.max_update_bytes = max_update_bytes
+        self.max_inflight_bytes = max_inflight_bytes
+        self.chunk_bytes = chunk_bytes
+        self.stream_timeout = stream_timeout
+        self.inflight = 0
+        self.delivered = DeliveredIds(100_000)
+        self.jobs: dict[str, JobCounters] = defaultdict(JobCounters)
+
+    def register(self) -> None:
+        self.host.set_stream_handler(
+            PROTOCOL_UPDATE,  # type: ignore[arg-type]
+            self.m.guard("update", self._handle, on_refuse=self._refuse),
+        )
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        return {job: asdict(c) for job, c in sorted(self.jobs.items())}
+
+    # ---- receiving ---------------------------------------------------------------------
+
+    async def _refuse(self, stream: INetStream, reason: str) -> None:
+        await write_message(stream, UpdateAck(message_id="unknown", status="rejected",
+                                              reason=reason, received_bytes=0))
+
+    async def _ack(self, stream: INetStream, header: UpdateHeader | None, status: str,
+                   reason: str, received: int) -> None:
+        mid = header.message_id if header is not None else "unknown"
+        await write_message(stream, UpdateAck(message_id=mid, status=status, reason=reason,
+                                              received_bytes=received))
+
+    async def _reject(self, stream: INetStream, peer: str, header: UpdateHeader | None,
+                      reason: str, received: int = 0, drain: bool = False) -> None:
+        log.warning("update.rejected", peer=peer, job=header.job_id if header else "?",
+                    message_id=header.message_id if header else "?", reason=reason)
+        if header is not None:
+            self.jobs[header.job_id].rejected += 1
+        await self._ack(stream, header, "rejected", reason, received)
+        if drain and header is not None:
+            # Let the sender read our early ack instead of failing on a reset.
+            with trio.move_on_after(DRAIN_SECONDS):
+                left = header.byte_length - received
+                while left > 0:
+                    got = await read_exactly(stream, min(left, self.chunk_bytes))
+                    if not got:
+                        break
+                    left -= len(got)
+        await close_quietly(stream)
+
+    async def _handle(self, stream: INetStream) -> None:
+        peer = remote_peer(stream)
+        cert = self.m.member_certificate(peer)
+        source_cluster = cert.cluster_id if cert is not None else ""
+        try:
+            with trio.fail_after(self.stream_timeout):
+                header = await read_message_exact(stream, HEADER_LIMIT)
+        except (ProtocolError, EOFError, trio.TooSlowError) as exc:
+            await self._reject(stream, peer, None, f"bad update header: {type(exc).__name__}: {exc}")
+            return
+        if not isinstance(header, UpdateHeader):
+            await self._reject(stream, peer, None, f"expected UpdateHeader, got {header.TYPE}")
+            return
+        try:
+            receiver = UpdateReceiver(header, self.max_update_bytes)
+        except MessageTooLarge as exc:
+            await self._reject(stream, peer, header, str(exc))
+            return
+        probe = header.job_id == PROBE_JOB_ID
+        if not probe:
+            if header.message_id in self.delivered:
+                self.jobs[header.job_id].duplicates += 1
+                log.info("update.duplicate", peer=peer, job=header.job_id, message_id=header.message_id)
+                await self._ack(stream, header, "duplicate", "already delivered", 0)
+                await close_quietly(stream)
+                return
+            why_not = self.consumer.consumer_for(header.job_id)
+            if why_not is not None:
+                await self._reject(stream, peer, header, why_not, drain=True)
+                return
+            if self.inflight + header.byte_length > self.max_inflight_bytes:
+                await self._reject(stream, peer, header,
+                                   f"busy: {self.inflight} bytes of updates in flight, limit "
+                                   f"{self.max_inflight_bytes}; retry later", drain=True)
+                return
+        reserved = 0 if probe else header.byte_length
+        self.inflight += reserved
+        try:
+            await self._receive_body(stream, peer, header, receiver, probe, source_cluster)
+        finally:
+            self.inflight -= reserved
+
+    async def _receive_body(self, stream: INetStream, peer: str, header: UpdateHeader,
+                            receiver: UpdateReceiver, probe: bool, source_cluster: str) -> None:
+        started = time.perf_counter()
+        digest = hashlib.sha256()
+        received = 0
+        try:
+            while received < header.byte_length:
+                with trio.fail_after(self.stream_timeout):
+                    chunk = await stream.read(min(header.byte_length - received, self.chunk_bytes))
+                received += len(chunk)
+                if probe:
+                    digest.update(chunk)
+                else:
+                    receiver.feed(chunk)
+        except trio.TooSlowError:
+            await self._reject(stream, peer, header, f"no body data for {self.stream_timeout:.0f} s", received)
+            return
+        except STREAM_ERRORS:
+            if received < header.byte_length:
+                await self._reject(stream, peer, header,
+                                   f"body ended after {received} of {header.byte_length} bytes", received)
+                return
+        except LengthMismatch as exc:
+            await self._reject(stream, peer, header, str(exc), received)
+            return
+        self.jobs[header.job_id].received_bytes += received
+        try:
+            if probe:
+                if not hmac.compare_digest(digest.digest(), header.sha256):
+                    raise DigestMismatch(
+                        f"update {header.message_id!r}: sha256 of the body is {digest.hexdigest()}, "
+                        f"header says {header.sha256.hex()}")
+                payload = b""
+            else:
+                payload = receiver.finish()
+        except (LengthMismatch, DigestMismatch) as exc:
+            await self._reject(stream, peer, header, f"{type(exc).__name__}: {exc}", received)
+            return
+        if not probe:
+            if self.delivered.seen(header.message_id):
+                self.jobs[header.job_id].duplicates += 1
+                await self._ack(stream, header, "duplicate", "already delivered", received)
+                await close_quietly(stream)
+                return
+            try:
+                await self.consumer.deliver(header, payload, source_cluster)
+            except DeliveryError as exc:
+                self.delivered.discard(header.message_id)
+                await self._reject(stream, peer, header, str(exc), received)
+                return
+        self.jobs[header.job_id].received_updates += 1
+        seconds = time.perf_counter() - started
+        log.info("update.received", peer=peer, cluster=source_cluster, job=header.job_id,
+                 round=header.round, message_id=header.message_id, bytes=received,
+                 seconds=round(seconds, 4), verified="sha256")
+        await self._ack(stream, header, "ok", "", received)
+        await close_quietly(stream)
+
+    # ---- sending -----------------------------------------------------------------------
+
+    async def send(self, peer_id: str, header: UpdateHeader, body: bytes | memoryview,
+                   on_first_byte: Callable[[], Awaitable[None]] | None = None) -> UpdateAck:
+        """Stream one update to ``peer_id`` and return its ack (rejections included).
+
+        Raises NotAMember if the peer is not a verified member, OSError-like libp2p
+        errors if it cannot be reached.
+        """
+        await self.m.wait_verdict(peer_id)
+        stream = await self.host.new_stream(ID.from_base58(peer_id), [PROTOCOL_UPDATE])  # type: ignore[list-item]
+        ack: list[UpdateAck] = []
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def read_ack() -> None:
+                    msg = await read_message_exact(stream, HEADER_LIMIT)
+                    if not isinstance(msg, UpdateAck):
+                        raise ProtocolError(f"expected UpdateAck, got {msg.TYPE}")
+                    ack.append(msg)
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(read_ack)
+                await write_message(stream, header)
+                try:
+                    for chunk in iter_chunks(body, self.chunk_bytes):
+                        await stream.write(bytes(chunk))
+                except STREAM_ERRORS:
+                    # The receiver may have stopped us with an early ack; wait for it briefly.
+                    with trio.move_on_after(2):
+                        await trio.sleep_forever()
+                    raise
+                with trio.fail_after(self.stream_timeout + header.byte_length / 50e6):
+                    await trio.sleep_forever()
+        finally:
+            await close_quietly(stream)
+        if not ack:
+            raise ProtocolError(f"peer {peer_id} closed the update stream without an ack")
+        result = ack[0]
+        counters = self.jobs[header.job_id]
+        if result.status == "ok":
+            counters.sent_bytes += header.byte_length
+            counters.sent_updates += 1
+        return result
