@@ -31,7 +31,7 @@ from proto._bridge_messages import (
 )
 from proto._schema import I64_MAX, Int, from_map, pack, unpack_limited
 from proto.codec import ExactReader
-from proto.errors import InvalidMessage, MalformedFrame, MessageTooLarge
+from proto.errors import InvalidMessage, MalformedFrame, MessageTooLarge, StreamClosed
 from proto.ids import MAX_BRIDGE_HEADER_BYTES
 
 HEADER_PREFIX = struct.Struct(">I")
@@ -133,12 +133,13 @@ def recv_bridge(sock: socket.socket, max_payload: int,
                 *, max_header: int = MAX_BRIDGE_HEADER_BYTES) -> tuple[BridgeMessage, bytes]:
     """Read one frame from a blocking socket: (message, payload).
 
-    EOFError if the peer closed before a frame; MalformedFrame if it closed inside one;
-    other ProtocolErrors for bad content. Oversized lengths are refused before reading.
+    StreamClosed (an EOFError and a ConnectionError) if the peer closed before a frame;
+    MalformedFrame if it closed inside one; other ProtocolErrors for bad content.
+    Oversized lengths are refused before reading.
     """
     prefix = _recv_exactly(sock, HEADER_PREFIX.size)
     if not prefix:
-        raise EOFError("bridge closed")
+        raise StreamClosed("bridge closed by the other side")
     header = _recv_exactly(sock, parse_header_length(bytes(prefix), max_header))
     msg, length = decode_bridge_header(bytes(header), max_payload, max_header=max_header)
     payload = _recv_exactly(sock, length) if length else bytearray()
@@ -170,7 +171,7 @@ async def recv_bridge_async(read_exactly: Callable[[int], Awaitable[bytes]], max
     """
     prefix = await read_exactly(HEADER_PREFIX.size)
     if not prefix:
-        raise EOFError("bridge closed")
+        raise StreamClosed("bridge closed by the other side")
     header = await read_exactly(parse_header_length(prefix, max_header))
     msg, length = decode_bridge_header(header, max_payload, max_header=max_header)
     payload = await read_exactly(length) if length else b""

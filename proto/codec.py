@@ -10,7 +10,7 @@ import struct
 from collections.abc import Awaitable, Callable
 
 from proto._schema import from_map, pack, unpack_limited
-from proto.errors import MalformedFrame, MessageTooLarge
+from proto.errors import MalformedFrame, MessageTooLarge, StreamClosed
 from proto.ids import MAX_MESSAGE_BYTES
 from proto.messages import Message
 
@@ -59,13 +59,13 @@ def parse_length_prefix(prefix: bytes, max_size: int) -> int:
 async def read_frame(read_exactly: ReadExactly, max_size: int = MAX_MESSAGE_BYTES) -> Message:
     """Read one length-prefixed message. `read_exactly(n)` returns n bytes (fewer = EOF).
 
-    An oversized length prefix is rejected before the body is read. Raises EOFError if
-    the stream ends cleanly before the first byte of the frame, MalformedFrame if it
-    ends inside the frame.
+    An oversized length prefix is rejected before the body is read. Raises StreamClosed
+    (an EOFError) if the stream ends cleanly before the first byte of the frame, and
+    MalformedFrame if it ends inside the frame.
     """
     prefix = await read_exactly(LENGTH_PREFIX.size)
     if not prefix:
-        raise EOFError("stream closed before a frame")
+        raise StreamClosed("stream closed before a frame")
     length = parse_length_prefix(prefix, max_size)
     body = await read_exactly(length)
     if len(body) != length:

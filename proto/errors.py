@@ -11,6 +11,13 @@ class ProtocolError(Exception):
     """Base of every rejection of bad input from a peer, a bridge client or a file."""
 
 
+class StreamClosed(ConnectionError, EOFError):
+    """The stream or socket ended cleanly before the first byte of a frame (not bad input).
+
+    Both an EOFError and a ConnectionError, so either `except` clause catches it.
+    """
+
+
 class MalformedFrame(ProtocolError):
     """The bytes are not a well-formed frame (truncated, not msgpack, trailing data)."""
 
@@ -84,6 +91,7 @@ __all__ = [
     "PeerMismatch",
     "ProtocolError",
     "SignatureError",
+    "StreamClosed",
     "UnknownMessageType",
     "UnsupportedVersion",
     "WrongRole",

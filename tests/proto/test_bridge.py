@@ -19,6 +19,7 @@ from proto.errors import (
     MalformedFrame,
     MessageTooLarge,
     ProtocolError,
+    StreamClosed,
     UnknownMessageType,
 )
 from tests.proto.samples import BODY, BRIDGE, HEADER
@@ -37,8 +38,9 @@ def test_sync_round_trip_of_every_type() -> None:
             bridge.send_bridge(a, msg, payload)
             assert bridge.recv_bridge(b, LIMIT) == (msg, payload)
         a.shutdown(socket.SHUT_WR)
-        with pytest.raises(EOFError):
+        with pytest.raises(StreamClosed) as info:
             bridge.recv_bridge(b, LIMIT)
+        assert isinstance(info.value, EOFError) and isinstance(info.value, ConnectionError)
 
 
 @pytest.mark.trio
@@ -50,7 +52,7 @@ async def test_trio_round_trip_of_every_type() -> None:
         await tx.send(msg, payload)
         assert await rx.recv() == (msg, payload)
     await left.aclose()
-    with pytest.raises(EOFError):
+    with pytest.raises(StreamClosed):
         await rx.recv()
 
 
