@@ -1,0 +1,93 @@
+"""Model registry: built-ins on 8x8 digits, deterministic init, user classes, clear errors."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from proto.job import ModelSpec
+from worker.models import MODEL_NAMES, ModelError, build_model, count_parameters
+from worker.serialization import model_weights
+
+DIGITS = (1, 8, 8)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_builtin_models_run_on_digits_and_are_seed_deterministic(name: str) -> None:
+    before = torch.get_rng_state()
+    a = build_model(ModelSpec(name=name), DIGITS, 10, seed=1)
+    b = build_model(ModelSpec(name=name), DIGITS, 10, seed=1)
+    c = build_model(ModelSpec(name=name), DIGITS, 10, seed=2)
+    assert torch.equal(torch.get_rng_state(), before), "global RNG was disturbed"
+    wa, wb, wc = model_weights(a), model_weights(b), model_weights(c)
+    assert all(np.array_equal(wa[k], wb[k]) for k in wa)
+    assert any(not np.array_equal(wa[k], wc[k]) for k in wa)
+    out = a(torch.zeros(5, *DIGITS))
+    assert out.shape == (5, 10)
+
+
+def test_mlp_width_follows_spec_and_flat_inputs_work() -> None:
+    small = build_model(ModelSpec(name="mlp", hidden=8), (4,), 3, seed=0)
+    assert count_parameters(small) == 4 * 8 + 8 + 8 * 3 + 3
+    assert small(torch.zeros(2, 4)).shape == (2, 3)
+
+
+def test_lenet_is_padded_for_8x8_and_accepts_2d_images() -> None:
+    lenet = build_model(ModelSpec(name="lenet"), DIGITS, 10, seed=0)
+    assert lenet.classifier[0].in_features == 16 * 2 * 2  # type: ignore[index,union-attr]
+    cnn = build_model(ModelSpec(name="cnn"), (8, 8), 10, seed=0)
+    assert cnn(torch.zeros(3, 8, 8)).shape == (3, 10)
+
+
+def test_conv_models_reject_flat_inputs_clearly() -> None:
+    with pytest.raises(ModelError, match=r"model 'cnn' cannot be built.*\(channels, height, width\)"):
+        build_model(ModelSpec(name="cnn"), (64,), 10, seed=0)
+
+
+def test_unknown_model_lists_what_exists() -> None:
+    with pytest.raises(ModelError, match="unknown model 'resnet'; use one of mlp, cnn, lenet"):
+        build_model(ModelSpec(name="resnet"), DIGITS, 10, seed=0)
+
+
+USER_MODULE = '''
+import torch
+from torch import nn
+
+class Tiny(nn.Module):
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.flat = nn.Flatten()
+        self.fc = nn.Linear(int(torch.tensor(input_shape).prod()), num_classes)
+        self.scale = nn.Parameter(torch.randn(1))
+
+    def forward(self, x):
+        return self.fc(self.flat(x)) * self.scale
+
+class NotAModule:
+    def __init__(self, input_shape, num_classes):
+        pass
+'''
+
+
+def test_user_class_by_module_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "fedpilot_user_models.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        spec = ModelSpec(name="fedpilot_user_models:Tiny")
+        a = build_model(spec, DIGITS, 10, seed=5)
+        b = build_model(spec, DIGITS, 10, seed=5)
+        assert type(a).__name__ == "Tiny" and a(torch.zeros(2, *DIGITS)).shape == (2, 10)
+        # even the parameter drawn from the global RNG is reproducible
+        assert torch.equal(a.scale, b.scale)  # type: ignore[arg-type]
+        with pytest.raises(ModelError, match="not a torch.nn.Module subclass"):
+            build_model(ModelSpec(name="fedpilot_user_models:NotAModule"), DIGITS, 10, seed=0)
+        with pytest.raises(ModelError, match="has no attribute 'Missing'"):
+            build_model(ModelSpec(name="fedpilot_user_models:Missing"), DIGITS, 10, seed=0)
+    finally:
+        sys.modules.pop("fedpilot_user_models", None)
+    with pytest.raises(ModelError, match="cannot import module 'no_such_pkg.models'"):
+        build_model(ModelSpec(name="no_such_pkg.models:Net"), DIGITS, 10, seed=0)

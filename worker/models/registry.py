@@ -1,0 +1,118 @@
+"""Model registry: config names -> constructors, plus user classes named `package.module:Class`.
+
+Every model is initialised deterministically from `seed` without disturbing torch's global
+random state (standard layers are re-initialised from a private `torch.Generator`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .cnn import CNN
+from .lenet import LeNet
+from .mlp import MLP
+
+if TYPE_CHECKING:
+    from proto.job import ModelSpec
+
+log = logging.getLogger(__name__)
+
+Builder = Callable[["ModelSpec", tuple[int, ...], int], nn.Module]
+
+MODELS: dict[str, Builder] = {
+    "mlp": lambda spec, shape, classes: MLP(shape, classes, hidden=int(spec.hidden)),
+    "cnn": lambda spec, shape, classes: CNN(shape, classes),
+    "lenet": lambda spec, shape, classes: LeNet(shape, classes),
+}
+MODEL_NAMES = tuple(MODELS)
+
+# Construction of user models may draw from torch's global RNG; serialize it and restore
+# the global state afterwards.
+_global_rng_lock = threading.Lock()
+
+
+class ModelError(ValueError):
+    """A model name or user class cannot be used; the message says what exists instead."""
+
+
+def build_model(
+    spec: ModelSpec, input_shape: tuple[int, ...], num_classes: int, seed: int
+) -> nn.Module:
+    """Build the model `spec.name` for inputs of `input_shape` and `num_classes` outputs.
+
+    The same (spec, shape, classes, seed) always gives identical weights. Unknown names
+    raise `ModelError` listing the registered models and the `package.module:Class` form.
+    """
+    name = spec.name
+    shape = tuple(int(d) for d in input_shape)
+    if num_classes < 1:
+        raise ModelError(f"model {name!r}: num_classes must be at least 1, got {num_classes}")
+    builder = MODELS.get(name) or (_user_builder(name) if ":" in name else None)
+    if builder is None:
+        raise ModelError(
+            f"unknown model {name!r}; use one of {', '.join(MODEL_NAMES)} "
+            "or a user class as 'package.module:Class'"
+        )
+    with _global_rng_lock, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            model = builder(spec, shape, num_classes)
+        except ModelError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise ModelError(f"model {name!r} cannot be built for input {shape}: {exc}") from None
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"model {name!r} built a {type(model).__name__}, not a torch.nn.Module")
+    reset_parameters(model, seed)
+    log.debug("event=model_built name=%s params=%d seed=%d", name, count_parameters(model), seed)
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of trainable scalars in `model`."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def reset_parameters(model: nn.Module, seed: int) -> None:
+    """Re-initialise Linear and Conv layers as PyTorch does by default, from a private
+    generator seeded with `seed` (other parameters are left as constructed)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d):
+                nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5), generator=gen)
+                if module.bias is not None:
+                    fan_in = module.weight[0].numel()
+                    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+                    nn.init.uniform_(module.bias, -bound, bound, generator=gen)
+
+
+def _user_builder(name: str) -> Builder:
+    module_name, _, class_name = name.partition(":")
+    if not module_name or not class_name:
+        raise ModelError(f"model {name!r}: a user model is written 'package.module:Class'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelError(
+            f"model {name!r}: cannot import module {module_name!r} ({exc}); make sure it is "
+            "installed on every cluster"
+        ) from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ModelError(f"model {name!r}: module {module_name!r} has no attribute {class_name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ModelError(f"model {name!r}: {class_name} is not a torch.nn.Module subclass")
+
+    def build(spec: ModelSpec, shape: tuple[int, ...], classes: int) -> nn.Module:
+        return cls(shape, classes)
+
+    return build

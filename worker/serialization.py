@@ -1,0 +1,112 @@
+"""Model weights as safetensors bytes (never pickle) and conversions to/from torch state dicts.
+
+`weights_to_bytes`/`bytes_to_weights` need only numpy; the state-dict helpers import torch
+when called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load as _st_load
+from safetensors.numpy import save as _st_save
+
+if TYPE_CHECKING:
+    import torch
+
+Weights = dict[str, np.ndarray]
+
+
+class SerializationError(ValueError):
+    """Bytes are not valid safetensors, or weights cannot be encoded; says which and why."""
+
+
+def weights_to_bytes(
+    weights: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
+) -> bytes:
+    """Encode named numpy arrays (and optional string metadata) as safetensors bytes."""
+    arrays: dict[str, np.ndarray] = {}
+    for name, value in weights.items():
+        if not isinstance(name, str) or not name:
+            raise SerializationError(f"tensor names must be non-empty strings, got {name!r}")
+        arr = np.asarray(value)
+        if arr.dtype == object:
+            raise SerializationError(f"tensor {name!r} has dtype object; only numeric arrays travel")
+        # not np.ascontiguousarray: it turns 0-d arrays into 1-d ones
+        arrays[name] = arr if arr.flags.c_contiguous else arr.copy(order="C")
+    try:
+        return _st_save(arrays, metadata=dict(metadata) if metadata else None)
+    except (SafetensorError, ValueError, TypeError) as exc:
+        raise SerializationError(f"cannot encode weights as safetensors: {exc}") from None
+
+
+def bytes_to_weights(data: bytes) -> Weights:
+    """Decode safetensors bytes into a dict of writable numpy arrays."""
+    try:
+        return dict(_st_load(bytes(data)))
+    except (SafetensorError, ValueError, TypeError) as exc:
+        raise SerializationError(
+            f"{len(data)} bytes are not valid safetensors ({exc}); the sender must use "
+            "weights_to_bytes"
+        ) from None
+
+
+def bytes_metadata(data: bytes) -> dict[str, str]:
+    """Return the string metadata stored in safetensors bytes (empty if there is none)."""
+    import json
+    import struct
+
+    if len(data) < 8:
+        raise SerializationError(f"{len(data)} bytes are too short to be safetensors")
+    (header_len,) = struct.unpack("<Q", data[:8])
+    if header_len > len(data) - 8:
+        raise SerializationError(
+            f"safetensors header claims {header_len} bytes but only {len(data) - 8} follow"
+        )
+    try:
+        header = json.loads(data[8 : 8 + header_len])
+    except ValueError as exc:
+        raise SerializationError(f"safetensors header is not JSON ({exc})") from None
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise SerializationError("safetensors __metadata__ is not a map of strings")
+    return {str(k): str(v) for k, v in meta.items()}
+
+
+def state_dict_to_weights(state_dict: Mapping[str, torch.Tensor]) -> Weights:
+    """Copy a torch state dict (parameters and buffers) into numpy arrays."""
+    return {name: t.detach().cpu().numpy().copy() for name, t in state_dict.items()}
+
+
+def weights_to_state_dict(weights: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Turn numpy weights into torch tensors for `model.load_state_dict` (copies the data)."""
+    import torch
+
+    return {name: torch.from_numpy(np.array(arr, copy=True)) for name, arr in weights.items()}
+
+
+def model_weights(model: torch.nn.Module) -> Weights:
+    """The model's current state dict as numpy arrays."""
+    return state_dict_to_weights(model.state_dict())
+
+
+def load_weights(model: torch.nn.Module, weights: Mapping[str, np.ndarray]) -> None:
+    """Load numpy weights into `model`; every name and shape must match exactly."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing or extra:
+        raise SerializationError(
+            f"weights do not fit {type(model).__name__}: missing {missing or 'none'}, "
+            f"unexpected {extra or 'none'}"
+        )
+    for name, tensor in expected.items():
+        if tuple(np.shape(weights[name])) != tuple(tensor.shape):
+            raise SerializationError(
+                f"weights do not fit {type(model).__name__}: {name} has shape "
+                f"{tuple(np.shape(weights[name]))}, the model expects {tuple(tensor.shape)}"
+            )
+    model.load_state_dict(weights_to_state_dict(weights))

@@ -1,0 +1,168 @@
+"""Local training and evaluation of a torch model on numpy arrays.
+
+Deterministic for a given seed: batches are shuffled with a private `torch.Generator` and
+nothing here reads torch's global random state. Thread count is the caller's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from proto.job import TrainingSpec
+
+log = logging.getLogger(__name__)
+
+OPTIMIZERS = ("sgd", "adam")
+EVAL_BATCH_SIZE = 1024
+
+
+class TrainingError(ValueError):
+    """Training settings or inputs are unusable; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """`num_samples` trained on (the aggregation weight); `loss` = mean cross-entropy over
+    the last epoch, without the FedProx term (0.0 when there was nothing to train on)."""
+
+    num_samples: int
+    loss: float
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Accuracy and mean cross-entropy on `num_samples` samples (both 0.0 when empty)."""
+
+    accuracy: float
+    loss: float
+    num_samples: int
+
+
+def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    x_arr, y_arr = np.asarray(x), np.asarray(y)
+    if len(x_arr) != len(y_arr):
+        raise TrainingError(f"x has {len(x_arr)} samples but y has {len(y_arr)}")
+    xt = torch.tensor(np.ascontiguousarray(x_arr, dtype=np.float32))
+    yt = torch.tensor(np.ascontiguousarray(y_arr, dtype=np.int64))
+    return xt, yt
+
+
+def make_optimizer(model: nn.Module, training: TrainingSpec) -> torch.optim.Optimizer:
+    """The optimizer `training.optimizer` over the model's parameters."""
+    lr, wd = float(training.learning_rate), float(training.weight_decay)
+    if not lr > 0:
+        raise TrainingError(f"training.learning_rate must be positive, got {lr}")
+    if training.optimizer == "sgd":
+        return torch.optim.SGD(
+            model.parameters(), lr=lr, momentum=float(training.momentum), weight_decay=wd
+        )
+    if training.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=wd)
+    raise TrainingError(
+        f"training.optimizer {training.optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)}"
+    )
+
+
+def train_local(
+    model: nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    training: TrainingSpec,
+    *,
+    seed: int,
+    global_weights: Mapping[str, np.ndarray] | None = None,
+) -> TrainResult:
+    """Train `model` in place for `training.number_of_epochs` epochs on (x, y).
+
+    Mini-batches of `training.batch_size`, shuffled each epoch from `seed`. With
+    `training.fedprox_mu > 0` the loss gains mu/2 * ||w - w_global||^2, where w_global is
+    `global_weights` (by parameter name) or, if None, the model's weights on entry.
+    """
+    xt, yt = _tensors(x, y)
+    n = len(yt)
+    epochs, batch_size = int(training.number_of_epochs), int(training.batch_size)
+    if epochs < 0:
+        raise TrainingError(f"training.number_of_epochs must be >= 0, got {epochs}")
+    if batch_size < 1:
+        raise TrainingError(f"training.batch_size must be >= 1, got {batch_size}")
+    mu = float(training.fedprox_mu)
+    if mu < 0:
+        raise TrainingError(f"training.fedprox_mu must be >= 0, got {mu}")
+    optimizer = make_optimizer(model, training)
+    if n == 0 or epochs == 0:
+        return TrainResult(num_samples=n, loss=0.0)
+
+    anchors = _proximal_anchors(model, global_weights) if mu > 0 else []
+    gen = torch.Generator().manual_seed(int(seed))
+    model.train()
+    last_loss = 0.0
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=gen)
+        total = 0.0
+        for start in range(0, n, batch_size):
+            batch = order[start : start + batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            data_loss = F.cross_entropy(model(xt[batch]), yt[batch])
+            loss = data_loss
+            if anchors:
+                prox = sum(((p - a) ** 2).sum() for p, a in anchors)
+                loss = data_loss + 0.5 * mu * prox
+            loss.backward()
+            optimizer.step()
+            total += float(data_loss.detach()) * len(batch)
+        last_loss = total / n
+    if not math.isfinite(last_loss):
+        log.warning("event=train_diverged samples=%d loss=%s lr=%s", n, last_loss,
+                    training.learning_rate)
+    return TrainResult(num_samples=n, loss=last_loss)
+
+
+def _proximal_anchors(
+    model: nn.Module, global_weights: Mapping[str, np.ndarray] | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    anchors: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if global_weights is None:
+            anchor = param.detach().clone()
+        elif name in global_weights:
+            anchor = torch.tensor(np.asarray(global_weights[name]), dtype=param.dtype)
+            if anchor.shape != param.shape:
+                raise TrainingError(
+                    f"global_weights[{name!r}] has shape {tuple(anchor.shape)}, the model "
+                    f"parameter has {tuple(param.shape)}"
+                )
+        else:
+            raise TrainingError(f"global_weights has no tensor {name!r} for the FedProx term")
+        anchors.append((param, anchor))
+    return anchors
+
+
+def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> EvalResult:
+    """Accuracy and mean cross-entropy of `model` on (x, y), in eval mode, without gradients."""
+    xt, yt = _tensors(x, y)
+    n = len(yt)
+    if n == 0:
+        return EvalResult(accuracy=0.0, loss=0.0, num_samples=0)
+    was_training = model.training
+    model.eval()
+    correct, total_loss = 0, 0.0
+    with torch.no_grad():
+        for start in range(0, n, EVAL_BATCH_SIZE):
+            logits = model(xt[start : start + EVAL_BATCH_SIZE])
+            target = yt[start : start + EVAL_BATCH_SIZE]
+            total_loss += float(F.cross_entropy(logits, target, reduction="sum"))
+            correct += int((logits.argmax(dim=1) == target).sum())
+    model.train(was_training)
+    return EvalResult(accuracy=correct / n, loss=total_loss / n, num_samples=n)
