@@ -1,0 +1,150 @@
+"""Real fabricd subprocesses on 127.0.0.1 for integration tests (always killed in teardown)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FABRICD = [sys.executable, "-m", "fabricd.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cli(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([*FABRICD, *args], capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"fabricd {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+def cli_json(*args: str, timeout: float = 120) -> Any:
+    return json.loads(cli(*args, timeout=timeout).stdout)
+
+
+@dataclass
+class Node:
+    name: str
+    dir: Path
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path = field(init=False)
+    started_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.log_path = self.dir.parent / f"{self.name}.log"
+
+    @property
+    def config(self) -> str:
+        return str(self.dir / "cluster.toml")
+
+    def addr(self) -> str:
+        return str(cli_json("id", "--config", self.config)["addrs"][0])
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the subprocess
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen([*FABRICD, "--config", self.config], stdout=log, stderr=log,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        log.close()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"fabricd {self.name} exited {self.proc.returncode}:\n{self.log()}")
+            if "event=daemon.ready" in self.log():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"fabricd {self.name} not ready in {timeout} s:\n{self.log()}")
+
+    def status(self) -> dict[str, Any]:
+        return dict(cli_json("status", "--config", self.config))
+
+    def connected(self) -> set[str]:
+        return {c["cluster_id"] for c in self.status()["clusters"] if c["connected"]}
+
+    def probe(self, cluster: str, nbytes: int, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return cli("probe", "--config", self.config, "--cluster", cluster, "--bytes", str(nbytes),
+                   check=check, timeout=300)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def init_ca(root: Path, name: str = "ca") -> Path:
+    ca = root / name
+    cli("certs", "init-ca", "--out", str(ca))
+    return ca
+
+
+def init_node(root: Path, name: str, ca: Path, bootstrap: list[str] = (), role: str = "cluster",  # type: ignore[assignment]
+              ) -> Node:
+    port = free_port()
+    args = ["init", "--cluster-id", name, "--listen", f"/ip4/127.0.0.1/tcp/{port}",
+            "--ca", str(ca), "--out", str(root / name), "--role", role]
+    for b in bootstrap:
+        args += ["--bootstrap", b]
+    cli(*args)
+    return Node(name, root / name, port)
+
+
+def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> float:
+    """Seconds until predicate() is truthy; AssertionError after ``timeout``."""
+    start = time.monotonic()
+    last_exc: Exception | None = None
+    while time.monotonic() - start < timeout:
+        try:
+            if predicate():
+                return time.monotonic() - start
+        except (AssertionError, json.JSONDecodeError, subprocess.SubprocessError) as exc:
+            last_exc = exc
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s (last error: {last_exc})")
+
+
+def bridge_status(node: Node) -> dict[str, Any]:
+    """Status straight over the bridge socket (fast enough to poll)."""
+    from fabricd.config import load_config
+    from proto.bridge import BridgeClient, StatusReply, StatusRequest
+
+    path = str(load_config(node.config).bridge_socket)
+    with BridgeClient(path, role="cli", timeout=10) as client:
+        reply, _ = client.request(StatusRequest())
+    assert isinstance(reply, StatusReply), reply
+    return dict(reply.status)
+
+
+def connected_fast(node: Node) -> set[str]:
+    return {c["cluster_id"] for c in bridge_status(node)["clusters"] if c["connected"]}
