@@ -7,7 +7,12 @@ is allowed); `JobSpec.to_dict` gives plain msgpack/TOML-safe data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 DISTRIBUTIONS = ("iid", "dirichlet", "labels", "shards", "quantity")
 TOPOLOGIES = ("star", "hierarchical", "ring", "k_connected", "full", "custom", "hybrid")
@@ -19,6 +24,19 @@ PLACEMENT_STRATEGIES = ("locality", "round_robin", "random", "precomputed")
 PLACEMENT_GROUP_STRATEGIES = ("SPREAD", "PACK")
 COMPRESSIONS = ("none", "fp16", "int8", "topk")
 OPTIMIZERS = ("sgd", "adam")
+DATASETS = ("digits",)                      # plus "npz:PATH"
+MODELS = ("mlp", "cnn", "lenet")            # plus "package.module:Class"
+K_CONNECTED_MODES = ("random", "similarity")
+
+
+class JobSpecError(ValueError):
+    """A job specification is invalid. The message is one line naming the source, the
+    dotted key, the bad value and what is allowed."""
+
+    def __init__(self, source: str, key: str, message: str) -> None:
+        self.source = source
+        self.key = key
+        super().__init__(f"{source}: {message}")
 
 
 @dataclass(frozen=True)
@@ -83,8 +101,10 @@ class PlacementSpec:
     max_materialized: int = 8               # live FederatedNode actors per cluster
     ap_damping: float = 0.7
     ap_preference: float | None = None      # None = median similarity
-    ap_max_exemplar_candidates: int = 2000  # above this, AP runs on distinct/sampled histograms
+    ap_max_exemplar_candidates: int = 1000  # above this, AP runs on distinct/sampled histograms
     precomputed_file: str = ""              # for precomputed: JSON/CSV client -> cluster
+    louvain_resolution: float = 1.0         # > 1 gives more, smaller community groups
+    similarity_weight: float = 1.0          # weight of data similarity vs topology traffic
 
 
 @dataclass(frozen=True)
@@ -104,3 +124,250 @@ class JobSpec:
     aggregation: AggregationSpec = field(default_factory=AggregationSpec)
     placement: PlacementSpec = field(default_factory=PlacementSpec)
     transfer: TransferSpec = field(default_factory=TransferSpec)
+
+    # -- validation -------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "<job>") -> JobSpec:
+        """Build a validated JobSpec from job.toml-shaped data: a `[job]` table (`id`,
+        `seed`) and one table per section. Missing keys take their defaults; unknown
+        tables or keys, wrong types and out-of-range values raise JobSpecError."""
+        if not isinstance(data, Mapping):
+            raise JobSpecError(source, "", f"expected a table of sections, got {_show(data)}")
+        _check_keys(source, "", data, ("job", *_SECTIONS))
+        header = data.get("job", {})
+        if not isinstance(header, Mapping):
+            raise JobSpecError(source, "job", f"[job] must be a table, got {_show(header)}")
+        _check_keys(source, "job", header, ("id", "seed"))
+        job_id = _rule_job_id(source, "job.id", header.get("id", "job"))
+        seed = _rule_int(0)(source, "job.seed", header.get("seed", 0))
+        sections: dict[str, Any] = {}
+        for name, section_cls in _SECTIONS.items():
+            table = data.get(name, {})
+            if not isinstance(table, Mapping):
+                raise JobSpecError(source, name, f"[{name}] must be a table, got {_show(table)}")
+            sections[name] = _build_section(source, name, section_cls, table)
+        spec = cls(job_id=job_id, seed=seed, **sections)
+        _check_cross(source, spec)
+        return spec
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (msgpack- and TOML-safe) that `from_dict` reads back to an equal spec.
+        Optional values that are unset (None) are left out."""
+        out: dict[str, Any] = {"job": {"id": self.job_id, "seed": self.seed}}
+        for name in _SECTIONS:
+            section = getattr(self, name)
+            out[name] = {
+                f.name: getattr(section, f.name)
+                for f in fields(section)
+                if getattr(section, f.name) is not None
+            }
+        return out
+
+    def with_paths_resolved(self, base: Callable[[str], str]) -> JobSpec:
+        """A copy where every file reference (npz dataset, adjacency, precomputed
+        assignment) has been passed through `base` (e.g. made absolute)."""
+        data, topology, placement = self.data, self.topology, self.placement
+        if data.dataset.startswith("npz:"):
+            data = replace(data, dataset="npz:" + base(data.dataset[4:]))
+        if topology.adjacency_file:
+            topology = replace(topology, adjacency_file=base(topology.adjacency_file))
+        if placement.precomputed_file:
+            placement = replace(placement, precomputed_file=base(placement.precomputed_file))
+        return replace(self, data=data, topology=topology, placement=placement)
+
+
+_SECTIONS: dict[str, type] = {
+    "data": DataSpec,
+    "model": ModelSpec,
+    "training": TrainingSpec,
+    "topology": TopologySpec,
+    "aggregation": AggregationSpec,
+    "placement": PlacementSpec,
+    "transfer": TransferSpec,
+}
+
+Rule = Callable[[str, str, Any], Any]
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, Mapping):
+        return "a table"
+    if isinstance(value, list):
+        return f"a list {value!r}"[:80]
+    return repr(value)
+
+
+def _check_keys(source: str, prefix: str, table: Mapping[str, Any], allowed: Any) -> None:
+    allowed = tuple(allowed)
+    for key in table:
+        if key in allowed:
+            continue
+        dotted = f"{prefix}.{key}" if prefix else f"[{key}]"
+        close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
+        suggestion = (f"{prefix}.{close[0]}" if prefix else f"[{close[0]}]") if close else ""
+        hint = f"did you mean {suggestion}?" if close else "allowed: " + ", ".join(allowed)
+        what = "key" if prefix else "table"
+        raise JobSpecError(source, dotted.strip("[]"), f"unknown {what} {dotted} ({hint})")
+
+
+def _fail(source: str, key: str, value: Any, allowed: str) -> JobSpecError:
+    return JobSpecError(source, key, f"{key} = {_show(value)} is invalid: expected {allowed}")
+
+
+def _rule_int(low: int, high: int | None = None) -> Rule:
+    def rule(source: str, key: str, value: Any) -> int:
+        bound = f"an integer >= {low}" + (f" and <= {high}" if high is not None else "")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(source, key, value, bound)
+        if value < low or (high is not None and value > high):
+            raise _fail(source, key, value, bound)
+        return value
+    return rule
+
+
+def _rule_float(low: float, high: float | None = None, *, low_open: bool = False,
+                high_open: bool = False) -> Rule:
+    lo = ">" if low_open else ">="
+    hi = "<" if high_open else "<="
+    bound = f"a number {lo} {low}" + (f" and {hi} {high}" if high is not None else "")
+
+    def rule(source: str, key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _fail(source, key, value, bound)
+        x = float(value)
+        if not math.isfinite(x) or x < low or (low_open and x == low):
+            raise _fail(source, key, value, bound)
+        if high is not None and (x > high or (high_open and x == high)):
+            raise _fail(source, key, value, bound)
+        return x
+    return rule
+
+
+def _rule_choice(choices: tuple[str, ...]) -> Rule:
+    def rule(source: str, key: str, value: Any) -> str:
+        if isinstance(value, str) and value in choices:
+            return value
+        close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise _fail(source, key, value, "one of " + ", ".join(choices) + hint)
+    return rule
+
+
+def _rule_str(source: str, key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise _fail(source, key, value, "a string")
+    return value
+
+
+_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_CLASS_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _rule_job_id(source: str, key: str, value: Any) -> str:
+    if not isinstance(value, str) or not _JOB_ID.match(value):
+        raise _fail(source, key, value,
+                    "1-64 characters of letters, digits, '.', '_' or '-' (it names runs/<id>/)")
+    return value
+
+
+def _rule_dataset(source: str, key: str, value: Any) -> str:
+    if isinstance(value, str) and (value in DATASETS or (value.startswith("npz:") and
+                                                          len(value) > 4)):
+        return value
+    raise _fail(source, key, value, "one of " + ", ".join(DATASETS) + ", or 'npz:PATH'")
+
+
+def _rule_model(source: str, key: str, value: Any) -> str:
+    if isinstance(value, str) and (value in MODELS or _CLASS_PATH.match(value)):
+        return value
+    close = difflib.get_close_matches(str(value), MODELS, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise _fail(source, key, value, "one of " + ", ".join(MODELS) +
+                ", or 'package.module:Class'" + hint)
+
+
+def _rule_optional_float(source: str, key: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    return _rule_float(-math.inf)(source, key, value)
+
+
+_RULES: dict[str, Rule] = {
+    "data.dataset": _rule_dataset,
+    "data.number_of_clients": _rule_int(1, 10_000_000),
+    "data.data_distribution_kind": _rule_choice(DISTRIBUTIONS),
+    "data.dirichlet_beta": _rule_float(0.0, low_open=True),
+    "data.labels_per_client": _rule_int(1),
+    "data.shards_per_client": _rule_int(1),
+    "data.quantity_beta": _rule_float(0.0, low_open=True),
+    "data.client_test_fraction": _rule_float(0.0, 1.0, high_open=True),
+    "model.name": _rule_model,
+    "model.hidden": _rule_int(1, 1_000_000),
+    "training.federated_learning_rounds": _rule_int(1),
+    "training.number_of_epochs": _rule_int(1),
+    "training.batch_size": _rule_int(1),
+    "training.optimizer": _rule_choice(OPTIMIZERS),
+    "training.learning_rate": _rule_float(0.0, low_open=True),
+    "training.weight_decay": _rule_float(0.0),
+    "training.momentum": _rule_float(0.0, 1.0, high_open=True),
+    "training.fedprox_mu": _rule_float(0.0),
+    "training.client_fraction": _rule_float(0.0, 1.0, low_open=True),
+    "topology.kind": _rule_choice(TOPOLOGIES),
+    "topology.client_k_neighbors": _rule_int(1),
+    "topology.k_connected_mode": _rule_choice(K_CONNECTED_MODES),
+    "topology.hierarchy_levels": _rule_int(1, 16),
+    "topology.hierarchy_branching": _rule_int(2),
+    "topology.adjacency_file": _rule_str,
+    "topology.inter_cluster_period": _rule_int(1),
+    "aggregation.name": _rule_choice(AGGREGATORS),
+    "aggregation.server_learning_rate": _rule_float(0.0, low_open=True),
+    "aggregation.server_momentum": _rule_float(0.0, 1.0, high_open=True),
+    "aggregation.beta1": _rule_float(0.0, 1.0, high_open=True),
+    "aggregation.beta2": _rule_float(0.0, 1.0, high_open=True),
+    "aggregation.tau": _rule_float(0.0, low_open=True),
+    "aggregation.trim_ratio": _rule_float(0.0, 0.5, high_open=True),
+    "aggregation.krum_byzantine": _rule_int(0),
+    "placement.strategy": _rule_choice(PLACEMENT_STRATEGIES),
+    "placement.placement_group_strategy": _rule_choice(PLACEMENT_GROUP_STRATEGIES),
+    "placement.clustering_period": _rule_int(0),
+    "placement.max_materialized": _rule_int(1),
+    "placement.ap_damping": _rule_float(0.5, 1.0, high_open=True),
+    "placement.ap_preference": _rule_optional_float,
+    "placement.ap_max_exemplar_candidates": _rule_int(2, 20_000),
+    "placement.precomputed_file": _rule_str,
+    "placement.louvain_resolution": _rule_float(0.0, low_open=True),
+    "placement.similarity_weight": _rule_float(0.0),
+    "transfer.compression": _rule_choice(COMPRESSIONS),
+    "transfer.topk_ratio": _rule_float(0.0, 1.0, low_open=True),
+}
+
+
+def _build_section(source: str, name: str, section_cls: type, table: Mapping[str, Any]) -> Any:
+    names = [f.name for f in fields(section_cls)]
+    _check_keys(source, name, table, names)
+    values = {key: _RULES[f"{name}.{key}"](source, f"{name}.{key}", value)
+              for key, value in table.items()}
+    return section_cls(**values)
+
+
+def _check_cross(source: str, spec: JobSpec) -> None:
+    """Rules that involve more than one key."""
+    n = spec.data.number_of_clients
+    topo = spec.topology
+    if topo.kind == "k_connected" and topo.client_k_neighbors >= n:
+        raise _fail(source, "topology.client_k_neighbors", topo.client_k_neighbors,
+                    f"an integer < data.number_of_clients ({n}) for k_connected")
+    if topo.kind == "custom" and not topo.adjacency_file:
+        raise JobSpecError(source, "topology.adjacency_file",
+                           "topology.adjacency_file is required when topology.kind = 'custom' "
+                           "(a CSV adjacency matrix)")
+    if spec.placement.strategy == "precomputed" and not spec.placement.precomputed_file:
+        raise JobSpecError(source, "placement.precomputed_file",
+                           "placement.precomputed_file is required when placement.strategy = "
+                           "'precomputed' (JSON or CSV client -> cluster)")
+    if spec.aggregation.name == "krum" and n <= 2 * spec.aggregation.krum_byzantine + 2:
+        raise _fail(source, "aggregation.krum_byzantine", spec.aggregation.krum_byzantine,
+                    f"an integer f with data.number_of_clients ({n}) > 2f + 2 for krum")

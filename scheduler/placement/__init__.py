@@ -1,0 +1,46 @@
+"""The placement pipeline as pure functions, one stage per module:
+
+1. `histograms`  — label histogram per client (worker.data partitioner or synthetic);
+2. `similarity`  — cosine similarity (and the quantisation used at scale);
+3. `communities` — Affinity Propagation (full, or over distinct/sampled histograms);
+4. `mapping`     — Louvain over the community graph, capacity-respecting assignment;
+   `strategies`  — round_robin, random, precomputed.
+The routing matrix (stage 5) is `proto.routing.RoutingMatrix`; `scheduler.plan` runs all.
+"""
+
+from .communities import Communities, affinity_propagation, find_communities
+from .histograms import job_histograms, planted_histograms, synthetic_histograms
+from .mapping import (
+    assign_communities,
+    check_capacity,
+    community_graph,
+    contiguous_assignment,
+    cut_traffic,
+    louvain_groups,
+    place_aggregators,
+)
+from .similarity import cosine_similarity, nearest_rows, quantise, unit_rows
+from .strategies import load_precomputed, random_assignment, round_robin
+
+__all__ = [
+    "Communities",
+    "affinity_propagation",
+    "assign_communities",
+    "check_capacity",
+    "community_graph",
+    "contiguous_assignment",
+    "cosine_similarity",
+    "cut_traffic",
+    "find_communities",
+    "job_histograms",
+    "load_precomputed",
+    "louvain_groups",
+    "nearest_rows",
+    "place_aggregators",
+    "planted_histograms",
+    "quantise",
+    "random_assignment",
+    "round_robin",
+    "synthetic_histograms",
+    "unit_rows",
+]

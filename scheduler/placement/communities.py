@@ -1,0 +1,107 @@
+"""Stage 3: Affinity Propagation finds the data communities without a preset count.
+
+Up to `max_candidates` clients, AP runs on the full cosine-similarity matrix. Above that
+(AP is O(n²) in time and memory), it runs on candidate histograms — the distinct label
+proportions at 1/`levels` resolution, or a count-weighted sample of them when there are
+still too many — and every client then joins its most similar exemplar.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from sklearn.cluster import AffinityPropagation
+from sklearn.exceptions import ConvergenceWarning
+
+from .similarity import cosine_similarity, nearest_rows, quantise
+
+log = logging.getLogger(__name__)
+
+QUANTISE_LEVELS = 10
+
+
+@dataclass(frozen=True)
+class Communities:
+    """`labels[i]` is client i's community (0..count-1); `centroids[c]` is community c's
+    exemplar histogram (proportions); `method` is "full", "distinct" or "sampled";
+    `candidates` is how many histograms AP saw."""
+
+    labels: np.ndarray
+    centroids: np.ndarray
+    method: str
+    candidates: int
+
+    @property
+    def count(self) -> int:
+        return int(self.centroids.shape[0])
+
+    def sizes(self) -> np.ndarray:
+        return np.bincount(self.labels, minlength=self.count)
+
+
+def affinity_propagation(
+    similarity: np.ndarray, *, damping: float, preference: float | None, seed: int
+) -> np.ndarray:
+    """Exemplar index of every row of a precomputed similarity matrix (sklearn AP,
+    deterministic for `seed`). If AP does not converge it retries with heavier damping;
+    if that fails too, all rows join the row with the highest total similarity."""
+    n = similarity.shape[0]
+    if n == 1:
+        return np.zeros(1, dtype=np.int64)
+    s = np.asarray(similarity, dtype=np.float64)
+    pref = float(np.median(s)) if preference is None else preference
+    for d, iters in ((damping, 200), (max(damping, 0.9), 1000)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            ap = AffinityPropagation(
+                affinity="precomputed", damping=d, preference=pref, max_iter=iters,
+                random_state=seed,
+            ).fit(s)
+        centers = ap.cluster_centers_indices_
+        if centers is not None and len(centers) > 0 and (ap.labels_ >= 0).all():
+            return np.asarray(centers, dtype=np.int64)[ap.labels_]
+        log.warning("event=ap_not_converged n=%d damping=%.2f iterations=%d", n, d, iters)
+    return np.full(n, int(np.argmax(s.sum(axis=1))), dtype=np.int64)
+
+
+def find_communities(
+    histograms: np.ndarray,
+    *,
+    damping: float = 0.7,
+    preference: float | None = None,
+    seed: int = 0,
+    max_candidates: int = 1000,
+) -> Communities:
+    """Data communities of the clients' label histograms `[n, C]`. Deterministic for the
+    inputs and `seed`; memory is O(max_candidates² + n·C)."""
+    hist = np.asarray(histograms)
+    n = hist.shape[0]
+    if n == 0:
+        raise ValueError("no clients: cannot find communities of zero histograms")
+    totals = hist.sum(axis=1, keepdims=True).astype(np.float64)
+    props = hist / np.where(totals > 0, totals, 1.0)
+    if n <= max_candidates:
+        exemplar_of = affinity_propagation(
+            cosine_similarity(hist), damping=damping, preference=preference, seed=seed)
+        exemplars, labels = np.unique(exemplar_of, return_inverse=True)
+        return Communities(labels.astype(np.int64), props[exemplars], "full", n)
+    codes = quantise(hist, QUANTISE_LEVELS)
+    distinct, counts = np.unique(codes, axis=0, return_counts=True)
+    method = "distinct"
+    if len(distinct) > max_candidates:
+        rng = np.random.default_rng(seed)
+        pick = rng.choice(len(distinct), size=max_candidates, replace=False,
+                          p=counts / counts.sum())
+        distinct = distinct[np.sort(pick)]
+        method = "sampled"
+    candidates = distinct.astype(np.float64) / QUANTISE_LEVELS
+    exemplar_of = affinity_propagation(
+        cosine_similarity(candidates), damping=damping, preference=preference, seed=seed)
+    centroids = candidates[np.unique(exemplar_of)]
+    labels = nearest_rows(hist, centroids)
+    # Drop exemplars no client chose, keeping labels dense.
+    used, labels = np.unique(labels, return_inverse=True)
+    return Communities(labels.astype(np.int64), centroids[used], method, len(candidates))

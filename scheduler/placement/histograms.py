@@ -1,0 +1,70 @@
+"""Stage 1: one label histogram per client. No sample leaves the partitioner.
+
+`job_histograms` asks the worker's pure-numpy partitioner (the same deterministic split
+the clusters will build); the synthetic generators serve tests and scale benchmarks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from proto.job import JobSpec
+
+
+def job_histograms(spec: JobSpec) -> np.ndarray:
+    """Label histograms `[number_of_clients, num_classes]` (int64) of every client's training
+    part, exactly as the clusters' executors will partition the job's dataset."""
+    from worker.data import client_data, load_dataset  # numpy/sklearn only (see contracts)
+
+    dataset = load_dataset(spec.data.dataset)
+    return np.asarray(client_data(dataset, spec.data, spec.seed).histograms, dtype=np.int64)
+
+
+def synthetic_histograms(
+    num_clients: int,
+    num_classes: int = 10,
+    *,
+    beta: float = 0.1,
+    samples_per_client: int = 50,
+    seed: int = 0,
+) -> np.ndarray:
+    """Dirichlet(beta) label-skewed histograms with `samples_per_client` samples each, as a
+    stand-in for a dataset's partition at any scale. Deterministic for `seed`."""
+    rng = np.random.default_rng(seed)
+    proportions = rng.dirichlet(np.full(num_classes, beta), size=num_clients)
+    # Multinomial per row, vectorised: draw labels by inverse CDF.
+    cdf = np.cumsum(proportions, axis=1)
+    cdf[:, -1] = 1.0
+    draws = rng.random((num_clients, samples_per_client))
+    labels = (draws[:, :, None] > cdf[:, None, :]).sum(axis=2)
+    labels = np.minimum(labels, num_classes - 1)
+    rows = np.repeat(np.arange(num_clients), samples_per_client)
+    flat = np.bincount(rows * num_classes + labels.ravel(), minlength=num_clients * num_classes)
+    return flat.reshape(num_clients, num_classes).astype(np.int64)
+
+
+def planted_histograms(
+    group_sizes: list[int],
+    num_classes: int = 10,
+    *,
+    samples_per_client: int = 60,
+    noise: float = 0.05,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Histograms with well-separated planted groups: group g draws its samples mostly from
+    its own disjoint label set (a `noise` share comes from anywhere). Returns
+    `(histograms, group_of_client)`; clients are shuffled so groups are not contiguous."""
+    groups = len(group_sizes)
+    if groups > num_classes:
+        raise ValueError(f"{groups} planted groups need at least as many classes, got {num_classes}")
+    rng = np.random.default_rng(seed)
+    label_sets = np.array_split(np.arange(num_classes), groups)
+    truth = np.repeat(np.arange(groups), group_sizes)
+    rng.shuffle(truth)
+    hist = np.zeros((len(truth), num_classes), dtype=np.int64)
+    for i, g in enumerate(truth):
+        own = label_sets[g]
+        p = np.full(num_classes, noise / num_classes)
+        p[own] += (1.0 - noise) / len(own)
+        hist[i] = rng.multinomial(samples_per_client, p / p.sum())
+    return hist, truth

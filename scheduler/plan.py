@@ -1,0 +1,260 @@
+"""The placement pipeline end to end: histograms → similarity/AP communities → logical
+topology → strategy (locality: Louvain + capacity mapping) → routing matrix.
+
+`plan_job` is what `fedpilot-scheduler plan` runs; `plan_placement` is the part the round
+driver calls with histograms the clusters reported. Pure computation: no torch, ray or
+libp2p is imported.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from proto.job import JobSpec
+from proto.routing import RoutingMatrix
+
+from .clusters import ClusterSlot, as_slots
+from .errors import CapacityError
+from .placement.communities import Communities, find_communities
+from .placement.histograms import job_histograms
+from .placement.mapping import (
+    assign_communities,
+    check_capacity,
+    contiguous_assignment,
+    cut_traffic,
+    place_aggregators,
+)
+from .placement.strategies import load_precomputed, random_assignment, round_robin
+from .topology import LogicalTopology, build_topology
+
+# Topologies whose client↔client edges exist before placement (hybrid's depend on it).
+_PRE_PLACEMENT = ("ring", "k_connected", "full", "custom")
+
+
+@dataclass(frozen=True)
+class PlacementResult:
+    """Where every client goes. `client_cluster[i]` is a cluster id, `cluster_index[i]` its
+    index in `clusters`, `client_community[i]` the client's data community."""
+
+    strategy: str
+    clusters: tuple[str, ...]
+    cluster_index: np.ndarray
+    client_community: np.ndarray
+    communities: int
+
+    @property
+    def client_cluster(self) -> list[str]:
+        return [self.clusters[k] for k in self.cluster_index.tolist()]
+
+    def clients_per_cluster(self) -> dict[str, int]:
+        counts = np.bincount(self.cluster_index, minlength=len(self.clusters))
+        return {c: int(x) for c, x in zip(self.clusters, counts, strict=True)}
+
+    def to_dict(self) -> dict[str, Any]:
+        """placement.json: client → cluster and client → community."""
+        return {
+            "strategy": self.strategy,
+            "communities": self.communities,
+            "clients_per_cluster": self.clients_per_cluster(),
+            "client_cluster": {f"c{i}": c for i, c in enumerate(self.client_cluster)},
+            "client_community": {f"c{i}": int(k)
+                                 for i, k in enumerate(self.client_community.tolist())},
+        }
+
+
+@dataclass
+class Plan:
+    """A full plan: placement, the logical topology, the routing matrix, stage timings."""
+
+    spec: JobSpec
+    placement: PlacementResult
+    topology: LogicalTopology
+    routing: RoutingMatrix
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    compare: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        intra, inter = self.routing.edge_counts()
+        out: dict[str, Any] = {
+            "job_id": self.spec.job_id,
+            "strategy": self.placement.strategy,
+            "topology": self.topology.kind,
+            "clients": self.topology.num_clients,
+            "nodes": self.topology.num_nodes,
+            "communities": self.placement.communities,
+            "clients_per_cluster": self.placement.clients_per_cluster(),
+            "edges": {"intra": intra, "inter": inter},
+            "stage_seconds": {k: round(v, 4) for k, v in self.stage_seconds.items()},
+        }
+        if self.compare:
+            out["compare"] = {"inter_edges": dict(self.compare)}
+        return out
+
+
+def plan_placement(
+    spec: JobSpec,
+    histograms: np.ndarray,
+    clusters: Sequence[ClusterSlot] | Mapping[str, int],
+    *,
+    seed: int | None = None,
+    strategy: str | None = None,
+    communities: Communities | None = None,
+    topology: LogicalTopology | None = None,
+) -> PlacementResult:
+    """Place every client on a cluster by `strategy` (default: the job's), never over a
+    cluster's capacity. `histograms` are the clients' label histograms `[n, C]`; the
+    communities and pre-placement topology are computed unless given. Raises
+    CapacityError when the clusters cannot hold the clients."""
+    slots = as_slots(clusters)
+    ids = tuple(s.cluster_id for s in slots)
+    caps = [s.capacity for s in slots]
+    n = spec.data.number_of_clients
+    seed = spec.seed if seed is None else seed
+    strategy = strategy or spec.placement.strategy
+    check_capacity(n, caps)
+    if communities is None:
+        communities = job_communities(spec, histograms, seed=seed)
+    if strategy == "round_robin":
+        index = round_robin(n, caps)
+    elif strategy == "random":
+        index = random_assignment(n, caps, seed)
+    elif strategy in ("locality", "precomputed"):
+        if topology is None:
+            topology = pre_placement_topology(spec, histograms, seed=seed)
+        groups = communities
+        if strategy == "precomputed":
+            kind, values = load_precomputed(spec.placement.precomputed_file, n, ids)
+            if kind == "clusters":
+                _check_loads(values, caps, ids, spec.placement.precomputed_file)
+                return PlacementResult(strategy, ids, values, communities.labels,
+                                       communities.count)
+            groups = _groups_as_communities(values, histograms)
+        index = assign_communities(
+            groups, topology, caps, similarity_weight=spec.placement.similarity_weight,
+            resolution=spec.placement.louvain_resolution, seed=seed)
+        if strategy == "locality" and topology.num_edges:
+            # Traffic that follows ids rather than data (ring, trees, random graphs) is cut
+            # less by partitioning the graph itself; keep whichever cuts less.
+            alt = contiguous_assignment(topology, caps)
+            if cut_traffic(topology, alt) < cut_traffic(topology, index):
+                index = alt
+    else:
+        raise ValueError(f"unknown placement strategy {strategy!r}")
+    return PlacementResult(strategy, ids, index, communities.labels, communities.count)
+
+
+def job_communities(spec: JobSpec, histograms: np.ndarray, *, seed: int) -> Communities:
+    p = spec.placement
+    return find_communities(histograms, damping=p.ap_damping, preference=p.ap_preference,
+                            seed=seed, max_candidates=p.ap_max_exemplar_candidates)
+
+
+def pre_placement_topology(spec: JobSpec, histograms: np.ndarray | None, *,
+                           seed: int) -> LogicalTopology:
+    """The client↔client traffic placement can act on: the job's edges for decentralized
+    topologies; a path through each level-1 sibling group for hierarchical; none for star
+    and hybrid (their aggregators follow the clients)."""
+    n = spec.data.number_of_clients
+    if spec.topology.kind in _PRE_PLACEMENT:
+        return build_topology(spec.topology, n, histograms=histograms, seed=seed)
+    if spec.topology.kind == "hierarchical":
+        # Siblings under one level-1 aggregator share its traffic: a path through them
+        # makes placement keep them together.
+        b = spec.topology.hierarchy_branching
+        i = np.arange(n - 1)
+        same = (i // b) == ((i + 1) // b)
+        edges = np.stack([i[same], i[same] + 1], axis=1)
+        return LogicalTopology("hierarchical", n, n, edges, np.ones(len(edges)))
+    return LogicalTopology(spec.topology.kind, n, n, np.zeros((0, 2), np.int64), np.zeros(0))
+
+
+def final_topology(spec: JobSpec, placement: PlacementResult, pre: LogicalTopology,
+                   *, seed: int) -> LogicalTopology:
+    """The full logical topology once clients are placed (hybrid groups = clusters)."""
+    n = spec.data.number_of_clients
+    if spec.topology.kind in _PRE_PLACEMENT:
+        return pre
+    return build_topology(spec.topology, n, groups=placement.cluster_index,
+                          group_names=placement.clusters, seed=seed)
+
+
+def routing_matrix(spec: JobSpec, placement: PlacementResult, topology: LogicalTopology,
+                   slots: Sequence[ClusterSlot], *, epoch: int = 0) -> RoutingMatrix:
+    """The routing matrix of a placement (aggregators placed with most of their edges)."""
+    node_cluster = place_aggregators(topology, placement.cluster_index, len(slots))
+    return RoutingMatrix.from_edges(
+        job_id=spec.job_id, clusters=[s.cluster_id for s in slots], node_cluster=node_cluster,
+        edges=topology.edges, num_clients=topology.num_clients,
+        aggregators=topology.aggregator_names, peers=[s.peer_id for s in slots], epoch=epoch,
+        communities=placement.client_community)
+
+
+def plan_job(
+    spec: JobSpec,
+    clusters: Sequence[ClusterSlot] | Mapping[str, int],
+    *,
+    strategy: str | None = None,
+    histograms: np.ndarray | None = None,
+    compare: Sequence[str] = (),
+    epoch: int = 0,
+) -> Plan:
+    """Run the whole pipeline for `spec` (histograms from the job's own partition unless
+    given) and time each stage. `compare` names other strategies whose inter-cluster
+    edge counts are reported alongside (same histograms, communities and topology)."""
+    slots = as_slots(clusters)
+    check_capacity(spec.data.number_of_clients, [s.capacity for s in slots])
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        seconds[name] = now - t
+        t = now
+
+    if histograms is None:
+        histograms = job_histograms(spec)
+    lap("histograms")
+    communities = job_communities(spec, histograms, seed=spec.seed)
+    lap("communities")
+    pre = pre_placement_topology(spec, histograms, seed=spec.seed)
+    lap("topology")
+    placement = plan_placement(spec, histograms, slots, strategy=strategy,
+                               communities=communities, topology=pre)
+    lap("placement")
+    topology = final_topology(spec, placement, pre, seed=spec.seed)
+    routing = routing_matrix(spec, placement, topology, slots, epoch=epoch)
+    lap("routing")
+    counts: dict[str, int] = {}
+    for other in compare:
+        if other == placement.strategy:
+            counts[other] = routing.edge_counts()[1]
+            continue
+        alt = plan_placement(spec, histograms, slots, strategy=other,
+                             communities=communities, topology=pre)
+        alt_topology = final_topology(spec, alt, pre, seed=spec.seed)
+        counts[other] = routing_matrix(spec, alt, alt_topology, slots).edge_counts()[1]
+    if compare:
+        counts.setdefault(placement.strategy, routing.edge_counts()[1])
+    return Plan(spec, placement, topology, routing, seconds, counts)
+
+
+def _check_loads(index: np.ndarray, caps: Sequence[int], ids: Sequence[str], path: str) -> None:
+    loads = np.bincount(index, minlength=len(caps))
+    for cid, load, cap in zip(ids, loads, caps, strict=True):
+        if load > cap:
+            raise CapacityError(f"{path}: puts {load} clients on cluster {cid}, whose "
+                                f"capacity is {cap}")
+
+
+def _groups_as_communities(groups: np.ndarray, histograms: np.ndarray) -> Communities:
+    count = int(groups.max()) + 1
+    sums = np.zeros((count, histograms.shape[1]))
+    np.add.at(sums, groups, histograms)
+    totals = sums.sum(axis=1, keepdims=True)
+    return Communities(groups, sums / np.where(totals > 0, totals, 1.0), "precomputed", count)

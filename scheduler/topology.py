@@ -1,0 +1,241 @@
+"""The logical topology as an edge list, built without torch or ray (planning imports it).
+
+Node ids: clients are 0..num_clients-1; aggregator nodes (the star server, hierarchical
+aggregators, hybrid group heads) follow from num_clients on. Each undirected edge appears
+once with u < v and a traffic weight (messages per round). The definitions follow the
+worker's topology builders (issue 3):
+
+- star: every client ↔ the node `server` (id `num_clients`).
+- hierarchical: clients in id order are grouped `hierarchy_branching` per level-1
+  aggregator `agg1_<i>`; each further level groups the previous one's aggregators the
+  same way; level `hierarchy_levels` is the root `server`. `hierarchy_levels = 1` is a star.
+- ring: client i ↔ client (i+1) mod n.
+- k_connected: `random` is a random k-regular graph (networkx, seeded) when n·k is even,
+  else each client picks k random others; `similarity` links each client to its k most
+  cosine-similar clients by label histogram (union of both directions).
+- full: every pair of clients.
+- custom: the CSV adjacency (n×n, symmetric; a non-zero entry is an edge and its weight).
+- hybrid: each group (the physical cluster a client is placed on) gets a head node
+  `g:<cluster>` linked to its members; heads form a full mesh with weight
+  1/inter_cluster_period. Built after placement, since the groups are its result.
+
+Client node names are `c<i>` (as in worker.executor.graph); aggregators are named in
+`LogicalTopology.aggregator_names`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+
+from proto.job import JobSpec, TopologySpec
+
+from .errors import PlanError
+from .placement.similarity import quantise, unit_rows
+
+EXACT_KNN_LIMIT = 4096      # above this many clients, k-similar neighbours come from blocks
+KNN_BLOCK = 512             # block size for the scalable neighbour search
+FULL_EDGE_LIMIT = 20_000_000
+
+
+@dataclass(frozen=True)
+class LogicalTopology:
+    """Edges `[E, 2]` (int64, u < v, unique) with traffic `weights [E]` over `num_nodes`
+    nodes, of which the first `num_clients` are clients."""
+
+    kind: str
+    num_clients: int
+    num_nodes: int
+    edges: np.ndarray
+    weights: np.ndarray
+    aggregator_names: tuple[str, ...] = ()
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.edges.shape[0])
+
+
+def build_topology(
+    spec: TopologySpec,
+    num_clients: int,
+    *,
+    histograms: np.ndarray | None = None,
+    groups: np.ndarray | None = None,
+    group_names: tuple[str, ...] = (),
+    seed: int = 0,
+) -> LogicalTopology:
+    """The edge list of `spec.kind` over `num_clients` clients. `histograms` are needed for
+    k_connected similarity; hybrid needs `groups` (a group index per client, e.g. its
+    cluster index) and `group_names` (e.g. cluster ids). Deterministic."""
+    n = num_clients
+    kind = spec.kind
+    names: tuple[str, ...] = ()
+    if kind == "star":
+        edges = np.stack([np.arange(n), np.full(n, n)], axis=1)
+        weights, names = np.ones(n), ("server",)
+    elif kind == "hierarchical":
+        edges, names = hierarchical_edges(n, spec.hierarchy_levels, spec.hierarchy_branching)
+        weights = np.ones(len(edges))
+    elif kind == "ring":
+        edges = ring_edges(n)
+        weights = np.ones(len(edges))
+    elif kind == "k_connected":
+        k = min(spec.client_k_neighbors, n - 1)
+        if spec.k_connected_mode == "similarity":
+            if histograms is None:
+                raise PlanError("k_connected similarity topology needs label histograms")
+            edges = similarity_edges(histograms, k)
+        else:
+            edges = random_k_edges(n, k, seed)
+        weights = np.ones(len(edges))
+    elif kind == "full":
+        if n * (n - 1) // 2 > FULL_EDGE_LIMIT:
+            raise PlanError(f"topology.kind = 'full' with {n} clients has {n * (n - 1) // 2} "
+                            f"edges (limit {FULL_EDGE_LIMIT}); use k_connected or hybrid")
+        u, v = np.triu_indices(n, k=1)
+        edges = np.stack([u, v], axis=1)
+        weights = np.ones(len(edges))
+    elif kind == "custom":
+        edges, weights = custom_edges(spec.adjacency_file, n)
+    elif kind == "hybrid":
+        if groups is None:
+            raise PlanError("hybrid topology needs a group (cluster) per client")
+        edges, weights, used = hybrid_edges(np.asarray(groups), spec.inter_cluster_period)
+        names = tuple(f"g:{group_names[g] if g < len(group_names) else g}" for g in used)
+    else:
+        raise PlanError(f"unknown topology kind {kind!r}")
+    return _make(kind, n, n + len(names), edges, weights, names)
+
+
+def logical_edges(spec: JobSpec, histograms: np.ndarray | None) -> np.ndarray:
+    """Client↔client edges `[E, 2]` (u < v) of the job's decentralized topology (ring,
+    k_connected, full, custom); empty for star, hierarchical and hybrid."""
+    if spec.topology.kind in ("star", "hierarchical", "hybrid"):
+        return np.zeros((0, 2), dtype=np.int64)
+    return build_topology(spec.topology, spec.data.number_of_clients, histograms=histograms,
+                          seed=spec.seed).edges
+
+
+def _make(kind: str, n: int, num_nodes: int, edges: np.ndarray,
+          weights: np.ndarray, names: tuple[str, ...] = ()) -> LogicalTopology:
+    edges = np.asarray(edges, dtype=np.int64).reshape(-1, 2)
+    weights = np.asarray(weights, dtype=np.float64)
+    lo, hi = np.minimum(edges[:, 0], edges[:, 1]), np.maximum(edges[:, 0], edges[:, 1])
+    keep = lo != hi
+    key = lo[keep] * num_nodes + hi[keep]
+    key, first = np.unique(key, return_index=True)
+    uniq = np.stack([key // num_nodes, key % num_nodes], axis=1)
+    return LogicalTopology(kind, n, num_nodes, uniq, weights[keep][first], names)
+
+
+def ring_edges(n: int) -> np.ndarray:
+    """Client i ↔ client (i+1) mod n (one edge for n = 2, none for n = 1)."""
+    if n < 2:
+        return np.zeros((0, 2), dtype=np.int64)
+    i = np.arange(n)
+    return np.stack([i, (i + 1) % n], axis=1)
+
+
+def hierarchical_edges(n: int, levels: int, branching: int) -> tuple[np.ndarray, tuple[str, ...]]:
+    """Edges of the aggregation tree and the names of the aggregator nodes it adds
+    (`agg<level>_<i>` ..., then `server`), numbered from n in that order."""
+    parts: list[np.ndarray] = []
+    names: list[str] = []
+    current = np.arange(n)
+    for level in range(1, levels + 1):
+        if level == levels:
+            parts.append(np.stack([current, np.full(len(current), n + len(names))], axis=1))
+            names.append("server")
+            break
+        count = -(-len(current) // branching)
+        parents = n + len(names) + np.arange(len(current)) // branching
+        parts.append(np.stack([current, parents], axis=1))
+        names.extend(f"agg{level}_{i}" for i in range(count))
+        current = np.unique(parents)
+    return np.concatenate(parts), tuple(names)
+
+
+def random_k_edges(n: int, k: int, seed: int) -> np.ndarray:
+    """A random k-regular graph when n·k is even (networkx, up to 20,000 clients), else each
+    client's k random distinct partners (union)."""
+    if k <= 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    if (n * k) % 2 == 0 and n <= 20_000:
+        g = nx.random_regular_graph(k, n, seed=seed)
+        return np.array(list(g.edges()), dtype=np.int64).reshape(-1, 2)
+    rng = np.random.default_rng(seed)
+    if n <= 4096:  # distinct partners: the first k of a random order of the n-1 others
+        offsets = np.argsort(rng.random((n, n - 1)), axis=1)[:, :k] + 1
+    else:  # repeats are rare at this size; the edge list is deduplicated anyway
+        offsets = rng.integers(1, n, size=(n, k))
+    src = np.repeat(np.arange(n), k)
+    return np.stack([src, (src + offsets.ravel()) % n], axis=1)
+
+
+def similarity_edges(histograms: np.ndarray, k: int) -> np.ndarray:
+    """Each client ↔ its k most cosine-similar clients (ties broken deterministically). Exact up to
+    EXACT_KNN_LIMIT clients; above, exact within blocks of KNN_BLOCK clients ordered so that
+    similar histograms are adjacent (memory O(n·k + KNN_BLOCK²))."""
+    n = histograms.shape[0]
+    if k <= 0 or n < 2:
+        return np.zeros((0, 2), dtype=np.int64)
+    u = unit_rows(histograms)
+    if n <= EXACT_KNN_LIMIT:
+        return _knn_block(u, np.arange(n), k)
+    codes = quantise(histograms, 10)
+    dominant = np.argmax(codes, axis=1)
+    order = np.lexsort(tuple(codes.T[::-1]) + (dominant,))
+    parts = []
+    for start in range(0, n, KNN_BLOCK):
+        block = order[start:start + KNN_BLOCK]
+        if len(block) <= k:  # a short tail joins the previous block
+            block = order[max(0, start - KNN_BLOCK):start + KNN_BLOCK]
+        parts.append(_knn_block(u, block, min(k, len(block) - 1)))
+    return np.concatenate(parts)
+
+
+def _knn_block(u: np.ndarray, members: np.ndarray, k: int, chunk: int = 512) -> np.ndarray:
+    sub = u[members]
+    m = len(members)
+    out = []
+    for start in range(0, m, chunk):
+        sims = sub[start:start + chunk] @ sub.T
+        rows = np.arange(sims.shape[0])
+        sims[rows, start + rows] = -np.inf
+        top = np.argpartition(sims, m - k, axis=1)[:, m - k:]
+        src = np.repeat(members[start:start + chunk], k)
+        out.append(np.stack([src, members[top.ravel()]], axis=1))
+    return np.concatenate(out)
+
+
+def custom_edges(path: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Edges and weights of a CSV adjacency matrix; it must be n×n, numeric and symmetric."""
+    try:
+        adj = np.loadtxt(path, delimiter=",", dtype=np.float64, ndmin=2)
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"{path}: cannot read the adjacency CSV ({exc}); "
+                        "expected n rows of n comma-separated numbers") from None
+    if adj.shape != (n, n):
+        raise PlanError(f"{path}: adjacency is {adj.shape[0]}x{adj.shape[1]}, expected "
+                        f"{n}x{n} (data.number_of_clients)")
+    if not np.allclose(adj, adj.T):
+        i, j = np.argwhere(~np.isclose(adj, adj.T))[0]
+        raise PlanError(f"{path}: adjacency is not symmetric (row {i}, column {j}: "
+                        f"{adj[i, j]} vs {adj[j, i]})")
+    u, v = np.nonzero(np.triu(adj, k=1))
+    return np.stack([u, v], axis=1), np.abs(adj[u, v])
+
+
+def hybrid_edges(groups: np.ndarray, period: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Group members ↔ their group head; heads in a full mesh (weight 1/period). Returns
+    edges, weights and the (sorted) group ids that got a head, in head-node order."""
+    n = len(groups)
+    used, dense = np.unique(groups, return_inverse=True)
+    g = len(used)
+    member = np.stack([np.arange(n), n + dense], axis=1)
+    hu, hv = np.triu_indices(g, k=1)
+    heads = np.stack([n + hu, n + hv], axis=1)
+    weights = np.concatenate([np.ones(n), np.full(len(heads), 1.0 / period)])
+    return np.concatenate([member, heads]), weights, used
