@@ -83,6 +83,8 @@ class RayContext(ExecutionContext):
             if actor_cls is None:
                 actor_cls = self._classes[cls] = ray.remote(cls)
         options: dict[str, Any] = {"max_restarts": 0}
+        if name is not None:
+            options["name"] = name
         if placement is not None:
             if placement.reservation.handle is None:
                 raise PlacementError(f"actor {name!r}: reservation was not made by a RayContext")

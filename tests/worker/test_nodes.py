@@ -1,0 +1,100 @@
+"""VirtualNode and NodeManager on the in-process context (Ray twin: test_nodes_ray)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from proto.job import JobSpec
+from worker.context import InProcessContext, PlacementError
+from worker.data import client_data, load_dataset
+from worker.nodes import NodeConfig, NodeManager, VirtualNode, client_seed
+
+
+def config(spec: JobSpec) -> NodeConfig:
+    ds = load_dataset(spec.data.dataset)
+    return NodeConfig(spec.job_id, spec.seed, spec.model, spec.training, spec.aggregation,
+                      ds.input_shape, ds.num_classes)
+
+
+SPEC = JobSpec(job_id="nodes")
+
+
+def setup_manager(ctx: InProcessContext, clients: int, cap: int, **kw: object) -> NodeManager:
+    ds = load_dataset("digits")
+    parts = client_data(ds, SPEC.data, SPEC.seed)
+    return NodeManager(ctx, config(SPEC), ds, parts, list(range(clients)), max_materialized=cap,
+                       cpus_per_node=0.25, **kw)  # type: ignore[arg-type]
+
+
+def two_rounds(ctx: InProcessContext, manager: NodeManager, clients: int) -> list[np.ndarray]:
+    """Each client trains twice from its own state; returns the final first-layer weights."""
+    with manager:
+        for round_index in (1, 2):
+            refs = [manager.call(c, "train", round_index) for c in range(clients)]
+            updates = ctx.get(refs)
+            assert [u.client_id for u in updates] == list(range(clients))
+        first = next(iter(updates[0].weights))
+        return [np.asarray(u.weights[first]) for u in updates]
+
+
+def test_virtual_node_is_tiny() -> None:
+    node = VirtualNode(3, config(SPEC))
+    assert not hasattr(node, "__dict__")
+    assert sys.getsizeof(node) <= 56
+    assert node.node_id == 3 and "nodes" in repr(node)
+
+
+def test_client_seed_differs_per_client_and_round() -> None:
+    seeds = {client_seed(0, c, r) for c in range(5) for r in range(5)}
+    assert len(seeds) == 25
+    assert client_seed(1, 2, 3) == client_seed(1, 2, 3)
+
+
+def test_lru_recycling_keeps_state_and_caps_actors() -> None:
+    clients = 5
+    with InProcessContext(num_cpus=2) as ctx:
+        churn = setup_manager(ctx, clients, 2)
+        churned = two_rounds(ctx, churn, clients)
+        assert churn.stats.created == 2
+        assert churn.stats.max_alive == 2
+        assert churn.stats.materializations == 10  # every client, both rounds
+        assert churn.stats.dematerializations == 8
+    with InProcessContext(num_cpus=2) as ctx:
+        resident = setup_manager(ctx, clients, clients)
+        stayed = two_rounds(ctx, resident, clients)
+        assert resident.stats.created == clients
+        assert resident.stats.materializations == clients
+        assert resident.stats.dematerializations == 0
+    # saving and reloading state mid-job changes nothing
+    for a, b in zip(churned, stayed, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(churned[0], churned[1])
+
+
+def test_kill_mode_creates_fresh_actors_and_never_exceeds_the_cap() -> None:
+    clients = 4
+    with InProcessContext(num_cpus=2) as ctx:
+        manager = setup_manager(ctx, clients, 2, recycle=False)
+        with manager:
+            for round_index in (1, 2):
+                for c in range(clients):
+                    ctx.get(manager.call(c, "train", round_index))
+                    assert ctx.alive_actors() <= 2
+        assert manager.stats.created == 8 == ctx.actors_created
+        assert manager.stats.killed == 8  # 6 evictions + 2 at close
+        assert manager.stats.max_alive == 2
+        assert ctx.alive_actors() == 0
+
+
+def test_placement_failure_happens_before_any_actor() -> None:
+    with InProcessContext(num_cpus=1) as ctx:
+        manager = setup_manager(ctx, 8, 8)
+        with pytest.raises(PlacementError, match=r"8 bundle\(s\) x \{'CPU': 0.25\}"):
+            manager.start()
+        assert ctx.actors_created == 0
+        with pytest.raises(RuntimeError, match="start"):
+            manager.call(0, "ping")
+        assert ctx.actors_created == 0
