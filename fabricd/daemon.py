@@ -254,6 +254,12 @@ class Daemon:
             raise RequestFailed(f"update to cluster {cluster_id!r} failed: {type(exc).__name__}: {exc}") from None
 
     async def send_update(self, target_cluster: str, header: UpdateHeader, payload: bytes) -> SendResult:
+        digest = hashlib.sha256(payload).digest()
+        if digest != header.sha256:
+            reason = (f"payload sha256 {digest.hex()} does not match the header's "
+                      f"{header.sha256.hex()}; nothing was sent")
+            log.warning("bridge.rejected", job=header.job_id, message_id=header.message_id, reason=reason)
+            return SendResult(message_id=header.message_id, ok=False, reason=reason, bytes=0)
         try:
             peer_id = await self.resolve(target_cluster)
             ack = await self._send(peer_id, target_cluster, header, payload)
