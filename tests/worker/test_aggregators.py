@@ -1,0 +1,172 @@
+"""Every aggregator against a hand computation on small known tensors; registry and errors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from proto.job import AGGREGATORS as JOB_AGGREGATORS
+from proto.job import AggregationSpec
+from worker.aggregators import AGGREGATOR_NAMES, AggregationError, get_aggregator
+from worker.aggregators.krum import Krum
+
+
+def _agg(name: str, **kw: object):  # type: ignore[no-untyped-def]
+    return get_aggregator(replace(AggregationSpec(), name=name, **kw))  # type: ignore[arg-type]
+
+
+def _w(x: list[float], b: list[float] | None = None) -> dict[str, np.ndarray]:
+    out = {"w": np.array(x, dtype=np.float32)}
+    if b is not None:
+        out["b"] = np.array(b, dtype=np.float32)
+    return out
+
+
+def test_registry_covers_every_job_aggregator_and_rejects_unknown_names() -> None:
+    assert set(AGGREGATOR_NAMES) == set(JOB_AGGREGATORS)
+    for name in AGGREGATOR_NAMES:
+        assert get_aggregator(AggregationSpec(name=name)).name == name
+    with pytest.raises(AggregationError, match="unknown aggregation.name 'fedsgd'; use one of fedavg"):
+        _agg("fedsgd")
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedprox"])
+def test_fedavg_and_fedprox_weight_by_samples(name: str) -> None:
+    g = {"w": np.zeros(2, np.float32), "b": np.zeros(1, np.float32), "steps": np.array(0)}
+    u1 = {"w": np.array([1.0, 2.0], np.float32), "b": np.array([0.0], np.float32),
+          "steps": np.array(1)}
+    u2 = {"w": np.array([3.0, 6.0], np.float32), "b": np.array([4.0], np.float32),
+          "steps": np.array(4)}
+    out = _agg(name).aggregate(g, [(u1, 1), (u2, 3)])
+    np.testing.assert_allclose(out["w"], [2.5, 5.0])
+    np.testing.assert_allclose(out["b"], [3.0])
+    assert out["w"].dtype == np.float32
+    assert out["steps"] == 3 and out["steps"].dtype == g["steps"].dtype  # 3.25 rounded
+    np.testing.assert_array_equal(u1["w"], [1.0, 2.0])  # inputs untouched
+
+
+def test_fedavgm_server_momentum_by_hand() -> None:
+    agg = _agg("fedavgm", server_momentum=0.5, server_learning_rate=1.0)
+    # round 1: g = 0 - [1, 2]; v = g; w = 0 - v = [1, 2]
+    w1 = agg.aggregate(_w([0, 0]), [(_w([1, 2]), 5)])
+    np.testing.assert_allclose(w1["w"], [1, 2])
+    # round 2: g = [1, 2] - [2, 2] = [-1, 0]; v = 0.5 * [-1, -2] + [-1, 0] = [-1.5, -1]
+    w2 = agg.aggregate(w1, [(_w([2, 2]), 5)])
+    np.testing.assert_allclose(w2["w"], [2.5, 3.0])
+    agg2 = _agg("fedavgm", server_momentum=0.0, server_learning_rate=0.5)
+    np.testing.assert_allclose(agg2.aggregate(_w([0, 0]), [(_w([1, 2]), 1)])["w"], [0.5, 1.0])
+
+
+def _adaptive_two_rounds(name: str) -> tuple[float, float]:
+    agg = _agg(name, server_learning_rate=1.0, beta1=0.9, beta2=0.99, tau=0.1)
+    # scalar model: round 1 moves the average to +1 from 0, round 2 to +2 beyond the new global
+    w1 = agg.aggregate({"w": np.array([0.0])}, [(_w([1.0]), 1), (_w([1.0]), 3)])
+    w1f = float(w1["w"][0])
+    w2 = agg.aggregate(w1, [(_w([w1f + 2.0]), 2)])
+    return w1f, float(w2["w"][0])
+
+
+@pytest.mark.parametrize(
+    ("name", "v2"),
+    [
+        ("fedadam", 0.99 * 0.01 + 0.01 * 4.0),   # beta2 v + (1 - beta2) d^2
+        ("fedyogi", 0.01 + 0.01 * 4.0),          # v - (1 - beta2) d^2 sign(v - d^2)
+        ("fedadagrad", 1.0 + 4.0),               # v + d^2
+    ],
+)
+def test_adaptive_optimizers_by_hand(name: str, v2: float) -> None:
+    v1 = {"fedadagrad": 1.0}.get(name, 0.01)  # first round: delta = 1
+    m1 = 0.1
+    w1_expected = 0.0 + m1 / (math.sqrt(v1) + 0.1)
+    m2 = 0.9 * m1 + 0.1 * 2.0
+    w2_expected = w1_expected + m2 / (math.sqrt(v2) + 0.1)
+    w1, w2 = _adaptive_two_rounds(name)
+    assert w1 == pytest.approx(w1_expected, rel=1e-6)
+    assert w2 == pytest.approx(w2_expected, rel=1e-6)
+
+
+def test_adaptive_state_moves_between_instances() -> None:
+    a, b = _agg("fedadam", server_learning_rate=0.1), _agg("fedadam", server_learning_rate=0.1)
+    w1 = a.aggregate(_w([0, 0]), [(_w([1, -1]), 1)])
+    b.load_state_dict(a.state_dict())
+    assert set(a.state_dict()) == {"m/w", "v/w"}
+    step = [(_w([3, 1]), 1)]
+    np.testing.assert_array_equal(a.aggregate(w1, step)["w"], b.aggregate(w1, step)["w"])
+    a.reset()
+    assert a.state_dict() == {}
+
+
+def test_median_coordinatewise_odd_and_even() -> None:
+    agg = _agg("median")
+    g = _w([0, 0], [0])
+    out = agg.aggregate(g, [(_w([1, 10], [1]), 1), (_w([2, -5], [2]), 1), (_w([100, 0], [3]), 50)])
+    np.testing.assert_allclose(out["w"], [2, 0])
+    np.testing.assert_allclose(out["b"], [2])
+    out = agg.aggregate(g, [(_w([i, -i], [0]), 1) for i in (1, 2, 3, 4)])
+    np.testing.assert_allclose(out["w"], [2.5, -2.5])
+
+
+def test_trimmed_mean_trims_per_side() -> None:
+    ups = [(_w([v, -v]), 1) for v in (4, 100, 1, 3, 2)]
+    np.testing.assert_allclose(_agg("trimmed_mean", trim_ratio=0.2).aggregate(_w([0, 0]), ups)["w"],
+                               [3, -3])
+    np.testing.assert_allclose(_agg("trimmed_mean", trim_ratio=0.1).aggregate(_w([0, 0]), ups)["w"],
+                               [22, -22])
+    with pytest.raises(AggregationError, match=r"aggregation.trim_ratio = 0.5"):
+        _agg("trimmed_mean", trim_ratio=0.5)
+
+
+def test_krum_picks_the_most_central_update() -> None:
+    # points (x, y) spread over two tensors; with f = 1 and n = 5 each is scored by its
+    # 2 nearest: 0 -> 1 + 4 = 5, 1 -> 1 + 1 = 2, 2 -> 1 + 2.25 = 3.25, 3.5 -> 8.5, 100 -> huge
+    agg = _agg("krum", krum_byzantine=1)
+    assert isinstance(agg, Krum)
+    ups = [(_w([x], [0.0]), 1) for x in (0.0, 1.0, 2.0, 3.5, 100.0)]
+    np.testing.assert_allclose(agg.scores(ups)[:4], [5.0, 2.0, 3.25, 8.5])
+    out = agg.aggregate(_w([0], [0]), ups)
+    assert agg.last_selected == 1
+    np.testing.assert_allclose(out["w"], [1.0])
+    with pytest.raises(AggregationError, match="at least krum_byzantine \\+ 3 = 4 updates, got 3"):
+        agg.aggregate(_w([0], [0]), ups[:3])
+
+
+def test_robust_aggregators_shrug_off_one_outlier() -> None:
+    honest = [(_w([1.0 + 0.01 * i, 2.0]), 10) for i in range(6)]
+    attack = [(_w([1e6, -1e6]), 10)]
+    for name in ("median", "trimmed_mean", "krum"):
+        out = _agg(name, trim_ratio=0.2).aggregate(_w([0, 0]), honest + attack)
+        assert np.all(np.abs(out["w"] - [1.03, 2.0]) < 0.1), name
+    assert _agg("fedavg").aggregate(_w([0, 0]), honest + attack)["w"][0] > 1e5
+
+
+@pytest.mark.parametrize("name", AGGREGATOR_NAMES)
+def test_malformed_updates_fail_clearly(name: str) -> None:
+    agg = _agg(name, krum_byzantine=0)
+    g = _w([0, 0], [0])
+    ok = (_w([1, 1], [1]), 1)
+    with pytest.raises(AggregationError, match="no updates"):
+        agg.aggregate(g, [])
+    with pytest.raises(AggregationError, match=r"update 1 does not match.*missing \['b'\]"):
+        agg.aggregate(g, [ok, (_w([1, 1]), 1), ok])
+    with pytest.raises(AggregationError, match=r"update 2 tensor 'w' has shape \(3,\)"):
+        agg.aggregate(g, [ok, ok, (_w([1, 1, 1], [1]), 1)])
+    with pytest.raises(AggregationError, match="sample count -1"):
+        agg.aggregate(g, [ok, ok, (_w([1, 1], [1]), -1)])
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "value"),
+    [("fedadam", "beta1", 1.0), ("fedyogi", "tau", 0.0), ("fedavgm", "server_momentum", 1.5),
+     ("fedadagrad", "server_learning_rate", -1.0), ("krum", "krum_byzantine", -1)],
+)
+def test_bad_settings_name_the_key(name: str, key: str, value: float) -> None:
+    with pytest.raises(AggregationError, match=f"aggregation.{key} = "):
+        _agg(name, **{key: value})
+
+
+def test_weighted_aggregators_need_some_samples() -> None:
+    with pytest.raises(AggregationError, match="all 2 updates report 0 samples"):
+        _agg("fedavg").aggregate(_w([0]), [(_w([1]), 0), (_w([2]), 0)])
