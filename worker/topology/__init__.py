@@ -23,6 +23,8 @@ from .graphs import (
     ring,
     star,
 )
+from .manager import NodeId, RemoteTransport, RoutingError, TopologyManager, Traffic
+from .messages import LocalUpdate, Message, as_message, decode_message, encode_message
 
 __all__ = [
     "DECENTRALIZED_KINDS",
@@ -30,6 +32,16 @@ __all__ = [
     "SERVER",
     "TREE_KINDS",
     "AdjacencyError",
+    "LocalUpdate",
+    "Message",
+    "NodeId",
+    "RemoteTransport",
+    "RoutingError",
+    "TopologyManager",
+    "Traffic",
+    "as_message",
+    "decode_message",
+    "encode_message",
     "TopologyError",
     "aggregators_by_level",
     "build_topology",
