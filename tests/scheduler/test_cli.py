@@ -1,0 +1,96 @@
+"""`fedpilot-scheduler plan` as a user runs it: real subprocesses for isolation checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proto.routing import RoutingMatrix
+from scheduler.cli import build_parser, main
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "deploy" / "examples" / "digits.toml"
+
+
+def test_plan_does_not_import_torch_ray_or_libp2p(tmp_path: Path) -> None:
+    code = (
+        "import sys, json\n"
+        "from scheduler.cli import main\n"
+        f"rc = main(['plan', {str(DEMO)!r}, '--clusters', 'a:10,b:10,c:10', '--json',"
+        f" '--out', {str(tmp_path)!r}])\n"
+        "heavy = sorted(m for m in ('torch', 'ray', 'libp2p') if m in sys.modules)\n"
+        "print(json.dumps({'rc': rc, 'heavy': heavy}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, timeout=120, check=True)
+    lines = out.stdout.strip().splitlines()
+    summary, result = json.loads(lines[0]), json.loads(lines[-1])
+    assert result == {"rc": 0, "heavy": []}
+    assert summary["clients"] == 30 and summary["communities"] >= 1
+    assert set(summary["compare"]["inter_edges"]) >= {"random", "round_robin"}
+
+
+def test_plan_json_digits_k_connected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text("[data]\nnumber_of_clients = 300\ndirichlet_beta = 0.1\n"
+                   "[topology]\nkind = 'k_connected'\nclient_k_neighbors = 3\n")
+    assert main(["plan", str(job), "--clusters", "a:100,b:100,c:100", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    inter = summary["compare"]["inter_edges"]
+    assert summary["edges"]["inter"] == inter["locality"]
+    assert inter["locality"] * 3 <= inter["random"]
+    assert set(summary["stage_seconds"]) == {"histograms", "communities", "topology",
+                                             "placement", "routing"}
+
+
+def test_plan_out_writes_placement_and_routing(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan"
+    assert main(["plan", str(DEMO), "--clusters", "a:12,b:12,c:12", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "communities:" in text and "edges: intra=" in text
+    placement = json.loads((out / "placement.json").read_text())
+    assert len(placement["client_cluster"]) == 30 and len(placement["client_community"]) == 30
+    routing = RoutingMatrix.from_bytes((out / "routing.msgpack").read_bytes())
+    assert routing.num_clients == 30
+    readable = json.loads((out / "routing.json").read_text())
+    assert readable["edges"]["intra"] + readable["edges"]["inter"] == sum(routing.edge_counts())
+    for client, cluster in placement["client_cluster"].items():
+        assert routing.cluster_of(client) == cluster
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--clusters", "a:5,b:5"], "total cluster capacity 10 is less than"),
+    (["--clusters", "a=5"], "'a=5' is not ID:CAPACITY"),
+    (["--clusters", "a:20,a:20"], "repeated: a"),
+])
+def test_plan_errors_are_one_line(args: list[str], needle: str,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(DEMO), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and err.startswith("fedpilot-scheduler: error:")
+
+
+def test_bad_job_file_via_console_script(tmp_path: Path) -> None:
+    job = tmp_path / "bad.toml"
+    job.write_text("[training]\nnumber_of_epochs = -2\n")
+    exe = Path(sys.executable).with_name("fedpilot-scheduler")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "scheduler.cli"]
+    out = subprocess.run([*cmd, "plan", str(job)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0
+    assert f"{job}: training.number_of_epochs = -2 is invalid" in out.stderr
+
+
+def test_help_documents_every_flag() -> None:
+    parser = build_parser()
+    top = parser.format_help()
+    assert "plan" in top and "submit" in top and "--log-level" in top
+    subparsers = next(a for a in parser._actions if a.dest == "command")
+    plan = subparsers.choices["plan"]  # type: ignore[attr-defined]
+    for action in plan._actions:
+        assert action.help, f"plan flag {action.option_strings or action.dest} has no help"

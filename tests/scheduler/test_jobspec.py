@@ -1,0 +1,118 @@
+"""job.toml validation: defaults, round trips, and one clear error line per bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proto.job import JobSpec, JobSpecError
+from scheduler.jobfile import load_job
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str, name: str = "job.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_defaults_and_round_trip() -> None:
+    spec = JobSpec.from_dict({})
+    assert spec == JobSpec()
+    custom = JobSpec.from_dict({"job": {"id": "x-1", "seed": 7},
+                                "training": {"number_of_epochs": 3},
+                                "placement": {"ap_preference": -0.5}})
+    assert custom.seed == 7 and custom.training.number_of_epochs == 3
+    assert JobSpec.from_dict(custom.to_dict()) == custom
+    assert "ap_preference" not in JobSpec().to_dict()["placement"]  # None is left out
+
+
+def test_integer_accepted_for_float_keys() -> None:
+    spec = JobSpec.from_dict({"data": {"dirichlet_beta": 1}})
+    assert spec.data.dirichlet_beta == 1.0 and isinstance(spec.data.dirichlet_beta, float)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "deploy" / "examples").glob("*.toml")))
+def test_example_job_files_load(path: Path) -> None:
+    if "[job]" not in path.read_text():
+        pytest.skip("not a job file")
+    spec = load_job(path)
+    assert spec.job_id
+
+
+BAD = [
+    # (toml text, substrings the one-line error must contain)
+    ("[trainig]\nnumber_of_epochs = 2\n", ["unknown table [trainig]", "did you mean [training]"]),
+    ("[training]\nnumber_of_epoch = 2\n",
+     ["unknown key training.number_of_epoch", "did you mean training.number_of_epochs"]),
+    ("[data]\nnumbr_of_clients = 2\n", ["data.numbr_of_clients", "data.number_of_clients"]),
+    ("[job]\nname = 'x'\n", ["unknown key job.name", "allowed: id, seed"]),
+    ("[training]\nnumber_of_epochs = '2'\n", ["training.number_of_epochs = '2'", "integer >= 1"]),
+    ("[training]\nnumber_of_epochs = 2.5\n", ["training.number_of_epochs = 2.5", "integer"]),
+    ("[training]\nnumber_of_epochs = true\n", ["training.number_of_epochs = True", "integer"]),
+    ("[training]\nnumber_of_epochs = 0\n", ["training.number_of_epochs = 0", "integer >= 1"]),
+    ("[data]\nnumber_of_clients = -3\n", ["data.number_of_clients = -3", ">= 1"]),
+    ("[data]\ndirichlet_beta = 0\n", ["data.dirichlet_beta = 0", "number > 0"]),
+    ("[data]\ndirichlet_beta = 'high'\n", ["data.dirichlet_beta = 'high'", "number"]),
+    ("[data]\nclient_test_fraction = 1.0\n", ["data.client_test_fraction = 1.0", "< 1.0"]),
+    ("[data]\ndata_distribution_kind = 'dirichlet2'\n",
+     ["data.data_distribution_kind = 'dirichlet2'", "one of iid, dirichlet", "'dirichlet'"]),
+    ("[data]\ndataset = 'mnistt'\n", ["data.dataset = 'mnistt'", "npz:PATH"]),
+    ("[model]\nname = 'resnet'\n", ["model.name = 'resnet'", "mlp, cnn, lenet"]),
+    ("[topology]\nkind = 'starr'\n", ["topology.kind = 'starr'", "did you mean 'star'"]),
+    ("[topology]\nk_connected_mode = 'nearest'\n", ["topology.k_connected_mode", "similarity"]),
+    ("[aggregation]\nname = 'fedavgg'\n", ["aggregation.name = 'fedavgg'", "'fedavg'"]),
+    ("[aggregation]\ntrim_ratio = 0.5\n", ["aggregation.trim_ratio = 0.5", "< 0.5"]),
+    ("[placement]\nstrategy = 'nearest'\n", ["placement.strategy = 'nearest'", "locality"]),
+    ("[placement]\nplacement_group_strategy = 'spread'\n",
+     ["placement.placement_group_strategy = 'spread'", "SPREAD, PACK"]),
+    ("[placement]\nap_damping = 0.2\n", ["placement.ap_damping = 0.2", ">= 0.5"]),
+    ("[placement]\nclustering_period = -1\n", ["placement.clustering_period = -1", ">= 0"]),
+    ("[transfer]\ncompression = 'zip'\n", ["transfer.compression = 'zip'", "fp16"]),
+    ("[transfer]\ntopk_ratio = 0\n", ["transfer.topk_ratio = 0", "> 0.0"]),
+    ("[job]\nid = 'a b'\n", ["job.id = 'a b'", "letters, digits"]),
+    ("[job]\nseed = -1\n", ["job.seed = -1", ">= 0"]),
+    ("training = 3\n", ["[training] must be a table"]),
+    ("[data]\nnumber_of_clients = 5\n[topology]\nkind = 'k_connected'\nclient_k_neighbors = 5\n",
+     ["topology.client_k_neighbors = 5", "< data.number_of_clients (5)"]),
+    ("[topology]\nkind = 'custom'\n", ["topology.adjacency_file is required"]),
+    ("[placement]\nstrategy = 'precomputed'\n", ["placement.precomputed_file is required"]),
+    ("[topology]\nkind = 'custom'\nadjacency_file = 'nope.csv'\n",
+     ["topology.adjacency_file", "nope.csv does not exist"]),
+    ("[placement]\nstrategy = 'precomputed'\nprecomputed_file = 'missing.json'\n",
+     ["placement.precomputed_file", "missing.json does not exist"]),
+    ("[data]\ndataset = 'npz:absent.npz'\n", ["data.dataset", "absent.npz does not exist"]),
+    ("[training]\nnumber_of_epochs = = 2\n", ["invalid TOML", "line 2"]),
+]
+
+
+@pytest.mark.parametrize(("text", "needles"), BAD, ids=[b[1][0][:40] for b in BAD])
+def test_bad_job_file_gives_one_clear_line(tmp_path: Path, text: str, needles: list[str]) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(JobSpecError) as info:
+        load_job(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"{path}: ")
+    for needle in needles:
+        assert needle in message
+
+
+def test_missing_job_file(tmp_path: Path) -> None:
+    with pytest.raises(JobSpecError, match="job file not found"):
+        load_job(tmp_path / "absent.toml")
+
+
+def test_relative_paths_resolve_against_job_file(tmp_path: Path) -> None:
+    (tmp_path / "adj.csv").write_text("0,1\n1,0\n")
+    path = write(tmp_path, "[data]\nnumber_of_clients = 2\n"
+                           "[topology]\nkind = 'custom'\nadjacency_file = 'adj.csv'\n")
+    spec = load_job(path)
+    assert spec.topology.adjacency_file == str((tmp_path / "adj.csv").resolve())
+
+
+def test_from_dict_rejects_non_table() -> None:
+    with pytest.raises(JobSpecError, match="wire: expected a table"):
+        JobSpec.from_dict([1, 2], source="wire")  # type: ignore[arg-type]

@@ -1,0 +1,198 @@
+"""The placement pipeline: communities, capacity-respecting mapping, strategies, plans."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proto.job import JobSpec
+from scheduler.errors import AssignmentFileError, CapacityError
+from scheduler.placement.communities import Communities, find_communities
+from scheduler.placement.histograms import planted_histograms, synthetic_histograms
+from scheduler.placement.mapping import assign_communities
+from scheduler.placement.strategies import random_assignment, round_robin
+from scheduler.plan import plan_job, plan_placement
+from scheduler.topology import LogicalTopology, build_topology
+
+
+def job(**sections: dict) -> JobSpec:
+    return JobSpec.from_dict(dict(sections))
+
+
+def test_planted_groups_found_and_kept_whole() -> None:
+    hist, truth = planted_histograms([20, 20, 20, 20, 20], seed=4)
+    communities = find_communities(hist, seed=0)
+    assert communities.count == 5
+    # Communities are exactly the planted groups (up to renaming).
+    assert len({(int(t), int(c)) for t, c in zip(truth, communities.labels, strict=True)}) == 5
+    spec = job(data={"number_of_clients": 100})
+    plan = plan_job(spec, {"a": 40, "b": 40, "c": 40}, histograms=hist)
+    cluster = plan.placement.cluster_index
+    for g in range(5):
+        assert len(set(cluster[truth == g].tolist())) == 1, f"group {g} split"
+    assert max(np.bincount(cluster)) <= 40
+
+
+def test_planted_groups_at_scale_use_candidates() -> None:
+    hist, truth = planted_histograms([400] * 5, seed=5)
+    communities = find_communities(hist, seed=0, max_candidates=200)
+    assert communities.method in ("distinct", "sampled")
+    assert communities.count == 5
+    assert len({(int(t), int(c)) for t, c in zip(truth, communities.labels, strict=True)}) == 5
+
+
+def test_communities_deterministic_by_seed() -> None:
+    hist = synthetic_histograms(400, seed=2)
+    a = find_communities(hist, seed=3)
+    b = find_communities(hist, seed=3)
+    assert np.array_equal(a.labels, b.labels)
+
+
+def test_digits_locality_cuts_inter_cluster_edges() -> None:
+    """Must-show 2: digits Dirichlet β=0.1, 300 clients, k_connected similarity, 3 clusters."""
+    spec = job(data={"number_of_clients": 300, "dirichlet_beta": 0.1},
+               topology={"kind": "k_connected", "client_k_neighbors": 3,
+                         "k_connected_mode": "similarity"})
+    plan = plan_job(spec, {"a": 100, "b": 100, "c": 100}, compare=("random", "round_robin"))
+    inter = plan.compare
+    print("inter-cluster edges:", inter, "of", plan.routing.edge_counts())
+    assert inter["locality"] * 3 <= inter["random"]
+    assert inter["locality"] * 3 <= inter["round_robin"]
+    assert plan.placement.clients_per_cluster() == {"a": 100, "b": 100, "c": 100}
+
+
+def test_community_larger_than_any_cluster_is_split() -> None:
+    hist, _ = planted_histograms([90, 10], seed=1)
+    spec = job(data={"number_of_clients": 100},
+               topology={"kind": "k_connected", "client_k_neighbors": 3})
+    plan = plan_job(spec, {"a": 50, "b": 50, "c": 50}, histograms=hist)
+    loads = np.bincount(plan.placement.cluster_index, minlength=3)
+    assert loads.max() <= 50 and loads.sum() == 100
+
+
+def test_impossible_plan_is_clear_error() -> None:
+    spec = job(data={"number_of_clients": 100})
+    hist = synthetic_histograms(100)
+    with pytest.raises(CapacityError, match="total cluster capacity 99 is less than "
+                                            "data.number_of_clients 100"):
+        plan_placement(spec, hist, {"a": 50, "b": 49})
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 30), min_size=1, max_size=8),
+    caps=st.lists(st.integers(0, 60), min_size=1, max_size=5),
+    kind=st.sampled_from(["star", "ring", "k_connected", "full"]),
+    seed=st.integers(0, 5),
+)
+def test_capacity_never_exceeded(sizes: list[int], caps: list[int], kind: str, seed: int) -> None:
+    n = sum(sizes)
+    labels = np.repeat(np.arange(len(sizes)), sizes)
+    rng = np.random.default_rng(seed)
+    centroids = rng.dirichlet(np.ones(4), size=len(sizes))
+    communities = Communities(labels, centroids, "full", n)
+    hist = rng.integers(0, 10, size=(n, 4)) + 1
+    from proto.job import TopologySpec
+    topo = build_topology(TopologySpec(kind=kind, client_k_neighbors=min(2, max(n - 1, 1))),
+                          n, histograms=hist, seed=seed)
+    if sum(caps) < n:
+        with pytest.raises(CapacityError):
+            assign_communities(communities, topo, caps, seed=seed)
+        with pytest.raises(CapacityError):
+            round_robin(n, caps)
+        return
+    for cluster in (assign_communities(communities, topo, caps, seed=seed),
+                    round_robin(n, caps), random_assignment(n, caps, seed)):
+        loads = np.bincount(cluster, minlength=len(caps))
+        assert len(cluster) == n and (cluster >= 0).all()
+        assert (loads <= np.array(caps)).all()
+
+
+def test_round_robin_skips_full_clusters() -> None:
+    assert round_robin(5, [1, 3, 1]).tolist() == [0, 1, 2, 1, 1]
+
+
+def test_random_is_seeded() -> None:
+    a = random_assignment(50, [20, 20, 20], 1)
+    assert np.array_equal(a, random_assignment(50, [20, 20, 20], 1))
+    assert not np.array_equal(a, random_assignment(50, [20, 20, 20], 2))
+
+
+@pytest.mark.parametrize(("name", "content"), [
+    ("p.json", {"c0": "a", "c1": "b", "c2": "b", "c3": "a"}),
+    ("p.json", ["a", "b", "b", "a"]),
+    ("p.json", [0, 1, 1, 0]),
+    ("p.csv", "client,cluster\n0,a\n1,b\n2,b\n3,a\n"),
+])
+def test_precomputed_assignment(tmp_path: Path, name: str, content: object) -> None:
+    path = tmp_path / name
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    spec = job(data={"number_of_clients": 4},
+               placement={"strategy": "precomputed", "precomputed_file": str(path)})
+    result = plan_placement(spec, synthetic_histograms(4), {"a": 2, "b": 2})
+    assert result.client_cluster == ["a", "b", "b", "a"]
+
+
+def test_precomputed_fedpilot_groups_are_placed_whole(tmp_path: Path) -> None:
+    path = tmp_path / "groups.json"
+    path.write_text(json.dumps([[0, 2, 4], [1, 3, 5]]))
+    spec = job(data={"number_of_clients": 6},
+               placement={"strategy": "precomputed", "precomputed_file": str(path)})
+    result = plan_placement(spec, synthetic_histograms(6), {"a": 3, "b": 3})
+    c = result.client_cluster
+    assert c[0] == c[2] == c[4] != c[1] == c[3] == c[5]
+
+
+@pytest.mark.parametrize(("content", "error", "needle"), [
+    ('{"c0": "a", "c1": "zz", "c2": "a", "c3": "a"}', AssignmentFileError, "names no cluster"),
+    ('{"c0": "a", "c1": "a"}', AssignmentFileError, "2 clients have no cluster"),
+    ('{"c7": "a"}', AssignmentFileError, "'c7' is not a client"),
+    ('{"c0": "a", "c1": "a", "c2": "a", "c3": "b"}', CapacityError,
+     "puts 3 clients on cluster a, whose capacity is 2"),
+    ("{not json", AssignmentFileError, "invalid JSON"),
+])
+def test_precomputed_errors(tmp_path: Path, content: str, error: type, needle: str) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(content)
+    spec = job(data={"number_of_clients": 4},
+               placement={"strategy": "precomputed", "precomputed_file": str(path)})
+    with pytest.raises(error) as info:
+        plan_placement(spec, synthetic_histograms(4), {"a": 2, "b": 2})
+    assert needle in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["star", "hierarchical", "ring", "k_connected", "full",
+                                  "hybrid"])
+def test_every_topology_plans_and_routes_every_edge(kind: str) -> None:
+    spec = job(data={"number_of_clients": 30}, topology={"kind": kind})
+    plan = plan_job(spec, {"a": 10, "b": 10, "c": 10}, histograms=synthetic_histograms(30))
+    intra, inter = plan.routing.edge_counts()
+    assert intra + inter == plan.topology.num_edges
+    for u, v in plan.topology.edges[:50]:
+        same = plan.routing.cluster_of(int(u)) == plan.routing.cluster_of(int(v))
+        assert (plan.routing.channel(int(u), int(v)).kind == "INTRA_CLUSTER") == same
+
+
+def test_ring_locality_cuts_few_edges() -> None:
+    spec = job(data={"number_of_clients": 60}, topology={"kind": "ring"})
+    plan = plan_job(spec, {"a": 20, "b": 20, "c": 20}, histograms=synthetic_histograms(60),
+                    compare=("random",))
+    assert plan.compare["locality"] <= 6 < plan.compare["random"]
+
+
+def test_aggregators_follow_their_clients() -> None:
+    spec = job(data={"number_of_clients": 20}, topology={"kind": "star"})
+    plan = plan_job(spec, {"a": 15, "b": 15}, histograms=synthetic_histograms(20))
+    loads = plan.placement.clients_per_cluster()
+    assert plan.routing.cluster_of("server") == max(loads, key=lambda c: loads[c])
+
+
+def test_empty_topology_has_no_edges() -> None:
+    t = LogicalTopology("star", 3, 3, np.zeros((0, 2), np.int64), np.zeros(0))
+    c = Communities(np.array([0, 0, 1]), np.eye(2), "full", 3)
+    assert np.bincount(assign_communities(c, t, [2, 2]), minlength=2).max() <= 2
