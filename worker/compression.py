@@ -149,8 +149,10 @@ def _rebuild(name: str, info: object, tensors: Mapping[str, np.ndarray]) -> np.n
         kind = info["kind"]
     except (KeyError, TypeError, ValueError) as exc:
         raise CompressionError(f"compressed update: layout of {name!r} is malformed ({exc})") from None
-    if dtype == object:
-        raise CompressionError(f"compressed update: tensor {name!r} claims dtype object")
+    if dtype.kind not in "biuf":
+        raise CompressionError(
+            f"compressed update: tensor {name!r} claims dtype {dtype}; only numeric dtypes travel"
+        )
     size = math.prod(shape)
 
     def part(prefix: str) -> np.ndarray:
