@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -103,7 +102,7 @@ class BridgeServer:
 
     # ---- server ------------------------------------------------------------------------
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on the socket (mode 0600) until cancelled; removes the socket file on exit."""
         if len(str(self.path)) >= 100:
             raise OSError(f"bridge socket path {self.path} is {len(str(self.path))} characters; "
@@ -266,5 +265,3 @@ class BridgeServer:
         return [{"client": c.number, "role": c.role, "job_id": c.job_id, "cluster_id": c.cluster_id}
                 for c in self.clients]
 
-
-Callback = Callable[[], Awaitable[None]]

@@ -98,7 +98,7 @@ class Daemon:
 
     # ---- lifetime ----------------------------------------------------------------------
 
-    async def run(self, *, task_status: trio.TaskStatus[Daemon] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
         lim = cfg.limits
         async with open_host_stack(self.creds.key_pair, list(cfg.listen), list(cfg.announce),
@@ -186,7 +186,8 @@ class Daemon:
         m = self.membership
         info = self.discovery.find(cluster_id)
         refusal = m.refusals.get(cluster_id)
-        peer_id, addrs = None, ()
+        peer_id: str | None = None
+        addrs: tuple[str, ...] = ()
         if info is not None and (refusal is None or refusal.peer_id != info.peer_id):
             peer_id, addrs = info.peer_id, info.addrs
         elif refusal is not None:
@@ -292,7 +293,7 @@ def _probe_body(nbytes: int) -> bytes:
     return (block * math.ceil(nbytes / len(block)))[:nbytes]
 
 
-async def _scoped(serve: Any, *, task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED) -> None:
+async def _scoped(serve: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     with trio.CancelScope() as scope:
         async with trio.open_nursery() as nursery:
             await nursery.start(serve)

@@ -171,7 +171,7 @@ class Discovery:
 
     # ---- services ----------------------------------------------------------------------
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         pubsub = self.stack.pubsub
         pubsub.set_topic_validator(TOPIC_HEARTBEAT, self._validate_heartbeat, False)
         subscription = await pubsub.subscribe(TOPIC_HEARTBEAT)

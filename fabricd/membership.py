@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import trio
 from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
@@ -115,7 +116,7 @@ class Membership:
 
     # ---- lifecycle ---------------------------------------------------------------------
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Register the member protocol, guard every other handler, watch revocations."""
         async with trio.open_nursery() as nursery:
             self._spawn = nursery
