@@ -61,10 +61,11 @@ class VirtualNode:
 
 @dataclass(frozen=True)
 class NodeState:
-    """Everything a dematerialized client needs to resume: weights and aggregator state."""
+    """Everything a dematerialized client needs to resume: weights and aggregator state
+    (both plain named arrays, so they can also travel as safetensors when a node migrates)."""
 
     weights: Mapping[str, np.ndarray]
-    aggregator: Any = None
+    aggregator: Mapping[str, np.ndarray] | None = None
     rounds: int = 0
 
 
@@ -119,19 +120,25 @@ class FederatedNode:
         self._client = int(client_id)
         self._train_idx = np.asarray(train_indices, dtype=np.int64)
         self._test_idx = np.asarray(test_indices, dtype=np.int64)
+        self._aggregator, self._rounds = None, 0
         if state is None:
             load_weights(self._model, self._initial)
-            self._aggregator, self._rounds = None, 0
-        else:
-            load_weights(self._model, state.weights)
-            self._aggregator, self._rounds = state.aggregator, state.rounds
+            return os.getpid()
+        load_weights(self._model, state.weights)
+        self._rounds = state.rounds
+        if state.aggregator is not None:
+            from worker.aggregators import get_aggregator
+
+            self._aggregator = get_aggregator(self._config.aggregation)
+            self._aggregator.load_state_dict(state.aggregator)
         return os.getpid()
 
     def save(self) -> NodeState:
         """The bound client's state (copied; the actor may load another client next)."""
         from worker.serialization import model_weights
 
-        return NodeState(model_weights(self._model), self._aggregator, self._rounds)
+        aggregator = None if self._aggregator is None else self._aggregator.state_dict()
+        return NodeState(model_weights(self._model), aggregator, self._rounds)
 
     def client(self) -> int | None:
         return self._client
