@@ -170,3 +170,15 @@ def test_bad_settings_name_the_key(name: str, key: str, value: float) -> None:
 def test_weighted_aggregators_need_some_samples() -> None:
     with pytest.raises(AggregationError, match="all 2 updates report 0 samples"):
         _agg("fedavg").aggregate(_w([0]), [(_w([1]), 0), (_w([2]), 0)])
+
+
+def test_server_learning_rate_none_means_the_algorithm_default(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert _agg("fedadam", server_learning_rate=None).server_lr == 0.1
+    assert _agg("fedyogi", server_learning_rate=None).server_lr == 0.1
+    assert _agg("fedadagrad", server_learning_rate=None).server_lr == 0.3
+    assert _agg("fedavgm", server_learning_rate=None).server_lr == 1.0
+    with caplog.at_level("WARNING"):
+        _agg("fedadam", server_learning_rate=1.0)
+    assert "large_server_learning_rate aggregator=fedadam" in caplog.text

@@ -7,11 +7,13 @@ Per round, with the sample-weighted average `avg` of the client weights:
     v = <second-moment rule of the subclass>
     w = w_global + server_lr * m / (sqrt(v) + tau)
 m and v start at zero (as in Flower); there is no bias correction (as in the paper).
+server_learning_rate = None picks the subclass default (tuned on digits, beta = 0.1).
 Non-float tensors (counters) take the plain weighted average.
 """
 
 from __future__ import annotations
 
+import logging
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -27,11 +29,14 @@ from .base import (
     is_float,
     require,
     sample_weights,
+    server_learning_rate,
     weighted_average,
 )
 
 if TYPE_CHECKING:
     from proto.job import AggregationSpec
+
+log = logging.getLogger(__name__)
 
 
 class AdaptiveAggregator(Aggregator):
@@ -39,7 +44,7 @@ class AdaptiveAggregator(Aggregator):
 
     def __init__(self, spec: AggregationSpec) -> None:
         super().__init__(spec)
-        self.server_lr = float(spec.server_learning_rate)
+        self.server_lr = server_learning_rate(spec, type(self))
         self.beta1 = float(spec.beta1)
         self.beta2 = float(spec.beta2)
         self.tau = float(spec.tau)
@@ -47,6 +52,13 @@ class AdaptiveAggregator(Aggregator):
         require(0 <= self.beta1 < 1, self.name, "beta1", self.beta1, "0 <= beta1 < 1")
         require(0 <= self.beta2 < 1, self.name, "beta2", self.beta2, "0 <= beta2 < 1")
         require(self.tau > 0, self.name, "tau", self.tau, "> 0")
+        if self.server_lr >= 0.5:
+            # Every step moves each coordinate by up to ~server_lr: 1.0 diverges on digits.
+            log.warning(
+                "event=large_server_learning_rate aggregator=%s server_learning_rate=%s "
+                "hint=Reddi et al. tune it in 0.01..0.3; 0.1 works well on digits",
+                self.name, self.server_lr,
+            )
 
     @abstractmethod
     def second_moment(self, v: np.ndarray, delta: np.ndarray) -> np.ndarray:

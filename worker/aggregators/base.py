@@ -31,6 +31,8 @@ class Aggregator(ABC):
     """One aggregation algorithm. Subclasses set `name` and implement `aggregate`."""
 
     name: ClassVar[str]
+    # Used when `spec.server_learning_rate` is None (per-algorithm default).
+    default_server_learning_rate: ClassVar[float] = 1.0
 
     def __init__(self, spec: AggregationSpec) -> None:
         self.spec = spec
@@ -58,6 +60,12 @@ class Aggregator(ABC):
                 raise AggregationError(f"{self.name} state key {key!r} is not 'slot/tensor'")
             restored.setdefault(slot, {})[name] = np.array(value, dtype=np.float64)
         self._state = restored
+
+
+def server_learning_rate(spec: AggregationSpec, cls: type[Aggregator]) -> float:
+    """`spec.server_learning_rate`, or the algorithm's own default when it is None."""
+    value = getattr(spec, "server_learning_rate", None)
+    return cls.default_server_learning_rate if value is None else float(value)
 
 
 def check_updates(global_weights: Mapping[str, np.ndarray], updates: Sequence[Update],

@@ -11,6 +11,7 @@ class FedAdagrad(AdaptiveAggregator):
     """Adaptive server optimizer with Adagrad's accumulated second moment (see `adaptive`)."""
 
     name = "fedadagrad"
+    default_server_learning_rate = 0.3
 
     def second_moment(self, v: np.ndarray, delta: np.ndarray) -> np.ndarray:
         return v + delta**2

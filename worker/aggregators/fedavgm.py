@@ -16,6 +16,7 @@ from .base import (
     is_float,
     require,
     sample_weights,
+    server_learning_rate,
     weighted_average,
 )
 
@@ -33,7 +34,7 @@ class FedAvgM(Aggregator):
 
     def __init__(self, spec: AggregationSpec) -> None:
         super().__init__(spec)
-        self.server_lr = float(spec.server_learning_rate)
+        self.server_lr = server_learning_rate(spec, type(self))
         self.momentum = float(spec.server_momentum)
         require(self.server_lr > 0, self.name, "server_learning_rate", self.server_lr, "> 0")
         require(0 <= self.momentum < 1, self.name, "server_momentum", self.momentum, "0 <= m < 1")
