@@ -133,7 +133,7 @@ def plan_placement(
                 _check_loads(values, caps, ids, spec.placement.precomputed_file)
                 return PlacementResult(strategy, ids, values, communities.labels,
                                        communities.count)
-            groups = _groups_as_communities(values, histograms)
+            groups = communities = _groups_as_communities(values, histograms)
         index = assign_communities(
             groups, topology, caps, similarity_weight=spec.placement.similarity_weight,
             resolution=spec.placement.louvain_resolution, seed=seed)

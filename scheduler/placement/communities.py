@@ -2,8 +2,9 @@
 
 Up to `max_candidates` clients, AP runs on the full cosine-similarity matrix. Above that
 (AP is O(n²) in time and memory), it runs on candidate histograms — the distinct label
-proportions at 1/`levels` resolution, or a count-weighted sample of them when there are
-still too many — and every client then joins its most similar exemplar.
+proportions at 1/QUANTISE_LEVELS resolution, or a count-weighted sample of them when there
+are still too many — each weighted by how many clients it stands for, with the preference
+estimated from client pairs; every client then joins its most similar exemplar.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 from sklearn.cluster import AffinityPropagation
 from sklearn.exceptions import ConvergenceWarning
 
-from .similarity import cosine_similarity, nearest_rows, quantise
+from .similarity import cosine_similarity, nearest_rows, quantise, unit_rows
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +44,24 @@ class Communities:
 
 
 def affinity_propagation(
-    similarity: np.ndarray, *, damping: float, preference: float | None, seed: int
+    similarity: np.ndarray, *, damping: float, preference: float | None, seed: int,
+    weights: np.ndarray | None = None,
 ) -> np.ndarray:
     """Exemplar index of every row of a precomputed similarity matrix (sklearn AP,
-    deterministic for `seed`). If AP does not converge it retries with heavier damping;
+    deterministic for `seed`). `weights[i]` (>= 1) makes row i stand for that many
+    identical points: its similarities count that many times and, as an exemplar, it
+    already serves its own copies. If AP does not converge it retries with heavier damping;
     if that fails too, all rows join the row with the highest total similarity."""
     n = similarity.shape[0]
     if n == 1:
         return np.zeros(1, dtype=np.int64)
     s = np.asarray(similarity, dtype=np.float64)
-    pref = float(np.median(s)) if preference is None else preference
+    base = float(np.median(s)) if preference is None else preference
+    pref: float | np.ndarray = base
+    if weights is not None:
+        w = np.maximum(np.asarray(weights, dtype=np.float64), 1.0)
+        s = s * w[:, None]
+        pref = base + (w - 1.0) * np.diag(similarity)
     for d, iters in ((damping, 200), (max(damping, 0.9), 1000)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
@@ -65,6 +74,17 @@ def affinity_propagation(
             return np.asarray(centers, dtype=np.int64)[ap.labels_]
         log.warning("event=ap_not_converged n=%d damping=%.2f iterations=%d", n, d, iters)
     return np.full(n, int(np.argmax(s.sum(axis=1))), dtype=np.int64)
+
+
+def population_median_similarity(histograms: np.ndarray, *, seed: int,
+                                 pairs: int = 200_000) -> float:
+    """Median cosine similarity over random client pairs (self-pairs included, as in the
+    full matrix), estimated from `pairs` seeded samples."""
+    rng = np.random.default_rng(seed)
+    n = histograms.shape[0]
+    a, b = rng.integers(0, n, size=pairs), rng.integers(0, n, size=pairs)
+    u = unit_rows(histograms)
+    return float(np.median(np.einsum("ij,ij->i", u[a], u[b])))
 
 
 def find_communities(
@@ -93,13 +113,19 @@ def find_communities(
     method = "distinct"
     if len(distinct) > max_candidates:
         rng = np.random.default_rng(seed)
-        pick = rng.choice(len(distinct), size=max_candidates, replace=False,
-                          p=counts / counts.sum())
-        distinct = distinct[np.sort(pick)]
+        pick = np.sort(rng.choice(len(distinct), size=max_candidates, replace=False,
+                                  p=counts / counts.sum()))
+        distinct, counts = distinct[pick], counts[pick]
         method = "sampled"
     candidates = distinct.astype(np.float64) / QUANTISE_LEVELS
+    weights = counts * (n / counts.sum())  # clients each candidate stands for
+    if preference is None:
+        # Full AP's default is the median similarity over all client pairs; distinct
+        # candidates are more spread out than the clients, so estimate it from the clients.
+        preference = population_median_similarity(hist, seed=seed)
     exemplar_of = affinity_propagation(
-        cosine_similarity(candidates), damping=damping, preference=preference, seed=seed)
+        cosine_similarity(candidates), damping=damping, preference=preference, seed=seed,
+        weights=weights)
     centroids = candidates[np.unique(exemplar_of)]
     labels = nearest_rows(hist, centroids)
     # Drop exemplars no client chose, keeping labels dense.

@@ -11,6 +11,7 @@ capacity; aggregator nodes do not count against capacity.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import networkx as nx
 import numpy as np
@@ -18,9 +19,11 @@ import scipy.sparse as sp
 from scipy.sparse.csgraph import reverse_cuthill_mckee
 
 from ..errors import CapacityError
-from ..topology import LogicalTopology
 from .communities import Communities
 from .similarity import unit_rows
+
+if TYPE_CHECKING:  # scheduler.topology imports this package; avoid the cycle at run time
+    from ..topology import LogicalTopology
 
 
 def check_capacity(num_clients: int, capacities: Sequence[int]) -> None:

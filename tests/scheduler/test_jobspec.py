@@ -116,3 +116,15 @@ def test_relative_paths_resolve_against_job_file(tmp_path: Path) -> None:
 def test_from_dict_rejects_non_table() -> None:
     with pytest.raises(JobSpecError, match="wire: expected a table"):
         JobSpec.from_dict([1, 2], source="wire")  # type: ignore[arg-type]
+
+
+def test_docs_list_every_key() -> None:
+    from dataclasses import fields
+
+    from proto.job import _SECTIONS
+
+    doc = (REPO / "docs" / "job.md").read_text()
+    for name, cls in _SECTIONS.items():
+        assert f"## `[{name}]`" in doc
+        for f in fields(cls):
+            assert f"`{f.name}`" in doc, f"docs/job.md does not document {name}.{f.name}"

@@ -39,11 +39,20 @@ def test_planted_groups_found_and_kept_whole() -> None:
 
 
 def test_planted_groups_at_scale_use_candidates() -> None:
+    """Above max_candidates, AP runs on weighted distinct histograms. Like full AP at this
+    size (median preference), it may subdivide a planted group, but never mixes two, and
+    locality still keeps every group whole on one cluster."""
     hist, truth = planted_histograms([400] * 5, seed=5)
-    communities = find_communities(hist, seed=0, max_candidates=200)
-    assert communities.method in ("distinct", "sampled")
-    assert communities.count == 5
-    assert len({(int(t), int(c)) for t, c in zip(truth, communities.labels, strict=True)}) == 5
+    spec = job(data={"number_of_clients": 2000},
+               placement={"ap_max_exemplar_candidates": 200})
+    plan = plan_job(spec, {"a": 800, "b": 800, "c": 800}, histograms=hist)
+    labels = plan.placement.client_community
+    assert plan.placement.communities >= 5
+    for c in np.unique(labels):
+        assert len(set(truth[labels == c].tolist())) == 1, f"community {c} mixes groups"
+    cluster = plan.placement.cluster_index
+    for g in range(5):
+        assert len(set(cluster[truth == g].tolist())) == 1, f"group {g} split"
 
 
 def test_communities_deterministic_by_seed() -> None:
