@@ -19,8 +19,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from proto.job import JobSpec
-from scheduler.jobgraph import Placement, build_round_graph, place_job
+from scheduler.clusters import ClusterSlot
+from scheduler.jobgraph import node_clusters, plan_epoch
+from scheduler.plan import Plan
 from scheduler.results import ClusterRecordSummary, JobSummary, RoundRecord
+from worker.executor.graph import RoundGraph, to_dict
 
 log = logging.getLogger("fedpilot.scheduler")
 
@@ -105,22 +108,20 @@ class Driver:
         started = self._all({cid: self._job_body("job.start", job=spec.to_dict(),
                                                  clients=holders[cid]) for cid in ids})
         histograms = np.zeros((n, 0), dtype=np.int64)
-        for cid, reply in started.items():
+        for reply in started.values():
             rows = {int(k): v for k, v in reply["histograms"].items()}
             if histograms.shape[1] == 0 and rows:
                 histograms = np.zeros((n, len(next(iter(rows.values())))), dtype=np.int64)
             for i, row in rows.items():
                 histograms[i] = row
-        capacities = {c.cluster_id: c.capacity or int(started[c.cluster_id].get("capacity", n))
-                      for c in self.clusters}
-        self._histograms = histograms
-        placement = place_job(spec, histograms, capacities, epoch=0)
-        graph = build_round_graph(spec, placement, histograms)
-        self._publish(placement, graph, imports={})
+        slots = [ClusterSlot(c.cluster_id, c.capacity or int(started[c.cluster_id].get("capacity") or n),
+                             c.peer_id) for c in self.clusters]
+        plan, graph = plan_epoch(spec, histograms, slots, epoch=0)
+        self._publish(plan, graph, imports={})
         summary = JobSummary(
             job_id=spec.job_id, backend=self.backend, placement_strategy=spec.placement.strategy,
             topology=spec.topology.kind, aggregation=spec.aggregation.name,
-            compression=spec.transfer.compression, communities=placement.communities)
+            compression=spec.transfer.compression, communities=plan.placement.communities)
         rounds = spec.training.federated_learning_rounds
         period = spec.placement.clustering_period
         for r in range(1, rounds + 1):
@@ -129,33 +130,30 @@ class Driver:
             if self.progress is not None:
                 self.progress(record, rounds)
             if period > 0 and r % period == 0 and r < rounds:
-                new = place_job(spec, histograms, capacities, epoch=r // period)
-                moved = self._migrate(placement, new, graph)
-                if moved:
-                    summary.replans += 1
-                    summary.migrations += moved
-                placement = new
-                graph = build_round_graph(spec, placement, histograms)
-        model = self._fetch_model(placement, graph)
+                new_plan, new_graph = plan_epoch(spec, histograms, slots, epoch=r // period)
+                moved = self._migrate(node_clusters(graph, plan.routing), new_plan, new_graph)
+                summary.replans += 1
+                summary.migrations += moved
+                plan, graph = new_plan, new_graph
+        model = self._fetch_model(node_clusters(graph, plan.routing), graph)
         stopped = self._all({cid: self._job_body("job.stop") for cid in ids})
+        per_cluster = plan.placement.clients_per_cluster()
         for c in self.clusters:
             reply = stopped[c.cluster_id]
             summary.clusters.append(ClusterRecordSummary(
-                cluster_id=c.cluster_id,
-                clients=sum(1 for x in placement.client_cluster if x == c.cluster_id),
+                cluster_id=c.cluster_id, clients=per_cluster.get(c.cluster_id, 0),
                 actors_materialized=int(reply.get("actors_materialized", 0))))
         summary.finish()
-        return JobResult(summary, placement.to_dict(), model)
+        placement = plan.placement.to_dict()
+        placement["routing"] = plan.routing.to_dict(readable=True)
+        return JobResult(summary, placement, model)
 
-    def _publish(self, placement: Placement, graph: Any, imports: dict[str, dict[str, bytes]]) -> None:
-        from worker.executor.graph import to_dict  # pure data helpers; no torch/ray
-
-        node_cluster = placement.node_cluster(graph)
-        self._placement_nodes = node_cluster
-        body = {cid: self._job_body("job.plan", graph=to_dict(graph), nodes=node_cluster,
-                                    imports=imports.get(cid, {}))
-                for cid in (c.cluster_id for c in self.clusters)}
-        self._all(body)
+    def _publish(self, plan: Plan, graph: RoundGraph,
+                 imports: Mapping[str, dict[str, bytes]]) -> None:
+        routing = plan.routing.to_bytes()
+        self._all({c.cluster_id: self._job_body("job.plan", graph=to_dict(graph), routing=routing,
+                                                imports=imports.get(c.cluster_id, {}))
+                   for c in self.clusters})
 
     def _round(self, r: int) -> RoundRecord:
         t0 = time.perf_counter()
@@ -174,14 +172,12 @@ class Driver:
             bytes_inter=sum(int(rep["bytes_inter"]) for rep in replies.values()),
             seconds=time.perf_counter() - t0)
 
-    def _migrate(self, old: Placement, new: Placement, graph: Any) -> int:
+    def _migrate(self, before: Mapping[str, str], plan: Plan, graph: RoundGraph) -> int:
         """Move nodes whose cluster changed, state and all; returns how many moved."""
-        new_graph = build_round_graph(self.spec, new, self._histograms)
-        before = old.node_cluster(graph)
-        after = new.node_cluster(new_graph)
+        after = node_clusters(graph, plan.routing)
         moving: dict[str, list[str]] = {}
         for node, cluster in after.items():
-            if before.get(node, cluster) != cluster:
+            if node in before and before[node] != cluster:
                 moving.setdefault(before[node], []).append(node)
         exported: dict[str, dict[str, bytes]] = {}
         if moving:
@@ -190,13 +186,13 @@ class Driver:
             for reply in replies.values():
                 for node, state in reply["states"].items():
                     exported.setdefault(after[node], {})[node] = state
-        self._publish(new, new_graph, exported)
+        self._publish(plan, graph, exported)
         count = sum(len(v) for v in moving.values())
-        log.info("event=replan job=%s moved=%d", self.spec.job_id, count)
+        log.info("event=replan job=%s epoch=%d moved=%d", self.spec.job_id, plan.routing.epoch,
+                 count)
         return count
 
-    def _fetch_model(self, placement: Placement, graph: Any) -> bytes | None:
-        nodes = placement.node_cluster(graph)
+    def _fetch_model(self, nodes: Mapping[str, str], graph: RoundGraph) -> bytes | None:
         roots = [a for a in graph.aggregators if a not in graph.parent]
         target = roots[0] if roots else graph.clients[0]
         reply = self.channel.request(nodes[target], self._job_body("job.model", node=target),

@@ -1,73 +1,39 @@
-"""From a plan to what executors run: client placement plus where aggregators live.
+"""From a plan to what executors run: the round graph that matches the routing matrix.
 
-`place_job` runs the job's placement strategy over the clusters' capacities;
-`build_round_graph` turns the job's topology into the executor's round graph (hybrid
-groups are the physical clusters the placement chose); `Placement.node_cluster` places
-every node, aggregators included (each on the cluster holding most of its children).
+The planner (`scheduler.plan.plan_job`) places clients and aggregators and builds the
+routing matrix; this module adds the direction of each edge (which node aggregates for
+which) as the executors' `RoundGraph`, with the same node names (`c<i>`, `server`,
+`agg<level>_<i>`, `g:<cluster>`), and checks that every edge it uses is in the matrix.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from proto.job import JobSpec
+from proto.routing import RoutingMatrix
+from scheduler.clusters import ClusterSlot
+from scheduler.plan import Plan, plan_job
 from worker.executor import graph as rg
 
 
-@dataclass(frozen=True)
-class Placement:
-    client_cluster: tuple[str, ...]
-    client_community: tuple[int, ...]
-    communities: int
-
-    def node_cluster(self, graph: rg.RoundGraph) -> dict[str, str]:
-        nodes = {rg.client_id(i): c for i, c in enumerate(self.client_cluster)}
-        if graph.kind == "hybrid":
-            for agg in graph.aggregators:
-                nodes[agg] = agg.removeprefix("g:")
-            return nodes
-        # bottom-up: an aggregator sits where most of its children are (ties: first cluster)
-        pending = list(graph.aggregators)
-        while pending:
-            progressed = False
-            for agg in list(pending):
-                children = graph.children(agg)
-                if all(c in nodes for c in children):
-                    votes = Counter(nodes[c] for c in children)
-                    best = max(votes.values())
-                    nodes[agg] = min(c for c, v in votes.items() if v == best)
-                    pending.remove(agg)
-                    progressed = True
-            if not progressed:
-                raise rg.GraphError(f"aggregators {pending} have unplaced children")
-        return nodes
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "communities": self.communities,
-            "client_cluster": {rg.client_id(i): c for i, c in enumerate(self.client_cluster)},
-            "client_community": {rg.client_id(i): int(k)
-                                 for i, k in enumerate(self.client_community)},
-        }
+def plan_epoch(spec: JobSpec, histograms: np.ndarray, slots: Sequence[ClusterSlot], *,
+               epoch: int) -> tuple[Plan, rg.RoundGraph]:
+    """Plan placement epoch `epoch`. Deterministic strategies give the same answer every
+    epoch (nothing moves unless the clusters changed); `random` draws anew each epoch."""
+    planned_spec = spec
+    if spec.placement.strategy == "random" and epoch:
+        planned_spec = replace(spec, seed=spec.seed + epoch)
+    plan = plan_job(planned_spec, list(slots), histograms=histograms, epoch=epoch)
+    graph = round_graph(spec, plan)
+    check_graph(graph, plan.routing)
+    return plan, graph
 
 
-def place_job(spec: JobSpec, histograms: np.ndarray, capacities: Mapping[str, int], *,
-              epoch: int = 0) -> Placement:
-    """Run the job's placement strategy; `epoch` reseeds strategies that use randomness."""
-    from scheduler.plan import plan_placement
-
-    result = plan_placement(spec, histograms, dict(capacities), seed=spec.seed + epoch)
-    return Placement(tuple(result.client_cluster), tuple(int(x) for x in result.client_community),
-                     int(result.communities))
-
-
-def build_round_graph(spec: JobSpec, placement: Placement,
-                      histograms: np.ndarray | None) -> rg.RoundGraph:
+def round_graph(spec: JobSpec, plan: Plan) -> rg.RoundGraph:
     topo = spec.topology
     n = spec.data.number_of_clients
     if topo.kind == "star":
@@ -76,10 +42,21 @@ def build_round_graph(spec: JobSpec, placement: Placement,
         return rg.hierarchical(n, topo.hierarchy_branching, topo.hierarchy_levels)
     if topo.kind == "hybrid":
         groups: dict[str, list[str]] = {}
-        for i, cluster in enumerate(placement.client_cluster):
+        for i, cluster in enumerate(plan.placement.client_cluster):
             groups.setdefault(cluster, []).append(rg.client_id(i))
         return rg.hybrid(groups, topo.inter_cluster_period)
-    from scheduler.topology import logical_edges
+    edges = plan.topology.edges
+    clients = edges[(edges[:, 0] < n) & (edges[:, 1] < n)]
+    return rg.decentralized(topo.kind, n, [(int(a), int(b)) for a, b in clients])
 
-    edges = logical_edges(spec, histograms)
-    return rg.decentralized(topo.kind, n, [(int(a), int(b)) for a, b in edges])
+
+def check_graph(graph: rg.RoundGraph, routing: RoutingMatrix) -> None:
+    """Every edge the executors will use must be an edge of the routing matrix."""
+    missing = [(a, b) for a, b in graph.edges() if not routing.is_edge(a, b)]
+    if missing:
+        raise rg.GraphError(f"round graph edges {missing[:5]} are not in the routing matrix "
+                            f"({len(missing)} in all)")
+
+
+def node_clusters(graph: rg.RoundGraph, routing: RoutingMatrix) -> dict[str, str]:
+    return {node: routing.cluster_of(node) for node in graph.nodes}

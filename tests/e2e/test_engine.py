@@ -21,10 +21,10 @@ from worker.executor.transport import HybridTransport, samples_of, with_samples
 
 
 class PlainCodec:
-    def compress(self, weights: dict[str, np.ndarray], edge: tuple[str, str]) -> bytes:
+    def compress(self, weights: dict[str, np.ndarray], edge: tuple[str, ...]) -> bytes:
         return st_save(weights)
 
-    def decompress(self, payload: bytes) -> dict[str, np.ndarray]:
+    def decompress(self, payload: bytes, edge: tuple[str, ...]) -> dict[str, np.ndarray]:
         return dict(st_load(payload))
 
 

@@ -4,7 +4,8 @@ Messages (the `kind` of the body; the daemon only passes on bodies signed by a
 `scheduler` certificate):
 - `job.start` {job, clients}: build the job's partitions, reply with the label histograms
   of `clients` (no sample leaves the cluster) and this cluster's capacity;
-- `job.plan` {graph, nodes, imports}: adopt the round graph and node placement,
+- `job.plan` {graph, routing, imports}: adopt the round graph and the routing matrix
+  (every neighbour is looked up there),
   materialize the local clients, import migrated node states;
 - `round.run` {round}: run this cluster's share of the round, reply with its report;
 - `node.export` {nodes}: hand over the state of nodes that move to another cluster;
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from proto.job import JobSpec
+from proto.routing import RoutingMatrix
 from worker.executor import graph as rg
 from worker.executor.engine import ClientPool, ClusterEngine
 from worker.executor.mailbox import Mailbox
@@ -110,10 +112,18 @@ class ExecutorService:
     def _plan(self, body: dict[str, Any]) -> dict[str, Any]:
         assert self.spec is not None and self.runtime is not None
         graph = rg.from_dict(body["graph"])
-        nodes = {str(k): str(v) for k, v in body["nodes"].items()}
-        missing = [n for n in graph.nodes if n not in nodes]
-        if missing:
-            raise ControlError(f"plan places no cluster for node(s) {missing[:5]}")
+        routing = RoutingMatrix.from_bytes(bytes(body["routing"]))
+        if routing.job_id != self.spec.job_id:
+            raise ControlError(f"routing matrix is for job {routing.job_id!r}")
+        if self.cluster_id not in routing.clusters:
+            raise ControlError(f"routing matrix does not name this cluster ({self.cluster_id})")
+        stray = [(a, b) for a, b in graph.edges() if not routing.is_edge(a, b)]
+        if stray:
+            raise ControlError(f"round graph edges {stray[:5]} are not in the routing matrix")
+        try:
+            nodes = {node: routing.cluster_of(node) for node in graph.nodes}
+        except (KeyError, ValueError) as exc:
+            raise ControlError(f"routing matrix does not place every node: {exc}") from None
         with self._lock:
             self._nodes = nodes
         locate = self._nodes_lookup
@@ -137,8 +147,8 @@ class ExecutorService:
                     self.engine._models[node] = previous._models[node]
         for node, state in body.get("imports", {}).items():
             self.engine.import_node(str(node), self.runtime.bytes_to_weights(bytes(state)))
-        log.info("event=job_planned job=%s cluster=%s local_clients=%d imports=%d",
-                 self.spec.job_id, self.cluster_id, len(local_clients),
+        log.info("event=job_planned job=%s cluster=%s epoch=%d local_clients=%d imports=%d",
+                 self.spec.job_id, self.cluster_id, routing.epoch, len(local_clients),
                  len(body.get("imports", {})))
         return {"clients": len(local_clients),
                 "actors_materialized": self.runtime.actors_materialized()}

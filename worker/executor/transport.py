@@ -30,9 +30,12 @@ class RemoteLink(Protocol):
                     target_node: str, message_id: str, payload: bytes) -> None: ...
 
 
+Edge = tuple[str, str, str, str]  # (source node, target node, source cluster, target cluster)
+
+
 class Codec(Protocol):
-    def compress(self, weights: Weights, edge: tuple[str, str]) -> bytes: ...
-    def decompress(self, payload: bytes) -> Weights: ...
+    def compress(self, weights: Weights, edge: Edge) -> bytes: ...
+    def decompress(self, payload: bytes, edge: Edge) -> Weights: ...
 
 
 @dataclass
@@ -140,7 +143,8 @@ class HybridTransport:
         if self._link is None:
             raise RuntimeError(f"node {dst} lives on cluster {target!r} but this executor has "
                                "no bridge to fabricd")
-        payload = with_samples(self._codec.compress(self._resolve(weights), (src, dst)), samples)
+        edge = (src, dst, self.local_cluster, target)
+        payload = with_samples(self._codec.compress(self._resolve(weights), edge), samples)
         self._link.send_update(
             target_cluster=target, job_id=self.job_id, round=round_index, source_node=src,
             target_node=dst, message_id=message_id(self.job_id, round_index, kind, src, dst),
@@ -155,7 +159,7 @@ class HybridTransport:
         job_id, round_index, kind, src, dst = parse_message_id(mid)
         if job_id != self.job_id:
             raise ValueError(f"update for job {job_id!r} reached the executor of {self.job_id!r}")
-        weights = self._codec.decompress(payload)
+        weights = self._codec.decompress(payload, (src, dst, self._locate(src), self.local_cluster))
         envelope = Envelope(weights, samples_of(payload), len(payload), remote=True)
         return self._mailbox.put((round_index, kind, src, dst), envelope)
 
