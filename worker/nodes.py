@@ -21,6 +21,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -239,7 +240,8 @@ class NodeManager:
             raise ValueError(f"placement.max_materialized must be >= 1, got {max_materialized}")
         self.context = context
         self.config = config
-        self.virtual_nodes = {int(c): VirtualNode(int(c), config) for c in clients}
+        ids = clients if isinstance(clients, range) else [int(c) for c in clients]
+        self.virtual_nodes = dict(zip(ids, map(VirtualNode, ids, repeat(config)), strict=True))
         self._dataset = dataset
         self._partition = partition
         self.capacity = min(max_materialized, len(self.virtual_nodes))
