@@ -5,7 +5,8 @@
 # this script creates (and `down` deletes).
 #
 #   netns-testbed.sh up            create namespaces + links, CA + configs, start daemons
-#   netns-testbed.sh status        namespaces, daemon pids and `fabricd status` of each
+#   netns-testbed.sh status [-v]   namespaces, daemon pids, peers seen by each daemon
+#                                  (-v: each daemon's full `fabricd status` JSON)
 #   netns-testbed.sh exec ID CMD   run CMD inside cluster ID's namespace
 #   netns-testbed.sh down          stop the daemons, delete namespaces and the state dir
 #                                  (safe to repeat, also after a crash or a failed `up`)
@@ -257,8 +258,26 @@ cmd_down() {
     fi
 }
 
+# `fabricd status` JSON on stdin -> two lines: listen addresses, other clusters' state.
+summarize_status() {
+    "$PYTHON" -c '
+import json, sys
+text = sys.stdin.read()
+try:
+    s = json.loads(text)
+except ValueError:
+    sys.stdout.write(text)
+    sys.exit(0)
+print("listen:", " ".join(s.get("listen_addrs", [])))
+peers = ["%s %s" % (c["cluster_id"], "connected" if c.get("connected") else "DISCONNECTED")
+         for c in s.get("clusters", [])]
+print("clusters:", ", ".join(peers) or "none known")
+'
+}
+
 cmd_status() {
-    local c ns rc=0 pid state
+    local verbose=0 c ns rc=0 pid state summary
+    [ "${1:-}" != -v ] || verbose=1
     for c in "${CLUSTERS[@]}"; do
         ns=$(ns_of "$c")
         if ! ns_exists "$ns"; then
@@ -274,7 +293,13 @@ cmd_status() {
             rc=1
         fi
         echo "$c: namespace $ns, $(ip_of "$c"), $state"
-        if ! ip netns exec "$ns" "$FABRICD" status --config "$STATE/$c/cluster.toml" 2>&1 | sed 's/^/    /'; then
+        if [ "$verbose" = 1 ]; then
+            summary="cat"
+        else
+            summary=summarize_status
+        fi
+        if ! ip netns exec "$ns" "$FABRICD" status --config "$STATE/$c/cluster.toml" 2>&1 \
+                | "$summary" | sed 's/^/    /'; then
             rc=1
         fi
     done
@@ -292,7 +317,7 @@ cmd_exec() {
 case "${1:-}" in
     up) cmd_up ;;
     down) cmd_down ;;
-    status) cmd_status ;;
+    status) shift; cmd_status "$@" ;;
     exec) shift; cmd_exec "$@" ;;
-    *) sed -n '2,33s/^# \{0,1\}//p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,34s/^# \{0,1\}//p' "$0" >&2; exit 2 ;;
 esac

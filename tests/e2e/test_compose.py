@@ -147,6 +147,7 @@ def _run_certs_command(out: Path, ca: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_certs_command_generates_a_federation_that_bootstraps_from_a(tmp_path: Path) -> None:
     from fabricd.config import load_config
 

@@ -211,5 +211,8 @@ def test_three_namespaced_daemons_mesh_and_probe_over_veth(testbed: NetnsTestbed
     # The script's own status agrees that all three run.
     status = _script(bed.env, "status")
     assert status.returncode == 0, status.stdout + status.stderr
+    blocks = status.stdout.split("\n" + CLUSTERS[1] + ": ")
     for cid in CLUSTERS:
         assert f"{cid}: namespace {bed.ns(cid)}, {bed.ip(cid)}, fabricd pid {bed.pid(cid)} running" in status.stdout
+    for other in ("b", "c"):
+        assert f"{other} connected" in blocks[0], status.stdout
