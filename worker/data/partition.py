@@ -217,7 +217,7 @@ def _top_up(
     deficits = np.maximum(minimum - sizes, 0)
     receivers = np.repeat(np.arange(num_clients, dtype=np.int64), deficits)
     # A sample may be given away if it ranks (in a random order) past its owner's minimum.
-    order = np.lexsort((rng.random(len(owner)), owner))
+    order = np.argsort(owner + 0.5 * rng.random(len(owner)))  # by owner, random within
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     rank = np.arange(len(owner)) - np.repeat(starts, sizes)
     spare = order[rank >= np.repeat(np.full(num_clients, minimum), sizes)]
@@ -312,8 +312,14 @@ def _group(owner: np.ndarray, num_clients: int) -> list[np.ndarray]:
     used = np.flatnonzero(owner >= 0)
     clients = owner[used]
     order = np.argsort(clients, kind="stable")  # stable: indices stay sorted within a client
-    counts = np.bincount(clients, minlength=num_clients)
-    return np.split(used[order], np.cumsum(counts)[:-1])
+    return _split_by_counts(used[order], np.bincount(clients, minlength=num_clients))
+
+
+def _split_by_counts(flat: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+    """Consecutive slices of `flat` with the given lengths (much faster than np.split
+    for 100,000 pieces)."""
+    bounds = np.concatenate(([0], np.cumsum(counts))).tolist()
+    return [flat[bounds[i] : bounds[i + 1]] for i in range(len(counts))]
 
 
 def _split_parts(
@@ -322,19 +328,15 @@ def _split_parts(
     lengths = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
     idx = np.concatenate(parts)
     client = np.repeat(np.arange(len(parts), dtype=np.int64), lengths)
-    # Random order within each client: sort by (client, random key).
-    order = np.lexsort((rng.random(len(idx)), client))
-    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    rank = np.arange(len(idx)) - np.repeat(starts, lengths)
     n_test = np.minimum(np.floor(lengths * fraction + 0.5).astype(np.int64),
                         np.maximum(lengths - 1, 0))
+    # A random order within each client (client id + a key in [0, 0.5) sorts by client
+    # first); its first n_test[client] entries become the test split.
+    order = np.argsort(client + 0.5 * rng.random(len(idx)))
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    rank = np.empty(len(idx), dtype=np.int64)
+    rank[order] = np.arange(len(idx)) - np.repeat(starts, lengths)
     is_test = rank < np.repeat(n_test, lengths)
-    shuffled = idx[order]
-    test_idx, train_idx = shuffled[is_test], shuffled[~is_test]
-    test_cl, train_cl = client[is_test], client[~is_test]
-    # Within each client sort by sample index (client ids are already non-decreasing).
-    test_idx = test_idx[np.lexsort((test_idx, test_cl))]
-    train_idx = train_idx[np.lexsort((train_idx, train_cl))]
-    test = np.split(test_idx, np.cumsum(n_test)[:-1])
-    train = np.split(train_idx, np.cumsum(lengths - n_test)[:-1])
-    return train, test
+    # Masking keeps each client's indices sorted and the clients contiguous.
+    return (_split_by_counts(idx[~is_test], lengths - n_test),
+            _split_by_counts(idx[is_test], n_test))
