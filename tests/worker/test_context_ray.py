@@ -60,3 +60,17 @@ def test_ray_placement_group_fails_at_once_with_what_exists(ray_context) -> None
         ctx.kill(placed)
     finally:
         ctx.release(reservation)
+
+
+def test_ray_placement_group_held_by_another_job_fails_after_a_short_wait(ray_context) -> None:  # type: ignore[no-untyped-def]
+    from worker.context import RayContext
+
+    hog = ray_context.reserve([{"CPU": 1.5}], "PACK")
+    try:
+        impatient = RayContext(placement_timeout=1.0)
+        with pytest.raises(PlacementError) as err:
+            impatient.reserve([{"CPU": 1.0}], "PACK")
+        assert "not granted within 1s" in str(err.value)
+        assert "total {CPU: 2}" in str(err.value)
+    finally:
+        ray_context.release(hog)

@@ -98,3 +98,25 @@ def test_placement_failure_happens_before_any_actor() -> None:
         with pytest.raises(RuntimeError, match="start"):
             manager.call(0, "ping")
         assert ctx.actors_created == 0
+
+
+def test_state_travels_as_safetensors_and_can_be_imported() -> None:
+    from worker.nodes import state_from_bytes, state_to_bytes
+
+    with InProcessContext(num_cpus=2) as ctx:
+        source = setup_manager(ctx, 3, 3)
+        with source:
+            ctx.get(source.call(1, "train", 1))
+            state = ctx.get(source.state(1))
+        data = state_to_bytes(state)
+        assert isinstance(data, bytes) and b"pickle" not in data
+        back = state_from_bytes(data)
+        assert back.rounds == 1 and back.aggregator is None
+        for name, value in state.weights.items():
+            np.testing.assert_array_equal(back.weights[name], value)
+        target = setup_manager(ctx, 3, 1)
+        with target:
+            target.import_state(1, back)
+            moved = ctx.get(target.call(1, "weights"))
+        for name, value in state.weights.items():
+            np.testing.assert_array_equal(moved.weights[name], value)

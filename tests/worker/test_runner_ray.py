@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proto.job import JobSpec, PlacementSpec, TopologySpec, TrainingSpec
+from proto.job import DataSpec, JobSpec, PlacementSpec, TopologySpec, TrainingSpec
 from worker.context import InProcessContext
 from worker.runner import run_job
 
@@ -39,11 +39,10 @@ def test_digits_star_fedavg_on_ray_matches_inprocess(ray_context) -> None:  # ty
 
 
 def test_ring_with_actor_per_client_on_ray(ray_context) -> None:  # type: ignore[no-untyped-def]
-    spec = JobSpec(job_id="ring-ray", topology=TopologySpec(kind="ring"),
+    spec = JobSpec(job_id="ring-ray", data=DataSpec(number_of_clients=4),
+                   topology=TopologySpec(kind="ring"),
                    training=TrainingSpec(federated_learning_rounds=2, number_of_epochs=1),
                    placement=PlacementSpec(max_materialized=4, placement_group_strategy="PACK"))
-    spec = JobSpec(job_id=spec.job_id, data=type(spec.data)(number_of_clients=4),
-                   topology=spec.topology, training=spec.training, placement=spec.placement)
     with InProcessContext(num_cpus=2) as ctx:
         local = [(m.accuracy, m.extra) for m in run_job(spec, ctx)]
     job = run_job(spec, ray_context, recycle_actors=False)

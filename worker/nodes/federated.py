@@ -1,0 +1,190 @@
+"""FederatedNode: the actor that holds one client at a time (data indices, model weights,
+aggregator state), trains and evaluates it; and the node state that moves between actors.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from worker.data import Dataset
+from worker.topology.messages import LocalUpdate, Message, as_message
+
+from .virtual import NodeConfig
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """Everything a dematerialized client needs to resume: weights and aggregator state
+    (both plain named arrays, so they can also travel as safetensors when a node migrates)."""
+
+    weights: Mapping[str, np.ndarray]
+    aggregator: Mapping[str, np.ndarray] | None = None
+    rounds: int = 0
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """A decentralized node's evaluation after mixing with its neighbours."""
+
+    client_id: int
+    round: int
+    accuracy: float
+    loss: float
+    test_samples: int
+    local_accuracy: float
+    local_samples: int
+
+
+def state_to_bytes(state: NodeState) -> bytes:
+    """Safetensors bytes of a node's state, for migrating it to another cluster."""
+    from worker.serialization import weights_to_bytes
+
+    tensors = {f"weights/{k}": np.asarray(v) for k, v in state.weights.items()}
+    tensors.update({f"aggregator/{k}": np.asarray(v) for k, v in (state.aggregator or {}).items()})
+    return weights_to_bytes(tensors, {"fedpilot.rounds": str(int(state.rounds)),
+                                      "fedpilot.aggregator": str(state.aggregator is not None)})
+
+
+def state_from_bytes(data: bytes) -> NodeState:
+    """Inverse of `state_to_bytes` (raises `SerializationError` on anything else)."""
+    from worker.serialization import SerializationError, bytes_metadata, bytes_to_weights
+
+    tensors, meta = bytes_to_weights(data), bytes_metadata(data)
+    try:
+        rounds = int(meta["fedpilot.rounds"])
+    except (KeyError, ValueError):
+        raise SerializationError("node state bytes lack an integer fedpilot.rounds") from None
+    weights = {k[len("weights/"):]: v for k, v in tensors.items() if k.startswith("weights/")}
+    aggregator = {k[len("aggregator/"):]: v for k, v in tensors.items()
+                  if k.startswith("aggregator/")}
+    if not weights or len(weights) + len(aggregator) != len(tensors):
+        raise SerializationError("node state bytes need weights/* (and only aggregator/*) tensors")
+    has_aggregator = meta.get("fedpilot.aggregator") == "True"
+    return NodeState(weights, aggregator if has_aggregator else None, rounds)
+
+
+def client_seed(seed: int, client: int, round_index: int) -> int:
+    """The training seed of `client` in `round_index` (the same on every backend)."""
+    return int(np.random.SeedSequence([seed, client, round_index]).generate_state(1)[0])
+
+
+class FederatedNode:
+    """The actor: one client at a time (bound by `load`), trained and evaluated on demand.
+
+    Constructed once per actor process with the job's shared dataset (zero-copy from the
+    object store on Ray); `load` binds it to a client's indices and saved state.
+    """
+
+    def __init__(self, config: NodeConfig, dataset: Dataset) -> None:
+        import torch
+
+        from worker.models import build_model
+        from worker.serialization import model_weights
+
+        torch.set_num_threads(1)  # determinism and no oversubscription of the box
+        self._config = config
+        self._dataset = dataset
+        self._model = build_model(config.model, config.input_shape, config.num_classes,
+                                  seed=config.seed)
+        self._initial = model_weights(self._model)
+        self._client: int | None = None
+        self._train_idx = np.zeros(0, dtype=np.int64)
+        self._test_idx = np.zeros(0, dtype=np.int64)
+        self._aggregator: Any = None
+        self._rounds = 0
+
+    def load(self, client_id: int, train_indices: np.ndarray, test_indices: np.ndarray,
+             state: NodeState | None) -> int:
+        """Become client `client_id` (fresh when `state` is None); returns the process id."""
+        from worker.serialization import load_weights
+
+        self._client = int(client_id)
+        self._train_idx = np.asarray(train_indices, dtype=np.int64)
+        self._test_idx = np.asarray(test_indices, dtype=np.int64)
+        self._aggregator, self._rounds = None, 0
+        if state is None:
+            load_weights(self._model, self._initial)
+            return os.getpid()
+        load_weights(self._model, state.weights)
+        self._rounds = state.rounds
+        if state.aggregator is not None:
+            from worker.aggregators import get_aggregator
+
+            self._aggregator = get_aggregator(self._config.aggregation)
+            self._aggregator.load_state_dict(state.aggregator)
+        return os.getpid()
+
+    def save(self) -> NodeState:
+        """The bound client's state (copied; the actor may load another client next)."""
+        from worker.serialization import model_weights
+
+        aggregator = None if self._aggregator is None else self._aggregator.state_dict()
+        return NodeState(model_weights(self._model), aggregator, self._rounds)
+
+    def client(self) -> int | None:
+        return self._client
+
+    def train(self, round_index: int, *incoming: Message | Mapping[str, np.ndarray]
+              ) -> LocalUpdate:
+        """Start from the model in `incoming` (if any), train locally, evaluate on the
+        client's own test split; returns the trained weights and what was measured."""
+        from worker.serialization import load_weights, model_weights
+        from worker.training import evaluate, train_local
+
+        client = self._require_client()
+        anchor = None
+        if incoming:
+            if len(incoming) != 1:
+                raise ValueError(f"client {client}: train() takes one model, got {len(incoming)}")
+            anchor = as_message(incoming[0]).weights
+            load_weights(self._model, anchor)
+        d = self._dataset
+        result = train_local(self._model, d.x_train[self._train_idx], d.y_train[self._train_idx],
+                             self._config.training, seed=client_seed(self._config.seed, client,
+                                                                     round_index),
+                             global_weights=anchor)
+        self._rounds += 1
+        local = evaluate(self._model, d.x_train[self._test_idx], d.y_train[self._test_idx])
+        return LocalUpdate(weights=model_weights(self._model), num_samples=result.num_samples,
+                           client_id=client, round=round_index, loss=result.loss,
+                           local_accuracy=local.accuracy, local_samples=local.num_samples)
+
+    def mix(self, round_index: int, *neighbours: Message | Mapping[str, np.ndarray]
+            ) -> NodeReport:
+        """Aggregate the own model with the neighbours' (the job's aggregator, own weights
+        as the reference), then evaluate on the global test set and the own test split."""
+        from worker.aggregators import get_aggregator
+        from worker.serialization import load_weights, model_weights
+        from worker.training import evaluate
+
+        client = self._require_client()
+        own = model_weights(self._model)
+        if self._aggregator is None:
+            self._aggregator = get_aggregator(self._config.aggregation)
+        updates = [(own, len(self._train_idx))]
+        updates += [(dict(m.weights), m.num_samples) for m in map(as_message, neighbours)]
+        load_weights(self._model, self._aggregator.aggregate(own, updates))
+        d = self._dataset
+        overall = evaluate(self._model, d.x_test, d.y_test)
+        local = evaluate(self._model, d.x_train[self._test_idx], d.y_train[self._test_idx])
+        return NodeReport(client, round_index, overall.accuracy, overall.loss,
+                          overall.num_samples, local.accuracy, local.num_samples)
+
+    def weights(self) -> Message:
+        """The bound client's current model as a message."""
+        from worker.serialization import model_weights
+
+        return Message(model_weights(self._model), len(self._train_idx))
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def _require_client(self) -> int:
+        if self._client is None:
+            raise RuntimeError("FederatedNode has no client bound; the manager calls load() first")
+        return self._client
