@@ -170,3 +170,12 @@ def test_cluster_too_small_fails_at_once() -> None:
         with pytest.raises(PlacementError, match=r"3 bundle\(s\) x \{'CPU': 1.0\}"):
             run_job(spec, ctx, cpus_per_node=1.0)
         assert ctx.actors_created == 0
+
+
+def test_hybrid_groups_exchange_every_period() -> None:
+    metrics = run(job("hybrid", clients=6, rounds=4, hierarchy_branching=3,
+                      inter_cluster_period=2))
+    assert [m.extra.get("exchanged", 0.0) for m in metrics] == [0.0, 1.0, 0.0, 1.0]
+    # per round: 6 models down + 6 updates up; exchange rounds add 2 group->group messages
+    assert [m.messages_intra for m in metrics] == [12, 14, 12, 14]
+    assert all(m.accuracy_of == "mean_group_models" for m in metrics)
