@@ -101,7 +101,7 @@ class PlacementSpec:
     max_materialized: int = 8               # live FederatedNode actors per cluster
     ap_damping: float = 0.7
     ap_preference: float | None = None      # None = median similarity
-    ap_max_exemplar_candidates: int = 1000  # above this, AP runs on distinct/sampled histograms
+    ap_max_exemplar_candidates: int = 800   # above this, AP runs on distinct/sampled histograms
     precomputed_file: str = ""              # for precomputed: JSON/CSV client -> cluster
     louvain_resolution: float = 1.0         # > 1 gives more, smaller community groups
     similarity_weight: float = 1.0          # weight of data similarity vs topology traffic

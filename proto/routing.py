@@ -67,6 +67,7 @@ class RoutingMatrix:
         peers: Sequence[str] | None = None,
         epoch: int = 0,
         communities: np.ndarray | None = None,
+        _symmetric: bool = False,
     ) -> None:
         self.job_id = job_id
         self.epoch = int(epoch)
@@ -79,7 +80,7 @@ class RoutingMatrix:
         self.indptr = np.asarray(indptr, dtype=np.int64)
         self.indices = np.asarray(indices, dtype=np.int64)
         self.communities = None if communities is None else np.asarray(communities, np.int64)
-        _validate(self)
+        _validate(self, check_symmetry=not _symmetric)
         self._agg_index = {name: self.num_clients + i for i, name in enumerate(self.aggregators)}
         self._cluster_index = {c: i for i, c in enumerate(self.clusters)}
 
@@ -104,13 +105,14 @@ class RoutingMatrix:
         num_nodes = len(node_cluster)
         src = np.concatenate([e[:, 0], e[:, 1]])
         dst = np.concatenate([e[:, 1], e[:, 0]])
-        key = np.unique(src * num_nodes + dst)
+        key = np.sort(src * num_nodes + dst)  # sort-based: numpy 2's hashed unique is slower
+        key = key[np.concatenate(([True], key[1:] != key[:-1]))] if len(key) else key
         src, dst = key // num_nodes, key % num_nodes
         indptr = np.zeros(num_nodes + 1, dtype=np.int64)
         np.cumsum(np.bincount(src, minlength=num_nodes), out=indptr[1:])
         return cls(job_id=job_id, clusters=clusters, node_cluster=node_cluster, indptr=indptr,
                    indices=dst, num_clients=num_clients, aggregators=aggregators, peers=peers,
-                   epoch=epoch, communities=communities)
+                   epoch=epoch, communities=communities, _symmetric=True)
 
     def with_peers(self, peers: Mapping[str, str]) -> RoutingMatrix:
         """A copy with daemon peer IDs filled in (`cluster_id -> peer_id`; clusters not in
@@ -124,7 +126,7 @@ class RoutingMatrix:
                              node_cluster=self.node_cluster, indptr=self.indptr,
                              indices=self.indices, num_clients=self.num_clients,
                              aggregators=self.aggregators, peers=filled, epoch=self.epoch,
-                             communities=self.communities)
+                             communities=self.communities, _symmetric=True)
 
     # -- lookups ----------------------------------------------------------------------
 
@@ -316,8 +318,9 @@ def _bad(name: str, why: str) -> InvalidMessage:
     return InvalidMessage(f"routing matrix field {name!r}: {why}", field=name)
 
 
-def _validate(m: RoutingMatrix) -> None:
-    """Every structural promise the lookups rely on (raises InvalidMessage)."""
+def _validate(m: RoutingMatrix, *, check_symmetry: bool = True) -> None:
+    """Every structural promise the lookups rely on (raises InvalidMessage). Symmetry (an
+    O(E log E) check) is skipped only for matrices built here from undirected edges."""
     k, n = len(m.clusters), m.num_nodes
     if not m.job_id:
         raise _bad("job_id", "must not be empty")
@@ -346,8 +349,7 @@ def _validate(m: RoutingMatrix) -> None:
     forward = src * n + m.indices
     if len(forward) > 1 and np.any(np.diff(forward) <= 0):
         raise _bad("indices", "each neighbour list must be sorted without repeats")
-    backward = np.sort(m.indices * n + src)
-    if not np.array_equal(forward, backward):
+    if check_symmetry and not np.array_equal(forward, np.sort(m.indices * n + src)):
         raise _bad("indices", "neighbour lists must be symmetric (u lists v iff v lists u)")
     if m.communities is not None and len(m.communities) != m.num_clients:
         raise _bad("communities", f"need one per client ({m.num_clients}), "

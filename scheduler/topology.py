@@ -37,7 +37,7 @@ from .errors import PlanError
 from .placement.similarity import quantise, unit_rows
 
 EXACT_KNN_LIMIT = 4096      # above this many clients, k-similar neighbours come from blocks
-KNN_BLOCK = 512             # block size for the scalable neighbour search
+KNN_BLOCK = 384             # block size for the scalable neighbour search
 FULL_EDGE_LIMIT = 20_000_000
 
 
@@ -126,7 +126,10 @@ def _make(kind: str, n: int, num_nodes: int, edges: np.ndarray,
     lo, hi = np.minimum(edges[:, 0], edges[:, 1]), np.maximum(edges[:, 0], edges[:, 1])
     keep = lo != hi
     key = lo[keep] * num_nodes + hi[keep]
-    key, first = np.unique(key, return_index=True)
+    order = np.argsort(key, kind="stable")  # sort-based: numpy 2's hashed unique is slower
+    key = key[order]
+    fresh = np.concatenate(([True], key[1:] != key[:-1])) if len(key) else np.zeros(0, bool)
+    key, first = key[fresh], order[fresh]
     uniq = np.stack([key // num_nodes, key % num_nodes], axis=1)
     return LogicalTopology(kind, n, num_nodes, uniq, weights[keep][first], names)
 

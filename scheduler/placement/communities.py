@@ -76,6 +76,22 @@ def affinity_propagation(
     return np.full(n, int(np.argmax(s.sum(axis=1))), dtype=np.int64)
 
 
+def distinct_rows(codes: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct rows of small non-negative integer codes (< base) and their counts, in
+    lexicographic order. Packs rows into one int64 when they fit (a 1-D sort is ~10x
+    faster than `np.unique(axis=0)` at 100k rows)."""
+    width = codes.shape[1]
+    if width * np.log2(base) >= 62:
+        return np.unique(codes, axis=0, return_counts=True)
+    weights = base ** np.arange(width - 1, -1, -1, dtype=np.int64)
+    keys = np.sort(codes.astype(np.int64) @ weights)
+    starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
+    counts = np.diff(np.append(starts, len(keys)))
+    uniq = keys[starts]
+    rows = (uniq[:, None] // weights[None, :]) % base
+    return rows.astype(codes.dtype), counts
+
+
 def population_median_similarity(histograms: np.ndarray, *, seed: int,
                                  pairs: int = 200_000) -> float:
     """Median cosine similarity over random client pairs (self-pairs included, as in the
@@ -109,7 +125,7 @@ def find_communities(
         exemplars, labels = np.unique(exemplar_of, return_inverse=True)
         return Communities(labels.astype(np.int64), props[exemplars], "full", n)
     codes = quantise(hist, QUANTISE_LEVELS)
-    distinct, counts = np.unique(codes, axis=0, return_counts=True)
+    distinct, counts = distinct_rows(codes, QUANTISE_LEVELS + 1)
     method = "distinct"
     if len(distinct) > max_candidates:
         rng = np.random.default_rng(seed)

@@ -26,6 +26,10 @@ if TYPE_CHECKING:  # scheduler.topology imports this package; avoid the cycle at
     from ..topology import LogicalTopology
 
 
+LOUVAIN_DENSE_LIMIT = 64    # above this many communities, Louvain sees a sparsified graph
+LOUVAIN_NEIGHBOURS = 16
+
+
 def check_capacity(num_clients: int, capacities: Sequence[int]) -> None:
     """Raise CapacityError unless the clusters can hold `num_clients` clients."""
     total = int(sum(capacities))
@@ -65,6 +69,13 @@ def louvain_groups(weights: np.ndarray, *, resolution: float = 1.0, seed: int = 
     k = weights.shape[0]
     g = nx.Graph()
     g.add_nodes_from(range(k))
+    if k > LOUVAIN_DENSE_LIMIT:
+        # Keep each community's strongest links: the similarity part makes the graph
+        # complete, and Louvain's cost follows the edge count.
+        keep = np.zeros_like(weights, dtype=bool)
+        strongest = np.argpartition(-weights, LOUVAIN_NEIGHBOURS, axis=1)[:, :LOUVAIN_NEIGHBOURS]
+        keep[np.repeat(np.arange(k), LOUVAIN_NEIGHBOURS), strongest.ravel()] = True
+        weights = np.where(keep | keep.T, weights, 0.0)
     iu, iv = np.nonzero(np.triu(weights))
     g.add_weighted_edges_from(zip(iu.tolist(), iv.tolist(), weights[iu, iv].tolist(),
                                   strict=True))
