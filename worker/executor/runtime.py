@@ -48,7 +48,7 @@ class NodeRuntime:
 
         from worker.data import client_data, load_dataset
         from worker.models import build_model
-        from worker.nodes import NodeConfig, NodeManager
+        from worker.nodes import NodeConfig
         from worker.serialization import model_weights
 
         torch.set_num_threads(1)
@@ -61,17 +61,11 @@ class NodeRuntime:
                                   seed=spec.seed)
         self.initial_weights: Weights = model_weights(self._model)
         self._eval_lock = threading.Lock()
-        config = NodeConfig(job_id=spec.job_id, seed=spec.seed, model=spec.model,
-                            training=spec.training, aggregation=spec.aggregation,
-                            input_shape=tuple(self.dataset.input_shape),
-                            num_classes=self.dataset.num_classes)
-        self.manager = NodeManager(
-            context, config, self.dataset, self.partition,
-            range(spec.data.number_of_clients),
-            max_materialized=spec.placement.max_materialized,
-            strategy=spec.placement.placement_group_strategy,
-            name_prefix=f"fedpilot/{spec.job_id}/{cluster_id}")
-        self._started = False
+        self._config = NodeConfig(job_id=spec.job_id, seed=spec.seed, model=spec.model,
+                                  training=spec.training, aggregation=spec.aggregation,
+                                  input_shape=tuple(self.dataset.input_shape),
+                                  num_classes=self.dataset.num_classes)
+        self.manager: Any = None
         self._local: list[int] = []
 
     # -- JobRuntime --------------------------------------------------------------------------
@@ -86,14 +80,31 @@ class NodeRuntime:
         return 0  # the daemon's configured capacity is authoritative
 
     def assign(self, clients: list[str]) -> None:
+        """Adopt this cluster's clients; the first time, reserve the placement group.
+
+        Every client of the job is a VirtualNode here (they are tiny), so a client that
+        migrates in later needs no new manager; the actor slots are sized by the clients
+        first placed here, capped by `placement.max_materialized`, and share the cluster's
+        CPUs (at most a quarter CPU each).
+        """
+        from worker.nodes import NodeManager
+
         self._local = [client_index(c) for c in clients]
-        if self._local and not self._started:
-            # the placement group is reserved before any actor starts, and fails at once
-            self.manager.start()
-            self._started = True
+        if self.manager is not None or not self._local:
+            return
+        slots = max(1, min(self.spec.placement.max_materialized, len(self._local)))
+        total_cpus = float(self.context.resources()["total"].get("CPU", 1.0))
+        self.manager = NodeManager(
+            self.context, self._config, self.dataset, self.partition,
+            range(self.spec.data.number_of_clients), max_materialized=slots,
+            strategy=self.spec.placement.placement_group_strategy,
+            cpus_per_node=min(0.25, 0.9 * total_cpus / slots),
+            name_prefix=f"fedpilot/{self.spec.job_id}/{self.cluster_id}")
+        # the placement group is reserved before any actor starts, and fails at once
+        self.manager.start()
 
     def actors_materialized(self) -> int:
-        return int(self.manager.stats.created)
+        return 0 if self.manager is None else int(self.manager.stats.created)
 
     def samples(self, node: str) -> int:
         return int(len(self.partition.train_indices[client_index(node)]))
@@ -108,6 +119,9 @@ class NodeRuntime:
         return dict(value)
 
     def train(self, node: str, model: Any, round_index: int) -> Any:
+        if self.manager is None:
+            raise RuntimeError(f"client {node} trains on cluster {self.cluster_id}, which was "
+                               "given no clients at plan time")
         return self.manager.call(client_index(node), "train", round_index, model)
 
     def evaluate_personal(self, node: str, model: Any) -> tuple[int, int, float]:
@@ -155,7 +169,8 @@ class NodeRuntime:
         return bytes_to_weights(data)
 
     def close(self) -> None:
-        self.manager.close()
+        if self.manager is not None:
+            self.manager.close()
 
 
 def runtime_factory(context: ExecutionContext, cluster_id: str) -> Callable[[JobSpec], NodeRuntime]:

@@ -1,0 +1,118 @@
+"""The whole job pipeline in one process: driver, executor services, round engine,
+hybrid transport, real torch training on digits. Only fabricd is replaced by a loopback
+link (the subprocess tests cover the daemons)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from safetensors.numpy import load as st_load
+
+from proto.job import JobSpec
+from proto.routing import RoutingMatrix
+from scheduler.driver import Driver, JobFailed
+from scheduler.loopback import LoopbackMesh
+from worker.context import InProcessContext
+from worker.executor.runtime import runtime_factory
+
+
+def job(**sections: Any) -> JobSpec:
+    base: dict[str, Any] = {
+        "job": {"id": "loop", "seed": 3},
+        "data": {"number_of_clients": 9, "dirichlet_beta": 0.5},
+        "training": {"federated_learning_rounds": 2, "number_of_epochs": 1},
+        "placement": {"max_materialized": 2},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    return JobSpec.from_dict(base)
+
+
+def run(spec: JobSpec, clusters: tuple[str, ...] = ("a", "b", "c"), capacity: int = 4
+        ) -> tuple[Any, LoopbackMesh]:
+    # each cluster has its own context, as each real cluster has its own Ray
+    mesh = LoopbackMesh(list(clusters), lambda cid: runtime_factory(InProcessContext(), cid),
+                        capacity=capacity)
+    driver = Driver(spec, mesh.clusters(), mesh, backend="inprocess", timeout=120)
+    try:
+        return driver.run(), mesh
+    finally:
+        driver.close()
+
+
+@pytest.mark.parametrize("kind", ["star", "hybrid", "ring", "hierarchical"])
+def test_job_runs_and_counts_inter_cluster_bytes_exactly(kind: str) -> None:
+    result, mesh = run(job(topology={"kind": kind, "hierarchy_branching": 3}))
+    summary = result.summary
+    assert [r.round for r in summary.rounds] == [1, 2]
+    assert all(0.0 <= r.accuracy <= 1.0 and 0.0 <= r.personalized_accuracy <= 1.0
+               for r in summary.rounds)
+    # every inter-cluster byte the executors account is a byte the link carried
+    assert summary.bytes_inter_total == sum(mesh.bytes_sent.values())
+    assert sum(c.clients for c in summary.clusters) == 9
+    # at most max_materialized actors per cluster were needed (slots are recycled)
+    assert all(c.actors_materialized <= 2 for c in summary.clusters)
+    assert any(c.actors_materialized > 0 for c in summary.clusters)
+    weights = st_load(result.model)
+    assert weights and all(v.dtype.kind == "f" for v in weights.values())
+
+
+def test_hybrid_locality_sends_fewer_inter_bytes_than_star_random() -> None:
+    hybrid, _ = run(job(topology={"kind": "hybrid"}, placement={"strategy": "locality"},
+                        data={"dirichlet_beta": 0.1}))
+    star, _ = run(job(topology={"kind": "star"}, placement={"strategy": "random"},
+                      data={"dirichlet_beta": 0.1}))
+    assert 0 < hybrid.summary.bytes_inter_total < star.summary.bytes_inter_total
+
+
+@pytest.mark.parametrize("method", ["fp16", "int8", "topk"])
+def test_compression_shrinks_inter_cluster_bytes(method: str) -> None:
+    plain, _ = run(job(topology={"kind": "star"}, placement={"strategy": "round_robin"}))
+    packed, mesh = run(job(topology={"kind": "star"}, placement={"strategy": "round_robin"},
+                           transfer={"compression": method, "topk_ratio": 0.1}))
+    assert packed.summary.bytes_inter_total == sum(mesh.bytes_sent.values())
+    assert packed.summary.bytes_inter_total < 0.6 * plain.summary.bytes_inter_total
+
+
+def test_replanning_migrates_nodes_with_their_state() -> None:
+    spec = job(topology={"kind": "star"}, training={"federated_learning_rounds": 4},
+               placement={"strategy": "random", "clustering_period": 1})
+    result, _ = run(spec)
+    assert result.summary.replans == 3
+    assert result.summary.migrations > 0
+    assert len(result.summary.rounds) == 4
+
+
+def test_same_seed_gives_the_same_accuracy() -> None:
+    spec = job(topology={"kind": "hybrid"})
+    first, _ = run(spec)
+    second, _ = run(spec)
+    assert [r.accuracy for r in first.summary.rounds] == [r.accuracy for r in second.summary.rounds]
+
+
+def test_impossible_capacity_fails_before_training() -> None:
+    with pytest.raises(Exception, match="capacity"):
+        run(job(), capacity=2)
+
+
+def test_executor_rejects_a_routing_matrix_for_another_job() -> None:
+    mesh = LoopbackMesh(["a"], lambda cid: runtime_factory(InProcessContext(), cid), capacity=9)
+    spec = job()
+    mesh.request("a", {"kind": "job.start", "job_id": spec.job_id, "job": spec.to_dict(),
+                       "clients": [0]}, 60)
+    import numpy as np
+
+    other = RoutingMatrix.from_edges(job_id="someone-else", clusters=["a"],
+                                     node_cluster=np.zeros(2, dtype=np.int64),
+                                     edges=np.array([[0, 1]]), num_clients=1,
+                                     aggregators=["server"])
+    with pytest.raises(JobFailed, match="routing matrix is for job 'someone-else'"):
+        mesh.request("a", {"kind": "job.plan", "job_id": spec.job_id,
+                           "graph": {"kind": "star", "clients": ["c0"], "parent": {"c0": "server"},
+                                     "peers": {}, "inter_cluster_period": 1},
+                           "routing": other.to_bytes(), "imports": {}}, 60)
+    with pytest.raises(JobFailed, match="unknown control message kind"):
+        mesh.request("a", {"kind": "job.launch-missiles", "job_id": spec.job_id}, 60)
+    with pytest.raises(JobFailed, match="this executor runs 'loop'"):
+        mesh.request("a", {"kind": "round.run", "job_id": "other", "round": 1}, 60)
