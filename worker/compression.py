@@ -30,6 +30,7 @@ from .serialization import SerializationError, bytes_metadata, bytes_to_weights,
 METHODS = ("none", "fp16", "int8", "topk")
 FORMAT_VERSION = "1"
 _FP16_MAX = float(np.finfo(np.float16).max)
+MAX_ELEMENTS = 1 << 28  # values one decoded blob may declare (1 GiB of float32)
 
 Weights = dict[str, np.ndarray]
 # Error-feedback residuals of `topk`, by tensor name (empty for the other methods).
@@ -85,11 +86,12 @@ def compress(
     return weights_to_bytes(tensors, metadata=metadata), new_state
 
 
-def decompress(data: bytes) -> Weights:
+def decompress(data: bytes, *, max_elements: int = MAX_ELEMENTS) -> Weights:
     """Rebuild the weights from what `compress` produced (dtypes and shapes restored).
 
     Raises `CompressionError` for anything malformed: bad safetensors, an unknown method or
-    format, missing tensors, out-of-range indices.
+    format, missing tensors, out-of-range indices, or a layout declaring more than
+    `max_elements` values in all (a sparse blob cannot make us allocate without bound).
     """
     try:
         meta = bytes_metadata(data)
@@ -108,13 +110,21 @@ def decompress(data: bytes) -> Weights:
             raise ValueError("not a map")
     except ValueError as exc:
         raise CompressionError(f"compressed update has an unreadable layout ({exc})") from None
-    return {name: _rebuild(name, info, tensors) for name, info in layout.items()}
+    declared = 0
+    out: Weights = {}
+    for name, info in layout.items():
+        out[name] = _rebuild(name, info, tensors, max_elements - declared)
+        declared += out[name].size
+    return out
 
 
 def _quantize_int8(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     x = arr.astype(np.float64)
-    peak = float(np.max(np.abs(x))) if x.size else 0.0
-    scale = peak / 127.0 if peak > 0 and math.isfinite(peak) else 1.0
+    finite = np.isfinite(x)
+    peak = float(np.max(np.abs(x[finite]))) if finite.any() else 0.0
+    # NaN becomes 0 and +-inf the largest finite magnitude, so the scale stays meaningful.
+    x = np.clip(np.where(np.isnan(x), 0.0, x), -peak, peak)
+    scale = peak / 127.0 if peak > 0 else 1.0
     q = np.clip(np.rint(x / scale), -127, 127).astype(np.int8)
     return q, np.array(scale, dtype=np.float32)
 
@@ -140,7 +150,9 @@ def _topk(
     return idx.astype(index_dtype), vals, rest.reshape(arr.shape)
 
 
-def _rebuild(name: str, info: object, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+def _rebuild(
+    name: str, info: object, tensors: Mapping[str, np.ndarray], budget: int
+) -> np.ndarray:
     if not isinstance(info, dict):
         raise CompressionError(f"compressed update: layout of {name!r} is not a map")
     try:
@@ -153,7 +165,14 @@ def _rebuild(name: str, info: object, tensors: Mapping[str, np.ndarray]) -> np.n
         raise CompressionError(
             f"compressed update: tensor {name!r} claims dtype {dtype}; only numeric dtypes travel"
         )
+    if any(d < 0 for d in shape):
+        raise CompressionError(f"compressed update: tensor {name!r} has negative shape {shape}")
     size = math.prod(shape)
+    if size > budget:
+        raise CompressionError(
+            f"compressed update: tensor {name!r} declares {size} values, more than the "
+            f"{budget} left of the limit; refusing to allocate it"
+        )
 
     def part(prefix: str) -> np.ndarray:
         key = f"{prefix}/{name}"

@@ -125,3 +125,18 @@ def test_malformed_blobs_fail_clearly() -> None:
     meta_obj = dict(meta, layout=json.dumps({"x": {"dtype": "|O", "shape": [1], "kind": "dense"}}))
     with pytest.raises(CompressionError, match="dtype object; only numeric"):
         decompress(weights_to_bytes({"d/x": np.ones(1)}, metadata=meta_obj))
+
+
+def test_declared_sizes_are_bounded_and_non_finite_values_do_not_break_int8() -> None:
+    layout = {"x": {"dtype": "<f4", "shape": [1 << 40], "kind": "topk"}}
+    meta = {"compression": "topk", "format": "1", "layout": json.dumps(layout)}
+    huge = weights_to_bytes(
+        {"i/x": np.array([0], np.int32), "v/x": np.array([1.0], np.float32)}, metadata=meta
+    )
+    with pytest.raises(CompressionError, match="refusing to allocate"):
+        decompress(huge)
+    with pytest.raises(CompressionError, match="refusing to allocate"):
+        decompress(compress({"a": np.ones(10, np.float32)}, "none")[0], max_elements=9)
+    x = np.array([np.nan, np.inf, -np.inf, 2.0, -1.0], np.float32)
+    back = decompress(compress({"x": x}, "int8")[0])["x"]
+    np.testing.assert_allclose(back, [0.0, 2.0, -2.0, 2.0, -1.0], atol=2.0 / 254)
