@@ -76,3 +76,16 @@ def test_load_weights_names_missing_and_misshapen_tensors() -> None:
         load_weights(model, {"weight": weights["weight"]})
     with pytest.raises(SerializationError, match=r"weight has shape \(3, 2\)"):
         load_weights(model, {"weight": weights["weight"].T, "bias": weights["bias"]})
+
+
+def test_numpy_side_modules_do_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import worker.aggregators, worker.compression, worker.serialization\n"
+        "print(','.join(m for m in ('torch', 'ray') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
