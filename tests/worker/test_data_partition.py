@@ -6,6 +6,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import worker.data.partition as partition_module
 from proto.job import DataSpec
@@ -168,3 +170,25 @@ def test_client_data_keeps_a_training_sample_and_rejects_bad_fraction() -> None:
     assert all(len(t) == 1 for t in cp.train_indices)
     with pytest.raises(PartitionError, match="client_test_fraction"):
         client_data(d, replace(spec, client_test_fraction=1.0), seed=0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    labels=st.lists(st.integers(0, 6), min_size=1, max_size=200),
+    num_clients=st.integers(1, 40),
+    kind=st.sampled_from(DISTRIBUTIONS),
+    per_client=st.integers(1, 4),
+    beta=st.floats(0.01, 10.0),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_any_request_either_fails_clearly_or_partitions_validly(
+    labels: list[int], num_clients: int, kind: str, per_client: int, beta: float, seed: int
+) -> None:
+    y = np.array(labels)
+    spec = _spec(kind, labels_per_client=per_client, shards_per_client=per_client,
+                 dirichlet_beta=beta, quantity_beta=beta)
+    try:
+        parts = partition(y, num_clients, spec, seed=seed)
+    except PartitionError:
+        return
+    _check_disjoint(parts, len(y), num_clients)
