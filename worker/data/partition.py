@@ -23,8 +23,10 @@ if TYPE_CHECKING:  # proto.job is only needed for type hints; keep imports numpy
 log = logging.getLogger(__name__)
 
 DISTRIBUTIONS = ("iid", "dirichlet", "labels", "shards", "quantity")
-# Label-skew Dirichlet: like NIID-Bench, every client must hold at least this many samples
-# (lowered when the dataset is too small for it), resampling until that holds.
+# dirichlet and quantity: every client holds at least this many samples (lowered to
+# n // (2 * clients), at least 1, for small datasets). dirichlet resamples like NIID-Bench
+# while that is cheap (at most MAX_DIRICHLET_ATTEMPTS draws, fewer for huge problems) and
+# then tops up the remaining small clients from the largest ones, so it never loops forever.
 MIN_SAMPLES_PER_CLIENT = 10
 MAX_DIRICHLET_ATTEMPTS = 1000
 DIRICHLET_WORK_BUDGET = 10_000_000  # ~ (clients x classes + samples) x attempts
