@@ -65,6 +65,8 @@ def affinity_propagation(
     for d, iters in ((damping, 200), (max(damping, 0.9), 1000)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
+            # Identical histograms are a legitimate input: one community is the answer.
+            warnings.filterwarnings("ignore", message="All samples have mutually equal")
             ap = AffinityPropagation(
                 affinity="precomputed", damping=d, preference=pref, max_iter=iters,
                 random_state=seed,

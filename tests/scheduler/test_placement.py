@@ -14,7 +14,7 @@ from proto.job import JobSpec
 from scheduler.errors import AssignmentFileError, CapacityError
 from scheduler.placement.communities import Communities, find_communities
 from scheduler.placement.histograms import planted_histograms, synthetic_histograms
-from scheduler.placement.mapping import assign_communities
+from scheduler.placement.mapping import assign_communities, contiguous_assignment
 from scheduler.placement.strategies import random_assignment, round_robin
 from scheduler.plan import plan_job, plan_placement
 from scheduler.topology import LogicalTopology, build_topology
@@ -116,6 +116,7 @@ def test_capacity_never_exceeded(sizes: list[int], caps: list[int], kind: str, s
             round_robin(n, caps)
         return
     for cluster in (assign_communities(communities, topo, caps, seed=seed),
+                    contiguous_assignment(topo, caps),
                     round_robin(n, caps), random_assignment(n, caps, seed)):
         loads = np.bincount(cluster, minlength=len(caps))
         assert len(cluster) == n and (cluster >= 0).all()
@@ -205,3 +206,27 @@ def test_empty_topology_has_no_edges() -> None:
     t = LogicalTopology("star", 3, 3, np.zeros((0, 2), np.int64), np.zeros(0))
     c = Communities(np.array([0, 0, 1]), np.eye(2), "full", 3)
     assert np.bincount(assign_communities(c, t, [2, 2]), minlength=2).max() <= 2
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(2, 60),
+    caps=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+    kind=st.sampled_from(["star", "hierarchical", "ring", "k_connected", "hybrid"]),
+    strategy=st.sampled_from(["locality", "round_robin", "random"]),
+    seed=st.integers(0, 3),
+)
+def test_whole_plan_respects_capacity(n: int, caps: list[int], kind: str, strategy: str,
+                                      seed: int) -> None:
+    spec = job(job={"seed": seed}, data={"number_of_clients": n},
+               topology={"kind": kind, "client_k_neighbors": min(3, n - 1)})
+    clusters = {f"k{i}": c for i, c in enumerate(caps)}
+    hist = synthetic_histograms(n, seed=seed)
+    if sum(caps) < n:
+        with pytest.raises(CapacityError):
+            plan_job(spec, clusters, strategy=strategy, histograms=hist)
+        return
+    plan = plan_job(spec, clusters, strategy=strategy, histograms=hist)
+    for cid, load in plan.placement.clients_per_cluster().items():
+        assert load <= clusters[cid]
+    assert sum(plan.routing.edge_counts()) == plan.topology.num_edges
