@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Container entrypoint of the fedpilot-fabric image.
 #
-#   entrypoint.sh cluster [CONFIG]   Ray head on this container's IP, then fabricd in the
-#                                    foreground (CONFIG defaults to $FABRICD_CONFIG or
-#                                    /cfg/cluster.toml; its [ray] address should be "auto").
+#   entrypoint.sh cluster [CONFIG]   Ray head on this container's IP ($RAY_NODE_IP if set),
+#                                    then fabricd in the foreground (CONFIG defaults to
+#                                    $FABRICD_CONFIG or /cfg/cluster.toml; its [ray]
+#                                    address should be "auto").
 #   entrypoint.sh gen-configs ARGS   run deploy/gen-configs.sh (the compose `certs` service)
 #   entrypoint.sh CMD ARGS...        run anything else (e.g. fedpilot-scheduler submit ...)
 #
@@ -31,8 +32,8 @@ run_cluster() {
         sleep 1
     done
 
-    local ip
-    ip=$(hostname -i | awk '{print $1}')
+    local ip=${RAY_NODE_IP:-}
+    [ -n "$ip" ] || ip=$(hostname -i | awk '{print $1}')
     ray start --head --node-ip-address="$ip" --disable-usage-stats \
         --include-dashboard=false ${RAY_NUM_CPUS:+--num-cpus="$RAY_NUM_CPUS"}
 
