@@ -19,7 +19,7 @@ from proto.job import JobSpec
 from proto.routing import RoutingMatrix
 
 from .clusters import ClusterSlot, as_slots
-from .errors import CapacityError
+from .errors import CapacityError, PlanError
 from .placement.communities import Communities, find_communities
 from .placement.histograms import job_histograms
 from .placement.mapping import (
@@ -117,6 +117,7 @@ def plan_placement(
     seed = spec.seed if seed is None else seed
     strategy = strategy or spec.placement.strategy
     check_capacity(n, caps)
+    _check_histograms(histograms, n)
     if communities is None:
         communities = job_communities(spec, histograms, seed=seed)
     if strategy == "round_robin":
@@ -219,6 +220,7 @@ def plan_job(
 
     if histograms is None:
         histograms = job_histograms(spec)
+    _check_histograms(histograms, spec.data.number_of_clients)
     lap("histograms")
     communities = job_communities(spec, histograms, seed=spec.seed)
     lap("communities")
@@ -242,6 +244,16 @@ def plan_job(
     if compare:
         counts.setdefault(placement.strategy, routing.edge_counts()[1])
     return Plan(spec, placement, topology, routing, seconds, counts)
+
+
+def _check_histograms(histograms: np.ndarray, n: int) -> None:
+    shape = np.shape(histograms)
+    if len(shape) != 2 or shape[0] != n or shape[1] < 1:
+        raise PlanError(f"label histograms have shape {shape}, expected ({n}, num_classes) "
+                        "for data.number_of_clients clients")
+    if np.issubdtype(np.asarray(histograms).dtype, np.number) and np.any(
+            np.asarray(histograms) < 0):
+        raise PlanError("label histograms must be non-negative counts")
 
 
 def _check_loads(index: np.ndarray, caps: Sequence[int], ids: Sequence[str], path: str) -> None:

@@ -230,3 +230,11 @@ def test_whole_plan_respects_capacity(n: int, caps: list[int], kind: str, strate
     for cid, load in plan.placement.clients_per_cluster().items():
         assert load <= clusters[cid]
     assert sum(plan.routing.edge_counts()) == plan.topology.num_edges
+
+
+def test_histograms_of_wrong_shape_are_refused() -> None:
+    from scheduler.errors import PlanError
+
+    spec = job(data={"number_of_clients": 10})
+    with pytest.raises(PlanError, match=r"shape \(9, 10\), expected \(10, num_classes\)"):
+        plan_placement(spec, synthetic_histograms(9), {"a": 10})
