@@ -238,3 +238,12 @@ def test_histograms_of_wrong_shape_are_refused() -> None:
     spec = job(data={"number_of_clients": 10})
     with pytest.raises(PlanError, match=r"shape \(9, 10\), expected \(10, num_classes\)"):
         plan_placement(spec, synthetic_histograms(9), {"a": 10})
+
+
+def test_plan_is_deterministic() -> None:
+    spec = job(data={"number_of_clients": 120}, topology={"kind": "k_connected"})
+    hist = synthetic_histograms(120, seed=9)
+    a = plan_job(spec, {"a": 50, "b": 50, "c": 50}, histograms=hist)
+    b = plan_job(spec, {"a": 50, "b": 50, "c": 50}, histograms=hist)
+    assert a.routing == b.routing
+    assert a.routing.to_bytes() == b.routing.to_bytes()
