@@ -84,7 +84,7 @@ class TopologySpec:
 @dataclass(frozen=True)
 class AggregationSpec:
     name: str = "fedavg"
-    server_learning_rate: float = 1.0
+    server_learning_rate: float | None = None  # None = the algorithm's own default
     server_momentum: float = 0.9            # fedavgm
     beta1: float = 0.9                      # fedadam / fedyogi
     beta2: float = 0.99
@@ -295,6 +295,12 @@ def _rule_optional_float(source: str, key: str, value: Any) -> float | None:
     return _rule_float(-math.inf)(source, key, value)
 
 
+def _rule_optional_positive_float(source: str, key: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    return _rule_float(0.0, low_open=True)(source, key, value)
+
+
 _RULES: dict[str, Rule] = {
     "data.dataset": _rule_dataset,
     "data.number_of_clients": _rule_int(1, 10_000_000),
@@ -323,7 +329,7 @@ _RULES: dict[str, Rule] = {
     "topology.adjacency_file": _rule_str,
     "topology.inter_cluster_period": _rule_int(1),
     "aggregation.name": _rule_choice(AGGREGATORS),
-    "aggregation.server_learning_rate": _rule_float(0.0, low_open=True),
+    "aggregation.server_learning_rate": _rule_optional_positive_float,
     "aggregation.server_momentum": _rule_float(0.0, 1.0, high_open=True),
     "aggregation.beta1": _rule_float(0.0, 1.0, high_open=True),
     "aggregation.beta2": _rule_float(0.0, 1.0, high_open=True),

@@ -208,9 +208,14 @@ class ClusterEngine:
             accuracy, loss = self._evaluate_global(averaged)
             with self._lock:
                 report.evaluations.append(Evaluation(node, accuracy, loss, self.pool.samples(node)))
-        correct, total, loss_sum = self.pool.evaluate_personal(node, model)
         with self._lock:
             self._models[node] = model
+        if self.graph.kind != "hybrid":  # hybrid clients are scored on their group's model
+            self._score_personal(node, model, report)
+
+    def _score_personal(self, node: str, model: Any, report: RoundReport) -> None:
+        correct, total, loss_sum = self.pool.evaluate_personal(node, model)
+        with self._lock:
             report.personal_correct += correct
             report.personal_total += total
             report.personal_loss_sum += loss_sum
@@ -231,6 +236,12 @@ class ClusterEngine:
             aggregator = self._aggregators[node]
         model = aggregator.aggregate(current, updates)
         nbytes = self._model_nbytes
+        if graph.kind == "hybrid":
+            # a hybrid client's personalized model is its group's (community's) model,
+            # before the periodic mix with the other groups
+            group_handle = self.pool.put(model)
+            for child in children:
+                self._score_personal(child, group_handle, report)
         if graph.kind == "hybrid" and graph.exchanges(r):
             handle = self.pool.put(model)
             for peer in graph.peers.get(node, ()):
