@@ -49,8 +49,8 @@ class FakePool:
             self.trained.append((node, round_index))
         return {k: v + g.client_index(node) for k, v in model.items()}
 
-    def evaluate_personal(self, node: str, model: Any) -> tuple[int, int, float]:
-        return 1, 2, 0.5
+    def personal_score(self, trained: Any) -> tuple[int, int]:
+        return 1, 2
 
 
 class Links:

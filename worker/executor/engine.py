@@ -28,7 +28,9 @@ class ClientPool(Protocol):
     def put(self, weights: Weights) -> Any: ...
     def resolve(self, handle: Any) -> Weights: ...
     def train(self, node: str, model: Any, round_index: int) -> Any: ...
-    def evaluate_personal(self, node: str, model: Any) -> tuple[int, int, float]: ...
+    def personal_score(self, trained: Any) -> tuple[int, int]:
+        """(correct, total) of a client's freshly trained model on its own test split."""
+        ...
 
 
 class Aggregate(Protocol):
@@ -53,7 +55,6 @@ class RoundReport:
     evaluations: list[Evaluation] = field(default_factory=list)
     personal_correct: int = 0
     personal_total: int = 0
-    personal_loss_sum: float = 0.0
     bytes_intra: int = 0
     bytes_inter: int = 0
     messages_intra: int = 0
@@ -65,7 +66,6 @@ class RoundReport:
             "round": self.round, "cluster_id": self.cluster_id,
             "evaluations": [[e.node, e.accuracy, e.loss, e.weight] for e in self.evaluations],
             "personal_correct": self.personal_correct, "personal_total": self.personal_total,
-            "personal_loss_sum": self.personal_loss_sum,
             "bytes_intra": self.bytes_intra, "bytes_inter": self.bytes_inter,
             "messages_intra": self.messages_intra, "messages_inter": self.messages_inter,
             "seconds": self.seconds,
@@ -208,17 +208,13 @@ class ClusterEngine:
             accuracy, loss = self._evaluate_global(averaged)
             with self._lock:
                 report.evaluations.append(Evaluation(node, accuracy, loss, self.pool.samples(node)))
+        # personalized accuracy: the model the client just fine-tuned on its own data,
+        # scored on its own test split (measured by the actor right after training)
+        correct, total = self.pool.personal_score(trained)
         with self._lock:
             self._models[node] = model
-        if self.graph.kind != "hybrid":  # hybrid clients are scored on their group's model
-            self._score_personal(node, model, report)
-
-    def _score_personal(self, node: str, model: Any, report: RoundReport) -> None:
-        correct, total, loss_sum = self.pool.evaluate_personal(node, model)
-        with self._lock:
             report.personal_correct += correct
             report.personal_total += total
-            report.personal_loss_sum += loss_sum
 
     def _aggregator_program(self, node: str, r: int, report: RoundReport) -> None:
         graph = self.graph
@@ -236,12 +232,6 @@ class ClusterEngine:
             aggregator = self._aggregators[node]
         model = aggregator.aggregate(current, updates)
         nbytes = self._model_nbytes
-        if graph.kind == "hybrid":
-            # a hybrid client's personalized model is its group's (community's) model,
-            # before the periodic mix with the other groups
-            group_handle = self.pool.put(model)
-            for child in children:
-                self._score_personal(child, group_handle, report)
         if graph.kind == "hybrid" and graph.exchanges(r):
             handle = self.pool.put(model)
             for peer in graph.peers.get(node, ()):

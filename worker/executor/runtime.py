@@ -21,7 +21,7 @@ from proto.job import JobSpec
 from worker.context import ExecutionContext, InProcessContext
 from worker.executor.codec import EdgeCodec
 from worker.executor.graph import client_index
-from worker.topology.messages import Message
+from worker.topology.messages import LocalUpdate, Message
 
 log = logging.getLogger("fedpilot.executor")
 
@@ -124,14 +124,11 @@ class NodeRuntime:
                                "given no clients at plan time")
         return self.manager.call(client_index(node), "train", round_index, model)
 
-    def evaluate_personal(self, node: str, model: Any) -> tuple[int, int, float]:
-        idx = self.partition.test_indices[client_index(node)]
-        if len(idx) == 0:
-            return 0, 0, 0.0
-        result = self._evaluate(self.resolve(model), self.dataset.x_train[idx],
-                                self.dataset.y_train[idx])
-        correct = int(round(result.accuracy * result.num_samples))
-        return correct, int(result.num_samples), float(result.loss * result.num_samples)
+    def personal_score(self, trained: Any) -> tuple[int, int]:
+        update = trained if isinstance(trained, LocalUpdate) else self.context.get(trained)
+        if not isinstance(update, LocalUpdate):
+            raise TypeError(f"expected a LocalUpdate from training, got {type(update).__name__}")
+        return int(round(update.local_accuracy * update.local_samples)), int(update.local_samples)
 
     def evaluate_global(self, weights: Weights) -> tuple[float, float]:
         result = self._evaluate(weights, self.dataset.x_test, self.dataset.y_test)

@@ -1,0 +1,107 @@
+"""Starting a cluster's executor when a job reaches the daemon.
+
+The executor is a separate process (`python -m worker.executor`): a Ray driver of the
+cluster named by `ray.address` (`local` embeds a Ray, `auto`/an address joins one,
+`inprocess` runs threads). The daemon only starts it — it never imports the worker — and
+waits until it attaches to the bridge for the job. Its output goes to a log file next to
+the config; a crash before attaching is reported to the scheduler with the log's tail.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from fabricd.logs import get_logger
+
+log = get_logger("fabricd.executors")
+
+ATTACH_TIMEOUT = 180.0
+
+
+class ExecutorLauncher:
+    def __init__(self, *, cluster_id: str, bridge_socket: Path, ray_address: str,
+                 log_dir: Path, command: list[str] | None = None) -> None:
+        self.cluster_id = cluster_id
+        self.bridge_socket = bridge_socket
+        self.ray_address = ray_address
+        self.log_dir = log_dir
+        self.command = command or [sys.executable, "-m", "worker.executor"]
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.started = 0
+
+    def command_for(self, job_id: str) -> list[str]:
+        return [*self.command, "--bridge", str(self.bridge_socket), "--cluster-id",
+                self.cluster_id, "--job", job_id, "--ray", self.ray_address]
+
+    def log_path(self, job_id: str) -> Path:
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in job_id)
+        return self.log_dir / f"executor-{safe}.log"
+
+    async def ensure(self, job_id: str, attached: Callable[[], bool],
+                     timeout: float = ATTACH_TIMEOUT) -> str | None:
+        """Start the job's executor unless one is attached; None once it is, else a reason."""
+        if attached():
+            return None
+        proc = self.procs.get(job_id)
+        if proc is None or proc.poll() is not None:
+            path = self.log_path(job_id)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("ab") as out:
+                proc = subprocess.Popen(self.command_for(job_id), stdout=out,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.procs[job_id] = proc
+            self.started += 1
+            log.info("executor.started", job=job_id, pid=proc.pid, ray=self.ray_address,
+                     log=str(path))
+        deadline = time.monotonic() + timeout
+        while not attached():
+            code = proc.poll()
+            if code is not None:
+                tail = self._tail(job_id)
+                log.error("executor.exited", job=job_id, code=code, tail=tail)
+                return (f"the executor for job {job_id!r} on cluster {self.cluster_id!r} exited "
+                        f"with code {code} before attaching: {tail}")
+            if time.monotonic() > deadline:
+                return (f"the executor for job {job_id!r} on cluster {self.cluster_id!r} did "
+                        f"not attach within {timeout:.0f} s (see {self.log_path(job_id)})")
+            await trio.sleep(0.1)
+        return None
+
+    def _tail(self, job_id: str, lines: int = 5) -> str:
+        try:
+            text = self.log_path(job_id).read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        return " | ".join(text[-lines:])[-800:]
+
+    def reap(self) -> None:
+        """Forget executors that exited (called now and then)."""
+        for job_id, proc in list(self.procs.items()):
+            if proc.poll() is not None:
+                log.info("executor.finished", job=job_id, code=proc.returncode)
+                del self.procs[job_id]
+
+    def stop_all(self, grace: float = 5.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+
+def default_log_dir(config_path: Path) -> Path:
+    return Path(os.path.dirname(os.path.abspath(config_path)))
