@@ -115,7 +115,7 @@ def ours_at(n: int) -> dict[str, Any]:
 
     hist = synthetic_histograms(n, beta=0.1, seed=0)
     t = time.perf_counter()
-    c = find_communities(hist, seed=0, max_candidates=1000 if n > 1000 else n // 4)
+    c = find_communities(hist, seed=0, max_candidates=800 if n > 800 else n // 4)
     return {"clients": n, "seconds": round(time.perf_counter() - t, 3), "method": c.method}
 
 
@@ -210,7 +210,7 @@ def main() -> None:
     ours = run_child("ours", baseline_n)
     quality = [run_child("quality", 1000, 250)]
     if not args.quick:
-        quality.append(run_child("quality", 3000, 1000))
+        quality.append(run_child("quality", 3000, 800))
     neighbours = run_child("neighbours", 2000 if args.quick else 4000)
     report: dict[str, Any] = {
         "benchmark": "plan_scale",

@@ -19,7 +19,7 @@ from proto.job import JobSpec
 from proto.routing import RoutingMatrix
 
 from .clusters import ClusterSlot, as_slots
-from .errors import CapacityError, PlanError
+from .errors import AssignmentFileError, CapacityError, PlanError
 from .placement.communities import Communities, find_communities
 from .placement.histograms import job_histograms
 from .placement.mapping import (
@@ -129,6 +129,9 @@ def plan_placement(
             topology = pre_placement_topology(spec, histograms, seed=seed)
         groups = communities
         if strategy == "precomputed":
+            if not spec.placement.precomputed_file:
+                raise AssignmentFileError("strategy 'precomputed' needs "
+                                          "placement.precomputed_file in the job file")
             kind, values = load_precomputed(spec.placement.precomputed_file, n, ids)
             if kind == "clusters":
                 _check_loads(values, caps, ids, spec.placement.precomputed_file)

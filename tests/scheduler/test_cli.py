@@ -67,6 +67,7 @@ def test_plan_out_writes_placement_and_routing(tmp_path: Path,
     (["--clusters", "a:5,b:5"], "total cluster capacity 10 is less than"),
     (["--clusters", "a=5"], "'a=5' is not ID:CAPACITY"),
     (["--clusters", "a:20,a:20"], "repeated: a"),
+    (["--strategy", "precomputed"], "needs placement.precomputed_file"),
 ])
 def test_plan_errors_are_one_line(args: list[str], needle: str,
                                   capsys: pytest.CaptureFixture[str]) -> None:
