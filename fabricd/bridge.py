@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import trio
 
+from fabricd.executors import ExecutorLauncher
 from fabricd.logs import get_logger
 from fabricd.updates import DeliveryError
 from proto.bridge import (
@@ -90,8 +91,10 @@ class BridgeServer:
     """Serves the bridge socket; also the local consumer of updates and control requests."""
 
     def __init__(self, path: Path, backend: BridgeBackend, *, cluster_id: str,
-                 max_payload: int, control_timeout: float = 30.0) -> None:
+                 max_payload: int, control_timeout: float = 30.0,
+                 launcher: ExecutorLauncher | None = None) -> None:
         self.path = path
+        self.launcher = launcher
         self.backend = backend
         self.cluster_id = cluster_id
         self.max_payload = max_payload
@@ -235,6 +238,14 @@ class BridgeServer:
         to_role = body.get("to_role") if isinstance(body.get("to_role"), str) else None
         if job_id:
             targets = self._consumers(job_id, to_role)
+            if (not targets and self.launcher is not None and from_role == "scheduler"
+                    and body.get("kind") == "job.start"):
+                # a job reached this cluster: start its executor and wait until it attaches
+                reason = await self.launcher.ensure(
+                    job_id, lambda: bool(self._consumers(job_id, "executor")))
+                if reason is not None:
+                    return False, {}, reason
+                targets = self._consumers(job_id, to_role)
         else:
             targets = [c for c in self.clients if c.role in CONSUMER_ROLES
                        and (to_role is None or c.role == to_role)]

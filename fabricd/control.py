@@ -10,6 +10,7 @@ a clear refusal, never a silent drop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import trio
@@ -19,6 +20,7 @@ from libp2p.peer.id import ID
 from fabricd._streams import close_quietly, read_message_exact, remote_peer, write_message
 from fabricd.logs import get_logger
 from fabricd.membership import Membership
+from proto.certs import Certificate
 from proto.errors import ProtocolError
 from proto.ids import MAX_MESSAGE_BYTES, PROTOCOL_CONTROL
 from proto.messages import ControlRequest, ControlResponse
@@ -34,13 +36,24 @@ class ControlSink(Protocol):
         """Deliver a control request locally and return (ok, body, reason) of the reply."""
 
 
+Seal = Callable[[dict[str, Any]], dict[str, Any]]
+Unseal = Callable[[dict[str, Any], str], tuple[Certificate, dict[str, Any]]]
+
+
 class ControlService:
+    """`seal` signs every outgoing body; `unseal(body, sender_peer)` verifies every incoming
+    one (see fabricd.signing) and raises ProtocolError with the reason to refuse it."""
+
     def __init__(self, host: IHost, membership: Membership, sink: ControlSink, *,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, seal: Seal | None = None,
+                 unseal: Unseal | None = None, cluster_id: str = "") -> None:
         self.host = host
         self.m = membership
         self.sink = sink
         self.timeout = timeout
+        self.seal = seal
+        self.unseal = unseal
+        self.cluster_id = cluster_id
         self.served = 0
         self.refused = 0
 
@@ -74,9 +87,17 @@ class ControlService:
         if cert is None:
             await self._reply_error(stream, peer, msg.request_id, "not a member")
             return
+        body = msg.body
+        if self.unseal is not None:
+            try:
+                cert, body = self.unseal(msg.body, peer)
+            except ProtocolError as exc:
+                await self._reply_error(stream, peer, msg.request_id,
+                                        f"rejected by cluster {self.cluster_id}: {exc}")
+                return
         with trio.move_on_after(self.timeout) as scope:
             ok, body, reason = await self.sink.control(
-                msg.request_id, cert.cluster_id, peer, cert.role, msg.body)
+                msg.request_id, cert.cluster_id, peer, cert.role, body)
         if scope.cancelled_caught:
             ok, body, reason = False, {}, f"no reply from the local client within {self.timeout:.0f} s"
         self.served += 1
@@ -87,6 +108,8 @@ class ControlService:
 
     async def send(self, peer_id: str, request_id: str, body: dict[str, Any]) -> ControlResponse:
         """Send one control request to a member daemon and return its response."""
+        if self.seal is not None:
+            body = self.seal(body)
         await self.m.wait_verdict(peer_id)
         stream = await self.host.new_stream(ID.from_base58(peer_id), [PROTOCOL_CONTROL])  # type: ignore[list-item]
         try:

@@ -25,9 +25,11 @@ from fabricd.bridge import BridgeServer, RequestFailed
 from fabricd.config import Config
 from fabricd.control import ControlService
 from fabricd.discovery import ClusterRecordValidator, Discovery
+from fabricd.executors import ExecutorLauncher
 from fabricd.identity import peer_id_of, raw_private_key, read_identity
 from fabricd.logs import get_logger
 from fabricd.membership import Membership
+from fabricd.signing import seal, unseal
 from fabricd.updates import UpdateService
 from proto.bridge import ControlResult, ProbeReply, SendResult
 from proto.certs import RevocationList, load_ca_public, public_key_bytes, verify_certificate
@@ -95,6 +97,7 @@ class Daemon:
         self.updates: UpdateService
         self.control_service: ControlService
         self.bridge: BridgeServer
+        self.launcher: ExecutorLauncher
 
     # ---- lifetime ----------------------------------------------------------------------
 
@@ -110,15 +113,25 @@ class Daemon:
                                          revocation_path=cfg.revocation_list)
             stack.dht.register_validator(ClusterRecordValidator.namespace,
                                          ClusterRecordValidator(self.membership))
+            self.launcher = ExecutorLauncher(
+                cluster_id=cfg.cluster_id, bridge_socket=cfg.bridge_socket,
+                ray_address=cfg.ray_address, log_dir=cfg.path.parent)
             self.bridge = BridgeServer(cfg.bridge_socket, self, cluster_id=cfg.cluster_id,
                                        max_payload=lim.max_update_bytes,
-                                       control_timeout=lim.stream_timeout)
+                                       control_timeout=lim.control_timeout,
+                                       launcher=self.launcher if cfg.role == "cluster" else None)
             self.updates = UpdateService(host, self.membership, self.bridge, cluster_id=cfg.cluster_id,
                                          max_update_bytes=lim.max_update_bytes,
                                          max_inflight_bytes=lim.max_inflight_bytes,
                                          chunk_bytes=lim.chunk_bytes, stream_timeout=lim.stream_timeout)
-            self.control_service = ControlService(host, self.membership, self.bridge,
-                                                  timeout=lim.stream_timeout)
+            signing_key = Ed25519PrivateKey.from_private_bytes(raw_private_key(self.creds.key_pair))
+            self.control_service = ControlService(
+                host, self.membership, self.bridge, timeout=lim.control_timeout,
+                cluster_id=cfg.cluster_id,
+                seal=lambda body: seal(body, self.creds.certificate, signing_key),
+                unseal=lambda body, peer: unseal(body, sender_peer=peer,
+                                                 ca_public=self.creds.ca_public,
+                                                 revoked=self.membership.revoked))
             self.discovery = Discovery(
                 stack, self.membership, cluster_id=cfg.cluster_id, capacity=cfg.capacity,
                 bootstrap=cfg.bootstrap,
@@ -142,6 +155,7 @@ class Daemon:
                 task_status.started(self)
                 await _wait_for_signal()
                 log.info("daemon.stopping", cluster=cfg.cluster_id)
+                self.launcher.stop_all()
                 for name, scope in reversed(scopes):
                     scope.cancel()
                     await trio.sleep(0)
