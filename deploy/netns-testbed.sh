@@ -25,8 +25,9 @@
 #   FP_SUBNET        first three octets of the /24 (10.77.0); cluster i gets .i
 #   FP_PORT          fabricd TCP port (4001)
 #   FP_RAY           [ray] address written into each cluster.toml (inprocess)
-#   FP_SCHEDULER     1: also make namespace $FP_NETNS_PREFIX-scheduler (.200) and a
-#                    scheduler config, for `fedpilot-scheduler submit --mesh` (0)
+#   FP_SCHEDULER     1: also namespace $FP_NETNS_PREFIX-scheduler (.200) running the
+#                    scheduler's own fabricd (role scheduler), for
+#                    `exec scheduler fedpilot-scheduler submit JOB --mesh CONFIG` (0)
 #   FP_START_TIMEOUT seconds `up` waits for every daemon to answer `fabricd status` (60)
 #   FP_KEEP_ON_FAIL  1: a failed `up` leaves everything in place for inspection (0)
 # Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2.
@@ -56,6 +57,9 @@ RAY=${FP_RAY:-inprocess}
 WITH_SCHEDULER=${FP_SCHEDULER:-0}
 START_TIMEOUT=${FP_START_TIMEOUT:-60}
 BRIDGE_NS=$PREFIX-br
+# Every namespace that runs a daemon: the clusters, plus the scheduler's own fabricd.
+DAEMONS=("${CLUSTERS[@]}")
+[ "$WITH_SCHEDULER" != 1 ] || DAEMONS+=(scheduler)
 MARKER=$STATE/.netns-testbed
 
 log() { echo "netns-testbed: $*" >&2; }
@@ -113,9 +117,7 @@ make_network() {
     ip -n "$BRIDGE_NS" link set lo up
     ip -n "$BRIDGE_NS" link add br0 type bridge
     ip -n "$BRIDGE_NS" link set br0 up
-    local members=("${CLUSTERS[@]}")
-    [ "$WITH_SCHEDULER" != 1 ] || members+=(scheduler)
-    for c in "${members[@]}"; do
+    for c in "${DAEMONS[@]}"; do
         ns=$(ns_of "$c")
         ip netns add "$ns"
         echo "namespace=$ns" >>"$MARKER"
@@ -139,7 +141,7 @@ make_configs() {
 
 start_daemons() {
     local c ns dir pid
-    for c in "${CLUSTERS[@]}"; do
+    for c in "${DAEMONS[@]}"; do
         ns=$(ns_of "$c")
         dir=$STATE/$c
         # setsid: the daemon outlives this script and the caller's terminal; `ip netns
@@ -148,7 +150,7 @@ start_daemons() {
             </dev/null >"$dir/fabricd.log" 2>&1 &
         pid=$!
         echo "$pid" >"$dir/fabricd.pid"
-        log "started fabricd for cluster $c in $ns (pid $pid, log $dir/fabricd.log)"
+        log "started fabricd for $c in $ns (pid $pid, log $dir/fabricd.log)"
     done
 }
 
@@ -156,9 +158,9 @@ wait_ready() {
     local deadline=$((SECONDS + START_TIMEOUT)) c pending
     while :; do
         pending=()
-        for c in "${CLUSTERS[@]}"; do
+        for c in "${DAEMONS[@]}"; do
             pid_alive "$STATE/$c/fabricd.pid" || {
-                log "fabricd of cluster $c exited; last lines of $STATE/$c/fabricd.log:"
+                log "fabricd of $c exited; last lines of $STATE/$c/fabricd.log:"
                 tail -n 20 "$STATE/$c/fabricd.log" >&2 || true
                 return 1
             }
@@ -198,10 +200,10 @@ cmd_up() {
     wait_ready
     trap - EXIT
     local c
-    for c in "${CLUSTERS[@]}"; do
+    for c in "${DAEMONS[@]}"; do
         echo "$c $(ns_of "$c") $(ip_of "$c") $STATE/$c/cluster.toml"
     done
-    log "up: ${#CLUSTERS[@]} daemons answering; state in $STATE"
+    log "up: ${#DAEMONS[@]} daemons answering; state in $STATE"
 }
 
 on_up_failure() {
@@ -278,7 +280,7 @@ print("clusters:", ", ".join(peers) or "none known")
 cmd_status() {
     local verbose=0 c ns rc=0 pid state summary
     [ "${1:-}" != -v ] || verbose=1
-    for c in "${CLUSTERS[@]}"; do
+    for c in "${DAEMONS[@]}"; do
         ns=$(ns_of "$c")
         if ! ns_exists "$ns"; then
             echo "$c: namespace $ns missing"

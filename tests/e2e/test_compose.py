@@ -94,11 +94,32 @@ def test_compose_file_describes_three_clusters_and_a_scheduler(source: str) -> N
     assert _option(certs_cmd, "--scheduler") == [sched_ip]
     assert sched_ip not in addresses
     cmd = [str(x) for x in sched["command"]]
-    assert cmd[:3] == ["fedpilot-scheduler", "submit", "/jobs/digits.toml"]
+    # The scheduler's own daemon runs beside `submit --mesh`, with the same config.
+    assert cmd[:2] == ["with-fabricd", "/cfg/scheduler/cluster.toml"]
+    assert cmd[2:5] == ["fedpilot-scheduler", "submit", "/jobs/digits.toml"]
     assert _option(cmd, "--mesh") == ["/cfg/scheduler/cluster.toml"]
+    assert _option(cmd, "--clusters") == [",".join(CLUSTERS)]
     for cid in CLUSTERS:
         assert _condition(sched, cid) == "service_healthy"
     assert not any("fabric-ca" in str(v) for v in sched["volumes"])
+
+
+def test_scheduler_service_runs_a_valid_submit_of_a_valid_job() -> None:
+    from scheduler.cli import build_parser
+    from scheduler.jobfile import load_job
+
+    sched = _raw_config()["services"]["scheduler"]
+    cmd = [str(x) for x in sched["command"]]
+    assert cmd[2] == "fedpilot-scheduler"
+    args = build_parser().parse_args(cmd[3:])
+    assert args.command == "submit" and args.local is None
+    assert args.mesh == "/cfg/scheduler/cluster.toml"
+    # /jobs is deploy/examples, mounted read-only: the job it names must load.
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in sched["volumes"]}
+    assert mounts["/jobs"] == "./examples"
+    job = DEPLOY / "examples" / Path(args.job).relative_to("/jobs")
+    spec = load_job(str(job))
+    assert spec.job_id
 
 
 def test_dockerfile_builds_from_repo_root_and_runs_the_entrypoint() -> None:
