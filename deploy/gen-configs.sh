@@ -8,8 +8,11 @@
 # it keeps every config (and so every peer id) that already exists: identities are stable
 # across restarts.
 #
-#   gen-configs.sh --out DIR [--ca DIR] [--port N] [--ray ADDRESS]
+#   gen-configs.sh --out DIR [--ca DIR] [--port N] [--ray ADDRESS] [--capacity N]
 #                  --cluster ID=IP [--cluster ID=IP]... [--scheduler IP]
+#
+# --capacity is how many virtual clients each cluster may host (default 32): a job's
+# number_of_clients must fit into the clusters' total.
 #
 # Environment: FABRICD (the fabricd executable, default: `fabricd` on PATH),
 #              PYTHON (a python3 to read fabricd's JSON, default: python3).
@@ -19,7 +22,7 @@ FABRICD=${FABRICD:-fabricd}
 PYTHON=${PYTHON:-python3}
 
 usage() {
-    sed -n '2,16s/^# \{0,1\}//p' "$0" >&2
+    sed -n '2,18s/^# \{0,1\}//p' "$0" >&2
     exit 2
 }
 
@@ -32,6 +35,7 @@ out=""
 ca=""
 port=4001
 ray="auto"
+capacity=32
 scheduler_ip=""
 clusters=()
 
@@ -41,6 +45,7 @@ while [ $# -gt 0 ]; do
         --ca) ca=${2:?--ca needs a directory}; shift 2 ;;
         --port) port=${2:?--port needs a number}; shift 2 ;;
         --ray) ray=${2:?--ray needs local, auto, inprocess or HOST:PORT}; shift 2 ;;
+        --capacity) capacity=${2:?--capacity needs a number}; shift 2 ;;
         --cluster) clusters+=("${2:?--cluster needs ID=IP}"); shift 2 ;;
         --scheduler) scheduler_ip=${2:?--scheduler needs an IP}; shift 2 ;;
         -h|--help) usage ;;
@@ -52,6 +57,7 @@ done
 [ ${#clusters[@]} -gt 0 ] || die "at least one --cluster ID=IP is required"
 [ -n "$ca" ] || ca="$out/ca"
 case "$port" in ''|*[!0-9]*) die "--port '$port' is not a number" ;; esac
+case "$capacity" in ''|*[!0-9]*) die "--capacity '$capacity' is not a number" ;; esac
 command -v "$FABRICD" >/dev/null 2>&1 || die "fabricd executable '$FABRICD' not found (set FABRICD=/path/to/fabricd)"
 
 mkdir -p "$out"
@@ -111,11 +117,15 @@ init_one() {
         return
     fi
     local args=(init --cluster-id "$id" --listen "/ip4/$ip/tcp/$port" --ca "$ca" --out "$dir")
-    [ "$role" = cluster ] || args+=(--role "$role")
+    if [ "$role" = cluster ]; then
+        args+=(--capacity "$capacity")
+    else
+        args+=(--role "$role")
+    fi
     [ -z "$bootstrap" ] || args+=(--bootstrap "$bootstrap")
     "$FABRICD" "${args[@]}" >/dev/null
     set_ray_address "$dir/cluster.toml" "$ray"
-    echo "gen-configs: wrote $dir/cluster.toml (role $role, listen /ip4/$ip/tcp/$port)"
+    echo "gen-configs: wrote $dir/cluster.toml (role $role, listen /ip4/$ip/tcp/$port, ray $ray)"
 }
 
 bootstrap=""

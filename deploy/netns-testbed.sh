@@ -25,6 +25,7 @@
 #   FP_SUBNET        first three octets of the /24 (10.77.0); cluster i gets .i
 #   FP_PORT          fabricd TCP port (4001)
 #   FP_RAY           [ray] address written into each cluster.toml (inprocess)
+#   FP_CAPACITY      virtual clients each cluster may host (32)
 #   FP_SCHEDULER     1: also namespace $FP_NETNS_PREFIX-scheduler (.200) running the
 #                    scheduler's own fabricd (role scheduler), for
 #                    `exec scheduler fedpilot-scheduler submit JOB --mesh CONFIG` (0)
@@ -54,6 +55,7 @@ read -r -a CLUSTERS <<<"${FP_CLUSTERS:-a b c}"
 SUBNET=${FP_SUBNET:-10.77.0}
 PORT=${FP_PORT:-4001}
 RAY=${FP_RAY:-inprocess}
+CAPACITY=${FP_CAPACITY:-32}
 WITH_SCHEDULER=${FP_SCHEDULER:-0}
 START_TIMEOUT=${FP_START_TIMEOUT:-60}
 BRIDGE_NS=$PREFIX-br
@@ -133,7 +135,7 @@ make_network() {
 }
 
 make_configs() {
-    local args=(--out "$STATE" --ca "$STATE/ca" --port "$PORT" --ray "$RAY") c
+    local args=(--out "$STATE" --ca "$STATE/ca" --port "$PORT" --ray "$RAY" --capacity "$CAPACITY") c
     for c in "${CLUSTERS[@]}"; do args+=(--cluster "$c=$(ip_of "$c")"); done
     [ "$WITH_SCHEDULER" != 1 ] || args+=(--scheduler "$(ip_of scheduler)")
     "$here/gen-configs.sh" "${args[@]}" >&2
@@ -321,5 +323,5 @@ case "${1:-}" in
     down) cmd_down ;;
     status) shift; cmd_status "$@" ;;
     exec) shift; cmd_exec "$@" ;;
-    *) sed -n '2,34s/^# \{0,1\}//p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,36s/^# \{0,1\}//p' "$0" >&2; exit 2 ;;
 esac

@@ -120,6 +120,10 @@ def test_scheduler_service_runs_a_valid_submit_of_a_valid_job() -> None:
     job = DEPLOY / "examples" / Path(args.job).relative_to("/jobs")
     spec = load_job(str(job))
     assert spec.job_id
+    # ... and fit into the capacity the certs service gives the three clusters.
+    certs_cmd = [str(x) for x in _raw_config()["services"]["certs"]["command"]]
+    capacity = int(_option(certs_cmd, "--capacity")[0])
+    assert capacity * len(CLUSTERS) >= spec.data.number_of_clients
 
 
 def test_dockerfile_builds_from_repo_root_and_runs_the_entrypoint() -> None:
@@ -186,8 +190,10 @@ def test_certs_command_generates_a_federation_that_bootstraps_from_a(tmp_path: P
         ip = services[cid]["networks"]["fabric"]["ipv4_address"]
         assert cfg.listen == (f"/ip4/{ip}/tcp/4001",)
         assert not list((out / cid).glob("ca.key")), f"{cid} must not hold the CA key"
+    capacity = int(_option([str(x) for x in services["certs"]["command"]], "--capacity")[0])
     for cid in CLUSTERS:
         assert configs[cid].ray_address == "auto"
+        assert configs[cid].capacity == capacity
 
     a_addrs = json.dumps(_fabricd_json("id", "--config", str(out / "a" / "cluster.toml")))
     bootstrap = (out / "bootstrap.addr").read_text().strip()
