@@ -29,6 +29,7 @@ from .placement.mapping import (
     cut_traffic,
     place_aggregators,
 )
+from .placement.refine import refine_assignment
 from .placement.strategies import load_precomputed, random_assignment, round_robin
 from .topology import LogicalTopology, build_topology
 
@@ -147,6 +148,7 @@ def plan_placement(
             alt = contiguous_assignment(topology, caps)
             if cut_traffic(topology, alt) < cut_traffic(topology, index):
                 index = alt
+            index = refine_assignment(topology, index, caps)
     else:
         raise ValueError(f"unknown placement strategy {strategy!r}")
     return PlacementResult(strategy, ids, index, communities.labels, communities.count)

@@ -4,6 +4,7 @@
 2. `similarity`  — cosine similarity (and the quantisation used at scale);
 3. `communities` — Affinity Propagation (full, or over distinct/sampled histograms);
 4. `mapping`     — Louvain over the community graph, capacity-respecting assignment;
+   `refine`      — greedy moves/swaps that cut traffic within capacity;
    `strategies`  — round_robin, random, precomputed.
 The routing matrix (stage 5) is `proto.routing.RoutingMatrix`; `scheduler.plan` runs all.
 """
@@ -19,6 +20,7 @@ from .mapping import (
     louvain_groups,
     place_aggregators,
 )
+from .refine import refine_assignment
 from .similarity import cosine_similarity, nearest_rows, quantise, unit_rows
 from .strategies import load_precomputed, random_assignment, round_robin
 
@@ -40,6 +42,7 @@ __all__ = [
     "planted_histograms",
     "quantise",
     "random_assignment",
+    "refine_assignment",
     "round_robin",
     "synthetic_histograms",
     "unit_rows",

@@ -14,7 +14,12 @@ from proto.job import JobSpec
 from scheduler.errors import AssignmentFileError, CapacityError
 from scheduler.placement.communities import Communities, find_communities
 from scheduler.placement.histograms import planted_histograms, synthetic_histograms
-from scheduler.placement.mapping import assign_communities, contiguous_assignment
+from scheduler.placement.mapping import (
+    assign_communities,
+    contiguous_assignment,
+    cut_traffic,
+)
+from scheduler.placement.refine import refine_assignment
 from scheduler.placement.strategies import random_assignment, round_robin
 from scheduler.plan import plan_job, plan_placement
 from scheduler.topology import LogicalTopology, build_topology
@@ -115,8 +120,11 @@ def test_capacity_never_exceeded(sizes: list[int], caps: list[int], kind: str, s
         with pytest.raises(CapacityError):
             round_robin(n, caps)
         return
+    start = random_assignment(n, caps, seed)
+    refined = refine_assignment(topo, start, caps)
+    assert cut_traffic(topo, refined) <= cut_traffic(topo, start)
     for cluster in (assign_communities(communities, topo, caps, seed=seed),
-                    contiguous_assignment(topo, caps),
+                    contiguous_assignment(topo, caps), refined,
                     round_robin(n, caps), random_assignment(n, caps, seed)):
         loads = np.bincount(cluster, minlength=len(caps))
         assert len(cluster) == n and (cluster >= 0).all()
@@ -247,3 +255,14 @@ def test_plan_is_deterministic() -> None:
     b = plan_job(spec, {"a": 50, "b": 50, "c": 50}, histograms=hist)
     assert a.routing == b.routing
     assert a.routing.to_bytes() == b.routing.to_bytes()
+
+
+def test_refinement_swaps_between_full_clusters() -> None:
+    # Two triangles {0,1,2} and {3,4,5}, wrongly split with 2 and 3 exchanged; clusters
+    # are full, so only a swap can fix it.
+    edges = np.array([[0, 1], [0, 2], [1, 2], [3, 4], [3, 5], [4, 5]])
+    topo = LogicalTopology("custom", 6, 6, edges, np.ones(6))
+    start = np.array([0, 0, 1, 1, 1, 0])
+    refined = refine_assignment(topo, start, [3, 3])
+    assert cut_traffic(topo, refined) == 0
+    assert np.bincount(refined).tolist() == [3, 3]
