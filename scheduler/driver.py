@@ -20,6 +20,7 @@ import numpy as np
 
 from proto.job import JobSpec
 from scheduler.clusters import ClusterSlot
+from scheduler.errors import SchedulerError
 from scheduler.jobgraph import node_clusters, plan_epoch
 from scheduler.plan import Plan
 from scheduler.results import ClusterRecordSummary, JobSummary, RoundRecord
@@ -28,7 +29,7 @@ from worker.executor.graph import RoundGraph, to_dict
 log = logging.getLogger("fedpilot.scheduler")
 
 
-class JobFailed(RuntimeError):
+class JobFailed(SchedulerError):
     """The job cannot go on; the message names the cluster and what happened."""
 
 

@@ -56,12 +56,21 @@ def wait_for_clusters(socket_path: str, *, expected: list[str] | None = None, mi
     """Clusters the scheduler's daemon sees connected, once `expected` (or `minimum`) are."""
     deadline = time.monotonic() + timeout
     seen: list[ClusterInfo] = []
+    missing: list[str] = []
     while True:
-        status = daemon_status(socket_path)
+        try:
+            status = daemon_status(socket_path)
+        except JobFailed:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)  # the daemon may still be starting
+            continue
         seen = [ClusterInfo(str(c["cluster_id"]), str(c.get("peer_id", "")),
                             int(c.get("capacity", 0) or 0))
                 for c in status.get("clusters", [])
-                if c.get("connected") and c.get("role", "cluster") == "cluster"]
+                # ready = connected and its heartbeat announced a capacity to host clients
+                if c.get("connected") and c.get("role", "cluster") == "cluster"
+                and int(c.get("capacity") or 0) > 0]
         ids = {c.cluster_id for c in seen}
         if expected is not None:
             missing = [c for c in expected if c not in ids]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import signal
 import sys
 import time
@@ -40,6 +41,9 @@ def add_parser(subparsers: Any) -> None:
                    help="how long to wait for clusters to join (default 60)")
     p.add_argument("--round-timeout", metavar="SECONDS", type=float, default=900.0,
                    help="fail a round that takes longer than this (default 900)")
+    p.add_argument("--capacity", metavar="N", type=int,
+                   help="with --local: clients each cluster may host (default: 1.2 x an even "
+                        "share, so placement has room to keep communities together)")
     p.add_argument("--workdir", metavar="DIR",
                    help="with --local: keep the testbed's configs and logs here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -109,7 +113,9 @@ def run(args: argparse.Namespace) -> int:
             from scheduler.testbed import LocalTestbed
 
             backend = "local" if args.backend == "ray" else "inprocess"
-            testbed = LocalTestbed(args.local, backend=backend, workdir=args.workdir)
+            capacity = args.capacity or math.ceil(1.2 * spec.data.number_of_clients / args.local)
+            testbed = LocalTestbed(args.local, backend=backend, workdir=args.workdir,
+                                   capacity=capacity)
             print(f"starting a local testbed: {args.local} cluster daemon(s) + scheduler "
                   f"({args.backend} executors) in {testbed.root}", file=sys.stderr)
             clusters = testbed.start(timeout=args.wait)
