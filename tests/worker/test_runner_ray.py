@@ -38,15 +38,15 @@ def test_digits_star_fedavg_on_ray_matches_inprocess(ray_context) -> None:  # ty
     assert len(actors) == 8 and set(actors.values()) == {"DEAD"}  # closed after the last round
 
 
-def test_ring_with_actor_per_client_on_ray(ray_context) -> None:  # type: ignore[no-untyped-def]
+def test_ring_with_churning_actors_on_ray_matches_inprocess(ray_context) -> None:  # type: ignore[no-untyped-def]
     spec = JobSpec(job_id="ring-ray", data=DataSpec(number_of_clients=4),
                    topology=TopologySpec(kind="ring"),
                    training=TrainingSpec(federated_learning_rounds=2, number_of_epochs=1),
-                   placement=PlacementSpec(max_materialized=4, placement_group_strategy="PACK"))
+                   placement=PlacementSpec(max_materialized=2, placement_group_strategy="PACK"))
     with InProcessContext(num_cpus=2) as ctx:
         local = [(m.accuracy, m.extra) for m in run_job(spec, ctx)]
-    job = run_job(spec, ray_context, recycle_actors=False)
+    job = run_job(spec, ray_context)
     on_ray = [(m.accuracy, m.extra) for m in job]
-    assert on_ray == local
-    assert job.nodes.stats.created == 4 and job.nodes.stats.dematerializations == 0
-    assert len(gcs_actors(job.nodes.name_prefix)) == 4
+    assert on_ray == local  # node states saved and reloaded between train and mix phases
+    assert job.nodes.stats.created == 2 and job.nodes.stats.dematerializations >= 8
+    assert len(gcs_actors(job.nodes.name_prefix)) == 2
