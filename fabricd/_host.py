@@ -26,13 +26,18 @@ from libp2p.pubsub.pubsub import Pubsub
 from libp2p.stream_muxer.yamux import yamux as _yamux
 from libp2p.tools.anyio_service.context import background_trio_service
 
+from fabricd import _fastpath
+
 GOSSIPSUB_PROTOCOLS = ("/meshsub/1.1.0", "/meshsub/1.0.0")
-YAMUX_FRAME = 4 * 1024 * 1024
+YAMUX_FRAME = 4 * 1024 * 1024 + _yamux.HEADER_SIZE
+YAMUX_WINDOW = 16 * 1024 * 1024
 
 
-def tune_yamux(max_message_size: int = YAMUX_FRAME) -> None:
-    """Raise yamux's per-frame payload size (both ends should do this)."""
+def tune_yamux(max_message_size: int = YAMUX_FRAME, window: int = YAMUX_WINDOW) -> None:
+    """Raise yamux's frame size and initial window, install the Noise/TCP fast path."""
     _yamux.MAX_MESSAGE_SIZE = max_message_size
+    _yamux.DEFAULT_WINDOW_SIZE = window
+    _fastpath.apply()
 
 
 @dataclass

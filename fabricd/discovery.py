@@ -26,6 +26,7 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.records.validator import Validator
 
 from fabricd._host import HostStack
+from fabricd.gossip import ReliableGossip
 from fabricd.logs import get_logger
 from fabricd.membership import Membership
 from proto.certs import Certificate
@@ -38,7 +39,7 @@ log = get_logger("fabricd.discovery")
 
 HEARTBEAT_MAX_BYTES = 16 * 1024
 RECORD_MAX_BYTES = 16 * 1024
-DIAL_TIMEOUT = 3.0
+DIAL_TIMEOUT = 10.0
 RECORD_REFRESH = 30.0
 
 
@@ -115,6 +116,7 @@ class Discovery:
         self._seq = 0
         self._dial_hints: dict[str, tuple[str, ...]] = {}
         self._next_dial: dict[str, float] = {}
+        self.gossip = ReliableGossip(stack.pubsub)
         membership.on_member = self._on_member
         membership.on_leave = self._on_leave
 
@@ -174,7 +176,7 @@ class Discovery:
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         pubsub = self.stack.pubsub
         pubsub.set_topic_validator(TOPIC_HEARTBEAT, self._validate_heartbeat, False)
-        subscription = await pubsub.subscribe(TOPIC_HEARTBEAT)
+        subscription = await self.gossip.subscribe(TOPIC_HEARTBEAT)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._receive_heartbeats, subscription)
             nursery.start_soon(self._publish_heartbeats)
@@ -233,7 +235,7 @@ class Discovery:
                 sent_at=time.time(),
             )
             try:
-                await self.stack.pubsub.publish(TOPIC_HEARTBEAT, encode(hb))
+                await self.gossip.publish(TOPIC_HEARTBEAT, encode(hb))
             except Exception as exc:  # noqa: BLE001 - publishing is best effort, retried next tick
                 log.debug("heartbeat.publish_failed", reason=str(exc))
             await trio.sleep(self.interval)

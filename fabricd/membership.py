@@ -41,7 +41,8 @@ from proto.messages import MemberAck, MemberHello
 log = get_logger("fabricd.membership")
 
 MEMBER_FRAME_LIMIT = MAX_CERTIFICATE_BYTES + 2048
-VERDICT_TIMEOUT = 5.0
+VERDICT_TIMEOUT = 15.0
+EXCHANGE_TIMEOUT = 20.0
 RevocationCallback = Callable[[str, str], Awaitable[None]]
 
 
@@ -175,7 +176,8 @@ class Membership:
             return verdict.certificate
         if peer_id in self.refused_by:
             raise NotAMember(f"peer {peer_id} refused us: {self.refused_by[peer_id]}")
-        raise NotAMember(verdict.reason or f"peer {peer_id} presented no certificate within {timeout:.0f} s")
+        raise NotAMember(verdict.reason or f"peer {peer_id} disconnected or presented no valid "
+                                           f"certificate within {timeout:.0f} s")
 
     # ---- the guard ---------------------------------------------------------------------
 
@@ -282,13 +284,19 @@ class Membership:
         if verdict is not None and verdict.decided.is_set():
             return
         try:
-            with trio.fail_after(10):
+            with trio.fail_after(EXCHANGE_TIMEOUT):
                 stream = await self.host.new_stream(ID.from_base58(peer_id), [PROTOCOL_MEMBER])  # type: ignore[list-item]
                 await write_message(stream, MemberHello(certificate=self.certificate))
                 ack = await read_message(stream_reader(stream), MEMBER_FRAME_LIMIT)
                 await close_quietly(stream)
         except trio.TooSlowError:
-            self._reject(peer_id, "no reply to the membership exchange within 10 s", None)
+            # Slow is not the same as foreign: forget the attempt; the next connection retries.
+            log.warning("member.exchange_timeout", peer=peer_id, seconds=EXCHANGE_TIMEOUT)
+            verdict = self.verdicts.get(peer_id)
+            if verdict is not None and not verdict.decided.is_set():
+                verdict.reason = f"peer {peer_id} did not answer the membership exchange within {EXCHANGE_TIMEOUT:.0f} s"
+                verdict.decided.set()
+                self.verdicts.pop(peer_id, None)
             return
         except (ProtocolError, EOFError) as exc:
             self._reject(peer_id, f"bad membership reply: {type(exc).__name__}: {exc}", None)

@@ -33,6 +33,21 @@ def cli_json(*args: str, timeout: float = 120) -> Any:
     return json.loads(cli(*args, timeout=timeout).stdout)
 
 
+def cli_inprocess(*args: str) -> Any:
+    """Run a one-shot fabricd subcommand in this process (no daemon) and parse its JSON."""
+    import contextlib
+    import io
+
+    from fabricd.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(list(args))
+    if code != 0:
+        raise AssertionError(f"fabricd {' '.join(args)} exited {code}")
+    return json.loads(out.getvalue())
+
+
 @dataclass
 class Node:
     name: str
@@ -50,7 +65,7 @@ class Node:
         return str(self.dir / "cluster.toml")
 
     def addr(self) -> str:
-        return str(cli_json("id", "--config", self.config)["addrs"][0])
+        return str(cli_inprocess("id", "--config", self.config)["addrs"][0])
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the subprocess
@@ -59,7 +74,7 @@ class Node:
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         log.close()
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
+    def wait_ready(self, timeout: float = 90.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
@@ -105,7 +120,7 @@ class Node:
 
 def init_ca(root: Path, name: str = "ca") -> Path:
     ca = root / name
-    cli("certs", "init-ca", "--out", str(ca))
+    cli_inprocess("certs", "init-ca", "--out", str(ca))
     return ca
 
 
@@ -116,7 +131,7 @@ def init_node(root: Path, name: str, ca: Path, bootstrap: list[str] = (), role: 
             "--ca", str(ca), "--out", str(root / name), "--role", role]
     for b in bootstrap:
         args += ["--bootstrap", b]
-    cli(*args)
+    cli_inprocess(*args)
     return Node(name, root / name, port)
 
 

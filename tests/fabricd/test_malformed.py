@@ -24,10 +24,18 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from fabricd._host import build_host
-from fabricd._streams import read_message_exact, write_message
+from fabricd._streams import read_message_exact
 from fabricd.config import load_config
 from fabricd.identity import raw_public_key
-from proto.bridge import Error, Hello, SendResult, SendUpdate, bridge_header, recv_bridge, send_bridge
+from proto.bridge import (
+    Error,
+    Hello,
+    SendResult,
+    SendUpdate,
+    bridge_header,
+    recv_bridge,
+    send_bridge,
+)
 from proto.certs import issue_certificate, load_ca_private
 from proto.codec import frame
 from proto.ids import PROTOCOL_CONTROL, PROTOCOL_MEMBER, PROTOCOL_UPDATE
