@@ -1,9 +1,11 @@
-"""Three fabricd daemons in three Linux network namespaces (deploy/netns-testbed.sh).
+"""Three fabricd clusters and a scheduler, each in its own Linux network namespace
+(deploy/netns-testbed.sh with FP_SCHEDULER=1).
 
-Each daemon has its own IP on a bridge that lives in a fourth namespace, so the mesh
-forms and the probe travels over real veth links, not loopback. Needs root and the
-right to create namespaces; skipped with the reason otherwise. Teardown always runs
-`netns-testbed.sh down` and checks nothing is left behind.
+Each daemon has its own IP on a bridge that lives in another namespace, so the mesh
+forms, the probe travels and a job runs over real veth links, not loopback. Needs root
+and the right to create namespaces; skipped with the reason otherwise. Teardown always
+runs `netns-testbed.sh down` and checks nothing is left behind. The two tests share one
+testbed (bringing it up is the expensive part).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(420)]
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "deploy" / "netns-testbed.sh"
 CLUSTERS = ("a", "b", "c")
+DAEMONS = (*CLUSTERS, "scheduler")
 SUBNET = "10.77.0"
 PORT = 4001
 PROBE_BYTES = 4 * 1024 * 1024
@@ -64,7 +67,7 @@ class NetnsTestbed:
         return f"{self.prefix}-{cid}"
 
     def ip(self, cid: str) -> str:
-        return f"{SUBNET}.{CLUSTERS.index(cid) + 1}"
+        return f"{SUBNET}.200" if cid == "scheduler" else f"{SUBNET}.{CLUSTERS.index(cid) + 1}"
 
     def config(self, cid: str) -> str:
         return str(self.state / cid / "cluster.toml")
@@ -85,7 +88,7 @@ class NetnsTestbed:
 
     def logs(self) -> str:
         parts = []
-        for cid in CLUSTERS:
+        for cid in DAEMONS:
             log = self.state / cid / "fabricd.log"
             text = log.read_text()[-4000:] if log.exists() else "(no log)"
             parts.append(f"--- {cid} fabricd.log (tail)\n{text}")
@@ -107,13 +110,13 @@ def _script(bed_env: dict[str, str], action: str) -> subprocess.CompletedProcess
     )
 
 
-@pytest.fixture
-def testbed(tmp_path: Path) -> Iterator[NetnsTestbed]:
+@pytest.fixture(scope="module")
+def testbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsTestbed]:
     reason = _netns_unavailable()
     if reason is not None:
         pytest.skip(reason)
     prefix = f"fpt{os.getpid() % 100000}"
-    state = tmp_path / "state"
+    state = tmp_path_factory.mktemp("netns") / "state"
     env = {
         **os.environ,
         "FP_NETNS_PREFIX": prefix,
@@ -122,6 +125,7 @@ def testbed(tmp_path: Path) -> Iterator[NetnsTestbed]:
         "FP_SUBNET": SUBNET,
         "FP_PORT": str(PORT),
         "FP_KEEP_ON_FAIL": "1",
+        "FP_SCHEDULER": "1",
         "FABRICD": str(Path(sys.executable).with_name("fabricd")),
         "PYTHON": sys.executable,
     }
@@ -140,15 +144,15 @@ def testbed(tmp_path: Path) -> Iterator[NetnsTestbed]:
 
 
 def _wait_for_full_mesh(bed: NetnsTestbed) -> dict[str, Any]:
-    """Poll `fabricd status` in every namespace until each lists the other two connected."""
+    """Poll `fabricd status` in every namespace until each lists all the others connected."""
     deadline = time.monotonic() + MESH_DEADLINE_S
     statuses: dict[str, Any] = {}
     while True:
         done = True
-        for cid in CLUSTERS:
+        for cid in DAEMONS:
             statuses[cid] = bed.fabricd(cid, "status", "--config", bed.config(cid))
             connected = {c["cluster_id"] for c in statuses[cid]["clusters"] if c["connected"]}
-            done = done and connected >= set(CLUSTERS) - {cid}
+            done = done and connected == set(DAEMONS) - {cid}
         if done:
             return statuses
         if time.monotonic() > deadline:
@@ -169,9 +173,10 @@ def test_three_namespaced_daemons_mesh_and_probe_over_veth(testbed: NetnsTestbed
     bed = testbed
     statuses = _wait_for_full_mesh(bed)
 
-    peer_ids = {cid: statuses[cid]["peer_id"] for cid in CLUSTERS}
-    assert len(set(peer_ids.values())) == 3
-    for cid in CLUSTERS:
+    peer_ids = {cid: statuses[cid]["peer_id"] for cid in DAEMONS}
+    assert len(set(peer_ids.values())) == len(DAEMONS)
+    assert statuses["scheduler"]["role"] == "scheduler"
+    for cid in DAEMONS:
         status = statuses[cid]
         assert status["cluster_id"] == cid
         own = f"/ip4/{bed.ip(cid)}/tcp/{PORT}"
@@ -189,7 +194,7 @@ def test_three_namespaced_daemons_mesh_and_probe_over_veth(testbed: NetnsTestbed
         # Its mesh connections run over the veth link between namespace addresses.
         established = _sockets(bed, cid, "state", "established")
         remote_ips = {s[3].rsplit(":", 1)[0] for s in established if s[2].startswith(bed.ip(cid) + ":")}
-        assert {bed.ip(o) for o in CLUSTERS if o != cid} <= remote_ips, established
+        assert {bed.ip(o) for o in DAEMONS if o != cid} <= remote_ips, established
 
     # c -> a probe: a few MiB as one update stream, across c's veth, the bridge, a's veth.
     _, c_tx0 = bed.link_bytes(bed.ns("c"), "eth0")
@@ -212,7 +217,72 @@ def test_three_namespaced_daemons_mesh_and_probe_over_veth(testbed: NetnsTestbed
     status = _script(bed.env, "status")
     assert status.returncode == 0, status.stdout + status.stderr
     blocks = status.stdout.split("\n" + CLUSTERS[1] + ": ")
-    for cid in CLUSTERS:
+    for cid in DAEMONS:
         assert f"{cid}: namespace {bed.ns(cid)}, {bed.ip(cid)}, fabricd pid {bed.pid(cid)} running" in status.stdout
-    for other in ("b", "c"):
+    for other in ("b", "c", "scheduler"):
         assert f"{other} connected" in blocks[0], status.stdout
+
+
+TINY_JOB = """
+[job]
+id = "netns-tiny"
+seed = 0
+
+[data]
+dataset = "digits"
+number_of_clients = 6
+data_distribution_kind = "iid"
+
+[model]
+name = "mlp"
+hidden = 16
+
+[training]
+federated_learning_rounds = 2
+number_of_epochs = 1
+batch_size = 32
+
+[topology]
+kind = "star"
+
+[aggregation]
+name = "fedavg"
+
+[placement]
+strategy = "round_robin"
+"""
+
+
+def test_scheduler_in_its_namespace_runs_a_job_over_the_mesh(
+    testbed: NetnsTestbed, tmp_path: Path
+) -> None:
+    """`fedpilot-scheduler submit --mesh` from the scheduler's namespace, through its own
+    daemon, on the three namespaced clusters: the deployment path of the compose file."""
+    bed = testbed
+    statuses = _wait_for_full_mesh(bed)
+    peer_ids = {cid: statuses[cid]["peer_id"] for cid in DAEMONS}
+    job, out = tmp_path / "tiny.toml", tmp_path / "out"
+    job.write_text(TINY_JOB)
+    scheduler = str(Path(sys.executable).with_name("fedpilot-scheduler"))
+    proc = bed.run_in(
+        "scheduler", scheduler, "submit", str(job), "--mesh", bed.config("scheduler"),
+        "--clusters", ",".join(CLUSTERS), "--out", str(out), "--quiet",
+        "--wait", "60", "--round-timeout", "120", timeout=300,
+    )
+    assert proc.returncode == 0, f"submit failed:\n{proc.stderr[-4000:]}\n{bed.logs()}"
+    printed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert printed["clusters"] == list(CLUSTERS)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["job_id"] == "netns-tiny"
+    assert [c["cluster_id"] for c in summary["clusters"]] == list(CLUSTERS)
+    assert sum(c["clients"] for c in summary["clusters"]) == 6
+    assert all(c["clients"] > 0 for c in summary["clusters"])
+    assert [r["round"] for r in summary["rounds"]] == [1, 2]
+    # Every cluster's daemon served the job's control requests from the scheduler's
+    # daemon, i.e. they came over the mesh (the only link between the namespaces).
+    for cid in CLUSTERS:
+        log = (bed.state / cid / "fabricd.log").read_text()
+        served = [line for line in log.splitlines()
+                  if "control.served" in line and "cluster=scheduler" in line
+                  and f"peer={peer_ids['scheduler']}" in line]
+        assert served, f"{cid} served no control request from the scheduler:\n{log[-3000:]}"
