@@ -48,7 +48,16 @@ def _netns_unavailable() -> str | None:
     proc = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if proc.returncode != 0:
         return f"'ip netns add' is not permitted here: {proc.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    try:
+        # The testbed also needs the kernel's bridge and veth link types.
+        for kind, args in (("bridge", ["br0", "type", "bridge"]),
+                           ("veth", ["v0", "type", "veth", "peer", "name", "v1"])):
+            proc = subprocess.run(["ip", "-n", probe, "link", "add", *args],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                return f"this kernel cannot create {kind} links: {proc.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
 
