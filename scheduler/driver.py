@@ -101,6 +101,21 @@ class Driver:
 
     # -- the job -------------------------------------------------------------------------
     def run(self) -> JobResult:
+        try:
+            return self._run()
+        except BaseException:
+            self._stop_quietly()
+            raise
+
+    def _stop_quietly(self) -> None:
+        """Best effort after a failure: let every executor that started release its actors."""
+        for c in self.clusters:
+            try:
+                self.channel.request(c.cluster_id, self._job_body("job.stop"), 30.0)
+            except Exception as exc:  # the job already failed; this is only clean-up
+                log.info("event=stop_after_failure cluster=%s result=%s", c.cluster_id, exc)
+
+    def _run(self) -> JobResult:
         spec = self.spec
         ids = [c.cluster_id for c in self.clusters]
         n = spec.data.number_of_clients
@@ -141,9 +156,12 @@ class Driver:
         per_cluster = plan.placement.clients_per_cluster()
         for c in self.clusters:
             reply = stopped[c.cluster_id]
+            daemon = reply.get("daemon") or {}
             summary.clusters.append(ClusterRecordSummary(
                 cluster_id=c.cluster_id, clients=per_cluster.get(c.cluster_id, 0),
-                actors_materialized=int(reply.get("actors_materialized", 0))))
+                actors_materialized=int(reply.get("actors_materialized", 0)),
+                daemon_bytes_sent=int(daemon.get("sent_bytes", 0)),
+                daemon_bytes_received=int(daemon.get("received_bytes", 0))))
         summary.finish()
         placement = plan.placement.to_dict()
         placement["routing"] = plan.routing.to_dict(readable=True)

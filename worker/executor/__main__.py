@@ -41,6 +41,22 @@ def setup_logging(fmt: str) -> None:
     logging.basicConfig(level=logging.INFO, format=style, stream=sys.stderr)
 
 
+def daemon_job_counters(bridge: str, job_id: str) -> dict[str, int]:
+    """fabricd's own byte counters for `job_id` (asked over a second bridge connection)."""
+    from proto.bridge import BridgeClient, StatusReply, StatusRequest
+
+    try:
+        with BridgeClient(bridge, role="cli", timeout=10) as client:
+            reply, _ = client.request(StatusRequest())
+    except (OSError, ConnectionError) as exc:
+        log.warning("event=daemon_counters_unavailable reason=%s", exc)
+        return {}
+    if not isinstance(reply, StatusReply):
+        return {}
+    counters = reply.status.get("jobs", {}).get(job_id, {})
+    return {str(k): int(v) for k, v in counters.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_format)
@@ -48,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
 
     context = open_context(args.ray, num_cpus=args.num_cpus)
     service = ExecutorService(cluster_id=args.cluster_id,
-                              make_runtime=runtime_factory(context, args.cluster_id))
+                              make_runtime=runtime_factory(context, args.cluster_id),
+                              daemon_counters=lambda job: daemon_job_counters(args.bridge, job))
 
     def on_control(msg):  # type: ignore[no-untyped-def]
         return True, service.handle(dict(msg.body)), ""

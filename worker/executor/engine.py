@@ -73,13 +73,18 @@ class RoundReport:
 
 
 def weighted_average(items: Iterable[tuple[Weights, int]]) -> Weights:
+    """Sample-weighted mean of models (the dtype of the first model is kept)."""
     items = list(items)
     total = sum(n for _, n in items)
     if total <= 0:
         raise ValueError("cannot average models with no samples")
-    keys = items[0][0].keys()
-    return {k: sum(w[k].astype(np.float64) * (n / total) for w, n in items).astype(items[0][0][k].dtype)
-            for k in keys}
+    out: Weights = {}
+    for key, like in items[0][0].items():
+        acc = np.zeros(np.shape(like), dtype=np.float64)
+        for weights, n in items:
+            acc += np.asarray(weights[key], dtype=np.float64) * (n / total)
+        out[key] = acc.astype(np.asarray(like).dtype)
+    return out
 
 
 class ClusterEngine:

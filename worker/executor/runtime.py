@@ -10,6 +10,7 @@ test splits and of aggregated models on the global test set happens in this proc
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -34,6 +35,8 @@ def open_context(address: str, *, num_cpus: float | None = None) -> ExecutionCon
         return InProcessContext()
     from worker.context import RayContext
 
+    # keep Ray on loopback (see README: Ray binds to the interface address by default)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if address == "local":
         kwargs: dict[str, Any] = {"_node_ip_address": "127.0.0.1"}
         if num_cpus is not None:

@@ -59,8 +59,10 @@ class ExecutorService:
     """One job on one cluster."""
 
     def __init__(self, *, cluster_id: str, make_runtime: RuntimeFactory,
-                 link: RemoteLink | None = None, round_timeout: float = 600.0) -> None:
+                 link: RemoteLink | None = None, round_timeout: float = 600.0,
+                 daemon_counters: Callable[[str], dict[str, int]] | None = None) -> None:
         self.cluster_id = cluster_id
+        self._daemon_counters = daemon_counters
         self._make_runtime = make_runtime
         self.link = link
         self.round_timeout = round_timeout
@@ -191,4 +193,8 @@ class ExecutorService:
         if self.runtime is not None:
             self.runtime.close()
         self.stopped.set()
-        return {"actors_materialized": count}
+        reply: dict[str, Any] = {"actors_materialized": count}
+        if self._daemon_counters is not None and self.spec is not None:
+            # what fabricd itself counted for this job, to cross-check the executors' bytes
+            reply["daemon"] = self._daemon_counters(self.spec.job_id)
+        return reply
