@@ -209,3 +209,42 @@ def test_certs_command_generates_a_federation_that_bootstraps_from_a(tmp_path: P
     assert proc.returncode == 0, proc.stderr
     assert (out / "bootstrap.addr").read_text().strip() == bootstrap
     assert json.dumps(_fabricd_json("id", "--config", str(out / "a" / "cluster.toml"))) == a_addrs
+
+
+# ---- the image's entrypoint, run without an image ---------------------------------------
+
+def _venv_env(**extra: str) -> dict[str, str]:
+    bindir = str(Path(sys.executable).parent)
+    return {**os.environ, "PATH": f"{bindir}:{os.environ.get('PATH', '')}",
+            "FABRICD": _fabricd(), "PYTHON": sys.executable, **extra}
+
+
+def _gen_single(tmp_path: Path, ray: str, *, scheduler: bool = False) -> Path:
+    out = tmp_path / "cfg"
+    args = [str(DEPLOY / "gen-configs.sh"), "--out", str(out), "--ray", ray, "--port", "0",
+            "--cluster", "a=127.0.0.1"]
+    if scheduler:
+        args += ["--scheduler", "127.0.0.1"]
+    proc = subprocess.run(args, env=_venv_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.mark.slow
+def test_with_fabricd_runs_the_command_beside_a_live_daemon_then_stops_it(tmp_path: Path) -> None:
+    """The scheduler container's mode: CMD runs once the daemon answers; CMD's exit
+    status is the container's; the daemon does not outlive it."""
+    out = _gen_single(tmp_path, "inprocess", scheduler=True)
+    config = str(out / "scheduler" / "cluster.toml")
+    probe = f'fabricd status --config {config} > {tmp_path / "status.json"} && exit 7'
+    proc = subprocess.run(
+        [str(DEPLOY / "entrypoint.sh"), "with-fabricd", config, "sh", "-c", probe],
+        env=_venv_env(), capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 7, proc.stderr
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["cluster_id"] == "scheduler" and status["role"] == "scheduler"
+    assert "daemon.stopped" in proc.stderr, proc.stderr
+    again = subprocess.run([_fabricd(), "status", "--config", config, "--timeout", "2"],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode != 0, "fabricd still answers after the command ended"
