@@ -1,0 +1,74 @@
+"""Both end-to-end benchmarks run (--quick, in-process) and print the JSON they promise."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_bench(name: str, *args: str) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / name), *args],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"{name} must print exactly one JSON line, got:\n{proc.stdout}"
+    report = json.loads(lines[0])
+    assert isinstance(report, dict)
+    return report
+
+
+@pytest.mark.slow
+def test_bench_e2e_quick_reports_every_configuration_and_the_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "e2e"
+    report = run_bench("bench_e2e.py", "--quick", "--mesh", "loopback", "--rounds", "1",
+                       "--out", str(out))
+    assert report["benchmark"] == "e2e"
+    results = report["results"]
+    assert {"star+random+fedavg", "hybrid+locality+fedavg"} <= set(results)
+    for row in results.values():
+        for key in ("final_accuracy", "best_accuracy", "personalized_accuracy", "bytes_inter",
+                    "bytes_intra", "seconds"):
+            assert key in row
+        assert 0.0 <= row["final_accuracy"] <= row["best_accuracy"] <= 1.0
+        assert 0.0 <= row["personalized_accuracy"] <= 1.0
+        assert len(row["accuracy_curve"]) == 1
+        # the link carried exactly what the executors accounted
+        assert row["bytes_inter"] == row["bytes_inter_daemons"] > 0
+        assert sum(c["clients"] for c in row["clusters"]) == 30
+    ratio = report["inter_bytes_hybrid_locality_over_star_random"]["fedavg"]
+    assert ratio == pytest.approx(results["hybrid+locality+fedavg"]["bytes_inter"]
+                                  / results["star+random+fedavg"]["bytes_inter"], abs=1e-4)
+    assert 0 < ratio < 1
+    compressed = [label for label, row in results.items() if row["compression"] != "none"]
+    assert compressed, "quick mode must exercise one compression codec"
+    assert set(report["goals"]) == {"best_global_accuracy", "personalized_accuracy",
+                                    "inter_bytes_ratio"}
+    for plot in ("accuracy.png", "traffic.png"):
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "bench.json").read_text()) == report
+
+
+@pytest.mark.slow
+def test_bench_round_overhead_quick_reports_both_sides_and_the_ratio() -> None:
+    report = run_bench("bench_round_overhead.py", "--quick", "--backend", "inprocess",
+                       "--clients", "3", "--rounds", "2")
+    assert report["benchmark"] == "round_overhead"
+    one, three = report["one_cluster"], report["three_clusters"]
+    assert one["clusters"] == 1 and three["clusters"] == 3
+    assert one["bytes_inter_per_round"] == 0 < three["bytes_inter_per_round"]
+    for side in (one, three):
+        assert side["seconds_per_round_mean"] > 0
+        assert side["cpu_seconds_per_round_mean"] >= 0
+        assert [len(r) for r in side["round_seconds"]] == [2]
+    assert report["ratio_seconds_per_round"] == pytest.approx(
+        three["seconds_per_round_mean"] / one["seconds_per_round_mean"], rel=1e-3)
+    assert "ratio_cpu_seconds_per_round" in report
+    assert isinstance(report["goal_met"], bool)
+    assert report["notes"]
