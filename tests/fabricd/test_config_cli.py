@@ -117,3 +117,13 @@ def test_help_lists_every_command(capsys) -> None:
     text = capsys.readouterr().out
     for word in ("certs", "init", "id", "status", "probe", "--log-format"):
         assert word in text
+
+
+@pytest.mark.parametrize("name", ["a", "b", "c", "scheduler"])
+def test_example_cluster_configs_load(node_dir: Path, name: str) -> None:
+    example = Path(__file__).resolve().parents[2] / "deploy" / "examples" / f"cluster-{name}.toml"
+    target = node_dir / "cluster.toml"
+    target.write_text(example.read_text())
+    cfg = load_config(target)
+    assert cfg.cluster_id == name and cfg.listen == ("/ip4/0.0.0.0/tcp/4001",)
+    assert cfg.role == ("scheduler" if name == "scheduler" else "cluster")
