@@ -9,7 +9,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 export RAY_DISABLE_DOCKER_CPU_WARNING := 1
 
-.PHONY: install test test-fast test-slow lint demo bench clean
+.PHONY: install test test-fast test-slow lint demo demo-mesh bench clean
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or run: make PYTHON=/path/to/python3.11)"; exit 1; }
@@ -38,7 +38,13 @@ test-fast: install
 test-slow: install
 	$(VENV)/bin/pytest -q -m slow
 
+# the embedded multi-cluster job: 3 fabricd daemons + a scheduler daemon on 127.0.0.1,
+# each cluster with its own embedded Ray; results in runs/digits-demo/
 demo: install
+	$(VENV)/bin/fedpilot-scheduler submit deploy/examples/digits.toml --local 3
+
+# just the mesh: three daemons, their status and a probe between them
+demo-mesh: install
 	$(PY) -m fabricd.demo
 
 bench: install
