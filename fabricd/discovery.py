@@ -222,6 +222,9 @@ class Discovery:
                 continue
             info = self.clusters.get(cert.cluster_id)
             if info is not None and info.peer_id == hb.peer_id:
+                if info.left_at is not None:
+                    info.left_at = None
+                    log.info("cluster.back", cluster=info.cluster_id, peer=info.peer_id, cause="heartbeat")
                 info.last_heartbeat = time.time()
                 info.addrs = hb.addrs or info.addrs
                 info.capacity = hb.capacity
