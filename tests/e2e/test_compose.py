@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -219,23 +221,26 @@ def _venv_env(**extra: str) -> dict[str, str]:
             "FABRICD": _fabricd(), "PYTHON": sys.executable, **extra}
 
 
-def _gen_single(tmp_path: Path, ray: str, *, scheduler: bool = False) -> Path:
-    out = tmp_path / "cfg"
-    args = [str(DEPLOY / "gen-configs.sh"), "--out", str(out), "--ray", ray, "--port", "0",
-            "--cluster", "a=127.0.0.1"]
-    if scheduler:
-        args += ["--scheduler", "127.0.0.1"]
-    proc = subprocess.run(args, env=_venv_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return out
+def _init_one(tmp_path: Path, cluster_id: str, role: str, ray: str) -> Path:
+    """A one-daemon federation on 127.0.0.1 (ephemeral port); returns its cluster.toml."""
+    for args in (["certs", "init-ca", "--out", str(tmp_path / "ca")],
+                 ["init", "--cluster-id", cluster_id, "--role", role, "--listen",
+                  "/ip4/127.0.0.1/tcp/0", "--ca", str(tmp_path / "ca"),
+                  "--out", str(tmp_path / cluster_id)]):
+        proc = subprocess.run([_fabricd(), *args], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    config = tmp_path / cluster_id / "cluster.toml"
+    text = config.read_text()
+    assert 'address = "inprocess"' in text
+    config.write_text(text.replace('address = "inprocess"', f'address = "{ray}"'))
+    return config
 
 
 @pytest.mark.slow
 def test_with_fabricd_runs_the_command_beside_a_live_daemon_then_stops_it(tmp_path: Path) -> None:
     """The scheduler container's mode: CMD runs once the daemon answers; CMD's exit
     status is the container's; the daemon does not outlive it."""
-    out = _gen_single(tmp_path, "inprocess", scheduler=True)
-    config = str(out / "scheduler" / "cluster.toml")
+    config = str(_init_one(tmp_path, "scheduler", "scheduler", "inprocess"))
     probe = f'fabricd status --config {config} > {tmp_path / "status.json"} && exit 7'
     proc = subprocess.run(
         [str(DEPLOY / "entrypoint.sh"), "with-fabricd", config, "sh", "-c", probe],
@@ -248,3 +253,85 @@ def test_with_fabricd_runs_the_command_beside_a_live_daemon_then_stops_it(tmp_pa
     again = subprocess.run([_fabricd(), "status", "--config", config, "--timeout", "2"],
                            capture_output=True, text=True, timeout=60)
     assert again.returncode != 0, "fabricd still answers after the command ended"
+
+
+def _sandbox_unavailable() -> str | None:
+    """Why a container-like sandbox (network + PID + mount namespaces) cannot be made."""
+    if not sys.platform.startswith("linux"):
+        return "namespaces exist only on Linux"
+    if os.geteuid() != 0:
+        return "making network/PID/mount namespaces needs root"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"'{tool}' is not installed"
+    probe = f"fpeprobe{os.getpid()}"
+    proc = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return f"'ip netns add' is not permitted here: {proc.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ns_pids(ns: str) -> list[int]:
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+@pytest.mark.timeout(600)
+def test_cluster_entrypoint_runs_ray_head_and_fabricd_then_stops_both(tmp_path: Path) -> None:
+    """The cluster containers' mode, in a sandbox standing in for a container: its own
+    network, PID and mount namespaces and a private /tmp/ray, so the entrypoint's
+    `ray stop` can only see this sandbox's Ray."""
+    reason = _sandbox_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    config = _init_one(tmp_path, "a", "cluster", "auto")
+    ns = f"fpe{os.getpid() % 100000}"
+    log = tmp_path / "entrypoint.log"
+    sandbox = 'mkdir -p /tmp/ray && mount -t tmpfs tmpfs /tmp/ray && exec "$0" cluster "$1"'
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        with log.open("wb") as fh:
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", ns, "unshare", "--pid", "--fork", "--mount-proc",
+                 "--mount", "bash", "-c", sandbox, str(DEPLOY / "entrypoint.sh"), str(config)],
+                env=_venv_env(RAY_NODE_IP="127.0.0.1", RAY_NUM_CPUS="1",
+                              RAY_USAGE_STATS_ENABLED="0"),
+                stdout=fh, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 300   # bounds a hung start only
+        while subprocess.run([_fabricd(), "status", "--config", str(config), "--timeout", "5"],
+                             capture_output=True).returncode != 0:
+            assert proc.poll() is None, f"entrypoint exited early:\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"fabricd never answered:\n{log.read_text()[-4000:]}"
+            time.sleep(1)
+        assert "Ray runtime started" in log.read_text()
+        running = {_comm(pid) for pid in _ns_pids(ns)}
+        assert {"gcs_server", "raylet", "fabricd"} <= running, running
+
+        # `ip netns exec` execs unshare, whose one child is the entrypoint (PID 1 inside).
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 1
+        os.kill(int(children[0]), signal.SIGTERM)
+        assert proc.wait(timeout=180) == 0, log.read_text()[-4000:]
+        text = log.read_text()
+        assert "daemon.stopped" in text, text[-4000:]
+        assert _ns_pids(ns) == [], "processes outlived the entrypoint"
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        for pid in _ns_pids(ns):
+            os.kill(pid, signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
