@@ -156,12 +156,6 @@ def test_script_is_valid_bash(script: str) -> None:
         assert proc.returncode == 0, proc.stdout
 
 
-def _fabricd_json(*args: str) -> Any:
-    proc = subprocess.run([_fabricd(), *args], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, f"fabricd {' '.join(args)} failed:\n{proc.stderr}"
-    return json.loads(proc.stdout)
-
-
 def _run_certs_command(out: Path, ca: Path) -> subprocess.CompletedProcess[str]:
     """Run the compose `certs` service's own command line, with its paths moved to tmp."""
     cmd = [str(x) for x in _raw_config()["services"]["certs"]["command"]][1:]
@@ -177,6 +171,7 @@ def _run_certs_command(out: Path, ca: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.slow
 def test_certs_command_generates_a_federation_that_bootstraps_from_a(tmp_path: Path) -> None:
     from fabricd.config import load_config
+    from proto.certs import load_ca_public, verify_certificate
 
     out, ca = tmp_path / "cfg", tmp_path / "ca"
     proc = _run_certs_command(out, ca)
@@ -186,9 +181,15 @@ def test_certs_command_generates_a_federation_that_bootstraps_from_a(tmp_path: P
 
     services = _raw_config()["services"]
     configs = {cid: load_config(out / cid / "cluster.toml") for cid in (*CLUSTERS, "scheduler")}
+    certs = {}
     for cid, cfg in configs.items():
         assert cfg.cluster_id == cid
         assert cfg.role == ("scheduler" if cid == "scheduler" else "cluster")
+        # Signed by this CA for this cluster id and role; each config carries the CA's key.
+        certs[cid] = verify_certificate(cfg.certificate.read_bytes(), load_ca_public(ca),
+                                        now=time.time(), required_role=cfg.role)
+        assert certs[cid].cluster_id == cid
+        assert cfg.ca_public_key.read_bytes() == (ca / "ca.pub").read_bytes()
         ip = services[cid]["networks"]["fabric"]["ipv4_address"]
         assert cfg.listen == (f"/ip4/{ip}/tcp/4001",)
         assert not list((out / cid).glob("ca.key")), f"{cid} must not hold the CA key"
@@ -197,20 +198,20 @@ def test_certs_command_generates_a_federation_that_bootstraps_from_a(tmp_path: P
         assert configs[cid].ray_address == "auto"
         assert configs[cid].capacity == capacity
 
-    a_addrs = json.dumps(_fabricd_json("id", "--config", str(out / "a" / "cluster.toml")))
+    assert len({c.peer_id for c in certs.values()}) == len(certs)
     bootstrap = (out / "bootstrap.addr").read_text().strip()
     a_ip = services["a"]["networks"]["fabric"]["ipv4_address"]
-    assert bootstrap.startswith(f"/ip4/{a_ip}/tcp/4001/p2p/")
-    assert bootstrap.rsplit("/", 1)[1] in a_addrs
+    assert bootstrap == f"/ip4/{a_ip}/tcp/4001/p2p/{certs['a'].peer_id}"
     assert configs["a"].bootstrap == ()
     for cid in ("b", "c", "scheduler"):
         assert configs[cid].bootstrap == (bootstrap,)
 
     # A restart of the one-shot keeps every identity (so the bootstrap address stays true).
+    identities = {cid: cfg.identity_key.read_bytes() for cid, cfg in configs.items()}
     proc = _run_certs_command(out, ca)
     assert proc.returncode == 0, proc.stderr
     assert (out / "bootstrap.addr").read_text().strip() == bootstrap
-    assert json.dumps(_fabricd_json("id", "--config", str(out / "a" / "cluster.toml"))) == a_addrs
+    assert {cid: cfg.identity_key.read_bytes() for cid, cfg in configs.items()} == identities
 
 
 # ---- the image's entrypoint, run without an image ---------------------------------------
