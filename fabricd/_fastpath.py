@@ -7,6 +7,8 @@
    reader's 2-byte and 64 KiB requests from that buffer, instead of one syscall each.
 3. Secure-session reads of a large frame collect the decrypted pieces and join them once,
    instead of growing a bytearray 64 KiB at a time (page faults and re-copies).
+4. ``read_exactly`` returns the reader's bytes as they are when one read already has all
+   ``n`` (the library copies them twice through a bytearray on every frame).
 
 Both change only how bytes move through this process, not which bytes are sent.
 """
@@ -16,10 +18,13 @@ from __future__ import annotations
 from typing import Any
 
 import trio
-from libp2p.io.exceptions import ConnectionClosedError
+from libp2p.io import msgio as _msgio
+from libp2p.io import utils as _io_utils
+from libp2p.io.exceptions import ConnectionClosedError, IncompleteReadError
 from libp2p.io.trio import TrioTCPStream
 from libp2p.security.noise import io as noise_io
 from libp2p.security.secure_session import SecureSession
+from libp2p.stream_muxer.yamux import yamux as _yamux
 
 READ_AHEAD = 256 * 1024
 _applied = False
@@ -89,6 +94,27 @@ async def _joined_secure_read(self: Any, n: int | None = None) -> bytes:
     return b"".join(parts)
 
 
+async def _read_exactly(reader: Any, n: int, retry_count: int = 100) -> bytes:
+    data = await reader.read(n)
+    if len(data) == n and isinstance(data, bytes):
+        return data
+    parts = [bytes(data)]
+    got = len(data)
+    for _ in range(retry_count):
+        if got >= n:
+            return b"".join(parts)
+        more = await reader.read(n - got)
+        if not more:
+            break
+        parts.append(bytes(more))
+        got += len(more)
+    if got >= n:
+        return b"".join(parts)
+    raise IncompleteReadError(
+        f"Connection closed during read operation: expected {n} bytes but received {got} bytes",
+        expected_bytes=n, received_bytes=got)
+
+
 _original_write_msg: Any = None
 _original_secure_read: Any = None
 
@@ -103,4 +129,6 @@ def apply() -> None:
     SecureSession.read = _joined_secure_read  # type: ignore[method-assign]
     noise_io.NoiseTransportReadWriter.write_msg = _coalesced_write_msg  # type: ignore[method-assign]
     TrioTCPStream.read = _buffered_read  # type: ignore[method-assign]
+    for module in (_io_utils, _msgio, _yamux):
+        module.read_exactly = _read_exactly  # type: ignore[attr-defined]
     _applied = True

@@ -142,6 +142,9 @@ class BridgeServer:
                 nursery.cancel_scope.cancel()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
+        except Exception as exc:  # noqa: BLE001 - one client's failure must not stop the bridge
+            log.warning("bridge.client_error", client=client.number, role=client.role or "?",
+                        reason=f"{type(exc).__name__}: {exc}")
         finally:
             if client in self.clients:
                 self.clients.remove(client)

@@ -239,11 +239,11 @@ class Daemon:
         await self._send_probe(peer_id, cluster_id, b"")
         rtt_ms = (time.perf_counter() - rtt_start) * 1000
         body = _probe_body(nbytes)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         await self._send_probe(peer_id, cluster_id, body)
         seconds = time.perf_counter() - start
         log.info("probe.done", cluster=cluster_id, peer=peer_id, bytes=nbytes, seconds=round(seconds, 4),
-                 rtt_ms=round(rtt_ms, 3))
+                 cpu_s=round(time.process_time() - cpu_start, 4), rtt_ms=round(rtt_ms, 3))
         return ProbeReply(cluster_id=cluster_id, rtt_ms=rtt_ms, bytes=nbytes, seconds=seconds,
                           throughput_mb_s=(nbytes / seconds / 1e6) if seconds > 0 else 0.0)
 

@@ -43,6 +43,20 @@ HEADER_LIMIT = 64 * 1024
 DRAIN_SECONDS = 2.0
 
 
+def _sole_exception(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one exception inside (nested) single-member groups, else the group itself."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+async def _feed_in_thread(chunks: trio.MemoryReceiveChannel[bytes], sink: Callable[[bytes], None]) -> None:
+    async with chunks:
+        async for chunk in chunks:
+            await trio.to_thread.run_sync(sink, chunk)
+
+
 class DeliveryError(Exception):
     """The local consumer could not take an update (the reason goes back to the sender)."""
 
@@ -169,17 +183,26 @@ class UpdateService:
     async def _receive_body(self, stream: INetStream, peer: str, header: UpdateHeader,
                             receiver: UpdateReceiver, probe: bool, source_cluster: str) -> None:
         started = time.perf_counter()
+        cpu_started = time.process_time()
         digest = hashlib.sha256()
+        sink = digest.update if probe else receiver.feed
         received = 0
         try:
-            while received < header.byte_length:
-                with trio.fail_after(self.stream_timeout):
-                    chunk = await stream.read(min(header.byte_length - received, self.chunk_bytes))
-                received += len(chunk)
-                if probe:
-                    digest.update(chunk)
-                else:
-                    receiver.feed(chunk)
+            # Hashing runs in a worker thread (hashlib releases the GIL) while the next
+            # chunk is read; at most two chunks wait for it, so memory stays bounded.
+            send, receive = trio.open_memory_channel[bytes](2)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_feed_in_thread, receive, sink)
+                    async with send:
+                        while received < header.byte_length:
+                            with trio.fail_after(self.stream_timeout):
+                                chunk = await stream.read(
+                                    min(header.byte_length - received, self.chunk_bytes))
+                            received += len(chunk)
+                            await send.send(chunk)
+            except BaseExceptionGroup as group:
+                raise _sole_exception(group) from None
         except trio.TooSlowError:
             await self._reject(stream, peer, header, f"no body data for {self.stream_timeout:.0f} s", received)
             return
@@ -220,7 +243,8 @@ class UpdateService:
         seconds = time.perf_counter() - started
         log.info("update.received", peer=peer, cluster=source_cluster, job=header.job_id,
                  round=header.round, message_id=header.message_id, bytes=received,
-                 seconds=round(seconds, 4), verified="sha256")
+                 seconds=round(seconds, 4), cpu_s=round(time.process_time() - cpu_started, 4),
+                 verified="sha256")
         await self._ack(stream, header, "ok", "", received)
         await close_quietly(stream)
 
@@ -237,27 +261,9 @@ class UpdateService:
         stream = await self.host.new_stream(ID.from_base58(peer_id), [PROTOCOL_UPDATE])  # type: ignore[list-item]
         ack: list[UpdateAck] = []
         try:
-            async with trio.open_nursery() as nursery:
-
-                async def read_ack() -> None:
-                    msg = await read_message_exact(stream, HEADER_LIMIT)
-                    if not isinstance(msg, UpdateAck):
-                        raise ProtocolError(f"expected UpdateAck, got {msg.TYPE}")
-                    ack.append(msg)
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(read_ack)
-                await write_message(stream, header)
-                try:
-                    for chunk in iter_chunks(body, self.chunk_bytes):
-                        await stream.write(bytes(chunk))
-                except STREAM_ERRORS:
-                    # The receiver may have stopped us with an early ack; wait for it briefly.
-                    with trio.move_on_after(2):
-                        await trio.sleep_forever()
-                    raise
-                with trio.fail_after(self.stream_timeout + header.byte_length / 50e6):
-                    await trio.sleep_forever()
+            await self._send_body(stream, header, body, ack)
+        except BaseExceptionGroup as group:
+            raise _sole_exception(group) from None
         finally:
             await close_quietly(stream)
         if not ack:
@@ -268,3 +274,27 @@ class UpdateService:
             counters.sent_bytes += header.byte_length
             counters.sent_updates += 1
         return result
+
+    async def _send_body(self, stream: INetStream, header: UpdateHeader, body: bytes | memoryview,
+                         ack: list[UpdateAck]) -> None:
+        async with trio.open_nursery() as nursery:
+
+            async def read_ack() -> None:
+                msg = await read_message_exact(stream, HEADER_LIMIT)
+                if not isinstance(msg, UpdateAck):
+                    raise ProtocolError(f"expected UpdateAck, got {msg.TYPE}")
+                ack.append(msg)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(read_ack)
+            await write_message(stream, header)
+            try:
+                for chunk in iter_chunks(body, self.chunk_bytes):
+                    await stream.write(bytes(chunk))
+            except STREAM_ERRORS:
+                # The receiver may have stopped us with an early ack; wait for it briefly.
+                with trio.move_on_after(2):
+                    await trio.sleep_forever()
+                raise
+            with trio.fail_after(self.stream_timeout + header.byte_length / 50e6):
+                await trio.sleep_forever()
