@@ -152,6 +152,7 @@ start_daemons() {
             </dev/null >"$dir/fabricd.log" 2>&1 &
         pid=$!
         echo "$pid" >"$dir/fabricd.pid"
+        echo "daemon=$c" >>"$MARKER"
         log "started fabricd for $c in $ns (pid $pid, log $dir/fabricd.log)"
     done
 }
@@ -280,9 +281,15 @@ print("clusters:", ", ".join(peers) or "none known")
 }
 
 cmd_status() {
-    local verbose=0 c ns rc=0 pid state summary
+    local verbose=0 c ns rc=0 pid state summary daemons
     [ "${1:-}" != -v ] || verbose=1
-    for c in "${DAEMONS[@]}"; do
+    # The daemons `up` started (whatever FP_SCHEDULER says now), else the settings'.
+    if [ -f "$MARKER" ] && grep -q '^daemon=' "$MARKER"; then
+        mapfile -t daemons < <(sed -n 's/^daemon=//p' "$MARKER")
+    else
+        daemons=("${DAEMONS[@]}")
+    fi
+    for c in "${daemons[@]}"; do
         ns=$(ns_of "$c")
         if ! ns_exists "$ns"; then
             echo "$c: namespace $ns missing"
