@@ -37,8 +37,13 @@ async def _coalesced_write_msg(self: Any, msg: bytes, prefix_encoded: bool = Fal
         return
     view = memoryview(msg)
     parts: list[bytes] = []
+    # NoiseConnection.encrypt insists on bytes (a copy per 64 KiB); its cipher state takes
+    # any buffer, so slices of the frame are encrypted in place, in the same nonce order.
+    cipher = getattr(getattr(getattr(self.noise_state, "noise_protocol", None),
+                             "cipher_state_encrypt", None), "encrypt_with_ad", None)
     for start in range(0, len(msg), limit):
-        encrypted = self.encrypt(bytes(view[start:start + limit]))
+        piece = view[start:start + limit]
+        encrypted = cipher(None, piece) if cipher is not None else self.encrypt(bytes(piece))
         parts.append(len(encrypted).to_bytes(2, "big"))
         parts.append(encrypted)
     await self.read_writer.read_write_closer.write(b"".join(parts))

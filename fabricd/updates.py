@@ -290,7 +290,7 @@ class UpdateService:
             await write_message(stream, header)
             try:
                 for chunk in iter_chunks(body, self.chunk_bytes):
-                    await stream.write(bytes(chunk))
+                    await stream.write(chunk)  # type: ignore[arg-type]  # yamux slices it
             except STREAM_ERRORS:
                 # The receiver may have stopped us with an early ack; wait for it briefly.
                 with trio.move_on_after(2):
