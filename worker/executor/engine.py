@@ -15,8 +15,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
-
+from worker.aggregators.base import cast_like, sample_weights
+from worker.aggregators.base import weighted_average as base_weighted_average
 from worker.executor.graph import DOWN, PEER, UP, RoundGraph
 from worker.executor.transport import HybridTransport, Weights, weights_nbytes
 
@@ -73,18 +73,10 @@ class RoundReport:
 
 
 def weighted_average(items: Iterable[tuple[Weights, int]]) -> Weights:
-    """Sample-weighted mean of models (the dtype of the first model is kept)."""
-    items = list(items)
-    total = sum(n for _, n in items)
-    if total <= 0:
-        raise ValueError("cannot average models with no samples")
-    out: Weights = {}
-    for key, like in items[0][0].items():
-        acc = np.zeros(np.shape(like), dtype=np.float64)
-        for weights, n in items:
-            acc += np.asarray(weights[key], dtype=np.float64) * (n / total)
-        out[key] = acc.astype(np.asarray(like).dtype)
-    return out
+    """Sample-weighted mean of models, in the dtypes of the first model."""
+    updates = list(items)
+    shares = sample_weights(updates, "model averaging")
+    return cast_like(base_weighted_average(updates, shares), updates[0][0])
 
 
 class ClusterEngine:
