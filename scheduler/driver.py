@@ -189,7 +189,10 @@ class Driver:
             personalized_accuracy=correct / total,
             bytes_intra=sum(int(rep["bytes_intra"]) for rep in replies.values()),
             bytes_inter=sum(int(rep["bytes_inter"]) for rep in replies.values()),
-            seconds=time.perf_counter() - t0)
+            seconds=time.perf_counter() - t0,
+            by_cluster={cid: {"bytes_inter": int(rep["bytes_inter"]),
+                              "bytes_intra": int(rep["bytes_intra"])}
+                        for cid, rep in replies.items()})
 
     def _migrate(self, before: Mapping[str, str], plan: Plan, graph: RoundGraph) -> int:
         """Move nodes whose cluster changed, state and all; returns how many moved."""

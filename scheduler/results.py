@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,8 @@ class RoundRecord:
     bytes_intra: int
     bytes_inter: int
     seconds: float
+    # per cluster: {"bytes_inter": sent to other clusters, "bytes_intra": kept inside}
+    by_cluster: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -100,7 +102,7 @@ def write_results(
 
 def write_metrics_csv(path: Path, rounds: Sequence[RoundRecord]) -> None:
     with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(ROUND_FIELDS))
+        writer = csv.DictWriter(fh, fieldnames=list(ROUND_FIELDS), extrasaction="ignore")
         writer.writeheader()
         for record in rounds:
             writer.writerow(asdict(record))
@@ -115,6 +117,12 @@ def _pyplot() -> Any:
     return plt
 
 
+def _integer_ticks() -> Any:
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
+
+
 def plot_accuracy(path: Path, series: Mapping[str, Sequence[RoundRecord]]) -> None:
     """One line per series (a job or a strategy): global and personalized accuracy by round."""
     plt = _pyplot()
@@ -126,6 +134,7 @@ def plot_accuracy(path: Path, series: Mapping[str, Sequence[RoundRecord]]) -> No
         ax.plot(xs, [r.personalized_accuracy for r in rounds], ls="--",
                 color=line.get_color(), label=f"{label} (personalized)")
     ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(_integer_ticks())
     ax.set_ylabel("test accuracy")
     ax.set_ylim(0.0, 1.0)
     ax.set_title("Accuracy by round")
@@ -137,20 +146,29 @@ def plot_accuracy(path: Path, series: Mapping[str, Sequence[RoundRecord]]) -> No
 
 
 def plot_traffic(path: Path, series: Mapping[str, Sequence[RoundRecord]]) -> None:
-    """Cumulative intra- and inter-cluster bytes by round, one pair of lines per series."""
+    """Cumulative traffic by round. One job: a line per cluster for the bytes it sent to
+    other clusters, plus the job's intra-cluster total; several jobs (a comparison): an
+    inter-cluster and an intra-cluster line per job."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    single = len(series) == 1
     for label, rounds in series.items():
         xs = [r.round for r in rounds]
-        inter, intra, total_inter, total_intra = [], [], 0, 0
-        for r in rounds:
-            total_inter += r.bytes_inter
-            total_intra += r.bytes_intra
-            inter.append(total_inter / 1e6)
-            intra.append(total_intra / 1e6)
-        line, = ax.plot(xs, inter, marker="o", ms=3, label=f"{label} inter-cluster")
-        ax.plot(xs, intra, ls="--", color=line.get_color(), label=f"{label} intra-cluster")
+        clusters = sorted({c for r in rounds for c in r.by_cluster}) if single else []
+        for cluster in clusters:
+            ys = _cumulative_mb(r.by_cluster.get(cluster, {}).get("bytes_inter", 0)
+                                for r in rounds)
+            ax.plot(xs, ys, marker="o", ms=3, label=f"{cluster}: inter-cluster sent")
+        if not clusters:
+            line, = ax.plot(xs, _cumulative_mb(r.bytes_inter for r in rounds), marker="o",
+                            ms=3, label=f"{label} inter-cluster")
+            color = line.get_color()
+        else:
+            color = "gray"
+        ax.plot(xs, _cumulative_mb(r.bytes_intra for r in rounds), ls="--", color=color,
+                label=f"{label} intra-cluster (all clusters)")
     ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(_integer_ticks())
     ax.set_ylabel("cumulative traffic (MB)")
     ax.set_title("Traffic by round")
     ax.grid(alpha=0.3)
@@ -158,3 +176,11 @@ def plot_traffic(path: Path, series: Mapping[str, Sequence[RoundRecord]]) -> Non
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _cumulative_mb(values: Iterable[int]) -> list[float]:
+    total, out = 0, []
+    for v in values:
+        total += int(v)
+        out.append(total / 1e6)
+    return out
