@@ -187,6 +187,8 @@ class Daemon:
             "bridge_clients": self.bridge.describe(),
             "bridge_rejected_frames": self.bridge.rejected_frames,
             "revoked_serials": len(m.revoked),
+            "dht": {"routing_table_peers": self.stack.dht.get_routing_table_size() if self.stack else 0,
+                    "record_published": self.discovery.record_published_at is not None},
             "control": {"served": self.control_service.served, "refused": self.control_service.refused},
         }
 

@@ -117,6 +117,7 @@ class Discovery:
         self._dial_hints: dict[str, tuple[str, ...]] = {}
         self._next_dial: dict[str, float] = {}
         self.gossip = ReliableGossip(stack.pubsub)
+        self.record_published_at: float | None = None
         membership.on_member = self._on_member
         membership.on_leave = self._on_leave
 
@@ -312,17 +313,35 @@ class Discovery:
         ).sign(self.signing_key)
 
     async def _publish_record_loop(self) -> None:
+        """Keep verified members in the DHT routing table and our signed record stored.
+
+        py-libp2p adds a peer to the routing table only when it sends a DHT request, so
+        members are added as they are verified; the record is re-put when a member joins
+        and every RECORD_REFRESH seconds.
+        """
+        in_table: set[str] = set()
+        last_put = 0.0
         while True:
-            if self.host.get_connected_peers():
+            added = False
+            for info in list(self.clusters.values()):
+                if info.peer_id in in_table or self.m.member_certificate(info.peer_id) is None:
+                    continue
+                try:
+                    await self.stack.dht.add_peer(ID.from_base58(info.peer_id))
+                    in_table.add(info.peer_id)
+                    added = True
+                except Exception as exc:  # noqa: BLE001 - retried next second
+                    log.debug("dht.add_peer_failed", peer=info.peer_id, reason=str(exc))
+            if in_table and (added or time.monotonic() - last_put > RECORD_REFRESH):
+                last_put = time.monotonic()
                 try:
                     with trio.move_on_after(10):
                         await self.stack.dht.put_value(dht_key(self.cluster_id), encode(self.own_record()))
-                        log.debug("dht.record_published", cluster=self.cluster_id)
+                        self.record_published_at = time.time()
+                        log.info("dht.record_published", cluster=self.cluster_id, peers=len(in_table))
                 except Exception as exc:  # noqa: BLE001 - retried on the next refresh
                     log.info("dht.publish_failed", cluster=self.cluster_id, reason=f"{type(exc).__name__}: {exc}")
-                await trio.sleep(RECORD_REFRESH)
-            else:
-                await trio.sleep(1.0)
+            await trio.sleep(1.0)
 
     async def lookup(self, cluster_id: str) -> ClusterRecord | None:
         """The verified DHT record of ``cluster_id``, or None if the DHT has none."""

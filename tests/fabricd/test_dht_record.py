@@ -67,3 +67,41 @@ def test_bad_records_are_refused(setup, case: str) -> None:
         value = encode(_record(ca, key, "a", 100.0, role="scheduler").sign(key))
     with pytest.raises(ValueError):
         validator.validate(key_name, value)
+
+
+@pytest.mark.trio
+async def test_record_put_by_one_daemon_is_found_by_another() -> None:
+    import multiaddr
+    import trio
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    from fabricd._host import open_host_stack
+    from fabricd.identity import raw_private_key, raw_public_key
+    from proto.codec import decode
+
+    ca = generate_ca()
+    membership = SimpleNamespace(ca_public=public_key_bytes(ca.public_key()), revoked=frozenset())
+    kp_a, kp_b = create_new_key_pair(), create_new_key_pair()
+    key_a = Ed25519PrivateKey.from_private_bytes(raw_private_key(kp_a))
+    assert public_key_bytes(key_a.public_key()) == raw_public_key(kp_a)
+    async with (
+        open_host_stack(kp_a, ["/ip4/127.0.0.1/tcp/0"], None, 1.0) as a,
+        open_host_stack(kp_b, ["/ip4/127.0.0.1/tcp/0"], None, 1.0) as b,
+    ):
+        for stack in (a, b):
+            stack.dht.register_validator(ClusterRecordValidator.namespace, ClusterRecordValidator(membership))
+        addr = f"{a.host.get_addrs()[0]}"
+        addr = addr if "/p2p/" in addr else f"{addr}/p2p/{a.host.get_id()}"
+        await b.host.connect(info_from_p2p_addr(multiaddr.Multiaddr(addr)))
+        await b.dht.add_peer(a.host.get_id())
+        await a.dht.add_peer(b.host.get_id())
+        record = _record(ca, key_a, "a", time.time()).sign(key_a)
+        with trio.fail_after(30):
+            await a.dht.put_value(dht_key("a"), encode(record))
+            value = await b.dht.get_value(dht_key("a"))
+        assert value is not None and decode(value) == record
+        # A forged record (signed by the wrong key) is refused locally before it is stored.
+        forged = _record(ca, key_a, "a", time.time() + 10).sign(Ed25519PrivateKey.generate())
+        with pytest.raises(Exception):  # noqa: B017 - the library wraps the validator's ValueError
+            await a.dht.put_value(dht_key("a"), encode(forged))

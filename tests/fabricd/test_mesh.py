@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.fabricd._harness import cli_json, connected_fast, wait_until
+from tests.fabricd._harness import bridge_status, cli_json, connected_fast, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +27,7 @@ def test_each_daemon_lists_the_other_two_as_connected(mesh) -> None:
         assert status["peer_id"] and status["listen_addrs"][0].endswith("/p2p/" + status["peer_id"])
         listed = {c["cluster_id"]: c for c in status["clusters"]}
         assert others <= set(listed), listed
+        assert status["dht"]["routing_table_peers"] >= 2
         for other in others:
             assert listed[other]["connected"] is True
             assert listed[other]["peer_id"] == mesh.nodes[other].addr().rsplit("/", 1)[1]
@@ -44,6 +45,13 @@ def test_probe_256_mib_is_verified_at_the_far_end(mesh) -> None:
                                  b.log()), timeout=10)
     counters = cli_json("status", "--config", a.config)["jobs"]["_probe"]
     assert counters["sent_bytes"] >= 256 * MIB
+
+
+def test_each_daemon_stores_its_signed_record_in_the_dht(mesh) -> None:
+    wait_until(lambda: all(bridge_status(n)["dht"]["record_published"] for n in mesh.nodes.values()
+                           if n.name in "abc"), timeout=30)
+    for node in (mesh.nodes["a"], mesh.nodes["b"], mesh.nodes["c"]):
+        assert "event=dht.record_published" in node.log()
 
 
 def test_probe_to_unknown_cluster_fails_clearly(mesh) -> None:
