@@ -236,6 +236,10 @@ class Daemon:
         return peer_id
 
     async def probe(self, cluster_id: str, nbytes: int) -> ProbeReply:
+        limit = self.config.limits.max_update_bytes
+        if nbytes > limit:
+            raise RequestFailed(f"a probe may send at most limits.max_update_bytes = {limit} bytes "
+                                f"(asked for {nbytes})")
         peer_id = await self.resolve(cluster_id)
         rtt_start = time.perf_counter()
         await self._send_probe(peer_id, cluster_id, b"")

@@ -332,6 +332,8 @@ class Membership:
         while True:
             await trio.sleep(1.0)
             self.recheck()
+            # libp2p may register handlers later (e.g. a DHT mode switch): guard those too.
+            self.guard_all_handlers()
 
     def recheck(self) -> None:
         """Re-read the revocation list if it changed; drop revoked or expired members."""
