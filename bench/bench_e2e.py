@@ -246,7 +246,14 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     best_personal = max(results, key=lambda k: results[k]["personalized_accuracy"])
     headline = results.get(Config("hybrid", "locality", "fedadam").label)
     ratios = [v for v in inter_ratio.values() if v is not None]
+    star_avg = results.get(Config("star", "random", "fedavg").label)
+    hyb_avg = results.get(Config("hybrid", "locality", "fedavg").label)
     return {
+        # with fedavg and groups exchanging every round, hybrid computes the star's model
+        # (a weighted mean of weighted means): only the traffic may differ
+        "check_hybrid_fedavg_same_accuracy_as_star_fedavg": (
+            None if not (star_avg and hyb_avg)
+            else star_avg["accuracy_curve"] == hyb_avg["accuracy_curve"]),
         "inter_bytes_hybrid_locality_over_star_random": inter_ratio,
         "inter_bytes_compressed_over_uncompressed": codec_ratio,
         "goals": {

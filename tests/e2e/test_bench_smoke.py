@@ -46,6 +46,8 @@ def test_bench_e2e_quick_reports_every_configuration_and_the_ratio(tmp_path: Pat
     assert ratio == pytest.approx(results["hybrid+locality+fedavg"]["bytes_inter"]
                                   / results["star+random+fedavg"]["bytes_inter"], abs=1e-4)
     assert 0 < ratio < 1
+    # fedavg with every-round group exchange computes the star's model: same accuracy
+    assert report["check_hybrid_fedavg_same_accuracy_as_star_fedavg"] is True
     compressed = [label for label, row in results.items() if row["compression"] != "none"]
     assert compressed, "quick mode must exercise one compression codec"
     assert set(report["goals"]) == {"best_global_accuracy", "personalized_accuracy",
