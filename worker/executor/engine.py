@@ -154,17 +154,14 @@ class ClusterEngine:
             sent: list[Future[Any]] = [pool.submit(self._client_send, c, round_index)
                                        for c in clients]
             trained = {c: f.result() for c, f in zip(clients, sent, strict=True)}
-            done = [pool.submit(self._client_receive, c, round_index, trained[c], report)
-                    for c in clients]
+            done = [pool.submit(self._guard, errors, self._client_receive, c, round_index,
+                                trained[c], report) for c in clients]
             for f in done:
-                try:
-                    f.result()
-                except BaseException as exc:  # collected and re-raised below with context
-                    errors.append(exc)
+                f.result()
         for t in agg_threads:
             t.join()
         if errors:
-            raise errors[0]
+            raise errors[0]  # the first failure in time is the cause; later ones follow from it
         counters = self.transport.counters.snapshot_and_reset()
         report.bytes_intra = counters.bytes_intra
         report.bytes_inter = counters.bytes_inter
@@ -173,12 +170,12 @@ class ClusterEngine:
         report.seconds = time.perf_counter() - started
         return report
 
-    @staticmethod
-    def _guard(errors: list[BaseException], fn: Callable[..., None], *args: Any) -> None:
+    def _guard(self, errors: list[BaseException], fn: Callable[..., None], *args: Any) -> None:
         try:
             fn(*args)
-        except BaseException as exc:  # surfaced by run_round
-            errors.append(exc)
+        except BaseException as exc:  # surfaced by run_round, earliest first
+            with self._lock:
+                errors.append(exc)
 
     def _client_send(self, node: str, r: int) -> Any:
         trained = self.pool.train(node, self.current_model(node), r)
@@ -193,7 +190,10 @@ class ClusterEngine:
 
     def _client_receive(self, node: str, r: int, trained: Any, report: RoundReport) -> None:
         if self.graph.kind in ("star", "hierarchical", "hybrid"):
-            envelope = self.transport.receive(r, DOWN, self.graph.parent[node], node, self.timeout)
+            # twice the timeout: if the parent is stuck, its own wait fails first and names
+            # the node that is really missing
+            envelope = self.transport.receive(r, DOWN, self.graph.parent[node], node,
+                                              2 * self.timeout)
             model = envelope.weights if not envelope.remote else self.pool.put(envelope.weights)
         else:
             received = [(self.pool.resolve(trained), self.pool.samples(node))]
