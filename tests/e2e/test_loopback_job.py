@@ -116,3 +116,48 @@ def test_executor_rejects_a_routing_matrix_for_another_job() -> None:
         mesh.request("a", {"kind": "job.launch-missiles", "job_id": spec.job_id}, 60)
     with pytest.raises(JobFailed, match="this executor runs 'loop'"):
         mesh.request("a", {"kind": "round.run", "job_id": "other", "round": 1}, 60)
+
+
+def test_a_migrated_node_arrives_with_the_model_it_had() -> None:
+    import threading
+
+    import numpy as np
+
+    from scheduler.clusters import ClusterSlot
+    from scheduler.jobgraph import plan_epoch
+    from worker.executor.graph import to_dict
+
+    spec = job(topology={"kind": "star"}, placement={"strategy": "round_robin"})
+    mesh = LoopbackMesh(["a", "b"], lambda cid: runtime_factory(InProcessContext(), cid),
+                        capacity=9)
+    hist: dict[int, list[int]] = {}
+    for k, cid in enumerate(["a", "b"]):
+        reply = mesh.request(cid, {"kind": "job.start", "job_id": spec.job_id,
+                                   "job": spec.to_dict(), "clients": list(range(k, 9, 2))}, 60)
+        hist.update({int(i): v for i, v in reply["histograms"].items()})
+    histograms = np.array([hist[i] for i in range(9)])
+    plan, graph = plan_epoch(spec, histograms, [ClusterSlot("a", 9), ClusterSlot("b", 9)],
+                             epoch=0)
+    for cid in ("a", "b"):
+        mesh.request(cid, {"kind": "job.plan", "job_id": spec.job_id, "graph": to_dict(graph),
+                           "routing": plan.routing.to_bytes(), "imports": {}}, 60)
+    # one round, so that c1 holds a trained model rather than the initial one
+    threads = [threading.Thread(target=mesh.request,
+                                args=(cid, {"kind": "round.run", "job_id": spec.job_id,
+                                            "round": 1}, 60)) for cid in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    source = plan.routing.cluster_of("c1")
+    before = mesh.services[source].runtime.resolve(mesh.services[source].engine.current_model("c1"))
+    state = mesh.request(source, {"kind": "node.export", "job_id": spec.job_id,
+                                  "nodes": ["c1"]}, 60)["states"]["c1"]
+    target = "a" if source == "b" else "b"
+    mesh.request(target, {"kind": "job.plan", "job_id": spec.job_id, "graph": to_dict(graph),
+                          "routing": plan.routing.to_bytes(), "imports": {"c1": state}}, 60)
+    after = mesh.services[target].runtime.resolve(mesh.services[target].engine.current_model("c1"))
+    assert set(after) == set(before)
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+    initial = mesh.services[target].runtime.initial_weights
+    assert not all(np.array_equal(after[k], initial[k]) for k in initial)
