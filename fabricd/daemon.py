@@ -40,6 +40,10 @@ from proto.messages import UpdateHeader
 log = get_logger("fabricd.daemon")
 
 
+class _ConnectionLost(Exception):
+    """A libp2p-level failure (dial, stream, reset) while sending to a peer."""
+
+
 class StartupError(Exception):
     """The daemon cannot start; the message names the file or setting to fix."""
 
@@ -264,6 +268,19 @@ class Daemon:
 
     async def _send(self, peer_id: str, cluster_id: str, header: UpdateHeader, body: bytes) -> Any:
         try:
+            return await self._send_once(peer_id, cluster_id, header, body)
+        except _ConnectionLost:
+            # The connection went away under us (e.g. the peer just revoked us and hung up):
+            # one fresh resolve re-runs the membership exchange and learns why.
+            await trio.sleep(0.5)
+            peer_id = await self.resolve(cluster_id)
+            try:
+                return await self._send_once(peer_id, cluster_id, header, body)
+            except _ConnectionLost as exc:
+                raise RequestFailed(f"update to cluster {cluster_id!r} failed: {exc}") from None
+
+    async def _send_once(self, peer_id: str, cluster_id: str, header: UpdateHeader, body: bytes) -> Any:
+        try:
             return await self.updates.send(peer_id, header, body)
         except NotAMember as exc:
             raise RequestFailed(f"cluster {cluster_id!r} is not a member: {exc}") from None
@@ -272,7 +289,7 @@ class Daemon:
         except trio.TooSlowError:
             raise RequestFailed(f"cluster {cluster_id!r} did not acknowledge the update in time") from None
         except Exception as exc:  # noqa: BLE001 - libp2p stream/dial errors
-            raise RequestFailed(f"update to cluster {cluster_id!r} failed: {type(exc).__name__}: {exc}") from None
+            raise _ConnectionLost(f"{type(exc).__name__}: {exc}") from None
 
     async def send_update(self, target_cluster: str, header: UpdateHeader, payload: bytes) -> SendResult:
         digest = hashlib.sha256(payload).digest()

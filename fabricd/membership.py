@@ -51,6 +51,9 @@ class PeerVerdict:
     """What we know about one connected peer's membership."""
 
     decided: trio.Event = field(default_factory=trio.Event)
+    #: set once OUR certificate was presented and answered (or the attempt ended)
+    answered: trio.Event = field(default_factory=trio.Event)
+    exchanging: bool = False
     certificate: Certificate | None = None
     reason: str = ""
     since: float = field(default_factory=time.time)
@@ -152,6 +155,7 @@ class Membership:
         verdict = self.verdicts.pop(peer_id, None)
         if verdict is not None:
             verdict.decided.set()
+            verdict.answered.set()
             if verdict.certificate is not None:
                 log.info("member.disconnected", peer=peer_id, cluster=verdict.certificate.cluster_id)
                 if self.on_leave is not None:
@@ -160,6 +164,9 @@ class Membership:
     # ---- queries -----------------------------------------------------------------------
 
     def member_certificate(self, peer_id: str) -> Certificate | None:
+        """The verified certificate of a connected member that has not refused us, else None."""
+        if peer_id in self.refused_by:
+            return None
         verdict = self.verdicts.get(peer_id)
         return verdict.certificate if verdict is not None and verdict.member else None
 
@@ -172,10 +179,15 @@ class Membership:
                 self._spawn.start_soon(self._exchange, peer_id)
         with trio.move_on_after(timeout):
             await verdict.decided.wait()
-        if verdict.certificate is not None:
-            return verdict.certificate
+            # Their certificate may be verified before they answered ours: wait for that too.
+            if verdict.certificate is not None and not verdict.answered.is_set():
+                if not verdict.exchanging and self._spawn is not None:
+                    self._spawn.start_soon(self._exchange, peer_id)
+                await verdict.answered.wait()
         if peer_id in self.refused_by:
             raise NotAMember(f"peer {peer_id} refused us: {self.refused_by[peer_id]}")
+        if verdict.certificate is not None:
+            return verdict.certificate
         raise NotAMember(verdict.reason or f"peer {peer_id} disconnected or presented no valid "
                                            f"certificate within {timeout:.0f} s")
 
@@ -219,8 +231,8 @@ class Membership:
         first = verdict.certificate is None
         verdict.certificate, verdict.reason = cert, ""
         verdict.decided.set()
-        self.refusals.pop(cert.cluster_id, None)
-        self.refused_by.pop(peer_id, None)
+        if peer_id not in self.refused_by:
+            self.refusals.pop(cert.cluster_id, None)
         if first:
             log.info("member.accepted", peer=peer_id, cluster=cert.cluster_id, role=cert.role,
                      serial=cert.serial)
@@ -280,9 +292,17 @@ class Membership:
 
     async def _exchange(self, peer_id: str) -> None:
         """Present our certificate to ``peer_id`` and verify theirs from the reply."""
-        verdict = self.verdicts.get(peer_id)
-        if verdict is not None and verdict.decided.is_set():
+        verdict = self.verdicts.setdefault(peer_id, PeerVerdict())
+        if verdict.answered.is_set() or verdict.exchanging:
             return
+        verdict.exchanging = True
+        try:
+            await self._present(peer_id)
+        finally:
+            verdict.exchanging = False
+            verdict.answered.set()
+
+    async def _present(self, peer_id: str) -> None:
         try:
             with trio.fail_after(EXCHANGE_TIMEOUT):
                 stream = await self.host.new_stream(ID.from_base58(peer_id), [PROTOCOL_MEMBER])  # type: ignore[list-item]
@@ -311,6 +331,8 @@ class Membership:
         if not ack.accepted:
             self.refused_by[peer_id] = ack.reason
             log.warning("member.refused_by_peer", peer=peer_id, reason=ack.reason)
+        else:
+            self.refused_by.pop(peer_id, None)
         try:
             cert = self._verify(ack.certificate, peer_id)
         except NotAMember as exc:
