@@ -4,7 +4,8 @@ The same job (star, fedavg, round-robin placement, a CNN on digits so training d
 runs (a) on one cluster and (b) spread over three; the three-cluster run sends two thirds
 of the clients' updates and models across clusters. Reported: mean and median seconds
 per round excluding round 1 (warm-up: actors start, data loads), the same in CPU seconds
-of the whole process tree (this process, daemons, executors, Ray), their ratios, and the
+of the whole process tree (this process, daemons, executors, Ray), also booked by role
+(training actors, executors, fabricd, Ray's own processes), their ratios, and the
 per-round inter-cluster bytes. Runs alternate a, b, b, a, ... (`--repeats`) so a change in
 the machine's load hits both sides.
 
@@ -94,16 +95,38 @@ def _stat_fields(pid: int) -> list[str]:
     return text[text.rindex(")") + 2:].split()
 
 
-def tree_cpu_seconds(roots: list[int]) -> float:
-    """User + system CPU of `roots` and all their live descendants (and reaped children)."""
-    total = 0
-    for pid in _descendants(roots):
+def _role(pid: int, me: int, daemons: set[int]) -> str:
+    """Which part of the system a process is: where its CPU time is booked."""
+    if pid == me:
+        return "bench_process"  # the scheduler's driver (and, on loopback, everything)
+    if pid in daemons:
+        return "fabricd"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "other"
+    if "worker.executor" in cmd:
+        return "executor"
+    if cmd.startswith("ray::"):
+        return "ray_workers"  # the FederatedNode actors (training), idle workers
+    return "ray_system"  # gcs_server, raylet, Ray's agents and monitors
+
+
+def tree_cpu_seconds(me: int, daemons: list[int]) -> dict[str, float]:
+    """User + system CPU of this process, the daemons and all their live descendants
+    (reaped children count for their parent), booked by role."""
+    out: dict[str, float] = {}
+    known = set(daemons)
+    for pid in _descendants([me, *daemons]):
         try:
             fields = _stat_fields(pid)
         except (OSError, IndexError):
             continue  # exited meanwhile
-        total += sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime stime cutime cstime
-    return total / TICKS
+        ticks = sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime stime cutime cstime
+        role = _role(pid, me, known)
+        out[role] = out.get(role, 0.0) + ticks / TICKS
+    return out
 
 
 @dataclass
@@ -111,6 +134,7 @@ class RunResult:
     clusters: int
     rounds: list[RoundRecord] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)  # CPU seconds of each round
+    cpu_roles: list[dict[str, float]] = field(default_factory=list)  # the same, by role
     actors: int = 0
     final_accuracy: float = 0.0
 
@@ -133,7 +157,7 @@ class Side:
             mesh = LoopbackMesh([f"cluster-{i + 1}" for i in range(clusters)],
                                 lambda cid: runtime_factory(InProcessContext(), cid),
                                 capacity=self.setup.clients)
-            return self._drive(spec, mesh.clusters(), mesh, [os.getpid()], clusters)
+            return self._drive(spec, mesh.clusters(), mesh, [], clusters)
         from scheduler.mesh import BridgeChannel
         from scheduler.testbed import LocalTestbed
 
@@ -141,20 +165,23 @@ class Side:
         with LocalTestbed(clusters, backend=address, capacity=self.setup.clients) as testbed:
             infos = testbed.start(timeout=120)
             channel = BridgeChannel(testbed.bridge_socket("scheduler"))
-            roots = [os.getpid(), *(p.pid for p in testbed.procs.values())]
+            daemons = [p.pid for p in testbed.procs.values()]
             try:
-                return self._drive(spec, infos, channel, roots, clusters)
+                return self._drive(spec, infos, channel, daemons, clusters)
             finally:
                 channel.close()
 
     def _drive(self, spec: JobSpec, infos: list[ClusterInfo], channel: ClusterChannel,
-               roots: list[int], clusters: int) -> RunResult:
+               daemons: list[int], clusters: int) -> RunResult:
         result = RunResult(clusters)
-        mark = [tree_cpu_seconds(roots)]
+        me = os.getpid()
+        mark = [tree_cpu_seconds(me, daemons)]
 
         def progress(record: RoundRecord, total: int) -> None:
-            now = tree_cpu_seconds(roots)
-            result.cpu.append(now - mark[0])
+            now = tree_cpu_seconds(me, daemons)
+            roles = {k: now.get(k, 0.0) - mark[0].get(k, 0.0) for k in {*now, *mark[0]}}
+            result.cpu_roles.append(roles)
+            result.cpu.append(sum(roles.values()))
             mark[0] = now
             print(f"  {clusters} cluster(s) round {record.round}/{total} "
                   f"{record.seconds:.2f}s cpu={result.cpu[-1]:.2f}s inter={record.bytes_inter}"
@@ -178,11 +205,15 @@ def side_stats(runs: list[RunResult]) -> dict[str, Any]:
     cpu = [c for run in runs for c in run.cpu[1:]]
     inter = [r.bytes_inter for run in runs for r in run.rounds]
     intra = [r.bytes_intra for run in runs for r in run.rounds]
+    roles = sorted({k for run in runs for per in run.cpu_roles[1:] for k in per})
+    by_role = {k: round(statistics.fmean(per.get(k, 0.0) for run in runs
+                                         for per in run.cpu_roles[1:]), 4) for k in roles}
     return {
         "clusters": runs[0].clusters,
         "seconds_per_round_mean": round(statistics.fmean(seconds), 4),
         "seconds_per_round_median": round(statistics.median(seconds), 4),
         "cpu_seconds_per_round_mean": round(statistics.fmean(cpu), 4),
+        "cpu_seconds_per_round_by_role": by_role,
         "bytes_inter_per_round": round(statistics.fmean(inter)),
         "bytes_intra_per_round": round(statistics.fmean(intra)),
         "actors_materialized": runs[0].actors,

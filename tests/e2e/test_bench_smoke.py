@@ -68,6 +68,7 @@ def test_bench_round_overhead_quick_reports_both_sides_and_the_ratio() -> None:
     for side in (one, three):
         assert side["seconds_per_round_mean"] > 0
         assert side["cpu_seconds_per_round_mean"] >= 0
+        assert set(side["cpu_seconds_per_round_by_role"]) == {"bench_process"}  # loopback
         assert [len(r) for r in side["round_seconds"]] == [2]
     assert report["ratio_seconds_per_round"] == pytest.approx(
         three["seconds_per_round_mean"] / one["seconds_per_round_mean"], rel=1e-3)
