@@ -106,6 +106,12 @@ class Daemon:
     # ---- lifetime ----------------------------------------------------------------------
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        # Listen for SIGTERM/SIGINT from the very start, so a signal during start-up is
+        # queued and answered with an orderly shutdown right after, not a hard kill.
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            await self._run(signals, task_status)
+
+    async def _run(self, signals: Any, task_status: Any) -> None:
         cfg = self.config
         lim = cfg.limits
         async with open_host_stack(self.creds.key_pair, list(cfg.listen), list(cfg.announce),
@@ -157,7 +163,9 @@ class Daemon:
                 log.info("daemon.ready", cluster=cfg.cluster_id, peer=self.peer_id,
                          addrs=",".join(self.listen_addrs()), bridge=str(cfg.bridge_socket))
                 task_status.started(self)
-                await _wait_for_signal()
+                async for signum in signals:
+                    log.info("daemon.signal", signal=signal.Signals(signum).name)
+                    break
                 log.info("daemon.stopping", cluster=cfg.cluster_id)
                 self.launcher.stop_all()
                 for name, scope in reversed(scopes):
@@ -335,13 +343,6 @@ async def _scoped(serve: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) ->
         async with trio.open_nursery() as nursery:
             await nursery.start(serve)
             task_status.started(scope)
-
-
-async def _wait_for_signal() -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for signum in signals:
-            log.info("daemon.signal", signal=signal.Signals(signum).name)
-            return
 
 
 async def run(config: Config) -> None:
