@@ -79,3 +79,17 @@ def test_kill_9_and_restart_is_seen_as_leave_and_rejoin(mesh) -> None:
     # Nobody else was restarted.
     assert a.proc.pid == a_pid and a.proc.poll() is None
     assert b.proc.pid == b_pid and b.proc.poll() is None
+
+
+def test_sigterm_shuts_down_in_order_and_removes_the_socket(mesh) -> None:
+    from fabricd.config import load_config
+
+    e = mesh.add("e", [mesh.nodes["a"].addr()])
+    sock = load_config(e.config).bridge_socket
+    assert sock.exists()
+    assert e.stop() == 0
+    events = re.findall(r"event=(service\.stopped service=\w+|daemon\.stopped|daemon\.signal)", e.log())
+    assert events == ["daemon.signal", "service.stopped service=bridge", "service.stopped service=discovery",
+                      "service.stopped service=membership", "daemon.stopped"], events
+    assert not sock.exists()
+    wait_until(lambda: "e" not in connected_fast(mesh.nodes["a"]), timeout=30)
