@@ -3,7 +3,7 @@
 1. Noise writes: a large message is still split into <= 65519-byte Noise frames,
    encrypted in order (same nonces, same bytes on the wire), but the frames are sent
    with ONE socket write instead of one write (and scheduler round-trip) per 64 KiB.
-2. TCP reads: the raw stream reads up to 256 KiB per syscall and serves the Noise
+2. TCP reads: the raw stream reads up to 1 MiB per syscall and serves the Noise
    reader's 2-byte and 64 KiB requests from that buffer, instead of one syscall each.
 3. Secure-session reads of a large frame collect the decrypted pieces and join them once,
    instead of growing a bytearray 64 KiB at a time (page faults and re-copies).
@@ -26,7 +26,7 @@ from libp2p.security.noise import io as noise_io
 from libp2p.security.secure_session import SecureSession
 from libp2p.stream_muxer.yamux import yamux as _yamux
 
-READ_AHEAD = 256 * 1024
+READ_AHEAD = 1024 * 1024
 _applied = False
 
 
