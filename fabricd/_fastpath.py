@@ -12,7 +12,8 @@
 5. Large secure-session reads decrypt whole Noise frames straight out of the TCP
    read-ahead buffer when they are there (same bytes, same nonce order, fewer awaits).
 
-Both change only how bytes move through this process, not which bytes are sent.
+All of them change only how bytes move through this process, not which bytes are sent;
+tests/fabricd exercise every path (all daemon traffic goes through them).
 """
 
 from __future__ import annotations
