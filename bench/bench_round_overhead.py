@@ -52,6 +52,7 @@ class Setup:
     model: str
     epochs: int
     seed: int
+    compression: str = "none"
 
 
 def job_spec(setup: Setup, job_id: str) -> JobSpec:
@@ -66,6 +67,7 @@ def job_spec(setup: Setup, job_id: str) -> JobSpec:
         "topology": {"kind": "star"},
         "aggregation": {"name": "fedavg"},
         "placement": {"strategy": "round_robin", "max_materialized": setup.clients},
+        "transfer": {"compression": setup.compression},
     }, source="bench_round_overhead")
 
 
@@ -256,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=None,
                         help="local epochs per round: default 15 so training dominates (quick 1)")
     parser.add_argument("--model", default="cnn")
+    parser.add_argument("--compression", choices=("none", "fp16", "int8", "topk"),
+                        default="none", help="inter-cluster transfer compression")
     parser.add_argument("--repeats", type=int, default=None,
                         help="runs per side, alternating (default 2, quick 1)")
     parser.add_argument("--seed", type=int, default=0)
@@ -266,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     mesh = "local" if args.backend == "ray" else args.mesh
     setup = Setup(clients=args.clients or (6 if args.quick else 24),
                   rounds=args.rounds or (3 if args.quick else 6), model=args.model,
-                  epochs=args.epochs or (1 if args.quick else 15), seed=args.seed)
+                  epochs=args.epochs or (1 if args.quick else 15), seed=args.seed,
+                  compression=args.compression)
     if setup.rounds < 2:
         parser.error("--rounds must be at least 2 (round 1 is warm-up)")
     repeats = args.repeats or (1 if args.quick else 2)
@@ -291,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {"dataset": "digits", "clients": setup.clients, "rounds": setup.rounds,
                   "model": setup.model, "epochs": setup.epochs, "topology": "star",
                   "aggregation": "fedavg", "placement": "round_robin",
+                  "compression": setup.compression,
                   "max_materialized": setup.clients, "seed": setup.seed,
                   "backend": args.backend, "mesh": mesh, "repeats": repeats,
                   "quick": args.quick},
