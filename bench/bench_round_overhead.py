@@ -235,6 +235,9 @@ def notes(backend: str, mesh: str) -> list[str]:
         "same training on the same cores plus the fabric's work (serialization, bridge, "
         "daemons), so the ratio is an upper bound on the overhead real separate clusters see",
         "round 1 (actor start-up, data loading) is excluded; runs alternate a,b,b,a,...",
+        "cpu_seconds_per_round_by_role says where the extra CPU goes: ray_workers is the "
+        "training, fabricd moves bytes_inter_per_round between daemons, executor compresses "
+        "and frames updates, ray_system is each Ray head's own processes",
     ]
     if backend == "ray":
         out.append(f"each embedded Ray believes it owns all {cores} cores: 3 Rays over-subscribe "
