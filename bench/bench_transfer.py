@@ -158,7 +158,11 @@ def main() -> None:
         "seconds_to_connected": round(connect_s, 2),
         "cpu_count": os.cpu_count(),
         "loadavg_1m": round(os.getloadavg()[0], 2),
-        "note": "MB = 10^6 bytes; probe includes sha256 on both ends and Noise encryption",
+        "note": ("MB = 10^6 bytes. Timed: header + body over Noise/yamux, the receiver's sha256 "
+                 "check and the ack. The sender's sha256 of the body is made before the clock "
+                 "starts (as an executor's serialization would). probe_cpu_bound_mb_s = bytes / "
+                 "the busier side's CPU for the timed transfer: what a core per daemon would give "
+                 "on this shared box"),
     }))
 
 

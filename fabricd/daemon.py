@@ -253,23 +253,28 @@ class Daemon:
             raise RequestFailed(f"a probe may send at most limits.max_update_bytes = {limit} bytes "
                                 f"(asked for {nbytes})")
         peer_id = await self.resolve(cluster_id)
+        empty = self._probe_header(cluster_id, b"", hashlib.sha256(b"").digest())
         rtt_start = time.perf_counter()
-        await self._send_probe(peer_id, cluster_id, b"")
+        await self._send_probe(peer_id, cluster_id, empty, b"")
         rtt_ms = (time.perf_counter() - rtt_start) * 1000
-        body = _probe_body(nbytes)
+        # Making and hashing the body is the sender's preparation, like an executor's
+        # serialization: done in a thread (the event loop keeps serving) and not timed.
+        body, digest = await trio.to_thread.run_sync(_probe_body, nbytes)
+        header = self._probe_header(cluster_id, body, digest)
         start, cpu_start = time.perf_counter(), time.process_time()
-        await self._send_probe(peer_id, cluster_id, body)
+        await self._send_probe(peer_id, cluster_id, header, body)
         seconds = time.perf_counter() - start
         log.info("probe.done", cluster=cluster_id, peer=peer_id, bytes=nbytes, seconds=round(seconds, 4),
                  cpu_s=round(time.process_time() - cpu_start, 4), rtt_ms=round(rtt_ms, 3))
         return ProbeReply(cluster_id=cluster_id, rtt_ms=rtt_ms, bytes=nbytes, seconds=seconds,
                           throughput_mb_s=(nbytes / seconds / 1e6) if seconds > 0 else 0.0)
 
-    async def _send_probe(self, peer_id: str, cluster_id: str, body: bytes) -> None:
-        header = UpdateHeader(job_id=PROBE_JOB_ID, round=0, source_node=self.config.cluster_id,
-                              target_node=cluster_id, message_id=uuid.uuid4().hex,
-                              tensor_count=0, byte_length=len(body),
-                              sha256=hashlib.sha256(body).digest())
+    def _probe_header(self, cluster_id: str, body: bytes, digest: bytes) -> UpdateHeader:
+        return UpdateHeader(job_id=PROBE_JOB_ID, round=0, source_node=self.config.cluster_id,
+                            target_node=cluster_id, message_id=uuid.uuid4().hex,
+                            tensor_count=0, byte_length=len(body), sha256=digest)
+
+    async def _send_probe(self, peer_id: str, cluster_id: str, header: UpdateHeader, body: bytes) -> None:
         ack = await self._send(peer_id, cluster_id, header, body)
         if ack.status != "ok":
             raise RequestFailed(f"cluster {cluster_id!r} rejected the probe: {ack.reason}")
@@ -300,7 +305,9 @@ class Daemon:
             raise _ConnectionLost(f"{type(exc).__name__}: {exc}") from None
 
     async def send_update(self, target_cluster: str, header: UpdateHeader, payload: bytes) -> SendResult:
-        digest = hashlib.sha256(payload).digest()
+        # Hashing a large payload takes a while: keep the event loop (and every other
+        # stream's reader) running meanwhile.
+        digest = await trio.to_thread.run_sync(_sha256, payload)
         if digest != header.sha256:
             reason = (f"payload sha256 {digest.hex()} does not match the header's "
                       f"{header.sha256.hex()}; nothing was sent")
@@ -331,11 +338,15 @@ class Daemon:
         return ControlResult(request_id=request_id, ok=resp.ok, body=resp.body, reason=resp.reason)
 
 
-def _probe_body(nbytes: int) -> bytes:
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _probe_body(nbytes: int) -> tuple[bytes, bytes]:
+    """``nbytes`` of incompressible-looking data and their sha256."""
     block = os.urandom(min(nbytes, 1 << 20))
-    if not block:
-        return b""
-    return (block * math.ceil(nbytes / len(block)))[:nbytes]
+    body = (block * math.ceil(nbytes / len(block)))[:nbytes] if block else b""
+    return body, _sha256(body)
 
 
 async def _scoped(serve: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
