@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from scheduler.driver import ClusterInfo, Driver, JobFailed
+from scheduler.driver import ClusterInfo, Driver
 from scheduler.results import RoundRecord, write_results
 
 log = logging.getLogger("fedpilot.scheduler")
@@ -77,20 +77,10 @@ class ProgressBar:
 
 
 def mesh_socket(config_path: str) -> str:
-    import tomllib
+    """The bridge socket of the scheduler's own daemon, from its config."""
+    from scheduler.testbed import config_socket
 
-    path = Path(config_path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise JobFailed(f"{path}: scheduler config not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise JobFailed(f"{path}: invalid TOML: {exc}") from None
-    bridge = data.get("bridge", {})
-    if not isinstance(bridge, dict) or "socket" not in bridge:
-        raise JobFailed(f"{path}: missing key 'bridge.socket' (the daemon's bridge socket)")
-    sock = Path(str(bridge["socket"]))
-    return str(sock if sock.is_absolute() else path.parent / sock)
+    return config_socket(config_path)
 
 
 def _terminate(signum: int, frame: Any) -> None:

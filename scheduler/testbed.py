@@ -47,6 +47,17 @@ def _run(args: list[str], what: str) -> str:
     return proc.stdout
 
 
+def config_socket(config: Path | str) -> str:
+    """The bridge socket a daemon with this config listens on (fabricd's own reading of it,
+    including its short-path fallback for long directories)."""
+    from fabricd.config import ConfigError, load_config  # TOML + multiaddr only, no libp2p
+
+    try:
+        return str(load_config(config).bridge_socket)
+    except ConfigError as exc:
+        raise JobFailed(str(exc)) from None
+
+
 def set_toml_value(path: Path, section: str, key: str, value: str) -> None:
     """Set `key = "value"` in `[section]` of a generated config (adds it if absent)."""
     text = path.read_text()
@@ -117,19 +128,7 @@ class LocalTestbed:
             stderr=subprocess.STDOUT, start_new_session=True)
 
     def bridge_socket(self, name: str) -> str:
-        status = self._config_value(self.configs[name], "socket")
-        return status
-
-    @staticmethod
-    def _config_value(config: Path, key: str) -> str:
-        import tomllib
-
-        data = tomllib.loads(config.read_text())
-        for section in data.values():
-            if isinstance(section, dict) and key in section:
-                value = Path(str(section[key]))
-                return str(value if value.is_absolute() else config.parent / value)
-        raise JobFailed(f"{config}: no '{key}' key")
+        return config_socket(self.configs[name])
 
     def kill(self, name: str) -> None:
         """SIGKILL one daemon and its executor (for failure tests)."""
