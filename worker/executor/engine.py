@@ -133,6 +133,16 @@ class ClusterEngine:
             self._aggregators.pop(node, None)
         return None if handle is None else self.pool.resolve(handle)
 
+    def adopt(self, previous: ClusterEngine, nodes: Iterable[str]) -> None:
+        """Carry over the models (and aggregator state) of `nodes` from a previous plan."""
+        with previous._lock:
+            models = {n: previous._models[n] for n in nodes if n in previous._models}
+            aggregators = {n: previous._aggregators[n] for n in models
+                           if n in previous._aggregators}
+        with self._lock:
+            self._models.update(models)
+            self._aggregators.update(aggregators)
+
     def import_node(self, node: str, weights: Weights) -> None:
         with self._lock:
             self._models[node] = self.pool.put(weights)

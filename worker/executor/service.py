@@ -143,10 +143,8 @@ class ExecutorService:
             make_aggregator=self.runtime.make_aggregator,
             make_inner_aggregator=self.runtime.make_inner_aggregator,
             evaluate_global=self.runtime.evaluate_global, timeout=self.round_timeout)
-        if previous is not None:  # keep the models of nodes that stay here
-            for node in graph.nodes:
-                if nodes[node] == self.cluster_id and node in previous._models:
-                    self.engine._models[node] = previous._models[node]
+        if previous is not None:  # nodes that stay here keep their models (and the state)
+            self.engine.adopt(previous, [n for n in graph.nodes if nodes[n] == self.cluster_id])
         for node, state in body.get("imports", {}).items():
             self.engine.import_node(str(node), self.runtime.bytes_to_weights(bytes(state)))
         log.info("event=job_planned job=%s cluster=%s epoch=%d local_clients=%d imports=%d",
