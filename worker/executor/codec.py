@@ -2,8 +2,9 @@
 
 `none`, `fp16` and `int8` encode the model itself. `topk` sends only the largest
 changes: each directed edge keeps a reference model known to both ends (starting from
-the job's initial weights); the sender transmits the top-k of (model - reference) with
-error feedback, and both ends add what was transmitted to their reference. So the
+the job's initial weights); the sender transmits the top-k of (model - reference) and both
+ends add what was transmitted to their reference; what was not sent stays in the
+difference and goes out later (error feedback through the reference). So the
 receiver's copy converges to the sender's model instead of being mostly zeros.
 A node that changes cluster starts fresh references (edges are keyed by cluster too).
 """
@@ -16,7 +17,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from proto.job import TransferSpec
-from worker.compression import CompressionState, compress, decompress
+from worker.compression import compress, decompress
 from worker.serialization import bytes_metadata
 
 Weights = dict[str, np.ndarray]
@@ -33,7 +34,6 @@ class EdgeCodec:
         self._dtypes = {k: np.asarray(v).dtype for k, v in initial.items()}
         self._sent: dict[Edge, Weights] = {}
         self._received: dict[Edge, Weights] = {}
-        self._residual: dict[Edge, CompressionState] = {}
         self._lock = threading.Lock()
 
     def compress(self, weights: Weights, edge: Edge) -> bytes:
@@ -43,8 +43,9 @@ class EdgeCodec:
         with self._lock:
             reference = self._sent.setdefault(edge, _copy(self._initial))
             delta = {k: np.asarray(v, dtype=np.float64) - reference[k] for k, v in weights.items()}
-            payload, self._residual[edge] = compress(
-                delta, "topk", state=self._residual.get(edge), topk_ratio=self.ratio)
+            # the reference already holds everything sent so far, so `delta` *is* the error
+            # feedback: passing the compressor's own residual too would count it twice
+            payload, _ = compress(delta, "topk", topk_ratio=self.ratio)
             for k, v in decompress(payload).items():
                 reference[k] += v
         return payload
