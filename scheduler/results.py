@@ -117,6 +117,14 @@ def _pyplot() -> Any:
     return plt
 
 
+def _legend(ax: Any, *, crowded: bool) -> None:
+    """Inside the axes for one or two series; beside them when comparing many."""
+    if crowded:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    else:
+        ax.legend(fontsize=8)
+
+
 def _integer_ticks() -> Any:
     from matplotlib.ticker import MaxNLocator
 
@@ -126,7 +134,7 @@ def _integer_ticks() -> Any:
 def plot_accuracy(path: Path, series: Mapping[str, Sequence[RoundRecord]]) -> None:
     """One line per series (a job or a strategy): global and personalized accuracy by round."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 4.5) if len(series) <= 2 else (11, 5))
     for label, rounds in series.items():
         xs = [r.round for r in rounds]
         line, = ax.plot(xs, [r.accuracy for r in rounds], marker="o", ms=3,
@@ -139,7 +147,7 @@ def plot_accuracy(path: Path, series: Mapping[str, Sequence[RoundRecord]]) -> No
     ax.set_ylim(0.0, 1.0)
     ax.set_title("Accuracy by round")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend(ax, crowded=len(series) > 2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -150,7 +158,7 @@ def plot_traffic(path: Path, series: Mapping[str, Sequence[RoundRecord]]) -> Non
     other clusters, plus the job's intra-cluster total; several jobs (a comparison): an
     inter-cluster and an intra-cluster line per job."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 4.5) if len(series) <= 2 else (11, 5))
     single = len(series) == 1
     for label, rounds in series.items():
         xs = [r.round for r in rounds]
@@ -166,13 +174,13 @@ def plot_traffic(path: Path, series: Mapping[str, Sequence[RoundRecord]]) -> Non
         else:
             color = "gray"
         ax.plot(xs, _cumulative_mb(r.bytes_intra for r in rounds), ls="--", color=color,
-                label=f"{label} intra-cluster (all clusters)")
+                label=f"{label} intra-cluster" + (" (all clusters)" if clusters else ""))
     ax.set_xlabel("round")
     ax.xaxis.set_major_locator(_integer_ticks())
     ax.set_ylabel("cumulative traffic (MB)")
     ax.set_title("Traffic by round")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend(ax, crowded=len(series) > 2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
