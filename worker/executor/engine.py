@@ -18,7 +18,8 @@ from typing import Any, Protocol
 from worker.aggregators.base import cast_like, sample_weights
 from worker.aggregators.base import weighted_average as base_weighted_average
 from worker.executor.graph import DOWN, PEER, UP, RoundGraph
-from worker.executor.transport import HybridTransport, Weights, weights_nbytes
+from worker.executor.transport import HybridTransport, Weights
+from worker.topology.messages import weights_nbytes
 
 
 class ClientPool(Protocol):

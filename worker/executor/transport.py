@@ -19,6 +19,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from worker.executor.mailbox import Envelope, Mailbox
+from worker.serialization import bytes_metadata
+from worker.topology.messages import SAMPLES_KEY
 
 Weights = dict[str, np.ndarray]
 
@@ -66,7 +68,7 @@ def with_samples(payload: bytes, samples: int) -> bytes:
     """Add the sample count to a safetensors payload's metadata (no tensor is copied)."""
     header, body = _split_safetensors(payload)
     meta = dict(header.get("__metadata__") or {})
-    meta["fedpilot.samples"] = str(int(samples))
+    meta[SAMPLES_KEY] = str(int(samples))
     header["__metadata__"] = meta
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -74,11 +76,9 @@ def with_samples(payload: bytes, samples: int) -> bytes:
 
 
 def samples_of(payload: bytes) -> int:
-    header, _ = _split_safetensors(payload)
-    meta = header.get("__metadata__") or {}
     try:
-        return int(meta["fedpilot.samples"])
-    except (KeyError, ValueError, TypeError) as exc:
+        return int(bytes_metadata(payload)[SAMPLES_KEY])
+    except (KeyError, ValueError) as exc:  # SerializationError is a ValueError
         raise ValueError("update payload carries no valid fedpilot.samples metadata") from exc
 
 
@@ -92,10 +92,6 @@ def _split_safetensors(payload: bytes) -> tuple[dict[str, Any], bytes]:
     if not isinstance(header, dict):
         raise ValueError("update payload's safetensors header is not a JSON object")
     return header, payload[8 + size:]
-
-
-def weights_nbytes(weights: Weights) -> int:
-    return int(sum(np.asarray(v).nbytes for v in weights.values()))
 
 
 class HybridTransport:
