@@ -220,20 +220,35 @@ class BridgeServer:
             exact = [c for c in exact if c.role == role]
         return exact
 
+    def update_consumer(self, job_id: str) -> BridgeClient | None:
+        """The client that takes ``job_id``'s updates: an executor if one is attached, else a
+        scheduler (the final model of a job reaches the scheduler as an update); within a
+        role a client of exactly this job before a ``*`` one, the newest first."""
+        found = [c for c in self.clients if c.takes_job(job_id)]
+        for role in CONSUMER_ROLES:
+            of_role = [c for c in found if c.role == role]
+            exact = [c for c in of_role if c.job_id == job_id] or of_role
+            if exact:
+                return exact[-1]
+        return None
+
     def consumer_for(self, job_id: str) -> str | None:
-        if any(c.role == "executor" and c.takes_job(job_id) for c in self.clients):
+        if self.update_consumer(job_id) is not None:
             return None
-        return f"no executor attached for job {job_id!r} on cluster {self.cluster_id!r}"
+        return self._no_consumer(job_id)
+
+    def _no_consumer(self, job_id: str) -> str:
+        return (f"no executor attached for job {job_id!r} on cluster {self.cluster_id!r} "
+                "(nor a scheduler client for it)")
 
     async def deliver(self, header: UpdateHeader, payload: bytes, source_cluster: str) -> None:
-        targets = [c for c in self._consumers(header.job_id) if c.role == "executor"]
-        if not targets:
-            raise DeliveryError(f"no executor attached for job {header.job_id!r} on cluster {self.cluster_id!r}")
-        client = targets[-1]
+        client = self.update_consumer(header.job_id)
+        if client is None:
+            raise DeliveryError(self._no_consumer(header.job_id))
         try:
             await client.send(Delivery.from_header(header, source_cluster), payload)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise DeliveryError(f"the executor for job {header.job_id!r} went away: {exc}") from None
+            raise DeliveryError(f"the {client.role} for job {header.job_id!r} went away: {exc}") from None
 
     async def control(self, request_id: str, from_cluster: str, from_peer: str, from_role: str,
                       body: dict[str, Any]) -> tuple[bool, dict[str, Any], str]:
