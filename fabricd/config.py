@@ -174,6 +174,13 @@ def load_config(path: str | os.PathLike[str]) -> Config:
 
     metrics = _section(cfg_path, data, "metrics")
     metrics_endpoint = _str(cfg_path, metrics, "metrics", "endpoint", "")
+    if metrics_endpoint:
+        from fabricd.metrics import parse_endpoint
+
+        try:
+            parse_endpoint(metrics_endpoint)
+        except ValueError as exc:
+            raise _err(cfg_path, "metrics.endpoint", metrics_endpoint, f"empty (off) or {exc}") from None
 
     lim = _section(cfg_path, data, "limits")
     defaults = Limits()
@@ -241,5 +248,5 @@ heartbeat_interval = 1.0
 heartbeat_timeout = 5.0
 
 [metrics]
-endpoint = ""
+endpoint = ""                   # HOST:PORT serves Prometheus text at /metrics; "" = off
 """

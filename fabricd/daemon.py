@@ -29,6 +29,7 @@ from fabricd.executors import ExecutorLauncher
 from fabricd.identity import peer_id_of, raw_private_key, read_identity
 from fabricd.logs import get_logger
 from fabricd.membership import Membership
+from fabricd.metrics import DaemonMetrics, MetricsServer, StateSnapshot
 from fabricd.signing import seal, unseal
 from fabricd.updates import UpdateService
 from proto.bridge import ControlResult, ProbeReply, SendResult
@@ -102,6 +103,10 @@ class Daemon:
         self.control_service: ControlService
         self.bridge: BridgeServer
         self.launcher: ExecutorLauncher
+        self.metrics = DaemonMetrics()
+        self.metrics.info.labels(config.cluster_id, self.peer_id, config.role).set(1)
+        self.metrics_server = (MetricsServer(self.metrics, config.metrics_endpoint, self.snapshot)
+                               if config.metrics_endpoint else None)
 
     # ---- lifetime ----------------------------------------------------------------------
 
@@ -148,15 +153,20 @@ class Daemon:
                 signing_key=Ed25519PrivateKey.from_private_bytes(raw_private_key(self.creds.key_pair)),
                 heartbeat_interval=lim.heartbeat_interval, heartbeat_timeout=lim.heartbeat_timeout,
             )
+            self.membership.metrics = self.updates.metrics = self.metrics
             self.updates.register()
             self.control_service.register()
             self.membership.guard_all_handlers()
 
             scopes: list[tuple[str, trio.CancelScope]] = []
             async with trio.open_nursery() as nursery:
-                for name, serve in (("membership", self.membership.serve),
-                                    ("discovery", self.discovery.serve),
-                                    ("bridge", self.bridge.serve)):
+                services = [("membership", self.membership.serve),
+                            ("discovery", self.discovery.serve),
+                            ("bridge", self.bridge.serve)]
+                if self.metrics_server is not None:
+                    # first up, last down: a scrape sees the whole shutdown
+                    services.insert(0, ("metrics", self.metrics_server.serve))
+                for name, serve in services:
                     scope = await nursery.start(_scoped, serve)
                     scopes.append((name, scope))
                     log.info("service.started", service=name)
@@ -202,7 +212,18 @@ class Daemon:
             "dht": {"routing_table_peers": self.stack.dht.get_routing_table_size() if self.stack else 0,
                     "record_published": self.discovery.record_published_at is not None},
             "control": {"served": self.control_service.served, "refused": self.control_service.refused},
+            "metrics_endpoint": self.metrics_server.address if self.metrics_server else "",
         }
+
+    def snapshot(self) -> StateSnapshot:
+        """The state the metrics endpoint reports (called on the trio thread)."""
+        clusters = {row["cluster_id"]: bool(row["connected"]) for row in self.discovery.table()
+                    if row["cluster_id"] != self.config.cluster_id}
+        return StateSnapshot(
+            clusters=clusters, inflight_bytes=self.updates.inflight,
+            control_served=self.control_service.served, control_refused=self.control_service.refused,
+            bridge_rejected_frames=self.bridge.rejected_frames, revoked_serials=len(self.membership.revoked),
+            uptime_s=time.time() - self.started_at)
 
     async def resolve(self, cluster_id: str) -> str:
         """The peer id of member cluster ``cluster_id``, connected and verified.

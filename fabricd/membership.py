@@ -33,6 +33,7 @@ from fabricd._streams import (
     write_message,
 )
 from fabricd.logs import get_logger
+from fabricd.metrics import UNWIRED, DaemonMetrics
 from proto.certs import Certificate, RevocationList, parse_certificate, verify_certificate
 from proto.errors import NotAMember, ProtocolError
 from proto.ids import MAX_CERTIFICATE_BYTES, PROTOCOL_MEMBER
@@ -117,6 +118,7 @@ class Membership:
         self.on_member: Callable[[str, Certificate], None] | None = None
         self.on_leave: Callable[[str], None] | None = None
         self._spawn: trio.Nursery | None = None
+        self.metrics: DaemonMetrics = UNWIRED
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -144,6 +146,7 @@ class Membership:
     # ---- connection events -------------------------------------------------------------
 
     def on_connected(self, peer_id: str) -> None:
+        self.metrics.member_event("connected")
         if peer_id not in self.verdicts:
             self.verdicts[peer_id] = PeerVerdict()
         if self._spawn is not None:
@@ -158,6 +161,7 @@ class Membership:
             verdict.answered.set()
             if verdict.certificate is not None:
                 log.info("member.disconnected", peer=peer_id, cluster=verdict.certificate.cluster_id)
+                self.metrics.member_event("disconnected")
                 if self.on_leave is not None:
                     self.on_leave(peer_id)
 
@@ -205,6 +209,7 @@ class Membership:
                 await self.wait_verdict(peer)
             except NotAMember as exc:
                 log.warning("stream.refused", protocol=name, peer=peer, reason=f"not a member: {exc}")
+                self.metrics.stream_refused()
                 if on_refuse is not None:
                     with trio.move_on_after(2):
                         await on_refuse(stream, f"not a member: {exc}")
@@ -236,6 +241,7 @@ class Membership:
         if first:
             log.info("member.accepted", peer=peer_id, cluster=cert.cluster_id, role=cert.role,
                      serial=cert.serial)
+            self.metrics.member_event("accepted")
             if self.on_member is not None:
                 self.on_member(peer_id, cert)
 
@@ -247,6 +253,7 @@ class Membership:
         if claimed:
             self.refusals[claimed] = Refusal(claimed, peer_id, reason, _peer_addrs(self.host, peer_id))
         log.warning("member.rejected", peer=peer_id, claimed_cluster=claimed or "?", reason=reason)
+        self.metrics.member_event("rejected", reason)
         if self._spawn is not None:
             self._spawn.start_soon(self._disconnect_later, peer_id)
 
@@ -331,6 +338,7 @@ class Membership:
         if not ack.accepted:
             self.refused_by[peer_id] = ack.reason
             log.warning("member.refused_by_peer", peer=peer_id, reason=ack.reason)
+            self.metrics.member_event("refused_by_peer")
         else:
             self.refused_by.pop(peer_id, None)
         try:

@@ -32,6 +32,7 @@ from fabricd._streams import (
 )
 from fabricd.logs import get_logger
 from fabricd.membership import Membership
+from fabricd.metrics import UNWIRED, DaemonMetrics
 from proto.errors import DigestMismatch, LengthMismatch, MessageTooLarge, ProtocolError
 from proto.ids import DEFAULT_CHUNK_BYTES, PROBE_JOB_ID, PROTOCOL_UPDATE
 from proto.messages import UpdateAck, UpdateHeader
@@ -98,6 +99,7 @@ class UpdateService:
         self.inflight = 0
         self.delivered = DeliveredIds(100_000)
         self.jobs: dict[str, JobCounters] = defaultdict(JobCounters)
+        self.metrics: DaemonMetrics = UNWIRED
 
     def register(self) -> None:
         self.host.set_stream_handler(
@@ -124,6 +126,7 @@ class UpdateService:
                       reason: str, received: int = 0, drain: bool = False) -> None:
         log.warning("update.rejected", peer=peer, job=header.job_id if header else "?",
                     message_id=header.message_id if header else "?", reason=reason)
+        self.metrics.update_rejected(reason)
         if header is not None:
             self.jobs[header.job_id].rejected += 1
         await self._ack(stream, header, "rejected", reason, received)
@@ -175,10 +178,12 @@ class UpdateService:
                 return
         reserved = 0 if probe else header.byte_length
         self.inflight += reserved
+        self.metrics.stream_opened("received")
         try:
             await self._receive_body(stream, peer, header, receiver, probe, source_cluster)
         finally:
             self.inflight -= reserved
+            self.metrics.stream_closed("received")
 
     async def _receive_body(self, stream: INetStream, peer: str, header: UpdateHeader,
                             receiver: UpdateReceiver, probe: bool, source_cluster: str) -> None:
@@ -241,6 +246,7 @@ class UpdateService:
                 return
         self.jobs[header.job_id].received_updates += 1
         seconds = time.perf_counter() - started
+        self.metrics.update_received(source_cluster, received, seconds)
         log.info("update.received", peer=peer, cluster=source_cluster, job=header.job_id,
                  round=header.round, message_id=header.message_id, bytes=received,
                  seconds=round(seconds, 4), cpu_s=round(time.process_time() - cpu_started, 4),
@@ -257,14 +263,17 @@ class UpdateService:
         Raises NotAMember if the peer is not a verified member, OSError-like libp2p
         errors if it cannot be reached.
         """
-        await self.m.wait_verdict(peer_id)
+        cert = await self.m.wait_verdict(peer_id)
+        started = time.perf_counter()
         stream = await self.host.new_stream(ID.from_base58(peer_id), [PROTOCOL_UPDATE])  # type: ignore[list-item]
         ack: list[UpdateAck] = []
+        self.metrics.stream_opened("sent")
         try:
             await self._send_body(stream, header, body, ack)
         except BaseExceptionGroup as group:
             raise _sole_exception(group) from None
         finally:
+            self.metrics.stream_closed("sent")
             await close_quietly(stream)
         if not ack:
             raise ProtocolError(f"peer {peer_id} closed the update stream without an ack")
@@ -273,6 +282,7 @@ class UpdateService:
         if result.status == "ok":
             counters.sent_bytes += header.byte_length
             counters.sent_updates += 1
+            self.metrics.update_sent(cert.cluster_id, header.byte_length, time.perf_counter() - started)
         return result
 
     async def _send_body(self, stream: INetStream, header: UpdateHeader, body: bytes | memoryview,
