@@ -24,7 +24,9 @@ PLACEMENT_STRATEGIES = ("locality", "round_robin", "random", "precomputed")
 PLACEMENT_GROUP_STRATEGIES = ("SPREAD", "PACK")
 COMPRESSIONS = ("none", "fp16", "int8", "topk")
 OPTIMIZERS = ("sgd", "adam")
-DATASETS = ("digits",)                      # plus "npz:PATH"
+DATASETS = ("digits",)                      # plus a file dataset PREFIX:PATH[#options]
+# file datasets (worker/data reads them; docs/job.md says what each holds)
+DATASET_PREFIXES = ("npz:", "imagefolder:", "csv:", "parquet:")
 MODELS = ("mlp", "cnn", "lenet")            # plus "package.module:Class"
 K_CONNECTED_MODES = ("random", "similarity")
 
@@ -41,7 +43,7 @@ class JobSpecError(ValueError):
 
 @dataclass(frozen=True)
 class DataSpec:
-    dataset: str = "digits"                 # "digits" or "npz:PATH"
+    dataset: str = "digits"                 # "digits" or PREFIX:PATH (DATASET_PREFIXES)
     number_of_clients: int = 30
     data_distribution_kind: str = "dirichlet"
     dirichlet_beta: float = 0.5
@@ -168,8 +170,9 @@ class JobSpec:
         """A copy where every file reference (npz dataset, adjacency, precomputed
         assignment) has been passed through `base` (e.g. made absolute)."""
         data, topology, placement = self.data, self.topology, self.placement
-        if data.dataset.startswith("npz:"):
-            data = replace(data, dataset="npz:" + base(data.dataset[4:]))
+        prefix, sep, ref = data.dataset.partition(":")
+        if sep and prefix + sep in DATASET_PREFIXES:
+            data = replace(data, dataset=prefix + sep + base(ref))
         if topology.adjacency_file:
             topology = replace(topology, adjacency_file=base(topology.adjacency_file))
         if placement.precomputed_file:
@@ -274,10 +277,18 @@ def _rule_job_id(source: str, key: str, value: Any) -> str:
 
 
 def _rule_dataset(source: str, key: str, value: Any) -> str:
-    if isinstance(value, str) and (value in DATASETS or (value.startswith("npz:") and
-                                                          len(value) > 4)):
+    if isinstance(value, str) and (value in DATASETS or any(
+            value.startswith(p) and len(value) > len(p) for p in DATASET_PREFIXES)):
         return value
-    raise _fail(source, key, value, "one of " + ", ".join(DATASETS) + ", or 'npz:PATH'")
+    raise _fail(source, key, value, "one of " + ", ".join(DATASETS) + ", or " +
+                ", ".join(f"'{p}PATH'" for p in DATASET_PREFIXES))
+
+
+def _rule_aggregator(source: str, key: str, value: Any) -> str:
+    # a user class is loaded (and checked against the interface) by worker/aggregators
+    if isinstance(value, str) and _CLASS_PATH.match(value):
+        return value
+    return _rule_choice(AGGREGATORS)(source, key, value)
 
 
 def _rule_model(source: str, key: str, value: Any) -> str:
@@ -328,7 +339,7 @@ _RULES: dict[str, Rule] = {
     "topology.hierarchy_branching": _rule_int(2),
     "topology.adjacency_file": _rule_str,
     "topology.inter_cluster_period": _rule_int(1),
-    "aggregation.name": _rule_choice(AGGREGATORS),
+    "aggregation.name": _rule_aggregator,
     "aggregation.server_learning_rate": _rule_optional_positive_float,
     "aggregation.server_momentum": _rule_float(0.0, 1.0, high_open=True),
     "aggregation.beta1": _rule_float(0.0, 1.0, high_open=True),

@@ -5,13 +5,13 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from proto.job import JobSpec, JobSpecError
+from proto.job import DATASET_PREFIXES, JobSpec, JobSpecError
 
 
 def load_job(path: str | Path) -> JobSpec:
     """Parse and validate the job file at `path`.
 
-    Relative file references inside it (`npz:` datasets, `topology.adjacency_file`,
+    Relative file references inside it (file datasets such as `npz:`, `topology.adjacency_file`,
     `placement.precomputed_file`) are resolved against the job file's directory and must
     exist. Raises `JobSpecError` with one line naming the file, the dotted key, the bad
     value and what is allowed; broken TOML names the line and column.
@@ -44,8 +44,15 @@ def load_job(path: str | Path) -> JobSpec:
 
 def _check_files(source: str, spec: JobSpec) -> None:
     refs = []
-    if spec.data.dataset.startswith("npz:"):
-        refs.append(("data.dataset", spec.data.dataset[4:]))
+    prefix, sep, ref = spec.data.dataset.partition(":")
+    if sep and prefix + sep in DATASET_PREFIXES:
+        path = ref.partition("#")[0]  # options after '#' (see docs/job.md)
+        if prefix == "imagefolder":
+            if not Path(path).is_dir():
+                raise JobSpecError(source, "data.dataset", f"data.dataset: folder {path} does not "
+                                   "exist (paths are relative to the job file)")
+        else:
+            refs.append(("data.dataset", path))
     if spec.topology.kind == "custom":
         refs.append(("topology.adjacency_file", spec.topology.adjacency_file))
     if spec.placement.strategy == "precomputed":
