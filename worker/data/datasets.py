@@ -1,4 +1,5 @@
-"""Datasets as plain numpy arrays: scikit-learn's bundled `digits` and user `npz:PATH` files.
+"""Datasets as plain numpy arrays: scikit-learn's bundled `digits` and user files
+(`npz:PATH`, `imagefolder:PATH`, `csv:PATH`, `parquet:PATH`; see docs/job.md).
 
 Imports only numpy at module level (scikit-learn lazily, for `digits`), so the scheduler can
 use it without pulling torch or ray. Loaded datasets are cached per process and their arrays
@@ -15,6 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import sources
+from .errors import DatasetError
+
+__all__ = ["Dataset", "DatasetError", "clear_cache", "load_dataset", "stratified_split"]
+
 log = logging.getLogger(__name__)
 
 DIGITS_TEST_FRACTION = 0.2
@@ -22,10 +28,10 @@ DIGITS_SPLIT_SEED = 0
 NPZ_PREFIX = "npz:"
 NPZ_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
 BUILTIN_DATASETS = ("digits",)
-
-
-class DatasetError(ValueError):
-    """A dataset name, file or array is not usable; the message says which and why."""
+FILE_KINDS = ("npz", "imagefolder", "csv", "parquet")
+# single-file tables and image trees without train/ and test/ are split like digits
+FILE_TEST_FRACTION = 0.2
+FILE_SPLIT_SEED = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,7 +56,8 @@ _cache_lock = threading.Lock()
 
 
 def load_dataset(name: str) -> Dataset:
-    """Return the dataset called `name`: "digits" or "npz:PATH" (cached per process).
+    """Return the dataset called `name`: "digits" or "KIND:PATH[#options]" with KIND one of
+    npz, imagefolder, csv, parquet (cached per process).
 
     Raises `DatasetError` naming the dataset, file or array that is wrong.
     """
@@ -61,10 +68,8 @@ def load_dataset(name: str) -> Dataset:
         return cached
     if name == "digits":
         dataset = _load_digits()
-    elif name.startswith(NPZ_PREFIX):
-        dataset = _load_npz(name[len(NPZ_PREFIX):], name)
     else:  # _cache_key already rejected anything else
-        raise AssertionError(name)
+        dataset = _load_file(name)
     with _cache_lock:
         _cache.setdefault(key, dataset)
         dataset = _cache[key]
@@ -85,20 +90,129 @@ def clear_cache() -> None:
 def _cache_key(name: str) -> object:
     if name in BUILTIN_DATASETS:
         return name
-    if name.startswith(NPZ_PREFIX):
-        path = os.path.abspath(os.path.expanduser(name[len(NPZ_PREFIX):]))
+    kind, sep, rest = name.partition(":")
+    if sep and kind in FILE_KINDS:
+        path_text, options = sources.split_options(name, kind, rest)
+        path = os.path.abspath(os.path.expanduser(path_text))
         try:
             st = os.stat(path)
+            if kind == "imagefolder":
+                # Adding or removing images changes their folders' mtimes (contents
+                # rewritten in place are not noticed: use a new folder for new data).
+                return (kind, path, tuple(sorted(options.items())), _tree_mtimes(path))
         except OSError as exc:
+            what = "folder" if kind == "imagefolder" else "file"
             raise DatasetError(
-                f"dataset {name!r}: cannot read file {path}: {exc.strerror}; "
-                "give an existing .npz with x_train, y_train, x_test, y_test"
+                f"dataset {name!r}: cannot read {what} {path}: {exc.strerror}; "
+                f"give an existing {_KIND_HELP[kind]}"
             ) from None
         # A rewritten file gets a new key, so edits between jobs are picked up.
-        return ("npz", path, st.st_mtime_ns, st.st_size)
+        return (kind, path, tuple(sorted(options.items())), st.st_mtime_ns, st.st_size)
     raise DatasetError(
         f"unknown dataset {name!r}; use one of {', '.join(BUILTIN_DATASETS)} "
-        "or 'npz:PATH' (an .npz file with x_train, y_train, x_test, y_test)"
+        "or 'npz:PATH' (an .npz file with x_train, y_train, x_test, y_test), "
+        "'imagefolder:PATH', 'csv:PATH' or 'parquet:PATH'"
+    )
+
+
+_KIND_HELP = {
+    "npz": ".npz with x_train, y_train, x_test, y_test",
+    "imagefolder": "folder with one subfolder of images per class",
+    "csv": "CSV file with a header row and a label column",
+    "parquet": "Parquet file with a label column",
+}
+
+
+def _tree_mtimes(root: str) -> tuple[tuple[str, int], ...]:
+    out = [(root, os.stat(root).st_mtime_ns)]
+    for top in (root, os.path.join(root, "train"), os.path.join(root, "test")):
+        if os.path.isdir(top):
+            with os.scandir(top) as entries:
+                out += [(e.path, e.stat().st_mtime_ns) for e in entries if e.is_dir()]
+    return tuple(sorted(out))
+
+
+def _load_file(name: str) -> Dataset:
+    kind, _, rest = name.partition(":")
+    path_text, options = sources.split_options(name, kind, rest)
+    path = os.path.abspath(os.path.expanduser(path_text))
+    declared = sources.int_option(name, options, "classes")
+    if kind == "npz":
+        return _load_npz(path, name, declared)
+    if kind == "imagefolder":
+        train_dir, test_dir = sources.image_tree(path)
+        classes = sources.class_folders(train_dir)
+        size = sources.parse_size(name, options.get("size"))
+        x, y, mode = sources.read_images(train_dir, classes, size, None)
+        if test_dir is not None:
+            x_test, y_test, _ = sources.read_images(test_dir, classes, size or _wh(x), mode)
+            if x_test.shape[1:] != x.shape[1:]:
+                raise DatasetError(f"dataset folder {path}: test images have shape "
+                                   f"{x_test.shape[1:]}, training images {x.shape[1:]}")
+            return _finish(path, "folder", x, y, x_test, y_test, name, len(classes),
+                           label_name="class folder")
+        return _split_and_finish(path, "folder", x, y, name, len(classes), "class folder")
+    label = options.get("label", sources.DEFAULT_LABEL_COLUMN)
+    x, y = sources.read_table(path, kind, label)
+    return _split_and_finish(path, "file", x, y, name, declared, f"column {label!r}")
+
+
+def _wh(x: np.ndarray) -> tuple[int, int]:
+    return int(x.shape[3]), int(x.shape[2])
+
+
+def _split_and_finish(path: str, what: str, x: np.ndarray, y: np.ndarray, name: str,
+                      declared: int | None, label_name: str) -> Dataset:
+    if y.size and y.min() < 0:
+        raise DatasetError(f"dataset {what} {path}: {label_name} has negative label {int(y.min())}; "
+                           "labels must be class ids 0..C-1")
+    train_idx, test_idx = stratified_split(y, FILE_TEST_FRACTION, FILE_SPLIT_SEED)
+    if len(test_idx) == 0 or len(train_idx) == 0:
+        raise DatasetError(f"dataset {what} {path}: {len(y)} samples are too few to split "
+                           f"{FILE_TEST_FRACTION:.0%} off for testing; add samples")
+    return _finish(path, what, x[train_idx], y[train_idx], x[test_idx], y[test_idx], name,
+                   declared, label_name=label_name)
+
+
+def _finish(path: str, what: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
+            y_test: np.ndarray, name: str, declared: int | None, label_name: str) -> Dataset:
+    """Check the labels against the class count and freeze the arrays into a Dataset.
+
+    With a declared count C every label must be in 0..C-1. Without one, C is the largest
+    label + 1 and every class 0..C-1 must occur: a stray label (255 among 0..9) would
+    otherwise silently make a 256-class model.
+    """
+    where = f"dataset {what} {path}"
+    top = int(max(y_train.max(), y_test.max()))
+    if declared is not None:
+        if top >= declared:
+            split = "y_train" if y_train.max() == top else "y_test"
+            raise DatasetError(f"{where}: {label_name} has label {top} (in {split}) outside "
+                               f"0..{declared - 1} for {declared} classes; fix the label or the "
+                               "declared class count")
+        num_classes = declared
+    else:
+        num_classes = top + 1
+        seen = np.zeros(num_classes, dtype=bool)
+        seen[y_train] = True
+        seen[y_test] = True
+        missing = np.flatnonzero(~seen)
+        if len(missing):
+            shown = ", ".join(map(str, missing[:5])) + (" ..." if len(missing) > 5 else "")
+            count = int((y_train == top).sum() + (y_test == top).sum())
+            raise DatasetError(
+                f"{where}: {label_name} has label {top} ({count} sample(s)), which makes "
+                f"{num_classes} classes, but {len(missing)} of them never occur ({shown}); labels "
+                "must be class ids 0..C-1: relabel, or declare the class count "
+                "(#classes=C; in an npz a num_classes array)")
+    x_train = np.ascontiguousarray(x_train, dtype=np.float32)
+    x_test = np.ascontiguousarray(x_test, dtype=np.float32)
+    y_train = np.ascontiguousarray(y_train, dtype=np.int64)
+    y_test = np.ascontiguousarray(y_test, dtype=np.int64)
+    _readonly(x_train, y_train, x_test, y_test)
+    return Dataset(
+        x_train, y_train, x_test, y_test,
+        num_classes=num_classes, input_shape=tuple(int(d) for d in x_train.shape[1:]), name=name,
     )
 
 
@@ -141,8 +255,7 @@ def stratified_split(
     return np.sort(by_label[~is_test]), np.sort(by_label[is_test])
 
 
-def _load_npz(path_text: str, name: str) -> Dataset:
-    path = os.path.abspath(os.path.expanduser(path_text))
+def _load_npz(path: str, name: str, declared: int | None) -> Dataset:
     try:
         with np.load(path, allow_pickle=False) as npz:
             missing = [a for a in NPZ_ARRAYS if a not in npz.files]
@@ -153,6 +266,8 @@ def _load_npz(path_text: str, name: str) -> Dataset:
                     "np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)"
                 )
             raw = {a: _read_array(npz, a, path) for a in NPZ_ARRAYS}
+            if declared is None and "num_classes" in npz.files:
+                declared = _declared_classes(_read_array(npz, "num_classes", path), path)
     except DatasetError:
         raise
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
@@ -195,16 +310,15 @@ def _load_npz(path_text: str, name: str) -> Dataset:
             f"dataset file {path}: x_train samples have shape {raw['x_train'].shape[1:]} but "
             f"x_test samples have {raw['x_test'].shape[1:]}; they must match"
         )
-    x_train = np.ascontiguousarray(raw["x_train"], dtype=np.float32)
-    x_test = np.ascontiguousarray(raw["x_test"], dtype=np.float32)
-    y_train = raw["y_train"].astype(np.int64)
-    y_test = raw["y_test"].astype(np.int64)
-    num_classes = int(max(y_train.max(), y_test.max())) + 1
-    _readonly(x_train, y_train, x_test, y_test)
-    return Dataset(
-        x_train, y_train, x_test, y_test,
-        num_classes=num_classes, input_shape=tuple(int(d) for d in x_train.shape[1:]), name=name,
-    )
+    return _finish(path, "file", raw["x_train"], raw["y_train"].astype(np.int64), raw["x_test"],
+                   raw["y_test"].astype(np.int64), name, declared, label_name="y_train/y_test")
+
+
+def _declared_classes(value: np.ndarray, path: str) -> int:
+    if value.shape != () or not np.issubdtype(value.dtype, np.integer) or int(value) < 1:
+        raise DatasetError(f"dataset file {path}: array num_classes must be one positive integer "
+                           f"(np.savez(..., num_classes=10)), got shape {value.shape} dtype {value.dtype}")
+    return int(value)
 
 
 def _read_array(npz: np.lib.npyio.NpzFile, key: str, path: str) -> np.ndarray:
