@@ -79,7 +79,7 @@ class BridgeClient:
     pending: dict[str, trio.MemorySendChannel[ControlReply]] = field(default_factory=dict)
     connected_at: float = field(default_factory=time.time)
 
-    async def send(self, msg: BridgeMessage, payload: bytes = b"") -> None:
+    async def send(self, msg: BridgeMessage, payload: bytes | bytearray | memoryview = b"") -> None:
         async with self.send_lock:
             await self.stream.send(msg, payload)
 
@@ -241,7 +241,7 @@ class BridgeServer:
         return (f"no executor attached for job {job_id!r} on cluster {self.cluster_id!r} "
                 "(nor a scheduler client for it)")
 
-    async def deliver(self, header: UpdateHeader, payload: bytes, source_cluster: str) -> None:
+    async def deliver(self, header: UpdateHeader, payload: bytes | bytearray, source_cluster: str) -> None:
         client = self.update_consumer(header.job_id)
         if client is None:
             raise DeliveryError(self._no_consumer(header.job_id))

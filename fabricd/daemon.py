@@ -8,7 +8,6 @@ SIGTERM/SIGINT -> stop services in reverse order -> close the host.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import signal
 import time
@@ -21,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from libp2p.crypto.keys import KeyPair
 
 from fabricd._host import HostStack, open_host_stack
+from fabricd._sender import Body, RepeatedBody
 from fabricd.bridge import BridgeServer, RequestFailed
 from fabricd.config import Config
 from fabricd.control import ControlService
@@ -213,6 +213,7 @@ class Daemon:
                     "record_published": self.discovery.record_published_at is not None},
             "control": {"served": self.control_service.served, "refused": self.control_service.refused},
             "metrics_endpoint": self.metrics_server.address if self.metrics_server else "",
+            "transfer": self.updates.transfer_status(),
         }
 
     def snapshot(self) -> StateSnapshot:
@@ -274,14 +275,14 @@ class Daemon:
             raise RequestFailed(f"a probe may send at most limits.max_update_bytes = {limit} bytes "
                                 f"(asked for {nbytes})")
         peer_id = await self.resolve(cluster_id)
-        empty = self._probe_header(cluster_id, b"", hashlib.sha256(b"").digest())
+        empty = self._probe_header(cluster_id, 0, hashlib.sha256(b"").digest())
         rtt_start = time.perf_counter()
         await self._send_probe(peer_id, cluster_id, empty, b"")
         rtt_ms = (time.perf_counter() - rtt_start) * 1000
         # Making and hashing the body is the sender's preparation, like an executor's
         # serialization: done in a thread (the event loop keeps serving) and not timed.
         body, digest = await trio.to_thread.run_sync(_probe_body, nbytes)
-        header = self._probe_header(cluster_id, body, digest)
+        header = self._probe_header(cluster_id, len(body), digest)
         start, cpu_start = time.perf_counter(), time.process_time()
         await self._send_probe(peer_id, cluster_id, header, body)
         seconds = time.perf_counter() - start
@@ -290,17 +291,17 @@ class Daemon:
         return ProbeReply(cluster_id=cluster_id, rtt_ms=rtt_ms, bytes=nbytes, seconds=seconds,
                           throughput_mb_s=(nbytes / seconds / 1e6) if seconds > 0 else 0.0)
 
-    def _probe_header(self, cluster_id: str, body: bytes, digest: bytes) -> UpdateHeader:
+    def _probe_header(self, cluster_id: str, nbytes: int, digest: bytes) -> UpdateHeader:
         return UpdateHeader(job_id=PROBE_JOB_ID, round=0, source_node=self.config.cluster_id,
                             target_node=cluster_id, message_id=uuid.uuid4().hex,
-                            tensor_count=0, byte_length=len(body), sha256=digest)
+                            tensor_count=0, byte_length=nbytes, sha256=digest)
 
-    async def _send_probe(self, peer_id: str, cluster_id: str, header: UpdateHeader, body: bytes) -> None:
+    async def _send_probe(self, peer_id: str, cluster_id: str, header: UpdateHeader, body: Body) -> None:
         ack = await self._send(peer_id, cluster_id, header, body)
         if ack.status != "ok":
             raise RequestFailed(f"cluster {cluster_id!r} rejected the probe: {ack.reason}")
 
-    async def _send(self, peer_id: str, cluster_id: str, header: UpdateHeader, body: bytes) -> Any:
+    async def _send(self, peer_id: str, cluster_id: str, header: UpdateHeader, body: Body) -> Any:
         try:
             return await self._send_once(peer_id, cluster_id, header, body)
         except _ConnectionLost:
@@ -313,7 +314,7 @@ class Daemon:
             except _ConnectionLost as exc:
                 raise RequestFailed(f"update to cluster {cluster_id!r} failed: {exc}") from None
 
-    async def _send_once(self, peer_id: str, cluster_id: str, header: UpdateHeader, body: bytes) -> Any:
+    async def _send_once(self, peer_id: str, cluster_id: str, header: UpdateHeader, body: Body) -> Any:
         try:
             return await self.updates.send(peer_id, header, body)
         except NotAMember as exc:
@@ -363,11 +364,14 @@ def _sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def _probe_body(nbytes: int) -> tuple[bytes, bytes]:
-    """``nbytes`` of incompressible-looking data and their sha256."""
-    block = os.urandom(min(nbytes, 1 << 20))
-    body = (block * math.ceil(nbytes / len(block)))[:nbytes] if block else b""
-    return body, _sha256(body)
+def _probe_body(nbytes: int) -> tuple[RepeatedBody, bytes]:
+    """``nbytes`` of incompressible-looking data (one random MiB repeated, never built in
+    full: a probe holds 1 MiB however large it is) and their sha256."""
+    body = RepeatedBody(os.urandom(min(nbytes, 1 << 20)), nbytes)
+    digest = hashlib.sha256()
+    for chunk in body.chunks(1 << 20):
+        digest.update(chunk)
+    return body, digest.digest()
 
 
 async def _scoped(serve: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

@@ -2,6 +2,8 @@
 
 Sender: ``frame(UpdateHeader)``, the body in chunks of at most 4 MiB, then it reads one
 ``frame(UpdateAck)`` (an early ack - e.g. a rejection before the body - stops the send).
+On /fedpilot/update/1.1.0 the stream then carries the next update (after an ``ok`` ack;
+the sending mechanics - pool, retries, parallelism - are in ``fabricd._sender``).
 Receiver: checks the header (size limit, in-flight memory budget, a consumer for the
 job), reads the body into an ``UpdateReceiver`` (bounded), verifies length and sha256,
 drops repeated message ids, hands the payload to the local executor, and acks. Probe
@@ -14,14 +16,14 @@ import hashlib
 import hmac
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import trio
 from libp2p.abc import IHost, INetStream
-from libp2p.peer.id import ID
 
+from fabricd._sender import SEND_ATTEMPTS, Body, StreamLost, StreamPool, backoff, discard, exchange
 from fabricd._streams import (
     STREAM_ERRORS,
     close_quietly,
@@ -34,14 +36,18 @@ from fabricd.logs import get_logger
 from fabricd.membership import Membership
 from fabricd.metrics import UNWIRED, DaemonMetrics
 from proto.errors import DigestMismatch, LengthMismatch, MessageTooLarge, ProtocolError
-from proto.ids import DEFAULT_CHUNK_BYTES, PROBE_JOB_ID, PROTOCOL_UPDATE
+from proto.ids import DEFAULT_CHUNK_BYTES, PROBE_JOB_ID, PROTOCOL_UPDATE, PROTOCOL_UPDATE_POOLED
 from proto.messages import UpdateAck, UpdateHeader
-from proto.stream import DeliveredIds, UpdateReceiver, iter_chunks
+from proto.stream import DeliveredIds, UpdateReceiver
 
 log = get_logger("fabricd.updates")
 
 HEADER_LIMIT = 64 * 1024
 DRAIN_SECONDS = 2.0
+#: How long a pooled stream may wait for its next header (longer than the sender's
+#: IDLE_SECONDS, so the sender stops reusing a stream before we close it).
+IDLE_WAIT_SECONDS = 60.0
+_HEADER_ENDED: tuple[type[BaseException], ...] = (EOFError, trio.TooSlowError, *STREAM_ERRORS)
 
 
 def _sole_exception(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -66,7 +72,7 @@ class Consumer(Protocol):
     def consumer_for(self, job_id: str) -> str | None:
         """None if some local client takes updates for ``job_id``, else the reason why not."""
 
-    async def deliver(self, header: UpdateHeader, payload: bytes, source_cluster: str) -> None:
+    async def deliver(self, header: UpdateHeader, payload: bytes | bytearray, source_cluster: str) -> None:
         """Hand a verified update to the local client; DeliveryError if it cannot."""
 
 
@@ -100,12 +106,17 @@ class UpdateService:
         self.delivered = DeliveredIds(100_000)
         self.jobs: dict[str, JobCounters] = defaultdict(JobCounters)
         self.metrics: DaemonMetrics = UNWIRED
+        self.pool = StreamPool(host)
+        self.send_retries = 0
 
     def register(self) -> None:
-        self.host.set_stream_handler(
-            PROTOCOL_UPDATE,  # type: ignore[arg-type]
-            self.m.guard("update", self._handle, on_refuse=self._refuse),
-        )
+        handler = self.m.guard("update", self._serve, on_refuse=self._refuse)
+        for protocol in (PROTOCOL_UPDATE, PROTOCOL_UPDATE_POOLED):
+            self.host.set_stream_handler(protocol, handler)  # type: ignore[arg-type]
+
+    def transfer_status(self) -> dict[str, int]:
+        return {"streams_opened": self.pool.opened, "streams_reused": self.pool.reused,
+                "send_retries": self.send_retries, "inflight_in_bytes": self.inflight}
 
     def counters(self) -> dict[str, dict[str, int]]:
         return {job: asdict(c) for job, c in sorted(self.jobs.items())}
@@ -141,24 +152,39 @@ class UpdateService:
                     left -= len(got)
         await close_quietly(stream)
 
-    async def _handle(self, stream: INetStream) -> None:
+    async def _serve(self, stream: INetStream) -> None:
+        """Serve updates on ``stream`` until one is not acked ``ok`` or the sender closes it."""
+        first = True
+        try:
+            while await self._handle(stream, first):
+                first = False
+        finally:
+            await close_quietly(stream)
+
+    async def _handle(self, stream: INetStream, first: bool = True) -> bool:
+        """One update; True if it was acked ``ok`` and the stream may carry the next."""
         peer = remote_peer(stream)
         cert = self.m.member_certificate(peer)
         source_cluster = cert.cluster_id if cert is not None else ""
         try:
-            with trio.fail_after(self.stream_timeout):
+            with trio.fail_after(self.stream_timeout if first else IDLE_WAIT_SECONDS):
                 header = await read_message_exact(stream, HEADER_LIMIT)
-        except (ProtocolError, EOFError, trio.TooSlowError) as exc:
+        except _HEADER_ENDED as exc:
+            if not first and not isinstance(exc, ProtocolError):
+                return False  # an idle pooled stream closed (or left idle) by its sender
             await self._reject(stream, peer, None, f"bad update header: {type(exc).__name__}: {exc}")
-            return
+            return False
+        except ProtocolError as exc:
+            await self._reject(stream, peer, None, f"bad update header: {type(exc).__name__}: {exc}")
+            return False
         if not isinstance(header, UpdateHeader):
             await self._reject(stream, peer, None, f"expected UpdateHeader, got {header.TYPE}")
-            return
+            return False
         try:
             receiver = UpdateReceiver(header, self.max_update_bytes)
         except MessageTooLarge as exc:
             await self._reject(stream, peer, header, str(exc))
-            return
+            return False
         probe = header.job_id == PROBE_JOB_ID
         if not probe:
             if header.message_id in self.delivered:
@@ -166,27 +192,27 @@ class UpdateService:
                 log.info("update.duplicate", peer=peer, job=header.job_id, message_id=header.message_id)
                 await self._ack(stream, header, "duplicate", "already delivered", 0)
                 await close_quietly(stream)
-                return
+                return False
             why_not = self.consumer.consumer_for(header.job_id)
             if why_not is not None:
                 await self._reject(stream, peer, header, why_not, drain=True)
-                return
+                return False
             if self.inflight + header.byte_length > self.max_inflight_bytes:
                 await self._reject(stream, peer, header,
                                    f"busy: {self.inflight} bytes of updates in flight, limit "
                                    f"{self.max_inflight_bytes}; retry later", drain=True)
-                return
+                return False
         reserved = 0 if probe else header.byte_length
         self.inflight += reserved
         self.metrics.stream_opened("received")
         try:
-            await self._receive_body(stream, peer, header, receiver, probe, source_cluster)
+            return await self._receive_body(stream, peer, header, receiver, probe, source_cluster)
         finally:
             self.inflight -= reserved
             self.metrics.stream_closed("received")
 
     async def _receive_body(self, stream: INetStream, peer: str, header: UpdateHeader,
-                            receiver: UpdateReceiver, probe: bool, source_cluster: str) -> None:
+                            receiver: UpdateReceiver, probe: bool, source_cluster: str) -> bool:
         started = time.perf_counter()
         cpu_started = time.process_time()
         digest = hashlib.sha256()
@@ -210,15 +236,15 @@ class UpdateService:
                 raise _sole_exception(group) from None
         except trio.TooSlowError:
             await self._reject(stream, peer, header, f"no body data for {self.stream_timeout:.0f} s", received)
-            return
+            return False
         except STREAM_ERRORS:
             if received < header.byte_length:
                 await self._reject(stream, peer, header,
                                    f"body ended after {received} of {header.byte_length} bytes", received)
-                return
+                return False
         except LengthMismatch as exc:
             await self._reject(stream, peer, header, str(exc), received)
-            return
+            return False
         self.jobs[header.job_id].received_bytes += received
         try:
             if probe:
@@ -226,24 +252,24 @@ class UpdateService:
                     raise DigestMismatch(
                         f"update {header.message_id!r}: sha256 of the body is {digest.hexdigest()}, "
                         f"header says {header.sha256.hex()}")
-                payload = b""
+                payload = bytearray()
             else:
                 payload = receiver.finish()
         except (LengthMismatch, DigestMismatch) as exc:
             await self._reject(stream, peer, header, f"{type(exc).__name__}: {exc}", received)
-            return
+            return False
         if not probe:
             if self.delivered.seen(header.message_id):
                 self.jobs[header.job_id].duplicates += 1
                 await self._ack(stream, header, "duplicate", "already delivered", received)
                 await close_quietly(stream)
-                return
+                return False
             try:
                 await self.consumer.deliver(header, payload, source_cluster)
             except DeliveryError as exc:
                 self.delivered.discard(header.message_id)
                 await self._reject(stream, peer, header, str(exc), received)
-                return
+                return False
         self.jobs[header.job_id].received_updates += 1
         seconds = time.perf_counter() - started
         self.metrics.update_received(source_cluster, received, seconds)
@@ -252,32 +278,26 @@ class UpdateService:
                  seconds=round(seconds, 4), cpu_s=round(time.process_time() - cpu_started, 4),
                  verified="sha256")
         await self._ack(stream, header, "ok", "", received)
-        await close_quietly(stream)
+        return True
 
     # ---- sending -----------------------------------------------------------------------
 
-    async def send(self, peer_id: str, header: UpdateHeader, body: bytes | memoryview,
-                   on_first_byte: Callable[[], Awaitable[None]] | None = None) -> UpdateAck:
+    async def send(self, peer_id: str, header: UpdateHeader, body: Body) -> UpdateAck:
         """Stream one update to ``peer_id`` and return its ack (rejections included).
 
-        Raises NotAMember if the peer is not a verified member, OSError-like libp2p
-        errors if it cannot be reached.
+        Broken streams and failed opens are retried (bounded, with backoff; the receiver
+        de-duplicates by message id), and so is a ``busy`` refusal until ``stream_timeout``
+        has passed. Raises NotAMember if the peer is not a verified member, StreamLost or
+        libp2p errors if it cannot be reached, trio.TooSlowError if no ack comes.
         """
         cert = await self.m.wait_verdict(peer_id)
         started = time.perf_counter()
-        stream = await self.host.new_stream(ID.from_base58(peer_id), [PROTOCOL_UPDATE])  # type: ignore[list-item]
-        ack: list[UpdateAck] = []
-        self.metrics.stream_opened("sent")
-        try:
-            await self._send_body(stream, header, body, ack)
-        except BaseExceptionGroup as group:
-            raise _sole_exception(group) from None
-        finally:
-            self.metrics.stream_closed("sent")
-            await close_quietly(stream)
-        if not ack:
-            raise ProtocolError(f"peer {peer_id} closed the update stream without an ack")
-        result = ack[0]
+        async with self.pool.slots(peer_id):
+            self.metrics.stream_opened("sent")
+            try:
+                result = await self._send_retrying(peer_id, header, body)
+            finally:
+                self.metrics.stream_closed("sent")
         counters = self.jobs[header.job_id]
         if result.status == "ok":
             counters.sent_bytes += header.byte_length
@@ -285,26 +305,38 @@ class UpdateService:
             self.metrics.update_sent(cert.cluster_id, header.byte_length, time.perf_counter() - started)
         return result
 
-    async def _send_body(self, stream: INetStream, header: UpdateHeader, body: bytes | memoryview,
-                         ack: list[UpdateAck]) -> None:
-        async with trio.open_nursery() as nursery:
-
-            async def read_ack() -> None:
-                msg = await read_message_exact(stream, HEADER_LIMIT)
-                if not isinstance(msg, UpdateAck):
-                    raise ProtocolError(f"expected UpdateAck, got {msg.TYPE}")
-                ack.append(msg)
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(read_ack)
-            await write_message(stream, header)
+    async def _send_retrying(self, peer_id: str, header: UpdateHeader, body: Body) -> UpdateAck:
+        ack_timeout = self.stream_timeout + header.byte_length / 50e6
+        busy_until = time.monotonic() + self.stream_timeout
+        failures = busy = 0
+        while True:
+            stream, reused = await self.pool.take(peer_id)
             try:
-                for chunk in iter_chunks(body, self.chunk_bytes):
-                    await stream.write(chunk)  # type: ignore[arg-type]  # yamux slices it
-            except STREAM_ERRORS:
-                # The receiver may have stopped us with an early ack; wait for it briefly.
-                with trio.move_on_after(2):
-                    await trio.sleep_forever()
+                result, completed = await exchange(stream, header, body, self.chunk_bytes, ack_timeout)
+            except StreamLost as exc:
+                await discard(stream, clean=False)
+                if not reused:  # a stale pooled stream costs one free retry
+                    failures += 1
+                    if failures >= SEND_ATTEMPTS:
+                        raise
+                self.send_retries += 1
+                log.info("update.retry", peer=peer_id, job=header.job_id, message_id=header.message_id,
+                         reused=reused, reason=str(exc))
+                await trio.sleep(0 if reused else backoff(failures))
+                continue
+            except BaseException as exc:
+                await discard(stream, clean=False)
+                log.info("update.send_failed", peer=peer_id, message_id=header.message_id,
+                         reason=f"{type(exc).__name__}: {exc}")
                 raise
-            with trio.fail_after(self.stream_timeout + header.byte_length / 50e6):
-                await trio.sleep_forever()
+            if result.status == "ok" and completed:
+                self.pool.give_back(peer_id, stream)
+            else:
+                await discard(stream, clean=True)
+            if (result.status == "rejected" and result.reason.startswith("busy:")
+                    and time.monotonic() < busy_until):
+                busy += 1
+                self.send_retries += 1
+                await trio.sleep(backoff(busy))
+                continue
+            return result

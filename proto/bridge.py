@@ -155,7 +155,7 @@ class AsyncSendStream(Protocol):
 
 
 async def send_bridge_async(stream: AsyncSendStream, msg: BridgeMessage,
-                            payload: bytes = b"") -> None:
+                            payload: bytes | bytearray | memoryview = b"") -> None:
     """Write one frame to a trio stream."""
     await stream.send_all(bridge_header(msg, len(payload)))
     if payload:
@@ -190,7 +190,7 @@ class BridgeStream:
         self.max_header = max_header
         self._reader = ExactReader(stream.receive_some)
 
-    async def send(self, msg: BridgeMessage, payload: bytes = b"") -> None:
+    async def send(self, msg: BridgeMessage, payload: bytes | bytearray | memoryview = b"") -> None:
         await send_bridge_async(self.stream, msg, payload)
 
     async def recv(self) -> tuple[BridgeMessage, bytes]:

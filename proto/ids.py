@@ -6,6 +6,9 @@ SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({SCHEMA_VERSION})
 
 PROTOCOL_UPDATE = "/fedpilot/update/1.0.0"
+#: Same messages as 1.0.0, but a stream carries one update after another (header, body,
+#: ack, next header) until either end closes it.
+PROTOCOL_UPDATE_POOLED = "/fedpilot/update/1.1.0"
 PROTOCOL_CONTROL = "/fedpilot/control/1.0.0"
 PROTOCOL_MEMBER = "/fedpilot/member/1.0.0"
 

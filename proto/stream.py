@@ -33,7 +33,9 @@ class UpdateReceiver:
             )
         self.header = header
         self.received = 0
-        self._chunks: list[bytes] = []
+        # One buffer of the announced size, filled in place: a single copy of each chunk
+        # and no join at the end (allocated on the first byte, after admission).
+        self._buf: bytearray | None = None
         self._hash = hashlib.sha256()
         self._finished = False
 
@@ -53,12 +55,13 @@ class UpdateReceiver:
                 f"{self.header.byte_length} (got {self.received + n} bytes)"
             )
         if n:
-            data = bytes(chunk)
-            self._hash.update(data)
-            self._chunks.append(data)
+            if self._buf is None:
+                self._buf = bytearray(self.header.byte_length)
+            self._hash.update(chunk)
+            self._buf[self.received:self.received + n] = chunk
             self.received += n
 
-    def finish(self) -> bytes:
+    def finish(self) -> bytearray:
         """The whole body, after checking its length and sha256 against the header.
 
         Raises LengthMismatch (short body) or DigestMismatch; can be called once.
@@ -66,7 +69,7 @@ class UpdateReceiver:
         if self._finished:
             raise RuntimeError("finish() called twice")
         self._finished = True
-        chunks, self._chunks = self._chunks, []
+        buf, self._buf = self._buf, None
         if self.received != self.header.byte_length:
             raise LengthMismatch(
                 f"update {self.header.message_id!r}: body ended after {self.received} of "
@@ -77,7 +80,7 @@ class UpdateReceiver:
                 f"update {self.header.message_id!r}: sha256 of the body is "
                 f"{self._hash.hexdigest()}, header says {self.header.sha256.hex()}"
             )
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return buf if buf is not None else bytearray()
 
 
 def iter_chunks(

@@ -1,0 +1,218 @@
+"""The sending half of update streams: retried opens, a pool of reusable streams per peer,
+bounded parallel sends, and bodies written as chunks without building them in full.
+
+On ``/fedpilot/update/1.1.0`` a stream carries one update after another: header, body,
+ack, then the next header. A stream goes back to the pool only after an ``ok`` ack that
+came after the whole body was written; anything else (early ack, reset, timeout)
+discards it, so the two ends never disagree about where the next header starts. A stream
+is reused only if it idled less than ``IDLE_SECONDS`` (the receiver waits longer, so it
+is not closing it under us); a reused stream that turns out dead costs one retry.
+
+Why retry: py-libp2p 0.8.1 fails ``new_stream`` (``StreamFailure``) when protocol
+negotiation is slow under load. Every update carries a message id the receiver
+de-duplicates, so sending it again after a failure cannot deliver it twice.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.peer.id import ID
+
+from fabricd._streams import close_quietly, read_message_exact, reset_quietly
+from fabricd.logs import get_logger
+from proto.codec import frame
+from proto.errors import ProtocolError
+from proto.ids import PROTOCOL_UPDATE_POOLED
+from proto.messages import UpdateAck, UpdateHeader
+from proto.stream import iter_chunks
+
+log = get_logger("fabricd.sender")
+
+HEADER_LIMIT = 64 * 1024
+#: An idle pooled stream older than this is closed instead of reused.
+IDLE_SECONDS = 20.0
+#: Idle streams kept per peer (also the number of updates sent to one peer at a time).
+PARALLEL_PER_PEER = 8
+OPEN_ATTEMPTS = 6
+SEND_ATTEMPTS = 4
+BACKOFF_FIRST = 0.05
+BACKOFF_MAX = 2.0
+
+
+class RepeatedBody:
+    """``nbytes`` made of ``block`` over and over (probe bodies), never built in full."""
+
+    def __init__(self, block: bytes, nbytes: int) -> None:
+        if nbytes and not block:
+            raise ValueError("an empty block cannot make a non-empty body")
+        self.block = block
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def chunks(self, chunk_bytes: int) -> Iterator[memoryview]:
+        view = memoryview(self.block)
+        left = self.nbytes
+        while left > 0:
+            for piece in iter_chunks(view[:min(left, len(view))], chunk_bytes):
+                left -= len(piece)
+                yield piece
+
+
+Body = bytes | bytearray | memoryview | RepeatedBody
+
+
+def body_chunks(body: Body, chunk_bytes: int) -> Iterator[memoryview]:
+    if isinstance(body, RepeatedBody):
+        return body.chunks(chunk_bytes)
+    return iter_chunks(body, chunk_bytes)
+
+
+class StreamLost(Exception):
+    """The stream broke before an ack came back (the update may be sent again)."""
+
+
+def backoff(attempt: int) -> float:
+    """Seconds to wait before attempt ``attempt + 1`` (exponential, jittered, capped)."""
+    return float(min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** attempt) * (0.5 + random.random()))
+
+
+async def open_stream(host: IHost, peer_id: str, protocol: str, attempts: int = OPEN_ATTEMPTS) -> INetStream:
+    """``host.new_stream`` with bounded retries and backoff (StreamFailure under load)."""
+    for attempt in range(attempts):
+        try:
+            return await host.new_stream(ID.from_base58(peer_id), [protocol])  # type: ignore[list-item]
+        except trio.Cancelled:
+            raise
+        except Exception as exc:  # noqa: BLE001 - StreamFailure, dial errors, resets
+            if attempt == attempts - 1:
+                raise
+            log.info("stream.open_retry", peer=peer_id, attempt=attempt + 1,
+                     reason=f"{type(exc).__name__}: {exc}")
+            await trio.sleep(backoff(attempt))
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class _Peer:
+    slots: trio.Semaphore = field(default_factory=lambda: trio.Semaphore(PARALLEL_PER_PEER))
+    idle: list[tuple[INetStream, float]] = field(default_factory=list)
+
+
+class StreamPool:
+    """Idle update streams per peer, reused across updates; at most PARALLEL_PER_PEER busy."""
+
+    def __init__(self, host: IHost, protocol: str = PROTOCOL_UPDATE_POOLED) -> None:
+        self.host = host
+        self.protocol = protocol
+        self.peers: dict[str, _Peer] = defaultdict(_Peer)
+        self.opened = 0
+        self.reused = 0
+
+    def slots(self, peer_id: str) -> trio.Semaphore:
+        return self.peers[peer_id].slots
+
+    async def take(self, peer_id: str) -> tuple[INetStream, bool]:
+        """(stream, reused): a fresh-enough idle stream, else a newly opened one."""
+        idle = self.peers[peer_id].idle
+        now = time.monotonic()
+        while idle:
+            stream, since = idle.pop()
+            if now - since < IDLE_SECONDS:
+                self.reused += 1
+                return stream, True
+            await close_quietly(stream)
+        stream = await open_stream(self.host, peer_id, self.protocol)
+        self.opened += 1
+        return stream, False
+
+    def give_back(self, peer_id: str, stream: INetStream) -> None:
+        idle = self.peers[peer_id].idle
+        if len(idle) >= PARALLEL_PER_PEER:
+            self._close_later(stream)
+            return
+        idle.append((stream, time.monotonic()))
+
+    def _close_later(self, stream: INetStream) -> None:
+        trio.lowlevel.spawn_system_task(close_quietly, stream)
+
+    def forget(self, peer_id: str) -> None:
+        """Close a peer's idle streams (it left, or its connection broke)."""
+        peer = self.peers.get(peer_id)
+        if peer is None:
+            return
+        idle, peer.idle = peer.idle, []
+        for stream, _ in idle:
+            self._close_later(stream)
+
+
+async def exchange(stream: INetStream, header: UpdateHeader, body: Body, chunk_bytes: int,
+                   ack_timeout: float) -> tuple[UpdateAck, bool]:
+    """Write header and body, read the ack: (ack, whole body written before the ack).
+
+    The writer stops between chunks when an early ack arrives (a rejection before the
+    body); it is never cancelled inside a write, which could cut a yamux frame in half.
+    StreamLost if the stream breaks or ends without an ack.
+    """
+    acks: list[UpdateAck] = []
+    errors: list[BaseException] = []
+    got_ack = trio.Event()
+
+    async def read_ack() -> None:
+        try:
+            msg = await read_message_exact(stream, HEADER_LIMIT)
+        except Exception as exc:  # noqa: BLE001 - any failure here means "no ack on this stream"
+            errors.append(exc)
+        else:
+            if isinstance(msg, UpdateAck):
+                acks.append(msg)
+            else:
+                errors.append(ProtocolError(f"expected UpdateAck, got {msg.TYPE}"))
+        got_ack.set()
+
+    completed = False
+    failure: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read_ack)
+        try:
+            await stream.write(frame(header))
+            for chunk in body_chunks(body, chunk_bytes):
+                if got_ack.is_set():
+                    break
+                await stream.write(chunk)  # type: ignore[arg-type]  # yamux slices it
+            else:
+                completed = True
+        except Exception as exc:  # noqa: BLE001 - resets, closed muxers, dead connections
+            # The receiver may have stopped us with an early ack; wait for it briefly.
+            with trio.move_on_after(2):
+                await got_ack.wait()
+            if not acks:
+                failure = StreamLost(f"{type(exc).__name__}: {exc}")
+        if failure is None:
+            with trio.move_on_after(ack_timeout) as waited:
+                await got_ack.wait()
+            if waited.cancelled_caught:
+                failure = trio.TooSlowError()
+        # Raised outside the nursery, so callers see the exception itself, not a group.
+        nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    if not acks:
+        reason = f"{type(errors[0]).__name__}: {errors[0]}" if errors else "no ack"
+        raise StreamLost(f"the stream ended without an ack ({reason})")
+    return acks[0], completed
+
+
+async def discard(stream: INetStream, clean: bool) -> None:
+    if clean:
+        await close_quietly(stream)
+    else:
+        await reset_quietly(stream)
