@@ -16,7 +16,7 @@ from proto.errors import ProtocolError
 
 from .errors import JobSpecError, SchedulerError
 
-SUBCOMMANDS = ("scheduler.plan_cli", "scheduler.submit")
+SUBCOMMANDS = ("scheduler.plan_cli", "scheduler.submit", "scheduler.status")
 PROG = "fedpilot-scheduler"
 
 
