@@ -76,6 +76,29 @@ def body_chunks(body: Body, chunk_bytes: int) -> Iterator[memoryview]:
     return iter_chunks(body, chunk_bytes)
 
 
+class ByteBudget:
+    """Bytes of update payloads this daemon holds for sending; ``acquire`` waits (so the
+    bridge stops reading that client's socket: backpressure) until they fit. One payload
+    larger than the whole budget still goes through alone, so nothing can wait forever."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self._freed = trio.Event()
+
+    async def acquire(self, n: int) -> None:
+        while self.used and self.used + n > self.limit:
+            await self._freed.wait()
+        self.used += n
+        self.peak = max(self.peak, self.used)
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        self._freed.set()
+        self._freed = trio.Event()
+
+
 class StreamLost(Exception):
     """The stream broke before an ack came back (the update may be sent again)."""
 

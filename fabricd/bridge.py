@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import trio
 
+from fabricd._sender import ByteBudget
 from fabricd.executors import ExecutorLauncher
 from fabricd.logs import get_logger
 from fabricd.updates import DeliveryError
@@ -57,7 +58,8 @@ class BridgeBackend(Protocol):
 
     async def probe(self, cluster_id: str, nbytes: int) -> ProbeReply: ...
 
-    async def send_update(self, target_cluster: str, header: UpdateHeader, payload: bytes) -> SendResult: ...
+    async def send_update(self, target_cluster: str, header: UpdateHeader,
+                          payload: bytes | bytearray) -> SendResult: ...
 
     async def send_control(self, target_cluster: str, request_id: str, body: dict[str, Any]) -> ControlResult: ...
 
@@ -92,8 +94,12 @@ class BridgeServer:
 
     def __init__(self, path: Path, backend: BridgeBackend, *, cluster_id: str,
                  max_payload: int, control_timeout: float = 30.0,
-                 launcher: ExecutorLauncher | None = None) -> None:
+                 launcher: ExecutorLauncher | None = None,
+                 max_outgoing_bytes: int = 2 << 30) -> None:
         self.path = path
+        # Payloads read from clients and not yet sent: bounded, so a client that writes
+        # faster than the network drains waits on its socket instead of growing our RSS.
+        self.outgoing = ByteBudget(max_outgoing_bytes)
         self.launcher = launcher
         self.backend = backend
         self.cluster_id = cluster_id
@@ -155,11 +161,20 @@ class BridgeServer:
 
     async def _read_loop(self, client: BridgeClient, nursery: trio.Nursery) -> None:
         while True:
+            reserved = 0
             try:
-                msg, payload = await client.stream.recv()
+                msg, length = await client.stream.recv_header()
+                if length:
+                    await self.outgoing.acquire(length)
+                    reserved = length
+                    payload: bytes | bytearray = await client.stream.recv_payload(msg, length)
+                else:
+                    payload = b""
             except EOFError:
+                self.outgoing.release(reserved)
                 return
             except ProtocolError as exc:
+                self.outgoing.release(reserved)
                 self.rejected_frames += 1
                 reason = f"{type(exc).__name__}: {exc}"
                 log.warning("bridge.rejected", client=client.number, role=client.role or "?", reason=reason)
@@ -188,19 +203,23 @@ class BridgeServer:
                 channel.send_nowait(msg)
                 continue
             # Slow work (network) runs in its own task, so this loop keeps reading.
-            nursery.start_soon(self._serve_request, client, msg, payload)
+            nursery.start_soon(self._serve_request, client, msg, payload, reserved)
 
-    async def _serve_request(self, client: BridgeClient, msg: BridgeMessage, payload: bytes) -> None:
+    async def _serve_request(self, client: BridgeClient, msg: BridgeMessage, payload: bytes | bytearray,
+                             reserved: int = 0) -> None:
         try:
             reply, reply_payload = await self._dispatch(msg, payload)
         except RequestFailed as exc:
             reply, reply_payload = Error(reason=str(exc)), b""
+        finally:
+            del payload
+            self.outgoing.release(reserved)
         try:
             await client.send(reply, reply_payload)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             log.info("bridge.client_gone", client=client.number, reply=reply.TYPE)
 
-    async def _dispatch(self, msg: BridgeMessage, payload: bytes) -> tuple[BridgeMessage, bytes]:
+    async def _dispatch(self, msg: BridgeMessage, payload: bytes | bytearray) -> tuple[BridgeMessage, bytes]:
         if isinstance(msg, StatusRequest):
             return StatusReply(status=self.backend.status()), b""
         if isinstance(msg, ProbeRequest):

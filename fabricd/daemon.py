@@ -134,7 +134,8 @@ class Daemon:
             self.bridge = BridgeServer(cfg.bridge_socket, self, cluster_id=cfg.cluster_id,
                                        max_payload=lim.max_update_bytes,
                                        control_timeout=lim.control_timeout,
-                                       launcher=self.launcher if cfg.role == "cluster" else None)
+                                       launcher=self.launcher if cfg.role == "cluster" else None,
+                                       max_outgoing_bytes=lim.max_inflight_bytes)
             self.updates = UpdateService(host, self.membership, self.bridge, cluster_id=cfg.cluster_id,
                                          max_update_bytes=lim.max_update_bytes,
                                          max_inflight_bytes=lim.max_inflight_bytes,
@@ -213,7 +214,8 @@ class Daemon:
                     "record_published": self.discovery.record_published_at is not None},
             "control": {"served": self.control_service.served, "refused": self.control_service.refused},
             "metrics_endpoint": self.metrics_server.address if self.metrics_server else "",
-            "transfer": self.updates.transfer_status(),
+            "transfer": {**self.updates.transfer_status(), "outgoing_bytes": self.bridge.outgoing.used,
+                         "outgoing_peak_bytes": self.bridge.outgoing.peak},
         }
 
     def snapshot(self) -> StateSnapshot:
@@ -326,7 +328,8 @@ class Daemon:
         except Exception as exc:  # noqa: BLE001 - libp2p stream/dial errors
             raise _ConnectionLost(f"{type(exc).__name__}: {exc}") from None
 
-    async def send_update(self, target_cluster: str, header: UpdateHeader, payload: bytes) -> SendResult:
+    async def send_update(self, target_cluster: str, header: UpdateHeader,
+                          payload: bytes | bytearray) -> SendResult:
         # Hashing a large payload takes a while: keep the event loop (and every other
         # stream's reader) running meanwhile.
         digest = await trio.to_thread.run_sync(_sha256, payload)
@@ -360,7 +363,7 @@ class Daemon:
         return ControlResult(request_id=request_id, ok=resp.ok, body=resp.body, reason=resp.reason)
 
 
-def _sha256(data: bytes) -> bytes:
+def _sha256(data: bytes | bytearray) -> bytes:
     return hashlib.sha256(data).digest()
 
 

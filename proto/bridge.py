@@ -197,6 +197,41 @@ class BridgeStream:
         return await recv_bridge_async(self._reader.read_exactly, self.max_payload,
                                        max_header=self.max_header)
 
+    async def recv_header(self) -> tuple[BridgeMessage, int]:
+        """The next frame's message and payload length; the payload is still unread, so
+        the caller can wait (backpressure) before taking it with ``recv_payload``."""
+        prefix = await self._reader.read_exactly(HEADER_PREFIX.size)
+        if not prefix:
+            raise StreamClosed("bridge closed by the other side")
+        header = await self._reader.read_exactly(parse_header_length(prefix, self.max_header))
+        return decode_bridge_header(header, self.max_payload, max_header=self.max_header)
+
+    async def recv_payload(self, msg: BridgeMessage, length: int) -> bytearray:
+        """``length`` payload bytes, received straight into one buffer (one copy)."""
+        buf = bytearray(length)
+        view = memoryview(buf)
+        got = 0
+        while got < length:
+            data = self._reader.take_buffered(length - got)
+            if not data:
+                break
+            view[got:got + len(data)] = data
+            got += len(data)
+        sock = getattr(self.stream, "socket", None)
+        while got < length:
+            if sock is not None:
+                n = await sock.recv_into(view[got:], length - got)
+            else:
+                data = await self._reader.read_some(length - got)
+                n = len(data)
+                view[got:got + n] = data
+            if n == 0:
+                view.release()
+                raise MalformedFrame(f"bridge {msg.TYPE}: payload ended after {got} of {length}")
+            got += n
+        view.release()
+        return buf
+
 
 class BridgeClient:
     """A blocking bridge client (executor, CLI): connects, sends Hello, then request/reply.

@@ -109,6 +109,10 @@ class ExactReader:
             return bytes(data)
         return self._take(max_bytes)
 
+    def take_buffered(self, n: int) -> bytes:
+        """Up to ``n`` bytes already buffered, without reading (b"" if none)."""
+        return self._take(n) if self._buf else b""
+
     def _take(self, n: int) -> bytes:
         if n >= len(self._buf):
             out = bytes(self._buf)

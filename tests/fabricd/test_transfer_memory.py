@@ -1,0 +1,62 @@
+"""Memory follows bytes in flight: a daemon holds at most ``limits.max_inflight_bytes`` of
+payloads it was asked to send (the bridge stops reading a client until they fit) and the
+receiver refuses more than its budget with ``busy``, which the sender retries - so many
+more updates than fit at once all arrive, each verified."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.fabricd._harness import Node, bridge_status, connected_fast, init_node, wait_until
+from tests.fabricd._transfer_load import blast
+
+pytestmark = pytest.mark.slow
+
+MIB = 1024 * 1024
+BUDGET = 8 * MIB
+
+
+def _small_budget(node: Node, budget: int) -> None:
+    path = node.dir / "cluster.toml"
+    text = path.read_text()
+    text = text.replace("max_update_bytes = 1073741824", f"max_update_bytes = {4 * MIB}")
+    text = text.replace("max_inflight_bytes = 2147483648", f"max_inflight_bytes = {budget}")
+    assert f"max_inflight_bytes = {budget}" in text, "the generated config changed shape"
+    path.write_text(text)
+
+
+@pytest.fixture(scope="module")
+def pair(mesh) -> Iterator[tuple[Node, Node]]:  # type: ignore[no-untyped-def]
+    a_addr = mesh.nodes["a"].addr()
+    nodes = []
+    # The receiver takes half of what the sender may hold: it must refuse some as busy.
+    for name, budget in (("m1", BUDGET), ("m2", BUDGET // 2)):
+        node = init_node(mesh.root, name, mesh.ca, [a_addr])
+        _small_budget(node, budget)
+        mesh.nodes[name] = node
+        node.start()
+        nodes.append(node)
+    for node in nodes:
+        node.wait_ready()
+    wait_until(lambda: "m2" in connected_fast(nodes[0]), timeout=60)
+    yield nodes[0], nodes[1]
+    for node in nodes:
+        node.stop()
+        del mesh.nodes[node.name]
+
+
+def test_more_updates_than_the_budget_all_arrive_within_it(pair) -> None:
+    sender, receiver = pair
+    result = blast(sender, receiver, count=24, size=3 * MIB, sockets=3, sample_status=True)
+    assert result.failed == [] and result.ok == 24, result.summary()
+    assert result.delivered == 24 and result.digest_mismatch == 0, result.summary()
+    out = bridge_status(sender)["transfer"]
+    # 72 MiB went through a daemon that never held more than its 8 MiB budget for sending.
+    assert 0 < out["outgoing_peak_bytes"] <= BUDGET, out
+    assert out["outgoing_bytes"] == 0, out
+    # The receiver's budget was hit (busy refusals), and the sender retried them.
+    assert out["send_retries"] > 0, out
+    assert bridge_status(receiver)["transfer"]["inflight_in_bytes"] == 0
+    assert result.status_ms, "status must answer while the transfer runs"
