@@ -225,7 +225,8 @@ class Daemon:
         return StateSnapshot(
             clusters=clusters, inflight_bytes=self.updates.inflight,
             control_served=self.control_service.served, control_refused=self.control_service.refused,
-            bridge_rejected_frames=self.bridge.rejected_frames, revoked_serials=len(self.membership.revoked),
+            bridge_rejected_frames=self.bridge.rejected_frames,
+            send_retries=getattr(self.updates, "send_retries", 0), revoked_serials=len(self.membership.revoked),
             uptime_s=time.time() - self.started_at)
 
     async def resolve(self, cluster_id: str) -> str:

@@ -87,6 +87,7 @@ class StateSnapshot:
     control_served: int = 0
     control_refused: int = 0
     bridge_rejected_frames: int = 0
+    send_retries: int = 0
     revoked_serials: int = 0
     uptime_s: float = 0.0
 
@@ -119,6 +120,9 @@ class _StateCollector(Collector):
         control.add_metric(["served"], snap.control_served)
         control.add_metric(["refused"], snap.control_refused)
         yield control
+        yield CounterMetricFamily("fabricd_update_send_retries",
+                                  "sends retried after a broken stream or a busy answer",
+                                  value=snap.send_retries)
         yield CounterMetricFamily("fabricd_bridge_rejected_frames", "malformed frames refused on the bridge socket",
                                   value=snap.bridge_rejected_frames)
         yield GaugeMetricFamily("fabricd_revoked_serials", "certificate serials on the revocation list",

@@ -21,6 +21,7 @@ from tests.fabricd._harness import (
 )
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "observability.md"
 
 
 def scrape(node: Node) -> Samples:
@@ -83,6 +84,11 @@ def test_daemon_pair_metrics_match_status_and_count_a_foreign_peer(tmp_path: Pat
             assert value(s, "fabricd_updates_in_flight", direction="sent") == 0
             assert value(s, "fabricd_updates_in_flight", direction="received") == 0
             assert value(s, "fabricd_membership_events_total", event="accepted") >= 1
+        documented = DOCS.read_text()
+        for name, _ in sx:
+            family = re.sub(r"_(bucket|sum|count|created)$", "", name)
+            assert f"`{family}`" in documented or f"`{family.removesuffix('_total')}`" in documented \
+                or f"`{family}_total`" in documented, f"{name} is not in docs/observability.md"
         assert value(sx, "fabricd_info", cluster="x", peer_id=bridge_status(x)["peer_id"], role="cluster") == 1
 
         # A daemon of another federation: x refuses it and counts why.
