@@ -103,6 +103,7 @@ class UpdateService:
         self.chunk_bytes = chunk_bytes
         self.stream_timeout = stream_timeout
         self.inflight = 0
+        self.inflight_peak = 0
         self.delivered = DeliveredIds(100_000)
         self.jobs: dict[str, JobCounters] = defaultdict(JobCounters)
         self.metrics: DaemonMetrics = UNWIRED
@@ -116,7 +117,8 @@ class UpdateService:
 
     def transfer_status(self) -> dict[str, int]:
         return {"streams_opened": self.pool.opened, "streams_reused": self.pool.reused,
-                "send_retries": self.send_retries, "inflight_in_bytes": self.inflight}
+                "send_retries": self.send_retries, "inflight_in_bytes": self.inflight,
+                "inflight_in_peak_bytes": self.inflight_peak}
 
     def counters(self) -> dict[str, dict[str, int]]:
         return {job: asdict(c) for job, c in sorted(self.jobs.items())}
@@ -204,6 +206,7 @@ class UpdateService:
                 return False
         reserved = 0 if probe else header.byte_length
         self.inflight += reserved
+        self.inflight_peak = max(self.inflight_peak, self.inflight)
         self.metrics.stream_opened("received")
         try:
             return await self._receive_body(stream, peer, header, receiver, probe, source_cluster)
