@@ -76,7 +76,7 @@ def set_toml_value(path: Path, section: str, key: str, value: str) -> None:
 
 class LocalTestbed:
     def __init__(self, clusters: int, *, backend: str = "local", workdir: str | None = None,
-                 capacity: int = 0, cluster_prefix: str = "cluster-") -> None:
+                 capacity: int = 0, cluster_prefix: str = "cluster-", metrics: bool = False) -> None:
         if clusters < 1:
             raise JobFailed("--local needs at least one cluster")
         if backend not in ("local", "inprocess"):
@@ -84,6 +84,7 @@ class LocalTestbed:
         self.n = clusters
         self.backend = backend
         self.capacity = capacity
+        self.metrics = metrics  # every daemon serves /metrics on a free port (status says where)
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="fedpilot-")
         self.root = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
         self.cluster_ids = [f"{cluster_prefix}{i + 1}" for i in range(clusters)]
@@ -110,6 +111,8 @@ class LocalTestbed:
             config = out / "cluster.toml"
             if name != "scheduler":
                 set_toml_value(config, "ray", "address", self.backend)
+            if self.metrics:
+                set_toml_value(config, "metrics", "endpoint", "127.0.0.1:0")
             self.configs[name] = config
             if first_addr is None:
                 ids = json.loads(_run(["id", "--config", str(config)], f"reading {name}'s id"))
