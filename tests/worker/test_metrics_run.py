@@ -1,0 +1,69 @@
+"""worker.metrics: a real in-process job feeds RunMetrics round by round; its /metrics
+endpoint is scraped after every round and parsed with prometheus_client.parser."""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from proto.job import DataSpec, JobSpec, TrainingSpec
+from worker.context import InProcessContext
+from worker.metrics import RunMetrics, parse_endpoint
+from worker.runner import run_job
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(address: str) -> Samples:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_executor_metrics_follow_a_real_job() -> None:
+    spec = JobSpec(job_id="m", seed=4, data=DataSpec(number_of_clients=4),
+                   training=TrainingSpec(federated_learning_rounds=3, number_of_epochs=1))
+    job = {("job", "m")}
+    with RunMetrics("executor", cluster="a") as metrics, InProcessContext(num_cpus=2) as ctx:
+        address = metrics.serve("127.0.0.1:0")
+        seen = []
+        for m in run_job(spec, ctx):
+            metrics.observe_round(spec.job_id, m)
+            seen.append(m)
+            s = scrape(address)  # during the job, after each round
+            assert s[("fedpilot_executor_round", frozenset(job))] == m.round
+            assert s[("fedpilot_executor_accuracy", frozenset(job))] == pytest.approx(m.accuracy)
+        s = scrape(address)
+        assert s[("fedpilot_executor_rounds_total", frozenset(job))] == 3
+        assert s[("fedpilot_executor_round_seconds_count", frozenset(job))] == 3
+        assert s[("fedpilot_executor_round_seconds_sum", frozenset(job))] == pytest.approx(
+            sum(m.seconds for m in seen))
+        assert s[("fedpilot_executor_loss", frozenset(job))] == pytest.approx(seen[-1].loss)
+        intra = s[("fedpilot_executor_bytes_total", frozenset(job | {("scope", "intra")}))]
+        assert intra == sum(m.bytes_intra for m in seen) > 0
+        assert s[("fedpilot_executor_bytes_total", frozenset(job | {("scope", "inter")}))] == 0
+        assert s[("fedpilot_executor_actors_materialized", frozenset(job))] == seen[-1].actors_created
+        assert s[("fedpilot_executor_info", frozenset({("cluster", "a")}))] == 1
+    with pytest.raises(OSError):  # closed with the context
+        scrape(address)
+
+
+def test_scheduler_metrics_count_cluster_losses_and_nan_accuracy() -> None:
+    with RunMetrics("scheduler") as metrics:
+        address = metrics.serve("127.0.0.1:0")
+        metrics.round_finished("j", 1, seconds=2.0, accuracy=math.nan, loss=0.5,
+                               bytes_intra=10, bytes_inter=20, training_seconds=1.5)
+        metrics.cluster_lost("j", "c")
+        metrics.cluster_lost("j", "c")
+        s = scrape(address)
+    assert s[("fedpilot_scheduler_cluster_losses_total", frozenset({("job", "j"), ("cluster", "c")}))] == 2
+    assert math.isnan(s[("fedpilot_scheduler_accuracy", frozenset({("job", "j")}))])
+    assert s[("fedpilot_scheduler_training_seconds_total", frozenset({("job", "j")}))] == 1.5
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        parse_endpoint("9101")
+    with pytest.raises(ValueError):
+        RunMetrics("worker")

@@ -1,0 +1,121 @@
+"""Prometheus metrics of a job as an executor or the scheduler sees it, and their endpoint.
+
+One `RunMetrics` per process (its own registry; several may share a test process). The
+round engine calls `observe_round` after every round and `cluster_lost` when a cluster
+drops out; `serve("HOST:PORT")` exposes them at /metrics from a daemon thread until
+`close()`. Names: `fedpilot_executor_*` and `fedpilot_scheduler_*`, listed in
+docs/observability.md. Labels are the job id (and, for losses, the lost cluster's id).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+COMPONENTS = ("executor", "scheduler")
+ROUND_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0, 3600.0)
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port); ValueError says what is wrong."""
+    match = re.fullmatch(r"\[([0-9a-fA-F:.]+)\]:(\d{1,5})|([^:\[\]\s]+):(\d{1,5})", text)
+    if match is None or int(match.group(2) or match.group(4)) > 65535:
+        raise ValueError(f"metrics endpoint {text!r}: expected HOST:PORT such as 127.0.0.1:9101 "
+                         "(port 0 picks a free one)")
+    return match.group(1) or match.group(3), int(match.group(2) or match.group(4))
+
+
+class RunMetrics:
+    """Round, round and training seconds, accuracy, loss, bytes, actors and cluster losses."""
+
+    def __init__(self, component: str, cluster: str = "") -> None:
+        if component not in COMPONENTS:
+            raise ValueError(f"component must be one of {', '.join(COMPONENTS)}, not {component!r}")
+        self.registry = CollectorRegistry(auto_describe=True)
+        p, r = f"fedpilot_{component}", self.registry
+        self.info = Gauge(f"{p}_info", "this process (value 1)", ["cluster"], registry=r)
+        self.info.labels(cluster).set(1)
+        self.round = Gauge(f"{p}_round", "last finished round", ["job"], registry=r)
+        self.rounds = Counter(f"{p}_rounds", "rounds finished", ["job"], registry=r)
+        self.round_seconds = Histogram(f"{p}_round_seconds", "wall seconds per round", ["job"],
+                                       buckets=ROUND_BUCKETS, registry=r)
+        self.last_round_seconds = Gauge(f"{p}_last_round_seconds", "wall seconds of the last round",
+                                        ["job"], registry=r)
+        self.training_seconds = Counter(f"{p}_training_seconds", "seconds spent in local training",
+                                        ["job"], registry=r)
+        self.accuracy = Gauge(f"{p}_accuracy", "test accuracy after the last round (NaN if not measured here)",
+                              ["job"], registry=r)
+        self.loss = Gauge(f"{p}_loss", "test loss after the last round (NaN if not measured here)",
+                          ["job"], registry=r)
+        self.bytes = Counter(f"{p}_bytes", "model bytes moved, inside a cluster (intra) or between clusters (inter)",
+                             ["job", "scope"], registry=r)
+        self.actors = Gauge(f"{p}_actors_materialized", "client actors alive now", ["job"], registry=r)
+        self.cluster_losses = Counter(f"{p}_cluster_losses", "clusters lost during a job",
+                                      ["job", "cluster"], registry=r)
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.address = ""
+
+    # ---- what the round engine calls -----------------------------------------------------
+
+    def observe_round(self, job_id: str, record: Any) -> None:
+        """Record one finished round from any object with the round fields (`round`,
+        `seconds`, `accuracy`, `loss`, `bytes_intra`, `bytes_inter`; optional
+        `training_seconds`, `actors_materialized` or `actors_created`)."""
+        self.round_finished(
+            job_id, int(record.round), seconds=float(record.seconds),
+            accuracy=float(record.accuracy), loss=float(record.loss),
+            bytes_intra=int(record.bytes_intra), bytes_inter=int(record.bytes_inter),
+            training_seconds=getattr(record, "training_seconds", None),
+            actors_materialized=getattr(record, "actors_materialized",
+                                        getattr(record, "actors_created", None)))
+
+    def round_finished(self, job_id: str, round: int, *, seconds: float, accuracy: float, loss: float,
+                       bytes_intra: int, bytes_inter: int, training_seconds: float | None = None,
+                       actors_materialized: int | None = None) -> None:
+        self.round.labels(job_id).set(round)
+        self.rounds.labels(job_id).inc()
+        self.round_seconds.labels(job_id).observe(max(seconds, 0.0))
+        self.last_round_seconds.labels(job_id).set(seconds)
+        self.accuracy.labels(job_id).set(accuracy if math.isfinite(accuracy) else math.nan)
+        self.loss.labels(job_id).set(loss if math.isfinite(loss) else math.nan)
+        self.bytes.labels(job_id, "intra").inc(max(bytes_intra, 0))
+        self.bytes.labels(job_id, "inter").inc(max(bytes_inter, 0))
+        if training_seconds is not None:
+            self.training_seconds.labels(job_id).inc(max(float(training_seconds), 0.0))
+        if actors_materialized is not None:
+            self.actors.labels(job_id).set(int(actors_materialized))
+
+    def cluster_lost(self, job_id: str, cluster: str) -> None:
+        self.cluster_losses.labels(job_id, cluster).inc()
+
+    # ---- the endpoint --------------------------------------------------------------------
+
+    def serve(self, endpoint: str) -> str:
+        """Serve /metrics at ``endpoint`` (HOST:PORT) from a daemon thread; the bound address."""
+        if self._server is not None:
+            return self.address
+        host, port = parse_endpoint(endpoint)
+        self._server, self._thread = start_http_server(port, host, registry=self.registry)
+        bound_host, bound_port = str(self._server.server_address[0]), int(self._server.server_address[1])
+        self.address = f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
+        return self.address
+
+    def close(self) -> None:
+        """Stop serving (idempotent); the counters stay readable in-process."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            if self._thread is not None:
+                self._thread.join(5)
+            self._server = self._thread = None
+
+    def __enter__(self) -> RunMetrics:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
