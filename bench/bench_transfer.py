@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import _linkproxy as linkproxy  # noqa: E402
 from fabricd.config import load_config  # noqa: E402
 from proto.bridge import BridgeClient, Delivery, SendResult, SendUpdate  # noqa: E402
 from tests.fabricd._harness import (  # noqa: E402
@@ -67,11 +69,14 @@ conn.sendall(str(total).encode()); conn.close()
 """
 
 
-def raw_tcp_mb_s(nbytes: int) -> float:
-    """A trio sender and a plain-socket receiver in another process, loopback, no crypto."""
+def raw_tcp_mb_s(nbytes: int, through: Callable[[int], int] | None = None) -> float:
+    """A trio sender and a plain-socket receiver in another process, loopback, no crypto
+    (``through`` maps the receiver's port to the port to dial, e.g. a link forwarder)."""
     proc = subprocess.Popen([sys.executable, "-c", _RAW_RECEIVER], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     port = int(proc.stdout.readline())
+    if through is not None:
+        port = through(port)
 
     async def send() -> float:
         stream = await trio.open_tcp_stream("127.0.0.1", port)
@@ -123,11 +128,12 @@ def _start_pair(root: Path, budget: int | None = None) -> tuple[Node, Node]:
 
 
 def probe_runs(a: Node, b: Node, nbytes: int, runs: int) -> list[dict[str, float]]:
+    """``runs`` probes a -> b as ``fabricd probe`` reports them, plus each side's CPU."""
     out = []
     for _ in range(runs):
         assert a.proc is not None and b.proc is not None
         cpu_before = (_cpu_seconds(a.proc.pid), _cpu_seconds(b.proc.pid))
-        proc = cli("probe", "--config", a.config, "--cluster", "b", "--bytes", str(nbytes), timeout=600)
+        proc = cli("probe", "--config", a.config, "--cluster", b.name, "--bytes", str(nbytes), timeout=600)
         result = json.loads(proc.stdout)
         result["cpu_s_sender"] = round(_cpu_seconds(a.proc.pid) - cpu_before[0], 3)
         result["cpu_s_receiver"] = round(_cpu_seconds(b.proc.pid) - cpu_before[1], 3)
@@ -180,8 +186,8 @@ def fixed_cost(a: Node, b: Node, count: int, size: int = 1024) -> dict[str, Any]
     job = f"seq-{uuid.uuid4().hex[:6]}"
     body = os.urandom(size)
     digest = hashlib.sha256(body).digest()
-    consumer = BridgeClient(_bridge(b), role="executor", cluster_id="b", job_id=job, timeout=60)
-    sender = BridgeClient(_bridge(a), role="executor", cluster_id="a", job_id=job, timeout=60)
+    consumer = BridgeClient(_bridge(b), role="executor", cluster_id=b.name, job_id=job, timeout=60)
+    sender = BridgeClient(_bridge(a), role="executor", cluster_id=a.name, job_id=job, timeout=60)
     wait_until(lambda: any(c["job_id"] == job for c in bridge_status(b)["bridge_clients"]), 30)
     delivered: list[bool] = []
 
@@ -197,7 +203,7 @@ def fixed_cost(a: Node, b: Node, count: int, size: int = 1024) -> dict[str, Any]
     try:
         start = time.perf_counter()
         for i in range(count):
-            msg = SendUpdate(target_cluster="b", job_id=job, round=1, source_node="s", target_node="t",
+            msg = SendUpdate(target_cluster=b.name, job_id=job, round=1, source_node="s", target_node="t",
                              message_id=f"{job}-{i}", tensor_count=1, byte_length=size, sha256=digest)
             reply, _ = sender.request(msg, body)
             failed += not (isinstance(reply, SendResult) and reply.ok)
@@ -208,6 +214,51 @@ def fixed_cost(a: Node, b: Node, count: int, size: int = 1024) -> dict[str, Any]
         consumer.close()
     return {"count": count, "bytes_each": size, "failed": failed, "verified": sum(delivered),
             "updates_per_s": round(count / seconds, 1), "ms_per_update": round(seconds / count * 1000, 3)}
+
+
+def long_link(root: Path, nbytes: int, delay_ms: float = 25.0, rate_mbit: float = 200.0) -> dict[str, Any]:
+    """Probe and per-update cost through a delayed, rate-limited forwarder vs raw TCP on it."""
+    root.mkdir(parents=True, exist_ok=True)
+    proxies: list[subprocess.Popen[str]] = []
+
+    def through(port: int) -> int:
+        proc, listen = linkproxy.start(port, delay_ms, rate_mbit, root / f"link{len(proxies)}.json")
+        proxies.append(proc)
+        return listen
+
+    try:
+        raw = raw_tcp_mb_s(nbytes, through)
+        ca = init_ca(root)
+        b = init_node(root, "lb", ca)
+        b.start()
+        b.wait_ready()
+        b_via = b.addr().replace(f"/tcp/{b.port}/", f"/tcp/{through(b.port)}/")
+        a = init_node(root, "la", ca, [b_via])  # a reaches b only through the forwarder
+        a.start()
+        try:
+            a.wait_ready()
+            wait_until(lambda: "lb" in connected_fast(a), timeout=60)
+            stats = root / f"link{len(proxies) - 1}.json"
+            before = linkproxy.forwarded(stats)
+            probe = probe_runs(a, b, nbytes, 1)[0]
+            time.sleep(0.5)  # the forwarder writes its counter every 0.2 s
+            went_through = linkproxy.forwarded(stats) - before >= nbytes
+            fixed_cost(a, b, 3)
+            fc = fixed_cost(a, b, 20)
+        finally:
+            a.stop()
+            b.stop()
+    finally:
+        for proc in proxies:
+            proc.kill()
+            proc.wait(10)
+    rtt_ms = 2 * delay_ms
+    return {"delay_ms_one_way": delay_ms, "rate_mbit": rate_mbit, "bytes": nbytes,
+            "raw_mb_s": round(raw, 2), "probe_mb_s": probe["throughput_mb_s"],
+            "ratio_to_raw": round(probe["throughput_mb_s"] / raw, 3), "target_ratio": 0.9,
+            "probe_went_through_link": went_through,
+            "update_ms": fc["ms_per_update"], "update_in_rtts": round(fc["ms_per_update"] / rtt_ms, 2),
+            "target_rtts": 1.2, "updates_failed": fc["failed"]}
 
 
 def _bridge(node: Node) -> str:
@@ -279,6 +330,7 @@ def main() -> None:
         finally:
             a.stop()
             b.stop()
+        report["long_link"] = long_link(Path(tmp) / "long", 8 * MIB if q else 48 * MIB)
     report["cpu_count"] = os.cpu_count()
     report["loadavg_1m"] = round(os.getloadavg()[0], 2)
     report["note"] = ("MB = 10^6 bytes. probe: timed from header to ack, body made and hashed "
