@@ -31,7 +31,7 @@ from fabricd.logs import get_logger
 from fabricd.membership import Membership
 from fabricd.metrics import DaemonMetrics, MetricsServer, StateSnapshot
 from fabricd.signing import seal, unseal
-from fabricd.updates import UpdateService
+from fabricd.updates import INLINE_HASH_BYTES, UpdateService
 from proto.bridge import ControlResult, ProbeReply, SendResult
 from proto.certs import RevocationList, load_ca_public, public_key_bytes, verify_certificate
 from proto.errors import NotAMember, ProtocolError
@@ -333,7 +333,10 @@ class Daemon:
                           payload: bytes | bytearray) -> SendResult:
         # Hashing a large payload takes a while: keep the event loop (and every other
         # stream's reader) running meanwhile.
-        digest = await trio.to_thread.run_sync(_sha256, payload)
+        if len(payload) < INLINE_HASH_BYTES:
+            digest = _sha256(payload)
+        else:
+            digest = await trio.to_thread.run_sync(_sha256, payload)
         if digest != header.sha256:
             reason = (f"payload sha256 {digest.hex()} does not match the header's "
                       f"{header.sha256.hex()}; nothing was sent")

@@ -58,10 +58,17 @@ def _sole_exception(group: BaseExceptionGroup[BaseException]) -> BaseException:
     return exc
 
 
+#: Chunks smaller than this are hashed on the event loop: a thread hop costs more.
+INLINE_HASH_BYTES = 256 * 1024
+
+
 async def _feed_in_thread(chunks: trio.MemoryReceiveChannel[bytes], sink: Callable[[bytes], None]) -> None:
     async with chunks:
         async for chunk in chunks:
-            await trio.to_thread.run_sync(sink, chunk)
+            if len(chunk) < INLINE_HASH_BYTES:
+                sink(chunk)
+            else:
+                await trio.to_thread.run_sync(sink, chunk)
 
 
 class DeliveryError(Exception):

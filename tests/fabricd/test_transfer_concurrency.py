@@ -76,3 +76,11 @@ def test_a_broken_pooled_stream_is_retried_transparently(mesh) -> None:
     # The sender's own retry handled the dead streams; none of the sends failed outright.
     assert "event=update.send_failed" not in a.log()
     r.stop()
+
+
+def test_64_mib_updates_go_executor_to_executor_through_both_bridges(mesh) -> None:
+    a, b = mesh.nodes["a"], mesh.nodes["b"]
+    wait_until(lambda: "b" in connected_fast(a), timeout=30)
+    result = blast(a, b, count=3, size=64 * MIB, sockets=2)
+    assert result.failed == [] and result.ok == 3, result.summary()
+    assert result.delivered == 3 and result.digest_mismatch == 0, result.summary()
