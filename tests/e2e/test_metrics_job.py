@@ -1,14 +1,21 @@
 """Must-show 1 (daemon side): a 3-cluster job over real daemons with /metrics on; every
 endpoint is scraped and parsed during and after the job, the byte counters match the
-daemons' status and summary.json's per-cluster figures, and a foreign peer is counted."""
+daemons' status and summary.json's per-cluster figures, and a foreign peer is counted.
+Where a `prometheus` binary is installed (Debian's package; .ci/run installs it best
+effort), a real Prometheus server scrapes the job and its HTTP API returns the series."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import subprocess
 import threading
 import time
+import urllib.parse
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +47,48 @@ def by_cluster(samples: Samples, name: str) -> dict[str, float]:
     return {dict(labels)["cluster"]: v for (n, labels), v in samples.items() if n == name}
 
 
-def test_three_cluster_job_metrics_match_summary(tmp_path: Path) -> None:
+@dataclass
+class Ran:
+    tb: LocalTestbed
+    names: list[str]
+    endpoints: dict[str, str]
+    summary: Any
+    scrapes_during: int
+    after: dict[str, Samples] = field(default_factory=dict)
+    prometheus: str = ""  # its address, if one ran
+
+
+def start_prometheus(root: Path, targets: list[str]) -> tuple[subprocess.Popen[bytes], str] | None:
+    exe = shutil.which("prometheus")
+    if exe is None:
+        return None
+    config = root / "prometheus.yml"
+    config.write_text("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n"
+                      "  - job_name: fabricd\n    static_configs:\n"
+                      f"      - targets: {json.dumps(targets)}\n")
+    address = f"127.0.0.1:{free_port()}"
+    log = (root / "prometheus.log").open("wb")
+    proc = subprocess.Popen([exe, f"--config.file={config}", f"--storage.tsdb.path={root / 'tsdb'}",
+                             f"--web.listen-address={address}"], stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{address}/-/ready", timeout=2) as resp:
+                if resp.status == 200:
+                    return proc, address
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"prometheus did not start:\n{(root / 'prometheus.log').read_text()}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ran]:
+    """A 3-cluster job over real daemons, scraped during and after (and by Prometheus)."""
+    root = tmp_path_factory.mktemp("metrics-job")
     spec = JobSpec.from_dict({
         "job": {"id": "metrics-job", "seed": 1},
         "data": {"number_of_clients": 6, "dirichlet_beta": 0.5},
@@ -48,75 +96,111 @@ def test_three_cluster_job_metrics_match_summary(tmp_path: Path) -> None:
         "topology": {"kind": "star"},
         "placement": {"strategy": "round_robin", "max_materialized": 2},
     })
-    with LocalTestbed(3, backend="inprocess", workdir=str(tmp_path), capacity=4, metrics=True) as tb:
+    with LocalTestbed(3, backend="inprocess", workdir=str(root / "tb"), capacity=4, metrics=True) as tb:
         clusters = tb.start(timeout=90)
         names = [*tb.cluster_ids, "scheduler"]
         endpoints = {n: daemon_status(tb.bridge_socket(n))["metrics_endpoint"] for n in names}
         assert all(re.fullmatch(r"127\.0\.0\.1:\d+", e) for e in endpoints.values()), endpoints
+        prometheus = start_prometheus(root, list(endpoints.values()))
+        try:
+            result: dict[str, Any] = {}
 
-        result: dict[str, Any] = {}
+            def drive() -> None:
+                channel = BridgeChannel(tb.bridge_socket("scheduler"))
+                driver = Driver(spec, clusters, channel, backend="inprocess", timeout=300)
+                try:
+                    result["summary"] = driver.run().summary
+                except BaseException as exc:  # reported below
+                    result["error"] = exc
+                finally:
+                    driver.close()
+                    channel.close()
 
-        def drive() -> None:
-            channel = BridgeChannel(tb.bridge_socket("scheduler"))
-            driver = Driver(spec, clusters, channel, backend="inprocess", timeout=300)
-            try:
-                result["summary"] = driver.run().summary
-            except BaseException as exc:  # reported below
-                result["error"] = exc
-            finally:
-                driver.close()
-                channel.close()
+            thread = threading.Thread(target=drive)
+            thread.start()
+            scrapes_during = 0
+            while thread.is_alive():
+                for endpoint in endpoints.values():
+                    scrape(endpoint)  # parses while the job runs
+                scrapes_during += 1
+                time.sleep(0.2)
+            thread.join()
+            assert "error" not in result, result.get("error")
+            out = Ran(tb, names, endpoints, result["summary"], scrapes_during,
+                      prometheus=prometheus[1] if prometheus else "")
+            out.after = {n: scrape(e) for n, e in endpoints.items()}
+            yield out
+        finally:
+            if prometheus is not None:
+                prometheus[0].terminate()
+                prometheus[0].wait(30)
 
-        thread = threading.Thread(target=drive)
-        thread.start()
-        scrapes_during = 0
-        while thread.is_alive():
-            for endpoint in endpoints.values():
-                scrape(endpoint)  # parses while the job runs
-            scrapes_during += 1
-            time.sleep(0.2)
-        thread.join()
-        assert "error" not in result, result.get("error")
-        assert scrapes_during >= 1
-        summary = result["summary"]
-        assert summary.bytes_inter_total > 0
 
-        after = {n: scrape(e) for n, e in endpoints.items()}
-        jobs = {n: daemon_status(tb.bridge_socket(n))["jobs"] for n in names}
-        for n in names:
-            sent = sum(c.get("sent_bytes", 0) for c in jobs[n].values())
-            received = sum(c.get("received_bytes", 0) for c in jobs[n].values())
-            assert total(after[n], "fabricd_update_sent_bytes_total") == sent, n
-            assert total(after[n], "fabricd_update_received_bytes_total") == received, n
-            assert total(after[n], "fabricd_updates_in_flight") == 0, n
-            assert total(after[n], "fabricd_connected_clusters") == 3, n  # the other three daemons
-        # what x says it sent to y is what y says it received from x
-        for x in names:
-            for y, sent in by_cluster(after[x], "fabricd_update_sent_bytes_total").items():
-                assert by_cluster(after[y], "fabricd_update_received_bytes_total")[x] == sent, (x, y)
-        # summary.json's per-cluster daemon figures are the same counters
-        for c in summary.clusters:
-            assert total(after[c.cluster_id], "fabricd_update_sent_bytes_total") == c.daemon_bytes_sent > 0
-            assert total(after[c.cluster_id], "fabricd_update_received_bytes_total") == c.daemon_bytes_received
-        inter_between_clusters = sum(v for x in tb.cluster_ids for y, v in
-                                     by_cluster(after[x], "fabricd_update_sent_bytes_total").items()
-                                     if y != "scheduler")
-        assert inter_between_clusters == summary.bytes_inter_total
+def test_three_cluster_job_metrics_match_summary(ran: Ran) -> None:
+    tb, names, after, summary = ran.tb, ran.names, ran.after, ran.summary
+    assert ran.scrapes_during >= 1
+    assert summary.bytes_inter_total > 0
+    jobs = {n: daemon_status(tb.bridge_socket(n))["jobs"] for n in names}
+    for n in names:
+        sent = sum(c.get("sent_bytes", 0) for c in jobs[n].values())
+        received = sum(c.get("received_bytes", 0) for c in jobs[n].values())
+        assert total(after[n], "fabricd_update_sent_bytes_total") == sent, n
+        assert total(after[n], "fabricd_update_received_bytes_total") == received, n
+        assert total(after[n], "fabricd_updates_in_flight") == 0, n
+        assert total(after[n], "fabricd_connected_clusters") == 3, n  # the other three daemons
+    # what x says it sent to y is what y says it received from x
+    for x in names:
+        for y, sent in by_cluster(after[x], "fabricd_update_sent_bytes_total").items():
+            assert by_cluster(after[y], "fabricd_update_received_bytes_total")[x] == sent, (x, y)
+    # summary.json's per-cluster daemon figures are the same counters
+    for c in summary.clusters:
+        assert total(after[c.cluster_id], "fabricd_update_sent_bytes_total") == c.daemon_bytes_sent > 0
+        assert total(after[c.cluster_id], "fabricd_update_received_bytes_total") == c.daemon_bytes_received
+    inter_between_clusters = sum(v for x in tb.cluster_ids for y, v in
+                                 by_cluster(after[x], "fabricd_update_sent_bytes_total").items()
+                                 if y != "scheduler")
+    assert inter_between_clusters == summary.bytes_inter_total
 
-        # a daemon of another federation knocks on cluster-1 and is counted there
-        foreign_ca = tmp_path / "foreign-ca"
-        subprocess.run([*fabricd_command(), "certs", "init-ca", "--out", str(foreign_ca)], check=True,
-                       capture_output=True, timeout=120)
-        first = daemon_status(tb.bridge_socket(tb.cluster_ids[0]))["listen_addrs"][0]
-        subprocess.run([*fabricd_command(), "init", "--cluster-id", "intruder", "--listen",
-                        f"/ip4/127.0.0.1/tcp/{free_port()}", "--ca", str(foreign_ca), "--out",
-                        str(tmp_path / "intruder"), "--bootstrap", first], check=True,
-                       capture_output=True, timeout=120)
-        set_toml_value(tmp_path / "intruder" / "cluster.toml", "ray", "address", "inprocess")
-        tb._spawn("intruder", tmp_path / "intruder" / "cluster.toml")
-        endpoint = endpoints[tb.cluster_ids[0]]
-        deadline = time.monotonic() + 60
-        key = ("fabricd_refusals_total", frozenset({("stage", "membership"), ("reason", "foreign_certificate")}))
-        while scrape(endpoint).get(key, 0) < 1:
-            assert time.monotonic() < deadline, "the foreign daemon was never counted"
-            time.sleep(0.2)
+
+def test_prometheus_server_scraped_the_job(ran: Ran) -> None:
+    if not ran.prometheus:
+        pytest.skip("no prometheus binary (Debian: apt-get install prometheus); .ci/run installs it best effort")
+    query = urllib.parse.urlencode({"query": "fabricd_update_sent_bytes_total"})
+    want = {(ran.endpoints[x], cluster): v for x in ran.names
+            for cluster, v in by_cluster(ran.after[x], "fabricd_update_sent_bytes_total").items()}
+    assert want
+    deadline = time.monotonic() + 60
+    while True:  # until its latest scrape has the final counters
+        with urllib.request.urlopen(f"http://{ran.prometheus}/api/v1/query?{query}", timeout=10) as resp:
+            data = json.loads(resp.read())
+        assert data["status"] == "success"
+        got = {(r["metric"]["instance"], r["metric"]["cluster"]): float(r["value"][1])
+               for r in data["data"]["result"]}
+        if got == want:
+            break
+        assert time.monotonic() < deadline, f"prometheus has {got}, the daemons say {want}"
+        time.sleep(0.5)
+    assert all(r["metric"]["job"] == "fabricd" for r in data["data"]["result"])
+
+
+def test_a_foreign_daemon_is_counted_as_refused(ran: Ran, tmp_path: Path) -> None:
+    tb = ran.tb
+    foreign_ca = tmp_path / "foreign-ca"
+    subprocess.run([*fabricd_command(), "certs", "init-ca", "--out", str(foreign_ca)], check=True,
+                   capture_output=True, timeout=120)
+    first = daemon_status(tb.bridge_socket(tb.cluster_ids[0]))["listen_addrs"][0]
+    subprocess.run([*fabricd_command(), "init", "--cluster-id", "intruder", "--listen",
+                    f"/ip4/127.0.0.1/tcp/{free_port()}", "--ca", str(foreign_ca), "--out",
+                    str(tmp_path / "intruder"), "--bootstrap", first], check=True,
+                   capture_output=True, timeout=120)
+    set_toml_value(tmp_path / "intruder" / "cluster.toml", "ray", "address", "inprocess")
+    tb._spawn("intruder", tmp_path / "intruder" / "cluster.toml")
+    endpoint = ran.endpoints[tb.cluster_ids[0]]
+    key = ("fabricd_refusals_total", frozenset({("stage", "membership"), ("reason", "foreign_certificate")}))
+    assert ran.after[tb.cluster_ids[0]].get(key, 0) == 0
+    deadline = time.monotonic() + 60
+    while scrape(endpoint).get(key, 0) < 1:
+        assert time.monotonic() < deadline, "the foreign daemon was never counted"
+        time.sleep(0.2)
+    assert "intruder" not in {c["cluster_id"] for c in daemon_status(tb.bridge_socket(tb.cluster_ids[0]))["clusters"]
+                              if c["connected"]}
