@@ -2,8 +2,10 @@
 
 Reads only what the scheduler writes there (`summary.json`, `metrics.csv`; see
 `scheduler/results.py`), so it works from another terminal or machine and never talks to
-the mesh. A job in progress is rewritten after every round: a file caught half-written is
-read again, then skipped for this look, never an error.
+the mesh. `RunRecorder` is the writing side: given to the driver as its progress callback,
+it rewrites both files (atomically) after every round with `status` = running, then
+finished or failed. A file caught half-written by another writer is read again, then
+skipped for this look, never an error.
 """
 
 from __future__ import annotations
@@ -13,13 +15,17 @@ import csv
 import io
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from proto.job import JobSpec
+
 from .errors import SchedulerError
+from .results import JobSummary, RoundRecord, write_metrics_csv
 
 STATES = ("running", "finished", "failed")
 _NUMERIC = ("accuracy", "loss", "personalized_accuracy", "bytes_intra", "bytes_inter", "seconds")
@@ -65,6 +71,65 @@ class RunStatus:
                 "bytes_inter_total": sum(_int(r.get("bytes_inter")) for r in self.rounds),
                 "bytes_intra_total": sum(_int(r.get("bytes_intra")) for r in self.rounds),
                 "details": self.details, "error": self.error, "notes": self.notes}
+
+
+class RunRecorder:
+    """Keeps RUN_DIR's summary.json and metrics.csv current while a job runs.
+
+    Call it as the driver's progress callback, ``recorder(record, rounds_total)`` after each
+    round; ``failed(reason)`` if the job fails. `write_results` at the end replaces
+    summary.json with the final one (status then reads as finished). Optional ``metrics``
+    (a `worker.metrics.RunMetrics`) gets every round too.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike[str], summary: JobSummary, *,
+                 metrics: Any = None) -> None:
+        self.out = Path(out_dir)
+        self.summary = summary
+        self.metrics = metrics
+        self.rounds_total: int | None = None
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._write("running")
+
+    @classmethod
+    def for_job(cls, out_dir: str | os.PathLike[str], spec: JobSpec, *, backend: str,
+                metrics: Any = None) -> RunRecorder:
+        """A recorder for ``spec`` before its plan exists (communities are filled in by
+        the final summary)."""
+        summary = JobSummary(job_id=spec.job_id, backend=backend,
+                             placement_strategy=spec.placement.strategy,
+                             topology=spec.topology.kind, aggregation=spec.aggregation.name,
+                             compression=spec.transfer.compression, communities=0)
+        recorder = cls(out_dir, summary, metrics=metrics)
+        recorder.rounds_total = spec.training.federated_learning_rounds
+        recorder._write("running")
+        return recorder
+
+    def __call__(self, record: RoundRecord, rounds_total: int) -> None:
+        self.summary.rounds.append(record)
+        self.rounds_total = rounds_total
+        if self.metrics is not None:
+            self.metrics.observe_round(self.summary.job_id, record)
+        self._write("running")
+
+    def finished(self) -> None:
+        self._write("finished")
+
+    def failed(self, reason: str) -> None:
+        self._write("failed", error=reason)
+
+    def _write(self, state: str, error: str = "") -> None:
+        self.summary.finish()
+        data = {**self.summary.to_dict(), "status": state, "rounds_total": self.rounds_total}
+        if error:
+            data["error"] = error
+        # metrics.csv first: a reader that finds the new summary also finds its rounds
+        tmp_csv = self.out / ".metrics.csv.tmp"
+        write_metrics_csv(tmp_csv, self.summary.rounds)
+        os.replace(tmp_csv, self.out / "metrics.csv")
+        tmp = self.out / ".summary.json.tmp"
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, self.out / "summary.json")
 
 
 def _int(value: Any) -> int:

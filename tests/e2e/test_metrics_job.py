@@ -1,11 +1,14 @@
 """Must-show 1 (daemon side): a 3-cluster job over real daemons with /metrics on; every
 endpoint is scraped and parsed during and after the job, the byte counters match the
 daemons' status and summary.json's per-cluster figures, and a foreign peer is counted.
-Where a `prometheus` binary is installed (Debian's package; .ci/run installs it best
+Must-show 5 on the same job: `fedpilot-scheduler status` on its run directory shows the
+current round while it runs. Where a `prometheus` binary is installed (Debian's package; .ci/run installs it best
 effort), a real Prometheus server scrapes the job and its HTTP API returns the series."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import shutil
@@ -23,8 +26,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proto.job import JobSpec
+from scheduler.cli import main as cli_main
 from scheduler.driver import Driver
 from scheduler.mesh import BridgeChannel, daemon_status
+from scheduler.results import write_results
+from scheduler.status import RunRecorder
 from scheduler.testbed import LocalTestbed, fabricd_command, free_port, set_toml_value
 
 pytestmark = pytest.mark.slow
@@ -56,6 +62,8 @@ class Ran:
     scrapes_during: int
     after: dict[str, Samples] = field(default_factory=dict)
     prometheus: str = ""  # its address, if one ran
+    run_dir: Path = Path()
+    status_seen: list[tuple[str, int]] = field(default_factory=list)  # (state, round) while running
 
 
 def start_prometheus(root: Path, targets: list[str]) -> tuple[subprocess.Popen[bytes], str] | None:
@@ -107,27 +115,41 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ran]:
 
             def drive() -> None:
                 channel = BridgeChannel(tb.bridge_socket("scheduler"))
-                driver = Driver(spec, clusters, channel, backend="inprocess", timeout=300)
+                recorder = RunRecorder.for_job(run_dir, spec, backend="inprocess")
+                driver = Driver(spec, clusters, channel, backend="inprocess", timeout=300,
+                                progress=recorder)
                 try:
-                    result["summary"] = driver.run().summary
+                    job = driver.run()
+                    write_results(run_dir, job.summary)  # as submit does at the end
+                    result["summary"] = job.summary
                 except BaseException as exc:  # reported below
+                    recorder.failed(str(exc))
                     result["error"] = exc
                 finally:
                     driver.close()
                     channel.close()
 
+            run_dir = root / "run"
             thread = threading.Thread(target=drive)
             thread.start()
             scrapes_during = 0
+            status_seen = []
             while thread.is_alive():
                 for endpoint in endpoints.values():
                     scrape(endpoint)  # parses while the job runs
                 scrapes_during += 1
-                time.sleep(0.2)
+                if (run_dir / "summary.json").exists():
+                    out_text = io.StringIO()
+                    with contextlib.redirect_stdout(out_text):
+                        cli_main(["status", str(run_dir), "--json"])
+                    seen = json.loads(out_text.getvalue())
+                    status_seen.append((seen["state"], seen["round"]))
+                time.sleep(0.1)
             thread.join()
             assert "error" not in result, result.get("error")
             out = Ran(tb, names, endpoints, result["summary"], scrapes_during,
-                      prometheus=prometheus[1] if prometheus else "")
+                      prometheus=prometheus[1] if prometheus else "", run_dir=run_dir,
+                      status_seen=status_seen)
             out.after = {n: scrape(e) for n, e in endpoints.items()}
             yield out
         finally:
@@ -160,6 +182,16 @@ def test_three_cluster_job_metrics_match_summary(ran: Ran) -> None:
                                  by_cluster(after[x], "fabricd_update_sent_bytes_total").items()
                                  if y != "scheduler")
     assert inter_between_clusters == summary.bytes_inter_total
+
+
+def test_status_shows_the_running_jobs_current_round(ran: Ran, capsys: pytest.CaptureFixture[str]) -> None:
+    running = [r for state, r in ran.status_seen if state == "running"]
+    assert running, ran.status_seen
+    assert any(1 <= r < 3 for r in running), ran.status_seen  # a round mid-job, not just the ends
+    assert running == sorted(running)  # rounds only move forward
+    assert cli_main(["status", str(ran.run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"job metrics-job: finished, round 3, accuracy {ran.summary.rounds[-1].accuracy:.4f}")
 
 
 def test_prometheus_server_scraped_the_job(ran: Ran) -> None:

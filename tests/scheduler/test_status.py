@@ -129,3 +129,22 @@ def test_follow_prints_each_round_once_until_finished(tmp_path: Path) -> None:
         assert sum(line.startswith(f"{n:>5}  ") for line in out.splitlines()) == 1, out
     assert out.rstrip().endswith("job demo: finished, round 4 of 4, accuracy 0.5400")
     assert asdict(record(1))["round"] == 1
+
+
+def test_run_recorder_keeps_the_run_dir_current(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from proto.job import JobSpec
+    from scheduler.status import RunRecorder
+
+    spec = JobSpec.from_dict({"job": {"id": "rec"}, "training": {"federated_learning_rounds": 3}})
+    run = tmp_path / "runs" / "rec"
+    recorder = RunRecorder.for_job(run, spec, backend="inprocess")
+    s = read_run(run)
+    assert (s.state, s.current_round, s.rounds_total, s.job_id) == ("running", 0, 3, "rec")
+    recorder(record(1), 3)
+    recorder(record(2), 3)
+    assert main(["status", str(run)]) == 0
+    assert capsys.readouterr().out.startswith("job rec: running, round 2 of 3, accuracy 0.5200")
+    recorder.failed("cluster b lost")
+    assert main(["status", str(run)]) == 1
+    assert "job rec: failed, round 2 of 3, accuracy 0.5200 - cluster b lost" in capsys.readouterr().out
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.csv", "summary.json"]  # no temp files left
