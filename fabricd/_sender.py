@@ -15,10 +15,11 @@ de-duplicates, so sending it again after a failure cannot deliver it twice.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import trio
@@ -103,6 +104,44 @@ class StreamLost(Exception):
     """The stream broke before an ack came back (the update may be sent again)."""
 
 
+class BodyRefused(Exception):
+    """The sender's own check of the body failed; the stream was cut before its last chunk."""
+
+
+Gate = Callable[[], Awaitable[str | None]]
+
+
+class DigestGate:
+    """The payload's sha256, computed in a worker thread while the body is already being
+    sent; ``check`` (awaited before the last chunk) says why not to finish, or None.
+
+    So a payload that does not match its header is never delivered, and hashing overlaps
+    the network instead of preceding it."""
+
+    def __init__(self, payload: bytes | bytearray, expected: bytes) -> None:
+        self.payload = payload
+        self.expected = expected
+        self.reason: str | None = None
+        self._done = trio.Event()
+
+    async def run(self) -> None:
+        try:
+            digest = await trio.to_thread.run_sync(_sha256, self.payload)
+            if digest != self.expected:
+                self.reason = (f"payload sha256 {digest.hex()} does not match the header's "
+                               f"{self.expected.hex()}; nothing was delivered")
+        finally:
+            self._done.set()
+
+    async def check(self) -> str | None:
+        await self._done.wait()
+        return self.reason
+
+
+def _sha256(data: bytes | bytearray) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
 def backoff(attempt: int) -> float:
     """Seconds to wait before attempt ``attempt + 1`` (exponential, jittered, capped)."""
     return float(min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** attempt) * (0.5 + random.random()))
@@ -178,8 +217,11 @@ class StreamPool:
 
 
 async def exchange(stream: INetStream, header: UpdateHeader, body: Body, chunk_bytes: int,
-                   ack_timeout: float) -> tuple[UpdateAck, bool]:
+                   ack_timeout: float, gate: Gate | None = None) -> tuple[UpdateAck, bool]:
     """Write header and body, read the ack: (ack, whole body written before the ack).
+
+    ``gate`` is awaited before the last chunk; a reason from it stops the send
+    (BodyRefused; the caller resets the stream, so the receiver never gets it all).
 
     The writer stops between chunks when an early ack arrives (a rejection before the
     body); it is never cancelled inside a write, which could cut a yamux frame in half.
@@ -206,13 +248,22 @@ async def exchange(stream: INetStream, header: UpdateHeader, body: Body, chunk_b
     async with trio.open_nursery() as nursery:
         nursery.start_soon(read_ack)
         try:
-            await stream.write(frame(header))
-            for chunk in body_chunks(body, chunk_bytes):
-                if got_ack.is_set():
+            chunks = list(body_chunks(body, chunk_bytes))
+            refused = await gate() if gate is not None and len(chunks) <= 1 else None
+            if refused is None:
+                await stream.write(frame(header))
+            for i, chunk in enumerate(chunks):
+                if got_ack.is_set() or refused is not None:
                     break
+                if gate is not None and i == len(chunks) - 1:
+                    refused = await gate()
+                    if refused is not None:
+                        break
                 await stream.write(chunk)  # type: ignore[arg-type]  # yamux slices it
             else:
-                completed = True
+                completed = refused is None
+            if refused is not None:
+                failure = BodyRefused(refused)
         except Exception as exc:  # noqa: BLE001 - resets, closed muxers, dead connections
             # The receiver may have stopped us with an early ack; wait for it briefly.
             with trio.move_on_after(2):

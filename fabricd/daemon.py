@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from libp2p.crypto.keys import KeyPair
 
 from fabricd._host import HostStack, open_host_stack
-from fabricd._sender import Body, RepeatedBody
+from fabricd._sender import Body, BodyRefused, DigestGate, Gate, RepeatedBody
 from fabricd.bridge import BridgeServer, RequestFailed
 from fabricd.config import Config
 from fabricd.control import ControlService
@@ -304,22 +304,26 @@ class Daemon:
         if ack.status != "ok":
             raise RequestFailed(f"cluster {cluster_id!r} rejected the probe: {ack.reason}")
 
-    async def _send(self, peer_id: str, cluster_id: str, header: UpdateHeader, body: Body) -> Any:
+    async def _send(self, peer_id: str, cluster_id: str, header: UpdateHeader, body: Body,
+                    gate: Gate | None = None) -> Any:
         try:
-            return await self._send_once(peer_id, cluster_id, header, body)
+            return await self._send_once(peer_id, cluster_id, header, body, gate)
         except _ConnectionLost:
             # The connection went away under us (e.g. the peer just revoked us and hung up):
             # one fresh resolve re-runs the membership exchange and learns why.
             await trio.sleep(0.5)
             peer_id = await self.resolve(cluster_id)
             try:
-                return await self._send_once(peer_id, cluster_id, header, body)
+                return await self._send_once(peer_id, cluster_id, header, body, gate)
             except _ConnectionLost as exc:
                 raise RequestFailed(f"update to cluster {cluster_id!r} failed: {exc}") from None
 
-    async def _send_once(self, peer_id: str, cluster_id: str, header: UpdateHeader, body: Body) -> Any:
+    async def _send_once(self, peer_id: str, cluster_id: str, header: UpdateHeader, body: Body,
+                         gate: Gate | None = None) -> Any:
         try:
-            return await self.updates.send(peer_id, header, body)
+            return await self.updates.send(peer_id, header, body, gate)
+        except BodyRefused:
+            raise
         except NotAMember as exc:
             raise RequestFailed(f"cluster {cluster_id!r} is not a member: {exc}") from None
         except ProtocolError as exc:
@@ -331,22 +335,33 @@ class Daemon:
 
     async def send_update(self, target_cluster: str, header: UpdateHeader,
                           payload: bytes | bytearray) -> SendResult:
-        # Hashing a large payload takes a while: keep the event loop (and every other
-        # stream's reader) running meanwhile.
         if len(payload) < INLINE_HASH_BYTES:
             digest = _sha256(payload)
-        else:
-            digest = await trio.to_thread.run_sync(_sha256, payload)
-        if digest != header.sha256:
-            reason = (f"payload sha256 {digest.hex()} does not match the header's "
-                      f"{header.sha256.hex()}; nothing was sent")
-            log.warning("bridge.rejected", job=header.job_id, message_id=header.message_id, reason=reason)
-            return SendResult(message_id=header.message_id, ok=False, reason=reason, bytes=0)
+            if digest != header.sha256:
+                return self._refused(header, f"payload sha256 {digest.hex()} does not match the "
+                                             f"header's {header.sha256.hex()}; nothing was sent")
+            return await self._send_checked(target_cluster, header, payload, None)
+        # A large payload is hashed in a thread while it is already being sent; the last
+        # chunk waits for the result, so a mismatching one is never delivered.
+        gate = DigestGate(payload, header.sha256)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gate.run)
+            result = await self._send_checked(target_cluster, header, payload, gate.check)
+        return result
+
+    def _refused(self, header: UpdateHeader, reason: str) -> SendResult:
+        log.warning("bridge.rejected", job=header.job_id, message_id=header.message_id, reason=reason)
+        return SendResult(message_id=header.message_id, ok=False, reason=reason, bytes=0)
+
+    async def _send_checked(self, target_cluster: str, header: UpdateHeader, payload: bytes | bytearray,
+                            gate: Gate | None) -> SendResult:
         try:
             peer_id = await self.resolve(target_cluster)
-            ack = await self._send(peer_id, target_cluster, header, payload)
+            ack = await self._send(peer_id, target_cluster, header, payload, gate)
         except RequestFailed as exc:
             return SendResult(message_id=header.message_id, ok=False, reason=str(exc), bytes=0)
+        except BodyRefused as exc:
+            return self._refused(header, str(exc))
         ok = ack.status in ("ok", "duplicate")
         reason = "" if ack.status == "ok" else f"{ack.status}: {ack.reason}"
         return SendResult(message_id=header.message_id, ok=ok, reason=reason,

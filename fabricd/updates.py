@@ -23,7 +23,16 @@ from typing import Protocol
 import trio
 from libp2p.abc import IHost, INetStream
 
-from fabricd._sender import SEND_ATTEMPTS, Body, StreamLost, StreamPool, backoff, discard, exchange
+from fabricd._sender import (
+    SEND_ATTEMPTS,
+    Body,
+    Gate,
+    StreamLost,
+    StreamPool,
+    backoff,
+    discard,
+    exchange,
+)
 from fabricd._streams import (
     STREAM_ERRORS,
     close_quietly,
@@ -292,7 +301,7 @@ class UpdateService:
 
     # ---- sending -----------------------------------------------------------------------
 
-    async def send(self, peer_id: str, header: UpdateHeader, body: Body) -> UpdateAck:
+    async def send(self, peer_id: str, header: UpdateHeader, body: Body, gate: Gate | None = None) -> UpdateAck:
         """Stream one update to ``peer_id`` and return its ack (rejections included).
 
         Broken streams and failed opens are retried (bounded, with backoff; the receiver
@@ -305,7 +314,7 @@ class UpdateService:
         async with self.pool.slots(peer_id):
             self.metrics.stream_opened("sent")
             try:
-                result = await self._send_retrying(peer_id, header, body)
+                result = await self._send_retrying(peer_id, header, body, gate)
             finally:
                 self.metrics.stream_closed("sent")
         counters = self.jobs[header.job_id]
@@ -315,14 +324,15 @@ class UpdateService:
             self.metrics.update_sent(cert.cluster_id, header.byte_length, time.perf_counter() - started)
         return result
 
-    async def _send_retrying(self, peer_id: str, header: UpdateHeader, body: Body) -> UpdateAck:
+    async def _send_retrying(self, peer_id: str, header: UpdateHeader, body: Body,
+                             gate: Gate | None) -> UpdateAck:
         ack_timeout = self.stream_timeout + header.byte_length / 50e6
         busy_until = time.monotonic() + self.stream_timeout
         failures = busy = 0
         while True:
             stream, reused = await self.pool.take(peer_id)
             try:
-                result, completed = await exchange(stream, header, body, self.chunk_bytes, ack_timeout)
+                result, completed = await exchange(stream, header, body, self.chunk_bytes, ack_timeout, gate)
             except StreamLost as exc:
                 await discard(stream, clean=False)
                 if not reused:  # a stale pooled stream costs one free retry

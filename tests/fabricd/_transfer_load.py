@@ -31,6 +31,7 @@ PREFIX = 16
 class BlastResult:
     count: int
     size: int
+    job: str = ""
     ok: int = 0
     failed: list[str] = field(default_factory=list)
     delivered: int = 0
@@ -78,7 +79,7 @@ def blast(sender: Node, receiver: Node, count: int, size: int, *, sockets: int =
     base = os.urandom(size)
     rest = memoryview(base)[PREFIX:]
     expected: dict[str, bytes] = {}
-    result = BlastResult(count, size)
+    result = BlastResult(count, size, job)
     lock = threading.Lock()
     done = threading.Event()
     stop = threading.Event()

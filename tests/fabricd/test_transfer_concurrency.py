@@ -3,13 +3,17 @@ probes into one daemon all arrive, each verified; streams are reused across upda
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import socket
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from fabricd.config import load_config
+from proto.bridge import BridgeClient, SendResult, SendUpdate
 from tests.fabricd._harness import FABRICD, Node, bridge_status, connected_fast, wait_until
 from tests.fabricd._transfer_load import blast
 
@@ -74,7 +78,7 @@ def test_a_broken_pooled_stream_is_retried_transparently(mesh) -> None:
     second = blast(a, r, count=4, size=64 * 1024, sockets=1)
     assert second.ok == 4 and second.delivered == 4 and second.digest_mismatch == 0, second.summary()
     # The sender's own retry handled the dead streams; none of the sends failed outright.
-    assert "event=update.send_failed" not in a.log()
+    assert f"event=update.send_failed peer={bridge_status(r)['peer_id']} message_id={second.job}" not in a.log()
     r.stop()
 
 
@@ -84,3 +88,26 @@ def test_64_mib_updates_go_executor_to_executor_through_both_bridges(mesh) -> No
     result = blast(a, b, count=3, size=64 * MIB, sockets=2)
     assert result.failed == [] and result.ok == 3, result.summary()
     assert result.delivered == 3 and result.digest_mismatch == 0, result.summary()
+
+
+def test_a_large_payload_that_does_not_match_its_digest_is_never_delivered(mesh) -> None:
+    """Large payloads are hashed while already streaming; the last chunk waits for the hash."""
+    a, b = mesh.nodes["a"], mesh.nodes["b"]
+    wait_until(lambda: "b" in connected_fast(a), timeout=30)
+    payload = b"z" * (9 * MIB)
+    job = "gate-1"
+    path_a, path_b = (str(load_config(n.config).bridge_socket) for n in (a, b))
+    with BridgeClient(path_b, role="executor", cluster_id="b", job_id=job, timeout=30) as executor, \
+            BridgeClient(path_a, role="executor", cluster_id="a", job_id=job, timeout=60) as sender:
+        wait_until(lambda: any(c["job_id"] == job for c in bridge_status(b)["bridge_clients"]), 10)
+        bad = SendUpdate(target_cluster="b", job_id=job, round=1, source_node="n1", target_node="n2",
+                         message_id="gate-bad", tensor_count=1, byte_length=len(payload),
+                         sha256=hashlib.sha256(b"something else").digest())
+        reply, _ = sender.request(bad, payload)
+        assert isinstance(reply, SendResult) and not reply.ok, reply
+        assert "sha256" in reply.reason and "nothing was delivered" in reply.reason, reply.reason
+        executor.sock.settimeout(1.0)
+        with pytest.raises(socket.timeout):
+            executor.recv()
+    assert "gate-bad" not in [m for m in re.findall(r"event=update\.received .*?message_id=(\S+)", b.log())]
+    assert bridge_status(b)["jobs"].get(job, {}).get("received_updates", 0) == 0
