@@ -61,11 +61,9 @@ def run(args: argparse.Namespace) -> int:
         histograms = synthetic_histograms(n, beta=spec.data.dirichlet_beta, seed=spec.seed)
     else:
         # Labels 0..C-1 here; a user model's output size in a child (plan never imports torch).
-        from worker.data.preflight import check_job_inputs, check_model_in_child
+        from worker.data.preflight import check_before_start
 
-        check_job_inputs(spec, str(args.job), model=False)
-        if ":" in spec.model.name:
-            check_model_in_child(spec, str(args.job))
+        check_before_start(spec, str(args.job))
     plan = plan_job(spec, slots, strategy=args.strategy, histograms=histograms,
                     compare=COMPARE if args.json else ())
     if args.out:

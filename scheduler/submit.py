@@ -90,8 +90,11 @@ def _terminate(signum: int, frame: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from scheduler.jobfile import load_job
     from scheduler.mesh import BridgeChannel, wait_for_clusters
+    from scheduler.status import RunRecorder
+    from worker.data.preflight import check_before_start
 
     spec = load_job(args.job)
+    check_before_start(spec, str(args.job))  # labels and model, before any daemon or Ray starts
     out = Path(args.out or Path("runs") / spec.job_id)
     testbed = None
     channel = None
@@ -116,11 +119,22 @@ def run(args: argparse.Namespace) -> int:
             clusters = wait_for_clusters(socket_path, expected=expected, timeout=args.wait)
         print(f"clusters: {', '.join(c.cluster_id for c in clusters)}", file=sys.stderr)
         channel = BridgeChannel(socket_path)
-        driver = Driver(spec, clusters, channel, backend=args.backend,
-                        progress=None if args.quiet else ProgressBar(sys.stderr),
+        # out/summary.json and metrics.csv follow the job round by round (`status RUN_DIR`)
+        recorder = RunRecorder.for_job(out, spec, backend=args.backend)
+        bar = None if args.quiet else ProgressBar(sys.stderr)
+
+        def progress(record: RoundRecord, total: int) -> None:
+            recorder(record, total)
+            if bar is not None:
+                bar(record, total)
+
+        driver = Driver(spec, clusters, channel, backend=args.backend, progress=progress,
                         timeout=args.round_timeout)
         try:
             result = driver.run()
+        except BaseException as exc:
+            recorder.failed(str(exc) or type(exc).__name__)
+            raise
         finally:
             driver.close()
         write_results(out, result.summary, placement=result.placement, model_bytes=result.model)

@@ -93,3 +93,17 @@ def test_plan_refuses_a_wrong_model_in_one_line(setup: tuple[Path, str]) -> None
     assert len(lines) == 1, proc.stderr
     assert "gives 7 outputs per sample" in lines[0] and "has 3 classes" in lines[0]
     assert proc.stdout == ""
+
+
+def test_submit_refuses_a_stray_label_before_any_daemon_starts(setup: tuple[Path, str]) -> None:
+    tmp_path, _ = setup
+    path = job(tmp_path, "npz:stray.npz", "mlp")
+    proc = subprocess.run([sys.executable, "-m", "scheduler.cli", "submit", str(path), "--local", "2",
+                           "--backend", "inprocess", "--workdir", str(tmp_path / "tb"), "--out",
+                           str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(Path.cwd()), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "label 255" in lines[0] and "stray.npz" in lines[0], proc.stderr
+    assert not (tmp_path / "tb").exists() and not (tmp_path / "out").exists()  # nothing started

@@ -37,6 +37,14 @@ def check_job_inputs(spec: JobSpec, source: str, *, model: bool = True) -> Datas
     return dataset
 
 
+def check_before_start(spec: JobSpec, source: str) -> None:
+    """What `plan` and `submit` run first: the data here, a user model in a child Python
+    (the calling process never imports torch); JobSpecError naming the key otherwise."""
+    check_job_inputs(spec, source, model=False)
+    if ":" in spec.model.name:
+        check_model_in_child(spec, source)
+
+
 def check_model_in_child(spec: JobSpec, source: str, timeout: float = 600) -> None:
     """`check_job_inputs` in a fresh Python (same environment), for callers without torch."""
     proc = subprocess.run([sys.executable, "-m", "worker.data.preflight", source],
