@@ -47,6 +47,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--workdir", metavar="DIR",
                    help="with --local: keep the testbed's configs and logs here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--metrics", metavar="HOST:PORT",
+                   help="serve the job's metrics (fedpilot_scheduler_*, docs/observability.md) "
+                        "in Prometheus format at http://HOST:PORT/metrics while it runs")
     p.set_defaults(func=run)
 
 
@@ -98,6 +101,12 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or Path("runs") / spec.job_id)
     testbed = None
     channel = None
+    metrics = None
+    if args.metrics:
+        from worker.metrics import RunMetrics
+
+        metrics = RunMetrics("scheduler")
+        print(f"metrics: http://{metrics.serve(args.metrics)}/metrics", file=sys.stderr)
     previous = signal.signal(signal.SIGTERM, _terminate)
     started = time.perf_counter()
     try:
@@ -120,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"clusters: {', '.join(c.cluster_id for c in clusters)}", file=sys.stderr)
         channel = BridgeChannel(socket_path)
         # out/summary.json and metrics.csv follow the job round by round (`status RUN_DIR`)
-        recorder = RunRecorder.for_job(out, spec, backend=args.backend)
+        recorder = RunRecorder.for_job(out, spec, backend=args.backend, metrics=metrics)
         bar = None if args.quiet else ProgressBar(sys.stderr)
 
         def progress(record: RoundRecord, total: int) -> None:
@@ -155,3 +164,5 @@ def run(args: argparse.Namespace) -> int:
             channel.close()
         if testbed is not None:
             testbed.close()
+        if metrics is not None:
+            metrics.close()

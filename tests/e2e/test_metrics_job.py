@@ -32,6 +32,7 @@ from scheduler.mesh import BridgeChannel, daemon_status
 from scheduler.results import write_results
 from scheduler.status import RunRecorder
 from scheduler.testbed import LocalTestbed, fabricd_command, free_port, set_toml_value
+from worker.metrics import RunMetrics
 
 pytestmark = pytest.mark.slow
 
@@ -63,6 +64,7 @@ class Ran:
     after: dict[str, Samples] = field(default_factory=dict)
     prometheus: str = ""  # its address, if one ran
     run_dir: Path = Path()
+    scheduler_metrics: Samples = field(default_factory=dict)  # fedpilot_scheduler_* at the end
     status_seen: list[tuple[str, int]] = field(default_factory=list)  # (state, round) while running
 
 
@@ -115,7 +117,7 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ran]:
 
             def drive() -> None:
                 channel = BridgeChannel(tb.bridge_socket("scheduler"))
-                recorder = RunRecorder.for_job(run_dir, spec, backend="inprocess")
+                recorder = RunRecorder.for_job(run_dir, spec, backend="inprocess", metrics=job_metrics)
                 driver = Driver(spec, clusters, channel, backend="inprocess", timeout=300,
                                 progress=recorder)
                 try:
@@ -130,12 +132,14 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ran]:
                     channel.close()
 
             run_dir = root / "run"
+            job_metrics = RunMetrics("scheduler")  # what `submit --metrics HOST:PORT` serves
+            job_endpoint = job_metrics.serve("127.0.0.1:0")
             thread = threading.Thread(target=drive)
             thread.start()
             scrapes_during = 0
             status_seen = []
             while thread.is_alive():
-                for endpoint in endpoints.values():
+                for endpoint in [*endpoints.values(), job_endpoint]:
                     scrape(endpoint)  # parses while the job runs
                 scrapes_during += 1
                 if (run_dir / "summary.json").exists():
@@ -151,6 +155,8 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ran]:
                       prometheus=prometheus[1] if prometheus else "", run_dir=run_dir,
                       status_seen=status_seen)
             out.after = {n: scrape(e) for n, e in endpoints.items()}
+            out.scheduler_metrics = scrape(job_endpoint)
+            job_metrics.close()
             yield out
         finally:
             if prometheus is not None:
@@ -182,6 +188,18 @@ def test_three_cluster_job_metrics_match_summary(ran: Ran) -> None:
                                  by_cluster(after[x], "fabricd_update_sent_bytes_total").items()
                                  if y != "scheduler")
     assert inter_between_clusters == summary.bytes_inter_total
+
+
+def test_scheduler_job_metrics_match_summary(ran: Ran) -> None:
+    s, summary = ran.scheduler_metrics, ran.summary
+    job = {("job", "metrics-job")}
+    assert s[("fedpilot_scheduler_round", frozenset(job))] == 3
+    assert s[("fedpilot_scheduler_rounds_total", frozenset(job))] == 3
+    assert s[("fedpilot_scheduler_bytes_total", frozenset(job | {("scope", "inter")}))] == summary.bytes_inter_total
+    assert s[("fedpilot_scheduler_bytes_total", frozenset(job | {("scope", "intra")}))] == summary.bytes_intra_total
+    assert s[("fedpilot_scheduler_accuracy", frozenset(job))] == pytest.approx(summary.final_accuracy)
+    assert s[("fedpilot_scheduler_round_seconds_sum", frozenset(job))] == pytest.approx(
+        sum(r.seconds for r in summary.rounds))
 
 
 def test_status_shows_the_running_jobs_current_round(ran: Ran, capsys: pytest.CaptureFixture[str]) -> None:

@@ -67,3 +67,15 @@ def test_scheduler_metrics_count_cluster_losses_and_nan_accuracy() -> None:
         parse_endpoint("9101")
     with pytest.raises(ValueError):
         RunMetrics("worker")
+
+
+def test_submit_rejects_a_bad_metrics_endpoint_before_starting(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from scheduler.cli import main
+
+    job = tmp_path / "job.toml"
+    job.write_text("[data]\nnumber_of_clients = 3\n")
+    assert main(["submit", str(job), "--local", "1", "--backend", "inprocess", "--workdir",
+                 str(tmp_path / "tb"), "--metrics", "nonsense"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "metrics endpoint 'nonsense': expected HOST:PORT" in err and "\n" not in err
+    assert not (tmp_path / "tb").exists()
