@@ -68,12 +68,46 @@ class RepeatedBody:
                 yield piece
 
 
-Body = bytes | bytearray | memoryview | RepeatedBody
+class FillingBuffer:
+    """A payload still arriving from the bridge while it is already being sent (cut-through):
+    ``filled`` bytes of ``buf`` are there; ``wait_filled(n)`` waits for n of them and returns
+    why they will never come (the client went away or broke the frame), or None."""
+
+    def __init__(self, buf: bytearray) -> None:
+        self.buf = buf
+        self.filled = 0
+        self.failed: str | None = None
+        self._changed = trio.Event()
+
+    def __len__(self) -> int:
+        return len(self.buf)
+
+    def advance(self, filled: int) -> None:
+        self.filled = filled
+        self._wake()
+
+    def fail(self, reason: str) -> None:
+        self.failed = reason
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_filled(self, n: int) -> str | None:
+        while self.filled < n and self.failed is None:
+            await self._changed.wait()
+        return self.failed if self.filled < n else None
+
+
+Body = bytes | bytearray | memoryview | RepeatedBody | FillingBuffer
 
 
 def body_chunks(body: Body, chunk_bytes: int) -> Iterator[memoryview]:
     if isinstance(body, RepeatedBody):
         return body.chunks(chunk_bytes)
+    if isinstance(body, FillingBuffer):
+        return iter_chunks(body.buf, chunk_bytes)
     return iter_chunks(body, chunk_bytes)
 
 
@@ -118,20 +152,47 @@ class DigestGate:
     So a payload that does not match its header is never delivered, and hashing overlaps
     the network instead of preceding it."""
 
-    def __init__(self, payload: bytes | bytearray, expected: bytes) -> None:
+    STEP = 8 * 1024 * 1024
+
+    def __init__(self, payload: bytes | bytearray | FillingBuffer, expected: bytes) -> None:
         self.payload = payload
         self.expected = expected
         self.reason: str | None = None
+        self._digest = b""
         self._done = trio.Event()
 
     async def run(self) -> None:
         try:
-            digest = await trio.to_thread.run_sync(_sha256, self.payload)
+            if isinstance(self.payload, FillingBuffer):
+                self.reason = await self._hash_while_filling(self.payload)
+                if self.reason is not None:
+                    return
+                digest = self._digest
+            else:
+                digest = await trio.to_thread.run_sync(_sha256, self.payload)
             if digest != self.expected:
                 self.reason = (f"payload sha256 {digest.hex()} does not match the header's "
                                f"{self.expected.hex()}; nothing was delivered")
         finally:
             self._done.set()
+
+    async def _hash_while_filling(self, body: FillingBuffer) -> str | None:
+        """Hash the bytes as they arrive, STEP at a time; the reason if they never all do."""
+        state = hashlib.sha256()
+        view = memoryview(body.buf)
+        pos = 0
+        try:
+            while pos < len(view):
+                end = min(len(view), pos + self.STEP)
+                why = await body.wait_filled(end)
+                if why is not None:
+                    return f"the payload did not arrive in full from the bridge client ({why}); nothing was delivered"
+                await trio.to_thread.run_sync(state.update, view[pos:end])
+                pos = end
+        finally:
+            view.release()
+        self._digest = state.digest()
+        return None
 
     async def check(self) -> str | None:
         await self._done.wait()
@@ -252,9 +313,15 @@ async def exchange(stream: INetStream, header: UpdateHeader, body: Body, chunk_b
             refused = await gate() if gate is not None and len(chunks) <= 1 else None
             if refused is None:
                 await stream.write(frame(header))
+            offset = 0
             for i, chunk in enumerate(chunks):
                 if got_ack.is_set() or refused is not None:
                     break
+                offset += len(chunk)
+                if isinstance(body, FillingBuffer):
+                    refused = await body.wait_filled(offset)
+                    if refused is not None:
+                        break
                 if gate is not None and i == len(chunks) - 1:
                     refused = await gate()
                     if refused is not None:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import trio
 
-from fabricd._sender import ByteBudget
+from fabricd._sender import ByteBudget, FillingBuffer
 from fabricd.executors import ExecutorLauncher
 from fabricd.logs import get_logger
 from fabricd.updates import DeliveryError
@@ -44,6 +45,7 @@ from proto.bridge import (
     SendUpdate,
     StatusReply,
     StatusRequest,
+    tune_socket,
 )
 from proto.errors import ProtocolError
 from proto.messages import UpdateHeader
@@ -51,6 +53,12 @@ from proto.messages import UpdateHeader
 log = get_logger("fabricd.bridge")
 
 CONSUMER_ROLES = ("executor", "scheduler")
+#: SendUpdate payloads at least this large start streaming before they have fully arrived.
+CUT_THROUGH_BYTES = 4 * 1024 * 1024
+
+
+def _nothing() -> None:
+    return None
 
 
 class BridgeBackend(Protocol):
@@ -59,7 +67,7 @@ class BridgeBackend(Protocol):
     async def probe(self, cluster_id: str, nbytes: int) -> ProbeReply: ...
 
     async def send_update(self, target_cluster: str, header: UpdateHeader,
-                          payload: bytes | bytearray) -> SendResult: ...
+                          payload: bytes | bytearray | FillingBuffer) -> SendResult: ...
 
     async def send_control(self, target_cluster: str, request_id: str, body: dict[str, Any]) -> ControlResult: ...
 
@@ -141,6 +149,7 @@ class BridgeServer:
 
     async def _serve_client(self, stream: trio.SocketStream) -> None:
         self._numbers += 1
+        tune_socket(stream.socket)
         client = BridgeClient(BridgeStream(stream, self.max_payload), self._numbers)
         try:
             async with trio.open_nursery() as nursery:
@@ -161,20 +170,11 @@ class BridgeServer:
 
     async def _read_loop(self, client: BridgeClient, nursery: trio.Nursery) -> None:
         while True:
-            reserved = 0
             try:
-                msg, length = await client.stream.recv_header()
-                if length:
-                    await self.outgoing.acquire(length)
-                    reserved = length
-                    payload: bytes | bytearray = await client.stream.recv_payload(msg, length)
-                else:
-                    payload = b""
+                msg, payload, release = await self._next_frame(client, nursery)
             except EOFError:
-                self.outgoing.release(reserved)
                 return
             except ProtocolError as exc:
-                self.outgoing.release(reserved)
                 self.rejected_frames += 1
                 reason = f"{type(exc).__name__}: {exc}"
                 log.warning("bridge.rejected", client=client.number, role=client.role or "?", reason=reason)
@@ -183,7 +183,10 @@ class BridgeServer:
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass
                 return
+            if msg is None:
+                continue  # a large SendUpdate, already being served while it arrived
             if not client.role:
+                release()
                 if not isinstance(msg, Hello):
                     self.rejected_frames += 1
                     reason = f"the first frame must be Hello, got {msg.TYPE}"
@@ -195,6 +198,7 @@ class BridgeServer:
                 log.info("bridge.client_joined", client=client.number, role=msg.role, job=msg.job_id or "-")
                 continue
             if isinstance(msg, ControlReply):
+                release()
                 channel = client.pending.pop(msg.request_id, None)
                 if channel is None:
                     log.warning("bridge.rejected", client=client.number,
@@ -203,23 +207,66 @@ class BridgeServer:
                 channel.send_nowait(msg)
                 continue
             # Slow work (network) runs in its own task, so this loop keeps reading.
-            nursery.start_soon(self._serve_request, client, msg, payload, reserved)
+            nursery.start_soon(self._serve_request, client, msg, payload, release)
 
-    async def _serve_request(self, client: BridgeClient, msg: BridgeMessage, payload: bytes | bytearray,
-                             reserved: int = 0) -> None:
+    async def _next_frame(self, client: BridgeClient, nursery: trio.Nursery
+                          ) -> tuple[BridgeMessage | None, bytes | bytearray, Callable[[], None]]:
+        """The next frame: (message, payload, release its share of the outgoing budget).
+
+        A payload waits for room in the budget before it is read (backpressure). A large
+        SendUpdate is served while its payload still arrives (cut-through: the network send
+        starts at once); then the message returned is None.
+        """
+        msg, length = await client.stream.recv_header()
+        if not length:
+            return msg, b"", _nothing
+        await self.outgoing.acquire(length)
+        release = self._releaser(length, 1)
+        try:
+            if length < CUT_THROUGH_BYTES or not client.role or not isinstance(msg, SendUpdate):
+                return msg, await client.stream.recv_payload(msg, length), release
+            # zeroing a large buffer takes a while: not on the event loop
+            body = FillingBuffer(await trio.to_thread.run_sync(bytearray, length))
+            release = self._releaser(length, 2)  # the sender task holds it too
+            nursery.start_soon(self._serve_request, client, msg, body, release)
+            try:
+                await client.stream.recv_payload(msg, length, into=body.buf, progress=body.advance)
+            except BaseException as exc:
+                body.fail(f"{type(exc).__name__}: {exc}")
+                raise
+            release()
+            return None, b"", _nothing
+        except BaseException:
+            release()
+            raise
+
+    def _releaser(self, nbytes: int, holders: int) -> Callable[[], None]:
+        left = [holders]
+
+        def release() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self.outgoing.release(nbytes)
+
+        return release
+
+    async def _serve_request(self, client: BridgeClient, msg: BridgeMessage,
+                             payload: bytes | bytearray | FillingBuffer,
+                             release: Callable[[], None] = lambda: None) -> None:
         try:
             reply, reply_payload = await self._dispatch(msg, payload)
         except RequestFailed as exc:
             reply, reply_payload = Error(reason=str(exc)), b""
         finally:
             del payload
-            self.outgoing.release(reserved)
+            release()
         try:
             await client.send(reply, reply_payload)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             log.info("bridge.client_gone", client=client.number, reply=reply.TYPE)
 
-    async def _dispatch(self, msg: BridgeMessage, payload: bytes | bytearray) -> tuple[BridgeMessage, bytes]:
+    async def _dispatch(self, msg: BridgeMessage, payload: bytes | bytearray | FillingBuffer
+                        ) -> tuple[BridgeMessage, bytes]:
         if isinstance(msg, StatusRequest):
             return StatusReply(status=self.backend.status()), b""
         if isinstance(msg, ProbeRequest):

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from libp2p.crypto.keys import KeyPair
 
 from fabricd._host import HostStack, open_host_stack
-from fabricd._sender import Body, BodyRefused, DigestGate, Gate, RepeatedBody
+from fabricd._sender import Body, BodyRefused, DigestGate, FillingBuffer, Gate, RepeatedBody
 from fabricd.bridge import BridgeServer, RequestFailed
 from fabricd.config import Config
 from fabricd.control import ControlService
@@ -334,15 +334,16 @@ class Daemon:
             raise _ConnectionLost(f"{type(exc).__name__}: {exc}") from None
 
     async def send_update(self, target_cluster: str, header: UpdateHeader,
-                          payload: bytes | bytearray) -> SendResult:
-        if len(payload) < INLINE_HASH_BYTES:
+                          payload: bytes | bytearray | FillingBuffer) -> SendResult:
+        if not isinstance(payload, FillingBuffer) and len(payload) < INLINE_HASH_BYTES:
             digest = _sha256(payload)
             if digest != header.sha256:
                 return self._refused(header, f"payload sha256 {digest.hex()} does not match the "
                                              f"header's {header.sha256.hex()}; nothing was sent")
             return await self._send_checked(target_cluster, header, payload, None)
-        # A large payload is hashed in a thread while it is already being sent; the last
-        # chunk waits for the result, so a mismatching one is never delivered.
+        # A large payload is hashed in a thread while it is already being sent (and may
+        # still be arriving from the bridge); the last chunk waits for the result, so a
+        # mismatching or incomplete one is never delivered.
         gate = DigestGate(payload, header.sha256)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(gate.run)
@@ -353,8 +354,8 @@ class Daemon:
         log.warning("bridge.rejected", job=header.job_id, message_id=header.message_id, reason=reason)
         return SendResult(message_id=header.message_id, ok=False, reason=reason, bytes=0)
 
-    async def _send_checked(self, target_cluster: str, header: UpdateHeader, payload: bytes | bytearray,
-                            gate: Gate | None) -> SendResult:
+    async def _send_checked(self, target_cluster: str, header: UpdateHeader,
+                            payload: bytes | bytearray | FillingBuffer, gate: Gate | None) -> SendResult:
         try:
             peer_id = await self.resolve(target_cluster)
             ack = await self._send(peer_id, target_cluster, header, payload, gate)

@@ -108,6 +108,20 @@ def _check_payload_length(msg: BridgeMessage, length: int) -> None:
 
 # ---- blocking sockets -------------------------------------------------------------------
 
+#: Socket buffers for bridge connections: update payloads are MiBs, and the default
+#: ~200 KiB makes every 64 MiB payload ~300 wake-ups of the daemon's event loop.
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+
+
+def tune_socket(sock: Any) -> None:
+    """Larger send/receive buffers on a bridge socket (best effort: the kernel may cap them)."""
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        except OSError:
+            pass
+
+
 def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -206,9 +220,11 @@ class BridgeStream:
         header = await self._reader.read_exactly(parse_header_length(prefix, self.max_header))
         return decode_bridge_header(header, self.max_payload, max_header=self.max_header)
 
-    async def recv_payload(self, msg: BridgeMessage, length: int) -> bytearray:
-        """``length`` payload bytes, received straight into one buffer (one copy)."""
-        buf = bytearray(length)
+    async def recv_payload(self, msg: BridgeMessage, length: int, into: bytearray | None = None,
+                           progress: Callable[[int], None] | None = None) -> bytearray:
+        """``length`` payload bytes, received straight into one buffer (one copy): ``into``
+        if given (its length must be ``length``), calling ``progress(bytes so far)``."""
+        buf = bytearray(length) if into is None else into
         view = memoryview(buf)
         got = 0
         while got < length:
@@ -217,6 +233,8 @@ class BridgeStream:
                 break
             view[got:got + len(data)] = data
             got += len(data)
+        if progress is not None and got:
+            progress(got)
         sock = getattr(self.stream, "socket", None)
         while got < length:
             if sock is not None:
@@ -229,6 +247,8 @@ class BridgeStream:
                 view.release()
                 raise MalformedFrame(f"bridge {msg.TYPE}: payload ended after {got} of {length}")
             got += n
+            if progress is not None:
+                progress(got)
         view.release()
         return buf
 
@@ -244,6 +264,7 @@ class BridgeClient:
         self.max_payload = max_payload
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
+        tune_socket(self.sock)
         try:
             self.sock.connect(path)
         except OSError as exc:
@@ -293,6 +314,7 @@ __all__ = [
     "StatusReply",
     "StatusRequest",
     "bridge_header",
+    "tune_socket",
     "decode_bridge_header",
     "encode_bridge",
     "recv_bridge",

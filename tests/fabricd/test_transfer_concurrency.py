@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import socket
 import subprocess
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from fabricd.config import load_config
-from proto.bridge import BridgeClient, SendResult, SendUpdate
+from proto.bridge import BridgeClient, Delivery, SendResult, SendUpdate, bridge_header
 from tests.fabricd._harness import FABRICD, Node, bridge_status, connected_fast, wait_until
 from tests.fabricd._transfer_load import blast
 
@@ -111,3 +113,36 @@ def test_a_large_payload_that_does_not_match_its_digest_is_never_delivered(mesh)
             executor.recv()
     assert "gate-bad" not in [m for m in re.findall(r"event=update\.received .*?message_id=(\S+)", b.log())]
     assert bridge_status(b)["jobs"].get(job, {}).get("received_updates", 0) == 0
+
+
+def test_a_client_that_leaves_mid_payload_delivers_nothing_and_frees_its_budget(mesh) -> None:
+    """Large payloads are sent while still arriving (cut-through); a client that hangs up
+    halfway leaves no partial update anywhere and no bytes booked against the budget."""
+    a, b = mesh.nodes["a"], mesh.nodes["b"]
+    wait_until(lambda: "b" in connected_fast(a), timeout=30)
+    payload = os.urandom(MIB) * 16
+    job = "cut-1"
+    path_a, path_b = (str(load_config(n.config).bridge_socket) for n in (a, b))
+    msg = SendUpdate(target_cluster="b", job_id=job, round=1, source_node="n1", target_node="n2",
+                     message_id="cut-half", tensor_count=1, byte_length=len(payload),
+                     sha256=hashlib.sha256(payload).digest())
+    with BridgeClient(path_b, role="executor", cluster_id="b", job_id=job, timeout=30) as executor:
+        wait_until(lambda: any(c["job_id"] == job for c in bridge_status(b)["bridge_clients"]), 10)
+        with BridgeClient(path_a, role="executor", cluster_id="a", job_id=job, timeout=30) as quitter:
+            quitter.sock.sendall(bridge_header(msg, len(payload)))
+            quitter.sock.sendall(payload[: len(payload) // 2])
+        wait_until(lambda: bridge_status(a)["transfer"]["outgoing_bytes"] == 0, timeout=30)
+        executor.sock.settimeout(2.0)
+        with pytest.raises(socket.timeout):
+            executor.recv()
+        # The same update sent in full afterwards arrives once, intact.
+        executor.sock.settimeout(60)
+        got: list[tuple[object, bytes]] = []
+        reader = threading.Thread(target=lambda: got.append(executor.recv()), daemon=True)
+        reader.start()  # the daemon hands the update over while the sender waits for its ack
+        with BridgeClient(path_a, role="executor", cluster_id="a", job_id=job, timeout=60) as sender:
+            reply, _ = sender.request(msg, payload)
+        assert isinstance(reply, SendResult) and reply.ok, reply
+        reader.join(60)
+        delivery, body = got[0]
+        assert isinstance(delivery, Delivery) and delivery.message_id == "cut-half" and body == payload

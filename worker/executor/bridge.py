@@ -28,6 +28,7 @@ from proto.bridge import (
     SendUpdate,
     recv_bridge,
     send_bridge,
+    tune_socket,
 )
 from proto.errors import ProtocolError
 
@@ -67,6 +68,7 @@ class BridgeLink:
         self._max_payload = max_payload
         self._send_timeout = send_timeout
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        tune_socket(self._sock)
         try:
             self._sock.connect(path)
         except OSError as exc:
