@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -273,10 +274,14 @@ def format_status(s: RunStatus) -> str:
     return "\n".join(lines) + "\n"
 
 
-def follow(run_dir: str | Path, out: TextIO, *, interval: float, timeout: float | None) -> RunStatus:
-    """Print the status, then one line per new round until the job is finished or failed."""
+def follow(run_dir: str | Path, out: TextIO, *, interval: float, timeout: float | None,
+           on_status: Callable[[RunStatus], None] | None = None) -> RunStatus:
+    """Print the status, then one line per new round until the job is finished or failed
+    (``on_status`` sees every look, e.g. to write TensorBoard scalars)."""
     start = time.monotonic()
     status = read_run(run_dir)
+    if on_status is not None:
+        on_status(status)
     out.write(format_status(status))
     out.flush()
     shown = status.current_round
@@ -289,6 +294,8 @@ def follow(run_dir: str | Path, out: TextIO, *, interval: float, timeout: float 
             status = read_run(run_dir)
         except RunDirError:
             continue  # e.g. the directory is being replaced; look again
+        if on_status is not None:
+            on_status(status)
         new = [r for r in status.rounds if int(r["round"]) > shown]
         if new and shown == 0:
             out.write("\n" + ROUND_HEADER + "\n")
@@ -316,17 +323,41 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="with --follow: stop following after this long")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="also write the rounds as TensorBoard scalars under DIR/<job id>/ "
+                        "(with --follow, as they come; needs the tensorboard extra)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.follow:
-        status = follow(args.run_dir, sys.stdout, interval=max(args.interval, 0.05), timeout=args.timeout)
-    else:
-        status = read_run(args.run_dir)
-        if args.json:
-            json.dump(status.to_dict(), sys.stdout)
-            sys.stdout.write("\n")
+    writer: Any = None
+
+    def to_tensorboard(status: RunStatus) -> None:
+        nonlocal writer
+        if writer is None:
+            from .tensorboard import ScalarWriter
+
+            writer = ScalarWriter(args.tensorboard, status.job_id)
+        writer.add_rounds(status.rounds)
+
+    hook = to_tensorboard if args.tensorboard else None
+    try:
+        if args.follow:
+            status = follow(args.run_dir, sys.stdout, interval=max(args.interval, 0.05),
+                            timeout=args.timeout, on_status=hook)
         else:
-            sys.stdout.write(format_status(status))
+            status = read_run(args.run_dir)
+            if hook is not None:
+                hook(status)
+            if args.json:
+                json.dump(status.to_dict(), sys.stdout)
+                sys.stdout.write("\n")
+            else:
+                sys.stdout.write(format_status(status))
+    finally:
+        if writer is not None:
+            writer.close()
+    if writer is not None:
+        print(f"tensorboard: {writer.written} round(s) in {writer.path} "
+              f"(tensorboard --logdir {args.tensorboard})", file=sys.stderr)
     return 1 if status.state == "failed" else 0
