@@ -73,7 +73,7 @@ class FillingBuffer:
     ``filled`` bytes of ``buf`` are there; ``wait_filled(n)`` waits for n of them and returns
     why they will never come (the client went away or broke the frame), or None."""
 
-    def __init__(self, buf: bytearray) -> None:
+    def __init__(self, buf: bytearray | memoryview) -> None:
         self.buf = buf
         self.filled = 0
         self.failed: str | None = None

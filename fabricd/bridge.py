@@ -16,6 +16,7 @@ and the connection is closed (its framing is lost); the daemon keeps serving.
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 from collections.abc import Callable
@@ -224,9 +225,12 @@ class BridgeServer:
         release = self._releaser(length, 1)
         try:
             if length < CUT_THROUGH_BYTES or not client.role or not isinstance(msg, SendUpdate):
-                return msg, await client.stream.recv_payload(msg, length), release
-            # zeroing a large buffer takes a while: not on the event loop
-            body = FillingBuffer(await trio.to_thread.run_sync(bytearray, length))
+                payload = await client.stream.recv_payload(msg, length)
+                assert isinstance(payload, bytearray)  # no ``into``: a fresh bytearray
+                return msg, payload, release
+            # Anonymous memory: the kernel zeroes its pages as recv_into first touches them
+            # (bytearray(n) would memset all of it up front, holding the GIL).
+            body = FillingBuffer(memoryview(mmap.mmap(-1, length)))
             release = self._releaser(length, 2)  # the sender task holds it too
             nursery.start_soon(self._serve_request, client, msg, body, release)
             try:

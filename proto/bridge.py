@@ -220,8 +220,8 @@ class BridgeStream:
         header = await self._reader.read_exactly(parse_header_length(prefix, self.max_header))
         return decode_bridge_header(header, self.max_payload, max_header=self.max_header)
 
-    async def recv_payload(self, msg: BridgeMessage, length: int, into: bytearray | None = None,
-                           progress: Callable[[int], None] | None = None) -> bytearray:
+    async def recv_payload(self, msg: BridgeMessage, length: int, into: bytearray | memoryview | None = None,
+                           progress: Callable[[int], None] | None = None) -> bytearray | memoryview:
         """``length`` payload bytes, received straight into one buffer (one copy): ``into``
         if given (its length must be ``length``), calling ``progress(bytes so far)``."""
         buf = bytearray(length) if into is None else into
