@@ -146,18 +146,22 @@ class DaemonBench:
     backend = "local"
 
     def __init__(self, testbed: Any, clusters: list[ClusterInfo]) -> None:
-        from scheduler.mesh import BridgeChannel
-
         self.testbed = testbed
         self._clusters = clusters
-        self._channel = BridgeChannel(testbed.bridge_socket("scheduler"))
+        self._channels: dict[str, Any] = {}
 
     def clusters(self) -> list[ClusterInfo]:
         return [ClusterInfo(c.cluster_id, c.peer_id, c.capacity or CAPACITY)
                 for c in self._clusters]
 
     def channel_for(self, job_id: str) -> ClusterChannel:
-        return self._channel
+        from scheduler.mesh import BridgeChannel
+
+        # one bridge client per job: the job's final model is delivered to it
+        if job_id not in self._channels:
+            self._channels[job_id] = BridgeChannel(self.testbed.bridge_socket("scheduler"),
+                                                   job_id=job_id)
+        return self._channels[job_id]  # type: ignore[no-any-return]
 
     def daemon_bytes_sent(self, job_id: str) -> int | None:
         from scheduler.mesh import daemon_status
@@ -169,7 +173,8 @@ class DaemonBench:
         return total
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels.values():
+            channel.close()
 
 
 @contextmanager

@@ -173,7 +173,7 @@ class Side:
         address = "local" if self.backend == "ray" else "inprocess"
         with LocalTestbed(clusters, backend=address, capacity=self.setup.clients) as testbed:
             infos = testbed.start(timeout=120)
-            channel = BridgeChannel(testbed.bridge_socket("scheduler"))
+            channel = BridgeChannel(testbed.bridge_socket("scheduler"), job_id=spec.job_id)
             daemons = [p.pid for p in testbed.procs.values()]
             try:
                 return self._drive(spec, infos, channel, daemons, clusters)

@@ -6,6 +6,12 @@ Compact: neighbour lists in CSR form (`indptr`, `indices`) and one cluster index
 never a dense n×n. Nodes are numbered: clients 0..num_clients-1 (named `c<i>`), then the
 aggregator nodes named in `aggregators` (e.g. `server`, `agg1_0`, `g:<cluster>`).
 
+The matrix is the whole plan of a round (schema v2): besides the edges it carries the
+topology `kind`, the `parent` of every node (its aggregator in star, hierarchical and
+hybrid; -1 for roots and for every node of a decentralized topology) and the
+`exchange_period` (hybrid groups exchange their models every that many rounds).
+Executors run rounds from this object alone.
+
 Wire form (`to_bytes`/`from_bytes`): a msgpack map with `v` and `type` like every proto
 message; arrays travel as little-endian raw bytes; decoding validates every field and never
 unpickles. Peer IDs may be unknown when the plan is made ("" until `with_peers`).
@@ -32,11 +38,15 @@ from proto.errors import (
 INTRA_CLUSTER = "INTRA_CLUSTER"
 INTER_CLUSTER = "INTER_CLUSTER"
 ROUTING_TYPE = "routing_matrix"
-ROUTING_VERSION = 1
+ROUTING_VERSION = 2
+TREE_KINDS = ("star", "hierarchical")
+DECENTRALIZED_KINDS = ("ring", "k_connected", "full", "custom")
+TOPOLOGY_KINDS = (*TREE_KINDS, "hybrid", *DECENTRALIZED_KINDS)
 MAX_ROUTING_BYTES = 256 * 1024 * 1024
 MAX_CLUSTERS = 65535
 _KEYS = frozenset({"v", "type", "job_id", "epoch", "clusters", "peers", "num_clients",
-                   "aggregators", "node_cluster", "indptr", "indices", "communities"})
+                   "aggregators", "node_cluster", "indptr", "indices", "communities",
+                   "kind", "parent", "exchange_period"})
 Node = int | str
 
 
@@ -67,6 +77,9 @@ class RoutingMatrix:
         peers: Sequence[str] | None = None,
         epoch: int = 0,
         communities: np.ndarray | None = None,
+        kind: str = "custom",
+        parent: np.ndarray | None = None,
+        exchange_period: int = 1,
         _symmetric: bool = False,
     ) -> None:
         self.job_id = job_id
@@ -80,6 +93,10 @@ class RoutingMatrix:
         self.indptr = np.asarray(indptr, dtype=np.int64)
         self.indices = np.asarray(indices, dtype=np.int64)
         self.communities = None if communities is None else np.asarray(communities, np.int64)
+        self.kind = kind
+        self.parent = (np.full(len(self.node_cluster), -1, dtype=np.int64) if parent is None
+                       else np.asarray(parent, dtype=np.int64))
+        self.exchange_period = int(exchange_period)
         _validate(self, check_symmetry=not _symmetric)
         self._agg_index = {name: self.num_clients + i for i, name in enumerate(self.aggregators)}
         self._cluster_index = {c: i for i, c in enumerate(self.clusters)}
@@ -99,6 +116,9 @@ class RoutingMatrix:
         peers: Sequence[str] | None = None,
         epoch: int = 0,
         communities: np.ndarray | None = None,
+        kind: str = "custom",
+        parent: np.ndarray | None = None,
+        exchange_period: int = 1,
     ) -> RoutingMatrix:
         """Build from undirected edges `[E, 2]` (each listed once, either direction)."""
         e = np.asarray(edges, dtype=np.int64).reshape(-1, 2)
@@ -112,7 +132,8 @@ class RoutingMatrix:
         np.cumsum(np.bincount(src, minlength=num_nodes), out=indptr[1:])
         return cls(job_id=job_id, clusters=clusters, node_cluster=node_cluster, indptr=indptr,
                    indices=dst, num_clients=num_clients, aggregators=aggregators, peers=peers,
-                   epoch=epoch, communities=communities, _symmetric=True)
+                   epoch=epoch, communities=communities, kind=kind, parent=parent,
+                   exchange_period=exchange_period, _symmetric=True)
 
     def with_peers(self, peers: Mapping[str, str]) -> RoutingMatrix:
         """A copy with daemon peer IDs filled in (`cluster_id -> peer_id`; clusters not in
@@ -126,7 +147,8 @@ class RoutingMatrix:
                              node_cluster=self.node_cluster, indptr=self.indptr,
                              indices=self.indices, num_clients=self.num_clients,
                              aggregators=self.aggregators, peers=filled, epoch=self.epoch,
-                             communities=self.communities, _symmetric=True)
+                             communities=self.communities, kind=self.kind, parent=self.parent,
+                             exchange_period=self.exchange_period, _symmetric=True)
 
     # -- lookups ----------------------------------------------------------------------
 
@@ -154,6 +176,12 @@ class RoutingMatrix:
 
     def cluster_of(self, node: Node) -> str:
         return self.clusters[self.node_cluster[self.node_index(node)]]
+
+    def parent_of(self, node: Node) -> str | None:
+        """The node's aggregator (the node it sends its update to), None for a root or a
+        node of a decentralized topology."""
+        p = int(self.parent[self.node_index(node)])
+        return None if p < 0 else self.node_name(p)
 
     def peer_of(self, cluster_id: str) -> str:
         return self.peers[self._cluster_index[cluster_id]]
@@ -220,6 +248,8 @@ class RoutingMatrix:
                 "node_cluster": self.node_cluster.astype("<u2").tobytes(),
                 "indptr": self.indptr.astype("<u8").tobytes(),
                 "indices": self.indices.astype("<u4").tobytes(),
+                "kind": self.kind, "parent": self.parent.astype("<i4").tobytes(),
+                "exchange_period": self.exchange_period,
             }
             if self.communities is not None:
                 out["communities"] = self.communities.astype("<i4").tobytes()
@@ -235,8 +265,13 @@ class RoutingMatrix:
                 "inter": {self.node_name(j): self.clusters[self.node_cluster[j]]
                           for j in nbrs if self.node_cluster[j] != mine},
             }
+        for i in range(self.num_nodes):
+            p = int(self.parent[i])
+            if p >= 0:
+                nodes[self.node_name(i)]["parent"] = self.node_name(p)
         return {"v": ROUTING_VERSION, "type": ROUTING_TYPE, "job_id": self.job_id,
-                "epoch": self.epoch, "clusters": dict(zip(self.clusters, self.peers, strict=True)),
+                "epoch": self.epoch, "kind": self.kind, "exchange_period": self.exchange_period,
+                "clusters": dict(zip(self.clusters, self.peers, strict=True)),
                 "edges": {"intra": intra, "inter": inter}, "nodes": nodes}
 
     def to_json(self) -> str:
@@ -282,9 +317,13 @@ class RoutingMatrix:
         indptr = _array(obj, "indptr", "<u8")
         indices = _array(obj, "indices", "<u4")
         communities = _array(obj, "communities", "<i4") if "communities" in obj else None
+        kind = _field(obj, "kind", str)
+        parent = _array(obj, "parent", "<i4")
+        exchange_period = _field(obj, "exchange_period", int)
         return cls(job_id=job_id, clusters=clusters, node_cluster=node_cluster, indptr=indptr,
                    indices=indices, num_clients=num_clients, aggregators=aggregators,
-                   peers=peers, epoch=epoch, communities=communities)
+                   peers=peers, epoch=epoch, communities=communities, kind=kind, parent=parent,
+                   exchange_period=exchange_period)
 
 
 def _field(obj: dict[str, Any], name: str, kind: type) -> Any:
@@ -351,6 +390,45 @@ def _validate(m: RoutingMatrix, *, check_symmetry: bool = True) -> None:
         raise _bad("indices", "each neighbour list must be sorted without repeats")
     if check_symmetry and not np.array_equal(forward, np.sort(m.indices * n + src)):
         raise _bad("indices", "neighbour lists must be symmetric (u lists v iff v lists u)")
+    if m.kind not in TOPOLOGY_KINDS:
+        raise _bad("kind", f"unknown topology kind {m.kind!r}; allowed: {', '.join(TOPOLOGY_KINDS)}")
+    if m.exchange_period < 1:
+        raise _bad("exchange_period", f"must be >= 1, got {m.exchange_period}")
+    _validate_parent(m, src)
     if m.communities is not None and len(m.communities) != m.num_clients:
         raise _bad("communities", f"need one per client ({m.num_clients}), "
                                   f"got {len(m.communities)}")
+
+
+def _validate_parent(m: RoutingMatrix, src: np.ndarray) -> None:
+    """Tree kinds: every client has a parent, every parent is an aggregator it is linked
+    to, and following parents ends at a root (no cycle). Decentralized: no parents."""
+    n, parent = m.num_nodes, m.parent
+    if len(parent) != n:
+        raise _bad("parent", f"need one per node ({n}), got {len(parent)}")
+    has = parent >= 0
+    if m.kind in DECENTRALIZED_KINDS:
+        if np.any(has):
+            raise _bad("parent", f"a {m.kind} topology has no aggregators, yet parents are set")
+        return
+    if np.any(parent >= n) or np.any(parent < -1):
+        raise _bad("parent", f"parent indices must be -1 or in 0..{n - 1}")
+    if not np.all(has[:m.num_clients]):
+        missing = int(np.argmin(has[:m.num_clients]))
+        raise _bad("parent", f"client c{missing} has no parent in a {m.kind} topology")
+    if np.any(parent[has] < m.num_clients):
+        raise _bad("parent", "a parent must be an aggregator node, not a client")
+    child = np.nonzero(has)[0]
+    forward = src * n + m.indices
+    pos = np.searchsorted(forward, child * n + parent[child])
+    linked = (pos < len(forward)) & (forward[np.minimum(pos, len(forward) - 1)]
+                                     == child * n + parent[child])
+    if not np.all(linked):
+        bad = int(child[np.argmin(linked)])
+        raise _bad("parent", f"node {m.node_name(bad)} and its parent are not linked by an edge")
+    # ancestor 2^k steps up, by doubling: still defined after 2^k > n steps = a cycle
+    ancestor = parent.copy()
+    for _ in range(max(1, int(n).bit_length()) + 1):
+        ancestor = np.where(ancestor >= 0, ancestor[np.maximum(ancestor, 0)], -1)
+    if np.any(ancestor >= 0):
+        raise _bad("parent", "parent links form a cycle")

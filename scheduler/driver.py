@@ -2,9 +2,14 @@
 
 It talks to each cluster's executor through a `ClusterChannel` (the scheduler's fabricd
 bridge in production, direct calls in the in-process backend): start the job and collect
-label histograms, plan, publish the placement and round graph, run rounds, re-plan every
-`clustering_period` rounds and migrate nodes whose cluster changed, and fetch the model.
-Model traffic never passes through here: it flows between the clusters' executors.
+label histograms, plan, publish the routing matrix (the whole plan of a round), run
+rounds, re-plan every `clustering_period` rounds and migrate nodes whose cluster changed
+(their states stream between the clusters), and receive the final model as an update
+stream. Model traffic between rounds never passes through here.
+
+The final model is the one whose accuracy is reported: the root aggregator's model for
+star and hierarchical; for hybrid and decentralized topologies the sample-weighted mean
+of the group (or node) models, combined on one cluster, evaluated there and streamed here.
 """
 
 from __future__ import annotations
@@ -13,32 +18,56 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 
 from proto.job import JobSpec
+from proto.rounds import RoundRecord
+from proto.routing import RoutingMatrix
 from scheduler.clusters import ClusterSlot
-from scheduler.errors import SchedulerError
-from scheduler.jobgraph import node_clusters, plan_epoch
-from scheduler.plan import Plan
-from scheduler.results import ClusterRecordSummary, JobSummary, RoundRecord
-from worker.executor.graph import RoundGraph, to_dict
+from scheduler.errors import JobFailed
+from scheduler.plan import Plan, plan_job
+from scheduler.results import ClusterRecordSummary, JobSummary
 
 log = logging.getLogger("fedpilot.scheduler")
 
-
-class JobFailed(SchedulerError):
-    """The job cannot go on; the message names the cluster and what happened."""
+__all__ = ["ClusterChannel", "ClusterInfo", "Driver", "JobFailed", "JobResult", "plan_epoch"]
 
 
 class ClusterChannel(Protocol):
+    #: the cluster id under which the scheduler's side receives update streams
+    local_cluster: str
+
     def request(self, cluster_id: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Send a control message to a cluster's executor and return its reply body.
 
         Raises `JobFailed` naming the cluster if it is unreachable or refuses."""
         ...
+
+    def take_update(self, job_id: str, source_node: str, timeout: float) -> bytes:
+        """The payload of the update `source_node` streamed to the scheduler for `job_id`.
+
+        Raises `JobFailed` if it does not arrive within `timeout` seconds."""
+        ...
+
+
+def plan_epoch(spec: JobSpec, histograms: np.ndarray, slots: Sequence[ClusterSlot], *,
+               epoch: int) -> Plan:
+    """Plan placement epoch `epoch`. Deterministic strategies give the same answer every
+    epoch (nothing moves unless the clusters changed); `random` draws anew each epoch."""
+    planned_spec = spec
+    if spec.placement.strategy == "random" and epoch:
+        planned_spec = replace(spec, seed=spec.seed + epoch)
+    plan = plan_job(planned_spec, list(slots), histograms=histograms, epoch=epoch)
+    return plan
+
+
+def node_clusters(routing: RoutingMatrix) -> dict[str, str]:
+    """Every node's cluster in a plan."""
+    return {routing.node_name(i): routing.clusters[int(k)]
+            for i, k in enumerate(routing.node_cluster.tolist())}
 
 
 @dataclass(frozen=True)
@@ -54,6 +83,7 @@ class JobResult:
     placement: dict[str, Any]
     model: bytes | None
     daemon_bytes: dict[str, int] = field(default_factory=dict)
+    model_info: dict[str, Any] = field(default_factory=dict)
 
 
 Progress = Callable[[RoundRecord, int], None]
@@ -68,6 +98,7 @@ class Driver:
         *,
         backend: str,
         progress: Progress | None = None,
+        on_round: Callable[[JobSummary], None] | None = None,
         timeout: float = 900.0,
     ) -> None:
         if not clusters:
@@ -77,6 +108,7 @@ class Driver:
         self.channel = channel
         self.backend = backend
         self.progress = progress
+        self.on_round = on_round
         self.timeout = timeout
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(clusters)),
                                         thread_name_prefix="driver")
@@ -132,8 +164,8 @@ class Driver:
                 histograms[i] = row
         slots = [ClusterSlot(c.cluster_id, c.capacity or int(started[c.cluster_id].get("capacity") or n),
                              c.peer_id) for c in self.clusters]
-        plan, graph = plan_epoch(spec, histograms, slots, epoch=0)
-        self._publish(plan, graph, imports={})
+        plan = plan_epoch(spec, histograms, slots, epoch=0)
+        self._publish(plan, imports={})
         summary = JobSummary(
             job_id=spec.job_id, backend=self.backend, placement_strategy=spec.placement.strategy,
             topology=spec.topology.kind, aggregation=spec.aggregation.name,
@@ -145,13 +177,15 @@ class Driver:
             summary.rounds.append(record)
             if self.progress is not None:
                 self.progress(record, rounds)
+            if self.on_round is not None:
+                self.on_round(summary)
             if period > 0 and r % period == 0 and r < rounds:
-                new_plan, new_graph = plan_epoch(spec, histograms, slots, epoch=r // period)
-                moved = self._migrate(node_clusters(graph, plan.routing), new_plan, new_graph)
+                new_plan = plan_epoch(spec, histograms, slots, epoch=r // period)
+                moved = self._migrate(node_clusters(plan.routing), new_plan)
                 summary.replans += 1
                 summary.migrations += moved
-                plan, graph = new_plan, new_graph
-        model = self._fetch_model(node_clusters(graph, plan.routing), graph)
+                plan = new_plan
+        model, info = self._fetch_model(plan.routing) if rounds else (None, {})
         stopped = self._all({cid: self._job_body("job.stop") for cid in ids})
         per_cluster = plan.placement.clients_per_cluster()
         for c in self.clusters:
@@ -162,65 +196,79 @@ class Driver:
                 actors_materialized=int(reply.get("actors_materialized", 0)),
                 daemon_bytes_sent=int(daemon.get("sent_bytes", 0)),
                 daemon_bytes_received=int(daemon.get("received_bytes", 0))))
+        summary.final_model = info
         summary.finish()
         placement = plan.placement.to_dict()
         placement["routing"] = plan.routing.to_dict(readable=True)
-        return JobResult(summary, placement, model)
+        return JobResult(summary, placement, model, model_info=info)
 
-    def _publish(self, plan: Plan, graph: RoundGraph,
-                 imports: Mapping[str, dict[str, bytes]]) -> None:
+    def _publish(self, plan: Plan, imports: Mapping[str, list[str]]) -> None:
         routing = plan.routing.to_bytes()
-        self._all({c.cluster_id: self._job_body("job.plan", graph=to_dict(graph), routing=routing,
-                                                imports=imports.get(c.cluster_id, {}))
+        self._all({c.cluster_id: self._job_body("job.plan", routing=routing,
+                                                imports=imports.get(c.cluster_id, []))
                    for c in self.clusters})
 
     def _round(self, r: int) -> RoundRecord:
         t0 = time.perf_counter()
         replies = self._all({c.cluster_id: self._job_body("round.run", round=r)
                              for c in self.clusters})
-        evaluations = [e for rep in replies.values() for e in rep["evaluations"]]
-        weight = sum(e[3] for e in evaluations) or 1
-        accuracy = sum(e[1] * e[3] for e in evaluations) / weight
-        loss = sum(e[2] * e[3] for e in evaluations) / weight
-        correct = sum(rep["personal_correct"] for rep in replies.values())
-        total = sum(rep["personal_total"] for rep in replies.values()) or 1
-        return RoundRecord(
-            round=r, accuracy=float(accuracy), loss=float(loss),
-            personalized_accuracy=correct / total,
-            bytes_intra=sum(int(rep["bytes_intra"]) for rep in replies.values()),
-            bytes_inter=sum(int(rep["bytes_inter"]) for rep in replies.values()),
-            seconds=time.perf_counter() - t0,
-            by_cluster={cid: {"bytes_inter": int(rep["bytes_inter"]),
-                              "bytes_intra": int(rep["bytes_intra"])}
-                        for cid, rep in replies.items()})
+        records = {}
+        for cid, reply in replies.items():
+            try:
+                records[cid] = RoundRecord.from_dict(reply, source=f"cluster {cid}'s round report")
+            except ValueError as exc:
+                raise JobFailed(f"cluster {cid} sent a bad report for round {r}: {exc}") from None
+        return RoundRecord.combine(r, records, time.perf_counter() - t0)
 
-    def _migrate(self, before: Mapping[str, str], plan: Plan, graph: RoundGraph) -> int:
-        """Move nodes whose cluster changed, state and all; returns how many moved."""
-        after = node_clusters(graph, plan.routing)
-        moving: dict[str, list[str]] = {}
+    def _migrate(self, before: Mapping[str, str], plan: Plan) -> int:
+        """Move nodes whose cluster changed, state and all; returns how many moved. The
+        states stream from the old cluster to the new one; the new plan names them."""
+        after = node_clusters(plan.routing)
+        moving: dict[str, dict[str, str]] = {}
         for node, cluster in after.items():
             if node in before and before[node] != cluster:
-                moving.setdefault(before[node], []).append(node)
-        exported: dict[str, dict[str, bytes]] = {}
+                moving.setdefault(before[node], {})[node] = cluster
+        imports: dict[str, list[str]] = {}
         if moving:
-            replies = self._all({cid: self._job_body("node.export", nodes=nodes)
+            replies = self._all({cid: self._job_body("node.export", nodes=nodes,
+                                                     epoch=plan.routing.epoch)
                                  for cid, nodes in moving.items()})
             for reply in replies.values():
-                for node, state in reply["states"].items():
-                    exported.setdefault(after[node], {})[node] = state
-        self._publish(plan, graph, exported)
+                for node in reply.get("sent", []):
+                    imports.setdefault(after[str(node)], []).append(str(node))
+        self._publish(plan, imports)
         count = sum(len(v) for v in moving.values())
         log.info("event=replan job=%s epoch=%d moved=%d", self.spec.job_id, plan.routing.epoch,
                  count)
         return count
 
-    def _fetch_model(self, nodes: Mapping[str, str], graph: RoundGraph) -> bytes | None:
-        roots = [a for a in graph.aggregators if a not in graph.parent]
-        target = roots[0] if roots else graph.clients[0]
-        reply = self.channel.request(nodes[target], self._job_body("job.model", node=target),
-                                     self.timeout)
-        model = reply.get("model")
-        return bytes(model) if model else None
+    def _fetch_model(self, routing: RoutingMatrix) -> tuple[bytes, dict[str, Any]]:
+        """The final model as an update stream, and what it is."""
+        nodes = node_clusters(routing)
+        here = self.channel.local_cluster
+        if routing.kind in ("star", "hierarchical"):
+            root = next(routing.node_name(i) for i in range(routing.num_clients, routing.num_nodes)
+                        if routing.parent[i] < 0)
+            reply = self.channel.request(nodes[root], self._job_body(
+                "job.model", node=root, to_cluster=here), self.timeout)
+            info = {"model": f"root aggregator {root!r}", "node": root}
+        else:
+            # every cluster's sample-weighted share goes to one collector, which combines,
+            # evaluates and streams the result here
+            ids = [c.cluster_id for c in self.clusters]
+            collector = nodes["c0"]
+            others = {cid: self._job_body("job.model", share_to=collector)
+                      for cid in ids if cid != collector}
+            shares = self._all(others) if others else {}
+            sources = [str(r["source_node"]) for r in shares.values() if r.get("source_node")]
+            reply = self.channel.request(collector, self._job_body(
+                "job.model", collect=sources, to_cluster=here), self.timeout)
+            what = "group" if routing.kind == "hybrid" else "node"
+            info = {"model": f"sample-weighted mean of the {what} models", "node": "consensus"}
+        model = self.channel.take_update(self.spec.job_id, str(reply["node"]), self.timeout)
+        info.update({"accuracy": float(reply["accuracy"]), "loss": float(reply["loss"]),
+                     "bytes": len(model)})
+        return model, info
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -25,6 +25,10 @@ class CapacityError(PlanError):
     """The clusters cannot hold the clients (total capacity is too small)."""
 
 
+class JobFailed(SchedulerError):
+    """The job cannot go on; the message names the cluster and what happened."""
+
+
 class AssignmentFileError(PlanError):
     """A precomputed assignment file is missing, malformed or inconsistent with the job."""
 
@@ -33,6 +37,7 @@ __all__ = [
     "AssignmentFileError",
     "CapacityError",
     "ClusterSpecError",
+    "JobFailed",
     "JobSpecError",
     "PlanError",
     "SchedulerError",

@@ -13,7 +13,10 @@ from typing import Any
 
 import msgpack
 
-from scheduler.driver import ClusterInfo, JobFailed
+from scheduler.driver import ClusterInfo
+from scheduler.errors import JobFailed
+
+SCHEDULER = "scheduler"
 
 
 class _Link:
@@ -23,12 +26,21 @@ class _Link:
 
     def send_update(self, *, target_cluster: str, job_id: str, round: int, source_node: str,
                     target_node: str, message_id: str, payload: bytes) -> None:
+        if target_cluster == SCHEDULER:
+            with self.mesh.arrived:
+                self.mesh.updates[(job_id, source_node)] = bytes(payload)
+                self.mesh.arrived.notify_all()
+            return
         service = self.mesh.services.get(target_cluster)
         if service is None:
             raise JobFailed(f"cluster {target_cluster} is not in the loopback mesh")
+        # round 0 carries the final model's shares; rounds (and re-plan epochs) count >= 1
+        counter = self.mesh.bytes_sent if round >= 1 else self.mesh.bytes_final
         with self.mesh.lock:
-            self.mesh.bytes_sent[self.source] = self.mesh.bytes_sent.get(self.source, 0) + len(payload)
-        service.deliver(message_id, bytes(payload))
+            counter[self.source] = counter.get(self.source, 0) + len(payload)
+        service.deliver(job_id=job_id, round=round, source_node=source_node,
+                        target_node=target_node, source_cluster=self.source,
+                        payload=bytes(payload))
 
 
 class LoopbackMesh:
@@ -38,8 +50,12 @@ class LoopbackMesh:
                  capacity: int = 0) -> None:
         from worker.executor.service import ExecutorService
 
+        self.local_cluster = SCHEDULER
         self.lock = threading.Lock()
+        self.arrived = threading.Condition()
+        self.updates: dict[tuple[str, str], bytes] = {}
         self.bytes_sent: dict[str, int] = {}
+        self.bytes_final: dict[str, int] = {}
         self.capacity = capacity
         self.services = {
             cid: ExecutorService(cluster_id=cid, make_runtime=make_runtime(cid),
@@ -49,6 +65,13 @@ class LoopbackMesh:
 
     def clusters(self) -> list[ClusterInfo]:
         return [ClusterInfo(cid, f"loopback-{cid}", self.capacity) for cid in self.services]
+
+    def take_update(self, job_id: str, source_node: str, timeout: float) -> bytes:
+        with self.arrived:
+            if not self.arrived.wait_for(lambda: (job_id, source_node) in self.updates, timeout):
+                raise JobFailed(f"the update from node {source_node} of job {job_id} did not "
+                                f"arrive within {timeout:.0f} s")
+            return self.updates.pop((job_id, source_node))
 
     def request(self, cluster_id: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         service = self.services.get(cluster_id)

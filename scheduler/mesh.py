@@ -19,6 +19,7 @@ from typing import Any
 from proto.bridge import (
     ControlResult,
     ControlSend,
+    Delivery,
     Error,
     Hello,
     StatusReply,
@@ -27,7 +28,8 @@ from proto.bridge import (
     send_bridge,
 )
 from proto.errors import ProtocolError
-from scheduler.driver import ClusterInfo, JobFailed
+from scheduler.driver import ClusterInfo
+from scheduler.errors import JobFailed
 
 log = logging.getLogger("fedpilot.scheduler")
 
@@ -88,18 +90,26 @@ def wait_for_clusters(socket_path: str, *, expected: list[str] | None = None, mi
         time.sleep(0.25)
 
 
-class BridgeChannel:
-    """`ClusterChannel` over the scheduler daemon's bridge (many requests in flight)."""
+MAX_MODEL_BYTES = 1 << 40  # the final model arrives as an update stream of any size
 
-    def __init__(self, socket_path: str) -> None:
+
+class BridgeChannel:
+    """`ClusterChannel` over the scheduler daemon's bridge (many requests in flight). It
+    registers for `job_id`, so the job's final model, streamed by a cluster's executor to
+    this daemon, is delivered here."""
+
+    def __init__(self, socket_path: str, job_id: str = "") -> None:
         self.socket_path = socket_path
+        self.local_cluster = str(daemon_status(socket_path).get("cluster_id", ""))
+        self._updates: dict[tuple[str, str], bytes] = {}
+        self._arrived = threading.Condition()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.connect(socket_path)
         except OSError as exc:
             self._sock.close()
             raise JobFailed(f"cannot reach fabricd's bridge at {socket_path}: {exc}") from exc
-        send_bridge(self._sock, Hello(role="scheduler"))
+        send_bridge(self._sock, Hello(role="scheduler", job_id=job_id))
         self._write = threading.Lock()
         self._pending: dict[str, Future[ControlResult]] = {}
         self._lock = threading.Lock()
@@ -132,10 +142,21 @@ class BridgeChannel:
             raise JobFailed(f"cluster {cluster_id} refused {body.get('kind')}: {result.reason}")
         return dict(result.body)
 
+    def take_update(self, job_id: str, source_node: str, timeout: float) -> bytes:
+        deadline = time.monotonic() + timeout
+        with self._arrived:
+            while (job_id, source_node) not in self._updates:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    raise JobFailed(f"the update from node {source_node} of job {job_id} did "
+                                    f"not reach the scheduler within {timeout:.0f} s")
+                self._arrived.wait(min(left, 1.0))
+            return self._updates.pop((job_id, source_node))
+
     def _read_loop(self) -> None:
         while True:
             try:
-                msg, _ = recv_bridge(self._sock, 0)
+                msg, payload = recv_bridge(self._sock, MAX_MODEL_BYTES)
             except (OSError, ConnectionError, ProtocolError) as exc:
                 self._fail_all(f"bridge to the scheduler's daemon closed: {exc}")
                 return
@@ -144,6 +165,10 @@ class BridgeChannel:
                     fut = self._pending.get(msg.request_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+            elif isinstance(msg, Delivery):
+                with self._arrived:
+                    self._updates[(msg.job_id, msg.source_node)] = payload
+                    self._arrived.notify_all()
             elif isinstance(msg, Error):
                 log.error("event=bridge_error reason=%s", msg.reason)
 
@@ -153,6 +178,8 @@ class BridgeChannel:
                 if not fut.done():
                     fut.set_result(ControlResult(request_id=rid, ok=False, body={}, reason=reason))
             self._closed = True
+        with self._arrived:
+            self._arrived.notify_all()
 
     def close(self) -> None:
         try:

@@ -197,7 +197,8 @@ def routing_matrix(spec: JobSpec, placement: PlacementResult, topology: LogicalT
         job_id=spec.job_id, clusters=[s.cluster_id for s in slots], node_cluster=node_cluster,
         edges=topology.edges, num_clients=topology.num_clients,
         aggregators=topology.aggregator_names, peers=[s.peer_id for s in slots], epoch=epoch,
-        communities=placement.client_community)
+        communities=placement.client_community, kind=topology.kind, parent=topology.parent,
+        exchange_period=topology.exchange_period)
 
 
 def plan_job(

@@ -7,6 +7,7 @@ and PNG. Plots use matplotlib's Agg backend (no display needed).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -14,23 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROUND_FIELDS = ("round", "accuracy", "loss", "personalized_accuracy",
+from proto.rounds import RoundRecord
+
+ROUND_FIELDS = ("round", "accuracy", "loss", "personalized_accuracy", "participants",
                 "bytes_intra", "bytes_inter", "seconds")
-
-
-@dataclass
-class RoundRecord:
-    """What one round reports to the scheduler."""
-
-    round: int
-    accuracy: float
-    loss: float
-    personalized_accuracy: float
-    bytes_intra: int
-    bytes_inter: int
-    seconds: float
-    # per cluster: {"bytes_inter": sent to other clusters, "bytes_intra": kept inside}
-    by_cluster: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,11 +51,16 @@ class JobSummary:
     seconds_total: float = 0.0
     replans: int = 0
     migrations: int = 0
+    status: str = "running"
+    # which model model.safetensors is, and its accuracy/loss as evaluated
+    final_model: dict[str, Any] = field(default_factory=dict)
 
-    def finish(self) -> None:
+    def finish(self, status: str = "finished") -> None:
         """Derive the totals from the per-round records."""
+        self.status = status
         if self.rounds:
-            self.final_accuracy = self.rounds[-1].accuracy
+            self.final_accuracy = float(self.final_model.get("accuracy",
+                                                             self.rounds[-1].accuracy))
             self.best_accuracy = max(r.accuracy for r in self.rounds)
             self.personalized_accuracy = self.rounds[-1].personalized_accuracy
         self.bytes_inter_total = sum(r.bytes_inter for r in self.rounds)
@@ -89,23 +82,44 @@ def write_results(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary.finish()
-    (out / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
-    write_metrics_csv(out / "metrics.csv", summary.rounds)
+    write_progress(out, summary)
     if placement is not None:
-        (out / "placement.json").write_text(json.dumps(placement, indent=2) + "\n")
+        _atomic_write(out / "placement.json", (json.dumps(placement, indent=2) + "\n").encode())
     if model_bytes is not None:
-        (out / "model.safetensors").write_bytes(model_bytes)
+        _atomic_write(out / "model.safetensors", model_bytes)
     plot_accuracy(out / "accuracy.png", {summary.job_id: summary.rounds})
     plot_traffic(out / "traffic.png", {summary.job_id: summary.rounds})
     return out
 
 
+def write_progress(out_dir: str | os.PathLike[str], summary: JobSummary) -> None:
+    """summary.json and metrics.csv as they stand (after every round, and at the end);
+    each file is replaced atomically, so a reader never sees half of one."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if summary.status == "running":
+        summary.bytes_inter_total = sum(r.bytes_inter for r in summary.rounds)
+        summary.bytes_intra_total = sum(r.bytes_intra for r in summary.rounds)
+    _atomic_write(out / "summary.json", (json.dumps(summary.to_dict(), indent=2) + "\n").encode())
+    write_metrics_csv(out / "metrics.csv", summary.rounds)
+
+
 def write_metrics_csv(path: Path, rounds: Sequence[RoundRecord]) -> None:
-    with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(ROUND_FIELDS), extrasaction="ignore")
-        writer.writeheader()
-        for record in rounds:
-            writer.writerow(asdict(record))
+    buffer = io.StringIO(newline="")
+    writer = csv.DictWriter(buffer, fieldnames=list(ROUND_FIELDS), extrasaction="ignore")
+    writer.writeheader()
+    for record in rounds:
+        writer.writerow(asdict(record))
+    _atomic_write(path, buffer.getvalue().encode())
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def _pyplot() -> Any:

@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             expected = args.clusters.split(",") if args.clusters else None
             clusters = wait_for_clusters(socket_path, expected=expected, timeout=args.wait)
         print(f"clusters: {', '.join(c.cluster_id for c in clusters)}", file=sys.stderr)
-        channel = BridgeChannel(socket_path)
+        channel = BridgeChannel(socket_path, job_id=spec.job_id)
         # out/summary.json and metrics.csv follow the job round by round (`status RUN_DIR`)
         recorder = RunRecorder.for_job(out, spec, backend=args.backend, metrics=metrics)
         bar = None if args.quiet else ProgressBar(sys.stderr)

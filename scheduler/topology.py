@@ -19,13 +19,15 @@ worker's topology builders (issue 3):
   `g:<cluster>` linked to its members; heads form a full mesh with weight
   1/inter_cluster_period. Built after placement, since the groups are its result.
 
-Client node names are `c<i>` (as in worker.executor.graph); aggregators are named in
-`LogicalTopology.aggregator_names`.
+Client node names are `c<i>`; aggregators are named in `LogicalTopology.aggregator_names`.
+For star, hierarchical and hybrid the topology also says who aggregates for whom
+(`parent`, one entry per node, -1 for roots and decentralized nodes). This module is the
+only place a topology is built: the routing matrix carries its result to the executors.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import networkx as nx
 import numpy as np
@@ -52,6 +54,8 @@ class LogicalTopology:
     edges: np.ndarray
     weights: np.ndarray
     aggregator_names: tuple[str, ...] = ()
+    parent: np.ndarray | None = None       # [num_nodes] aggregator of each node, -1 if none
+    exchange_period: int = 1               # hybrid: groups exchange every this many rounds
 
     @property
     def num_edges(self) -> int:
@@ -107,7 +111,20 @@ def build_topology(
         names = tuple(f"g:{group_names[g] if g < len(group_names) else g}" for g in used)
     else:
         raise PlanError(f"unknown topology kind {kind!r}")
-    return _make(kind, n, n + len(names), edges, weights, names)
+    topology = _make(kind, n, n + len(names), edges, weights, names)
+    if kind in ("star", "hierarchical", "hybrid"):
+        parent = tree_parents(edges[:len(edges) if kind != "hybrid" else n], n + len(names))
+        period = spec.inter_cluster_period if kind == "hybrid" else 1
+        topology = replace(topology, parent=parent, exchange_period=period)
+    return topology
+
+
+def tree_parents(child_parent: np.ndarray, num_nodes: int) -> np.ndarray:
+    """Parent index of every node from (child, parent) edges; -1 for nodes without one."""
+    parent = np.full(num_nodes, -1, dtype=np.int64)
+    pairs = np.asarray(child_parent, dtype=np.int64).reshape(-1, 2)
+    parent[pairs[:, 0]] = pairs[:, 1]
+    return parent
 
 
 def logical_edges(spec: JobSpec, histograms: np.ndarray | None) -> np.ndarray:

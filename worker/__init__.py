@@ -5,9 +5,11 @@ Import what you need from the subpackages; this module imports nothing so that
 
 - `worker.context`: `ExecutionContext`, `InProcessContext`, `RayContext`, `PlacementError`
 - `worker.nodes`: `VirtualNode`, `FederatedNode`, `NodeManager`, `NodeConfig`
-- `worker.topology`: graph builders (`build_topology`, `star`, `ring`, ...),
-  `TopologyManager`, `RemoteTransport`, `Message`
-- `worker.runner`: `run_job`, `RoundMetrics`, `JobRun`, `JobError`, `prepare_job`
+- `worker.executor`: the one round engine (`ClusterEngine`), the round graph (a view of
+  the routing matrix), the hybrid transport, the control service; `python -m
+  worker.executor` is one cluster's executor process
+- `worker.payload`: the update payload (weights + kind + samples + compression, one header)
+- `worker.errors`: `WorkerError`, the root of the worker's errors
 - `worker.data`, `worker.models`, `worker.training`, `worker.aggregators`,
   `worker.serialization`: datasets, models, local training, aggregation, safetensors
 """

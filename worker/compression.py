@@ -25,7 +25,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .serialization import SerializationError, bytes_metadata, bytes_to_weights, weights_to_bytes
+from worker.errors import WorkerError
+
+from .serialization import SerializationError, weights_to_bytes
 
 METHODS = ("none", "fp16", "int8", "topk")
 FORMAT_VERSION = "1"
@@ -37,7 +39,7 @@ Weights = dict[str, np.ndarray]
 CompressionState = dict[str, np.ndarray]
 
 
-class CompressionError(ValueError):
+class CompressionError(WorkerError, ValueError):
     """A method, setting or encoded blob is unusable; the message says which and why."""
 
 
@@ -53,6 +55,20 @@ def compress(
     `state` is only used by `topk` (error feedback); pass back what the previous call
     returned for the same stream of updates. Inputs are never modified.
     """
+    tensors, metadata, new_state = compress_tensors(weights, method, state=state,
+                                                    topk_ratio=topk_ratio)
+    return weights_to_bytes(tensors, metadata=metadata), new_state
+
+
+def compress_tensors(
+    weights: Mapping[str, np.ndarray],
+    method: str,
+    *,
+    state: CompressionState | None = None,
+    topk_ratio: float = 0.1,
+) -> tuple[Weights, dict[str, str], CompressionState]:
+    """`compress` before serialization: the tensors to send and the metadata that says
+    how to rebuild them (the update payload adds its own fields to the same header)."""
     if method not in METHODS:
         raise CompressionError(
             f"transfer.compression {method!r} is unknown; use one of {', '.join(METHODS)}"
@@ -83,7 +99,7 @@ def compress(
             new_state[name] = rest
         layout[name] = info
     metadata = {"compression": method, "format": FORMAT_VERSION, "layout": json.dumps(layout)}
-    return weights_to_bytes(tensors, metadata=metadata), new_state
+    return tensors, metadata, new_state
 
 
 def decompress(data: bytes, *, max_elements: int = MAX_ELEMENTS) -> Weights:
@@ -93,11 +109,18 @@ def decompress(data: bytes, *, max_elements: int = MAX_ELEMENTS) -> Weights:
     format, missing tensors, out-of-range indices, or a layout declaring more than
     `max_elements` values in all (a sparse blob cannot make us allocate without bound).
     """
+    from worker.payload import parse
+
     try:
-        meta = bytes_metadata(data)
-        tensors = bytes_to_weights(data)
+        tensors, meta = parse(data)
     except SerializationError as exc:
         raise CompressionError(f"compressed update is not valid safetensors: {exc}") from None
+    return decompress_tensors(tensors, meta, max_elements=max_elements)
+
+
+def decompress_tensors(tensors: Mapping[str, np.ndarray], meta: Mapping[str, str], *,
+                       max_elements: int = MAX_ELEMENTS) -> Weights:
+    """`decompress` of an already parsed payload (tensors and header metadata)."""
     method, version = meta.get("compression"), meta.get("format")
     if method not in METHODS or version != FORMAT_VERSION:
         raise CompressionError(

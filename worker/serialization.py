@@ -14,13 +14,15 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as _st_load
 from safetensors.numpy import save as _st_save
 
+from worker.errors import WorkerError
+
 if TYPE_CHECKING:
     import torch
 
 Weights = dict[str, np.ndarray]
 
 
-class SerializationError(ValueError):
+class SerializationError(WorkerError, ValueError):
     """Bytes are not valid safetensors, or weights cannot be encoded; says which and why."""
 
 

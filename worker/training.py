@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from worker.errors import WorkerError
+
 if TYPE_CHECKING:
     from proto.job import TrainingSpec
 
@@ -26,7 +28,7 @@ OPTIMIZERS = ("sgd", "adam")
 EVAL_BATCH_SIZE = 1024
 
 
-class TrainingError(ValueError):
+class TrainingError(WorkerError, ValueError):
     """Training settings or inputs are unusable; the message names the setting."""
 
 

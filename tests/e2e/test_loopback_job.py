@@ -109,9 +109,7 @@ def test_executor_rejects_a_routing_matrix_for_another_job() -> None:
                                      aggregators=["server"])
     with pytest.raises(JobFailed, match="routing matrix is for job 'someone-else'"):
         mesh.request("a", {"kind": "job.plan", "job_id": spec.job_id,
-                           "graph": {"kind": "star", "clients": ["c0"], "parent": {"c0": "server"},
-                                     "peers": {}, "inter_cluster_period": 1},
-                           "routing": other.to_bytes(), "imports": {}}, 60)
+                           "routing": other.to_bytes(), "imports": []}, 60)
     with pytest.raises(JobFailed, match="unknown control message kind"):
         mesh.request("a", {"kind": "job.launch-missiles", "job_id": spec.job_id}, 60)
     with pytest.raises(JobFailed, match="this executor runs 'loop'"):
@@ -124,8 +122,7 @@ def test_a_migrated_node_arrives_with_the_model_it_had() -> None:
     import numpy as np
 
     from scheduler.clusters import ClusterSlot
-    from scheduler.jobgraph import plan_epoch
-    from worker.executor.graph import to_dict
+    from scheduler.driver import plan_epoch
 
     spec = job(topology={"kind": "star"}, placement={"strategy": "round_robin"})
     mesh = LoopbackMesh(["a", "b"], lambda cid: runtime_factory(InProcessContext(), cid),
@@ -136,11 +133,10 @@ def test_a_migrated_node_arrives_with_the_model_it_had() -> None:
                                    "job": spec.to_dict(), "clients": list(range(k, 9, 2))}, 60)
         hist.update({int(i): v for i, v in reply["histograms"].items()})
     histograms = np.array([hist[i] for i in range(9)])
-    plan, graph = plan_epoch(spec, histograms, [ClusterSlot("a", 9), ClusterSlot("b", 9)],
-                             epoch=0)
+    plan = plan_epoch(spec, histograms, [ClusterSlot("a", 9), ClusterSlot("b", 9)], epoch=0)
     for cid in ("a", "b"):
-        mesh.request(cid, {"kind": "job.plan", "job_id": spec.job_id, "graph": to_dict(graph),
-                           "routing": plan.routing.to_bytes(), "imports": {}}, 60)
+        mesh.request(cid, {"kind": "job.plan", "job_id": spec.job_id,
+                           "routing": plan.routing.to_bytes(), "imports": []}, 60)
     # one round, so that c1 holds a trained model rather than the initial one
     threads = [threading.Thread(target=mesh.request,
                                 args=(cid, {"kind": "round.run", "job_id": spec.job_id,
@@ -150,12 +146,21 @@ def test_a_migrated_node_arrives_with_the_model_it_had() -> None:
     for t in threads:
         t.join()
     source = plan.routing.cluster_of("c1")
-    before = mesh.services[source].runtime.resolve(mesh.services[source].engine.current_model("c1"))
-    state = mesh.request(source, {"kind": "node.export", "job_id": spec.job_id,
-                                  "nodes": ["c1"]}, 60)["states"]["c1"]
     target = "a" if source == "b" else "b"
-    mesh.request(target, {"kind": "job.plan", "job_id": spec.job_id, "graph": to_dict(graph),
-                          "routing": plan.routing.to_bytes(), "imports": {"c1": state}}, 60)
+    before = mesh.services[source].runtime.resolve(mesh.services[source].engine.current_model("c1"))
+    sent = mesh.request(source, {"kind": "node.export", "job_id": spec.job_id,
+                                 "nodes": {"c1": target}, "epoch": 1}, 60)["sent"]
+    assert sent == ["c1"]
+    # the state travelled as an update stream, not inside the control reply
+    assert mesh.bytes_sent[source] > 0
+    moved = RoutingMatrix.from_edges(
+        job_id=spec.job_id, clusters=["a", "b"], epoch=1, kind="star",
+        node_cluster=np.array([0 if n != 1 else ["a", "b"].index(target) for n in range(9)]
+                              + [0]),
+        edges=np.array([[i, 9] for i in range(9)]), num_clients=9, aggregators=["server"],
+        parent=np.array([9] * 9 + [-1]))
+    mesh.request(target, {"kind": "job.plan", "job_id": spec.job_id,
+                          "routing": moved.to_bytes(), "imports": ["c1"]}, 60)
     after = mesh.services[target].runtime.resolve(mesh.services[target].engine.current_model("c1"))
     assert set(after) == set(before)
     assert all(np.array_equal(after[k], before[k]) for k in before)

@@ -35,7 +35,7 @@ def small_job(job_id: str, **sections: Any) -> JobSpec:
 
 
 def run_job(testbed: LocalTestbed, spec: JobSpec, clusters: list[Any], backend: str) -> Any:
-    channel = BridgeChannel(testbed.bridge_socket("scheduler"))
+    channel = BridgeChannel(testbed.bridge_socket("scheduler"), job_id=spec.job_id)
     driver = Driver(spec, clusters, channel, backend=backend, timeout=300)
     try:
         return driver.run()

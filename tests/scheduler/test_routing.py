@@ -64,7 +64,55 @@ def test_bytes_round_trip_is_equal_and_plain_msgpack() -> None:
     assert back.channel(2, 1) == m.channel(2, 1)
     assert list(back.communities) == [0, 0, 1, 1]  # type: ignore[arg-type]
     obj = msgpack.unpackb(data)
-    assert obj["type"] == "routing_matrix" and obj["v"] == 1
+    assert obj["type"] == "routing_matrix" and obj["v"] == 2
+
+
+def star_matrix() -> RoutingMatrix:
+    # c0..c3 with the server on b: the plan of a star round (schema v2)
+    return RoutingMatrix.from_edges(
+        job_id="j", clusters=["a", "b"], node_cluster=np.array([0, 0, 1, 1, 1]),
+        edges=np.array([[0, 4], [1, 4], [2, 4], [3, 4]]), num_clients=4,
+        aggregators=["server"], kind="star", parent=np.array([4, 4, 4, 4, -1]))
+
+
+def test_v2_carries_kind_parents_and_exchange_period() -> None:
+    m = star_matrix()
+    back = RoutingMatrix.from_bytes(m.to_bytes())
+    assert back == m and back.kind == "star" and back.exchange_period == 1
+    assert back.parent_of("c2") == "server" and back.parent_of("server") is None
+    assert m.to_dict(readable=True)["nodes"]["c0"]["parent"] == "server"
+
+
+def _star_mutated(**changes: object) -> bytes:
+    obj = star_matrix().to_dict()
+    obj.update(changes)
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+@pytest.mark.parametrize(("changes", "needle"), [
+    ({"kind": "tree"}, "unknown topology kind"),
+    ({"exchange_period": 0}, "exchange_period"),
+    ({"parent": np.array([4, 4, 4, -1, -1], "<i4").tobytes()}, "c3 has no parent"),
+    ({"parent": np.array([4, 4, 4, 0, -1], "<i4").tobytes()}, "not a client"),
+    ({"parent": np.array([4, 4, 4, 4, 4], "<i4").tobytes()}, "not linked"),
+    ({"parent": np.array([4, 4, 4, 4], "<i4").tobytes()}, "one per node"),
+    ({"kind": "ring"}, "no aggregators"),
+])
+def test_v2_plan_fields_are_validated(changes: dict[str, object], needle: str) -> None:
+    with pytest.raises(InvalidMessage) as info:
+        RoutingMatrix.from_bytes(_star_mutated(**changes))
+    assert needle in str(info.value)
+
+
+def test_parent_must_be_linked_and_acyclic() -> None:
+    edges = np.array([[0, 2], [1, 3], [2, 3]])
+    base = dict(job_id="j", clusters=["a"], node_cluster=np.zeros(4), edges=edges,
+                num_clients=2, aggregators=["agg", "server"], kind="hierarchical")
+    RoutingMatrix.from_edges(**base, parent=np.array([2, 3, 3, -1]))  # type: ignore[arg-type]
+    with pytest.raises(InvalidMessage, match="not linked"):
+        RoutingMatrix.from_edges(**base, parent=np.array([3, 3, 3, -1]))  # type: ignore[arg-type]
+    with pytest.raises(InvalidMessage, match="cycle"):
+        RoutingMatrix.from_edges(**base, parent=np.array([2, 3, 3, 2]))  # type: ignore[arg-type]
 
 
 def test_readable_json_lists_neighbours_by_kind() -> None:
@@ -86,7 +134,7 @@ def _u4(values: list[int]) -> bytes:
 @pytest.mark.parametrize(("data", "error", "needle"), [
     (b"\xc1garbage", MalformedFrame, "msgpack"),
     (_mutated(type="job"), UnknownMessageType, "routing_matrix"),
-    (_mutated(v=2), UnsupportedVersion, "version 2"),
+    (_mutated(v=1), UnsupportedVersion, "version 1"),
     (_mutated(extra=1), InvalidMessage, "extra"),
     (_mutated(job_id=5), InvalidMessage, "job_id"),
     (_mutated(clusters=["a", "a"]), InvalidMessage, "distinct"),

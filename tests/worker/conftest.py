@@ -44,14 +44,3 @@ def inprocess_context() -> Iterator[InProcessContext]:
         yield ctx
     finally:
         ctx.shutdown()
-
-
-@pytest.fixture(scope="session")
-def digits_star_metrics() -> list[object]:
-    """The issue's reference job on the in-process context, run once per session: digits,
-    30 clients, dirichlet 0.5, star + fedavg, 30 rounds, 2 local epochs, seed 0."""
-    from proto.job import JobSpec
-    from worker.runner import run_job
-
-    with InProcessContext(num_cpus=2) as ctx:
-        return list(run_job(JobSpec(job_id="digits-star", seed=0), ctx))

@@ -100,18 +100,18 @@ def test_placement_failure_happens_before_any_actor() -> None:
         assert ctx.actors_created == 0
 
 
-def test_state_travels_as_safetensors_and_can_be_imported() -> None:
-    from worker.nodes import state_from_bytes, state_to_bytes
+def test_state_travels_as_an_update_payload_and_can_be_imported() -> None:
+    from worker.nodes import NodeState
+    from worker.payload import decode, encode
 
     with InProcessContext(num_cpus=2) as ctx:
         source = setup_manager(ctx, 3, 3)
         with source:
             ctx.get(source.call(1, "train", 1))
             state = ctx.get(source.state(1))
-        data = state_to_bytes(state)
+        data = encode(state.weights, kind="state", samples=0)
         assert isinstance(data, bytes) and b"pickle" not in data
-        back = state_from_bytes(data)
-        assert back.rounds == 1 and back.aggregator is None
+        back = NodeState(decode(data).tensors)
         for name, value in state.weights.items():
             np.testing.assert_array_equal(back.weights[name], value)
         target = setup_manager(ctx, 3, 1)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
+from worker.errors import WorkerError
+
 if TYPE_CHECKING:
     from proto.job import AggregationSpec
 
@@ -23,7 +25,7 @@ Weights = dict[str, np.ndarray]
 Update = tuple[Mapping[str, np.ndarray], int]
 
 
-class AggregationError(ValueError):
+class AggregationError(WorkerError, ValueError):
     """Updates or settings cannot be aggregated; the message names the update, tensor or key."""
 
 

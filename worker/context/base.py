@@ -15,13 +15,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from worker.errors import WorkerError
+
 Ref = Any
 """An object reference: a `concurrent.futures.Future` in-process, a `ray.ObjectRef` on Ray."""
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
-class ContextError(RuntimeError):
+class ContextError(WorkerError, RuntimeError):
     """Base of the errors raised by execution contexts."""
 
 

@@ -15,7 +15,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from proto.bridge import (
@@ -31,11 +31,15 @@ from proto.bridge import (
     tune_socket,
 )
 from proto.errors import ProtocolError
+from worker.errors import WorkerError
 
 log = logging.getLogger("fedpilot.executor")
 
 
-class RemoteSendError(RuntimeError):
+CONTROL_WORKERS = 4  # control messages answered at once (the rest queue in order)
+
+
+class RemoteSendError(WorkerError, RuntimeError):
     """fabricd could not deliver an update to the target cluster (reason from the daemon)."""
 
 
@@ -78,6 +82,8 @@ class BridgeLink:
         self._pending: dict[str, Future[SendResult]] = {}
         self._pending_lock = threading.Lock()
         self._closed = threading.Event()
+        self._control_pool = ThreadPoolExecutor(max_workers=CONTROL_WORKERS,
+                                                thread_name_prefix="control")
         self.bytes_sent = 0
         self.bytes_delivered = 0
         send_bridge(self._sock, Hello(role="executor", cluster_id=cluster_id, job_id=job_id))
@@ -129,8 +135,8 @@ class BridgeLink:
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
             elif isinstance(msg, ControlDelivery):
-                threading.Thread(target=self._answer, args=(msg,), daemon=True,
-                                 name=f"control-{msg.request_id}").start()
+                # a bounded pool: a burst of control messages cannot start a thread each
+                self._control_pool.submit(self._answer, msg)
             elif isinstance(msg, Error):
                 log.error("event=bridge_error cluster=%s reason=%s", self.cluster_id, msg.reason)
             else:
@@ -143,9 +149,18 @@ class BridgeLink:
             log.exception("event=control_failed request=%s", msg.request_id)
             ok, body, reason = False, {}, f"{type(exc).__name__}: {exc}"
         try:
+            reply = ControlReply(request_id=msg.request_id, ok=ok, body=body, reason=reason[:1000])
             with self._write:
-                send_bridge(self._sock, ControlReply(request_id=msg.request_id, ok=ok, body=body,
-                                                     reason=reason[:1000]))
+                send_bridge(self._sock, reply)
+        except ProtocolError as exc:  # e.g. a reply over the frame limit: say so at once
+            log.error("event=control_reply_refused request=%s reason=%s", msg.request_id, exc)
+            try:
+                with self._write:
+                    send_bridge(self._sock, ControlReply(
+                        request_id=msg.request_id, ok=False, body={},
+                        reason=f"the executor could not send its reply: {exc}"[:1000]))
+            except (OSError, ProtocolError) as again:
+                log.error("event=control_reply_lost request=%s reason=%s", msg.request_id, again)
         except OSError as exc:
             log.error("event=control_reply_lost request=%s reason=%s", msg.request_id, exc)
         if self._on_replied is not None:
@@ -162,6 +177,7 @@ class BridgeLink:
 
     def close(self) -> None:
         self._closed.set()
+        self._control_pool.shutdown(wait=False, cancel_futures=True)
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:

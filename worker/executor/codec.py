@@ -17,8 +17,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from proto.job import TransferSpec
-from worker.compression import compress, decompress
-from worker.serialization import bytes_metadata
+from worker.compression import compress_tensors, decompress_tensors
 
 Weights = dict[str, np.ndarray]
 Edge = tuple[str, str, str, str]
@@ -36,26 +35,27 @@ class EdgeCodec:
         self._received: dict[Edge, Weights] = {}
         self._lock = threading.Lock()
 
-    def compress(self, weights: Weights, edge: Edge) -> bytes:
+    def compress(self, weights: Weights, edge: Edge) -> tuple[Weights, dict[str, str]]:
+        """The tensors to send over `edge` and the header metadata to rebuild them."""
         if self.method != "topk":
-            payload, _ = compress(weights, self.method)
-            return payload
+            tensors, meta, _ = compress_tensors(weights, self.method)
+            return tensors, meta
         with self._lock:
             reference = self._sent.setdefault(edge, _copy(self._initial))
             delta = {k: np.asarray(v, dtype=np.float64) - reference[k] for k, v in weights.items()}
             # the reference already holds everything sent so far, so `delta` *is* the error
             # feedback: passing the compressor's own residual too would count it twice
-            payload, _ = compress(delta, "topk", topk_ratio=self.ratio)
-            for k, v in decompress(payload).items():
+            tensors, meta, _ = compress_tensors(delta, "topk", topk_ratio=self.ratio)
+            for k, v in decompress_tensors(tensors, meta).items():
                 reference[k] += v
-        return payload
+        return tensors, meta
 
-    def decompress(self, payload: bytes, edge: Edge) -> Weights:
-        if bytes_metadata(payload).get("compression") != "topk":
-            return decompress(payload)
+    def decompress(self, tensors: Weights, meta: Mapping[str, str], edge: Edge) -> Weights:
+        if meta.get("compression") != "topk":
+            return decompress_tensors(tensors, meta)
         with self._lock:
             reference = self._received.setdefault(edge, _copy(self._initial))
-            for k, v in decompress(payload).items():
+            for k, v in decompress_tensors(tensors, meta).items():
                 reference[k] += v
             return {k: v.astype(self._dtypes[k]) for k, v in reference.items()}
 

@@ -1,9 +1,21 @@
-"""Run one cluster's share of a round: the node programs of the nodes placed here.
+"""The round engine: the only place a round is run, for one cluster or many.
 
 Every cluster runs the same program for its own nodes; the transport decides whether a
-message stays inside the cluster or crosses fabricd. A round has two phases so a bounded
-thread pool cannot deadlock: first every local client trains and sends (waiting on
-nobody), then every node waits for what it needs. Aggregators run on their own threads.
+message stays inside the cluster or crosses fabricd. A single-cluster job is a mesh of
+one. The round's participants (`client_fraction`) are drawn from (seed, round), so every
+cluster trains the same set without a message. A round has two phases so a bounded
+thread pool cannot deadlock: first every participating local client trains and sends
+(waiting on nobody), then every node waits for what it needs. Aggregators run on their
+own threads. Any failure aborts the round's waits at once, every thread is joined, and
+the first failure is raised with its cause.
+
+Where each number comes from:
+- personalized accuracy: each trained client's model right after local training, scored
+  on the client's own held-out split (by the actor that trained it);
+- accuracy/loss: the root's new model (star, hierarchical), each group's model after the
+  exchange (hybrid), each participating node's model after mixing (decentralized).
+Decentralized mixing and hybrid group aggregation use the job's aggregator; inner
+hierarchy levels and the hybrid exchange use FedAvg (a sample-weighted mean).
 """
 
 from __future__ import annotations
@@ -11,15 +23,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
-from worker.aggregators.base import cast_like, sample_weights
-from worker.aggregators.base import weighted_average as base_weighted_average
-from worker.executor.graph import DOWN, PEER, UP, RoundGraph
+import numpy as np
+
+from proto.rounds import RoundRecord
+from worker.executor.graph import DOWN, PEER, UP, RoundGraph, participants
 from worker.executor.transport import HybridTransport, Weights
-from worker.topology.messages import weights_nbytes
 
 
 class ClientPool(Protocol):
@@ -39,45 +50,9 @@ class Aggregate(Protocol):
                   updates: list[tuple[Weights, int]]) -> Weights: ...
 
 
-@dataclass
-class Evaluation:
-    node: str
-    accuracy: float
-    loss: float
-    weight: int
-
-
-@dataclass
-class RoundReport:
-    """What this cluster reports for one round (combined by the scheduler)."""
-
-    round: int
-    cluster_id: str
-    evaluations: list[Evaluation] = field(default_factory=list)
-    personal_correct: int = 0
-    personal_total: int = 0
-    bytes_intra: int = 0
-    bytes_inter: int = 0
-    messages_intra: int = 0
-    messages_inter: int = 0
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "round": self.round, "cluster_id": self.cluster_id,
-            "evaluations": [[e.node, e.accuracy, e.loss, e.weight] for e in self.evaluations],
-            "personal_correct": self.personal_correct, "personal_total": self.personal_total,
-            "bytes_intra": self.bytes_intra, "bytes_inter": self.bytes_inter,
-            "messages_intra": self.messages_intra, "messages_inter": self.messages_inter,
-            "seconds": self.seconds,
-        }
-
-
-def weighted_average(items: Iterable[tuple[Weights, int]]) -> Weights:
-    """Sample-weighted mean of models, in the dtypes of the first model."""
-    updates = list(items)
-    shares = sample_weights(updates, "model averaging")
-    return cast_like(base_weighted_average(updates, shares), updates[0][0])
+def model_nbytes(weights: Weights) -> int:
+    """Bytes of tensor data in a model (what an intra-cluster reference stands for)."""
+    return int(sum(np.asarray(v).nbytes for v in weights.values()))
 
 
 class ClusterEngine:
@@ -94,6 +69,8 @@ class ClusterEngine:
         make_aggregator: Callable[[str], Aggregate],
         make_inner_aggregator: Callable[[], Aggregate],
         evaluate_global: Callable[[Weights], tuple[float, float]],
+        seed: int = 0,
+        client_fraction: float = 1.0,
         timeout: float = 600.0,
         workers: int = 16,
     ) -> None:
@@ -102,6 +79,8 @@ class ClusterEngine:
         self.transport = transport
         self.pool = pool
         self.timeout = timeout
+        self.seed = seed
+        self.client_fraction = client_fraction
         self._make_aggregator = make_aggregator
         self._make_inner = make_inner_aggregator
         self._evaluate_global = evaluate_global
@@ -109,7 +88,7 @@ class ClusterEngine:
         self._initial = initial_weights
         # Every message carries a full model of one fixed shape: its size is known without
         # fetching the referenced object.
-        self._model_nbytes = weights_nbytes(initial_weights)
+        self._model_nbytes = model_nbytes(initial_weights)
         self._models: dict[str, Any] = {}       # node -> handle of its current model
         self._aggregators: dict[str, Aggregate] = {}
         self._lock = threading.Lock()
@@ -120,6 +99,11 @@ class ClusterEngine:
 
     def local_aggregators(self) -> list[str]:
         return [a for a in self.graph.aggregators if self.transport.is_local(a)]
+
+    def participants(self, round_index: int) -> set[str]:
+        """Every client of the job that trains in `round_index` (wherever it lives)."""
+        n = len(self.graph.clients)
+        return {f"c{i}" for i in participants(n, self.client_fraction, self.seed, round_index)}
 
     def current_model(self, node: str) -> Any:
         with self._lock:
@@ -148,107 +132,156 @@ class ClusterEngine:
         with self._lock:
             self._models[node] = self.pool.put(weights)
 
+    def local_share(self) -> tuple[Weights, int] | None:
+        """The sample-weighted mean of the models this cluster evaluates (group models for
+        hybrid, client models for decentralized topologies) and the samples behind it; the
+        job's final model is the same mean over every cluster's share."""
+        nodes = (self.local_aggregators() if self.graph.kind == "hybrid"
+                 else self.local_clients())
+        items = [(self.pool.resolve(self.current_model(n)), self._samples_behind(n))
+                 for n in nodes]
+        items = [(w, k) for w, k in items if k > 0]
+        if not items:
+            return None
+        return average(items, self._make_inner()), sum(k for _, k in items)
+
+    def _samples_behind(self, node: str) -> int:
+        if node in self.graph.clients:
+            return self.pool.samples(node)
+        return sum(self._samples_behind(c) for c in self.graph.children(node))
+
     # -- one round ----------------------------------------------------------------------
-    def run_round(self, round_index: int) -> RoundReport:
+    def run_round(self, round_index: int) -> RoundRecord:
+        """Run this cluster's share of round `round_index`; raises the first failure."""
         started = time.perf_counter()
-        report = RoundReport(round_index, self.cluster_id)
-        clients = self.local_clients()
-        aggregators = self.local_aggregators()
+        self.transport.current_round = round_index
+        record = RoundRecord(round_index)
+        trained = self.participants(round_index)
+        active = self.graph.active(trained)
+        clients = [c for c in self.local_clients() if c in trained]
+        aggregators = [a for a in self.local_aggregators() if a in active]
         errors: list[BaseException] = []
-        agg_threads = [threading.Thread(target=self._guard, args=(errors, self._aggregator_program,
-                                                                  a, round_index, report),
+        fail = self._failer(errors, round_index)
+        agg_threads = [threading.Thread(target=self._guard, args=(fail, self._aggregator_program,
+                                                                  a, round_index, active, record),
                                         name=f"agg-{a}", daemon=True) for a in aggregators]
         for t in agg_threads:
             t.start()
-        with ThreadPoolExecutor(max_workers=max(1, min(self._workers, len(clients) or 1)),
-                                thread_name_prefix="client") as pool:
-            sent: list[Future[Any]] = [pool.submit(self._client_send, c, round_index)
-                                       for c in clients]
-            trained = {c: f.result() for c, f in zip(clients, sent, strict=True)}
-            done = [pool.submit(self._guard, errors, self._client_receive, c, round_index,
-                                trained[c], report) for c in clients]
-            for f in done:
-                f.result()
-        for t in agg_threads:
-            t.join()
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, min(self._workers, len(clients) or 1)),
+                                    thread_name_prefix="client") as pool:
+                sent: list[Future[Any]] = [
+                    pool.submit(self._guard, fail, self._client_send, c, round_index, trained)
+                    for c in clients]
+                wait(sent)
+                if not errors:
+                    done = [pool.submit(self._guard, fail, self._client_receive, c, round_index,
+                                        f.result(), trained, record)
+                            for c, f in zip(clients, sent, strict=True)]
+                    wait(done)
+        finally:
+            for t in agg_threads:
+                t.join()
         if errors:
             raise errors[0]  # the first failure in time is the cause; later ones follow from it
         counters = self.transport.counters.snapshot_and_reset()
-        report.bytes_intra = counters.bytes_intra
-        report.bytes_inter = counters.bytes_inter
-        report.messages_intra = counters.messages_intra
-        report.messages_inter = counters.messages_inter
-        report.seconds = time.perf_counter() - started
-        return report
+        record.participants = len(clients)
+        record.bytes_intra = counters.bytes_intra
+        record.bytes_inter = counters.bytes_inter
+        record.messages_intra = counters.messages_intra
+        record.messages_inter = counters.messages_inter
+        record.seconds = time.perf_counter() - started
+        return record
 
-    def _guard(self, errors: list[BaseException], fn: Callable[..., None], *args: Any) -> None:
-        try:
-            fn(*args)
-        except BaseException as exc:  # surfaced by run_round, earliest first
+    def _failer(self, errors: list[BaseException], round_index: int
+                ) -> Callable[[BaseException], None]:
+        def fail(exc: BaseException) -> None:
             with self._lock:
                 errors.append(exc)
+                first = len(errors) == 1
+            if first:  # wake every wait of this round: nobody sits out its timeout
+                self.transport.abort_round(round_index, f"{type(exc).__name__}: {exc}")
+        return fail
 
-    def _client_send(self, node: str, r: int) -> Any:
-        trained = self.pool.train(node, self.current_model(node), r)
+    def _guard(self, fail: Callable[[BaseException], None], fn: Callable[..., Any],
+               *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except BaseException as exc:  # surfaced by run_round, earliest first
+            fail(exc)
+            return None
+
+    def _client_send(self, node: str, r: int, trained: set[str]) -> Any:
+        update = self.pool.train(node, self.current_model(node), r)
         samples = self.pool.samples(node)
         nbytes = self._model_nbytes
-        if self.graph.kind in ("star", "hierarchical", "hybrid"):
-            self.transport.send(r, UP, node, self.graph.parent[node], trained, samples, nbytes)
+        if not self.graph.decentralized:
+            self.transport.send(r, UP, node, self.graph.parent[node], update, samples, nbytes)
         else:
             for peer in self.graph.peers.get(node, ()):
-                self.transport.send(r, PEER, node, peer, trained, samples, nbytes)
-        return trained
+                if peer in trained:
+                    self.transport.send(r, PEER, node, peer, update, samples, nbytes)
+        return update
 
-    def _client_receive(self, node: str, r: int, trained: Any, report: RoundReport) -> None:
-        if self.graph.kind in ("star", "hierarchical", "hybrid"):
+    def _client_receive(self, node: str, r: int, update: Any, trained: set[str],
+                        record: RoundRecord) -> None:
+        if not self.graph.decentralized:
             # twice the timeout: if the parent is stuck, its own wait fails first and names
             # the node that is really missing
             envelope = self.transport.receive(r, DOWN, self.graph.parent[node], node,
                                               2 * self.timeout)
             model = envelope.weights if not envelope.remote else self.pool.put(envelope.weights)
         else:
-            received = [(self.pool.resolve(trained), self.pool.samples(node))]
+            own = self.pool.resolve(update)
+            received = [(own, self.pool.samples(node))]
             for peer in self.graph.peers.get(node, ()):
-                env = self.transport.receive(r, PEER, peer, node, self.timeout)
-                received.append((self.pool.resolve(env.weights), env.samples))
-            averaged = weighted_average(received)
-            model = self.pool.put(averaged)
-            accuracy, loss = self._evaluate_global(averaged)
+                if peer in trained:
+                    env = self.transport.receive(r, PEER, peer, node, self.timeout)
+                    received.append((self.pool.resolve(env.weights), env.samples))
+            mixed = self._aggregator(node).aggregate(own, received)
+            model = self.pool.put(mixed)
+            accuracy, loss = self._evaluate_global(mixed)
             with self._lock:
-                report.evaluations.append(Evaluation(node, accuracy, loss, self.pool.samples(node)))
-        # personalized accuracy: the model the client just fine-tuned on its own data,
-        # scored on its own test split (measured by the actor right after training)
-        correct, total = self.pool.personal_score(trained)
+                record.add_evaluation(accuracy, loss, self.pool.samples(node))
+        correct, total = self.pool.personal_score(update)
         with self._lock:
             self._models[node] = model
-            report.personal_correct += correct
-            report.personal_total += total
+            record.add_personal(correct, total)
 
-    def _aggregator_program(self, node: str, r: int, report: RoundReport) -> None:
+    def _aggregator(self, node: str) -> Aggregate:
+        """The node's own aggregator (its state persists across rounds): the job's for
+        roots, hybrid groups and decentralized nodes; FedAvg for inner hierarchy levels."""
+        with self._lock:
+            if node not in self._aggregators:
+                outer = (self.graph.decentralized or self.graph.root(node)
+                         or self.graph.kind == "hybrid")
+                self._aggregators[node] = (self._make_aggregator(node) if outer
+                                           else self._make_inner())
+            return self._aggregators[node]
+
+    def _aggregator_program(self, node: str, r: int, active: set[str],
+                            record: RoundRecord) -> None:
         graph = self.graph
-        children = graph.children(node)
+        children = [c for c in graph.children(node) if c in active]
         updates: list[tuple[Weights, int]] = []
         for child in children:
             env = self.transport.receive(r, UP, child, node, self.timeout)
             updates.append((self.pool.resolve(env.weights), env.samples))
         samples = sum(n for _, n in updates)
         current = self.pool.resolve(self.current_model(node))
-        with self._lock:
-            if node not in self._aggregators:
-                root = graph.root(node) or graph.kind == "hybrid"
-                self._aggregators[node] = self._make_aggregator(node) if root else self._make_inner()
-            aggregator = self._aggregators[node]
-        model = aggregator.aggregate(current, updates)
+        model = self._aggregator(node).aggregate(current, updates) if updates else current
         nbytes = self._model_nbytes
-        if graph.kind == "hybrid" and graph.exchanges(r):
+        if graph.exchanges(r):
+            # groups weigh by the samples behind them, not by who trained this round
+            behind = self._samples_behind(node)
             handle = self.pool.put(model)
             for peer in graph.peers.get(node, ()):
-                self.transport.send(r, PEER, node, peer, handle, samples, nbytes)
-            group_models = [(model, samples)]
+                self.transport.send(r, PEER, node, peer, handle, behind, nbytes)
+            group_models = [(model, behind)]
             for peer in graph.peers.get(node, ()):
                 env = self.transport.receive(r, PEER, peer, node, self.timeout)
                 group_models.append((self.pool.resolve(env.weights), env.samples))
-            model = weighted_average(group_models)
+            model = average(group_models, self._make_inner())
         if node in graph.parent:  # an inner level of a hierarchy: pass up, wait for the root
             handle = self.pool.put(model)
             self.transport.send(r, UP, node, graph.parent[node], handle, samples, nbytes)
@@ -261,5 +294,14 @@ class ClusterEngine:
             self.transport.send(r, DOWN, node, child, handle, samples, nbytes)
         if node not in graph.parent:
             accuracy, loss = self._evaluate_global(model)
+            weight = self._samples_behind(node) if graph.kind == "hybrid" else max(samples, 1)
             with self._lock:
-                report.evaluations.append(Evaluation(node, accuracy, loss, samples))
+                record.add_evaluation(accuracy, loss, weight)
+
+
+def average(items: list[tuple[Weights, int]], fedavg: Aggregate) -> Weights:
+    """Sample-weighted mean of models through a FedAvg aggregator (in the first's dtypes)."""
+    return fedavg.aggregate(items[0][0], items)
+
+
+__all__ = ["Aggregate", "ClientPool", "ClusterEngine", "average", "model_nbytes"]

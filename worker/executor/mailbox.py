@@ -7,10 +7,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from worker.errors import WorkerError
+
 Key = tuple[int, str, str, str]  # (round, kind, source node, target node)
 
 
-class MessageTimeout(TimeoutError):
+class MessageTimeout(WorkerError, TimeoutError):
     """A node waited too long for a neighbour's message."""
 
 
@@ -35,6 +37,7 @@ class Mailbox:
         self._items: dict[Key, Envelope] = {}
         self._cond = threading.Condition()
         self._closed: str | None = None
+        self._aborted: dict[int, str] = {}  # round -> why its waits were cut short
 
     def put(self, key: Key, envelope: Envelope) -> bool:
         """Store a message; a repeat of a key already stored or taken is ignored (False)."""
@@ -49,6 +52,9 @@ class Mailbox:
         deadline = time.monotonic() + timeout
         with self._cond:
             while key not in self._items:
+                if key[0] in self._aborted:
+                    raise MessageTimeout(f"round {key[0]} was aborted while waiting for "
+                                         f"{_describe(key)}: {self._aborted[key[0]]}")
                 if self._closed is not None:
                     raise MessageTimeout(f"stopped while waiting for {_describe(key)}: {self._closed}")
                 left = deadline - time.monotonic()
@@ -66,13 +72,19 @@ class Mailbox:
             self._closed = reason
             self._cond.notify_all()
 
-    def drop_rounds_before(self, round_index: int) -> int:
-        """Forget messages of finished rounds nobody will read (e.g. after a node moved)."""
+    def abort_round(self, round_index: int, reason: str) -> None:
+        """Wake every waiter of `round_index` with an error and forget its messages (a
+        failed round is run again from the start, if at all)."""
         with self._cond:
-            stale = [k for k in self._items if k[0] < round_index]
-            for k in stale:
-                del self._items[k]
-            return len(stale)
+            self._aborted[round_index] = reason
+            for key in [k for k in self._items if k[0] == round_index]:
+                del self._items[key]
+            self._cond.notify_all()
+
+    def reopen_round(self, round_index: int) -> None:
+        """Let `round_index` be waited on again (before it is repeated)."""
+        with self._cond:
+            self._aborted.pop(round_index, None)
 
     def __len__(self) -> int:
         with self._cond:

@@ -22,7 +22,7 @@ from proto.job import JobSpec
 from worker.context import ExecutionContext, InProcessContext
 from worker.executor.codec import EdgeCodec
 from worker.executor.graph import client_index
-from worker.topology.messages import LocalUpdate, Message
+from worker.nodes.messages import LocalUpdate, Message
 
 log = logging.getLogger("fedpilot.executor")
 
@@ -62,6 +62,7 @@ class NodeRuntime:
         self.partition = client_data(self.dataset, spec.data, spec.seed)
         self._model = build_model(spec.model, self.dataset.input_shape, self.dataset.num_classes,
                                   seed=spec.seed)
+        self._check(spec)
         self.initial_weights: Weights = model_weights(self._model)
         self._eval_lock = threading.Lock()
         self._config = NodeConfig(job_id=spec.job_id, seed=spec.seed, model=spec.model,
@@ -70,6 +71,16 @@ class NodeRuntime:
                                   num_classes=self.dataset.num_classes)
         self.manager: Any = None
         self._local: list[int] = []
+
+    def _check(self, spec: JobSpec) -> None:
+        """Everything else the job names, before any actor starts (the error names the key)."""
+        from worker.aggregators import get_aggregator
+        from worker.training import train_local
+
+        get_aggregator(spec.aggregation)
+        # validates optimizer, epochs, batch size and fedprox_mu without training
+        train_local(self._model, self.dataset.x_train[:0], self.dataset.y_train[:0],
+                    spec.training, seed=0)
 
     # -- JobRuntime --------------------------------------------------------------------------
     def histograms(self, clients: list[int]) -> dict[int, list[int]]:
@@ -157,16 +168,6 @@ class NodeRuntime:
 
     def make_codec(self) -> EdgeCodec:
         return EdgeCodec(self.spec.transfer, self.initial_weights)
-
-    def weights_to_bytes(self, weights: Weights) -> bytes:
-        from worker.serialization import weights_to_bytes
-
-        return weights_to_bytes(weights)
-
-    def bytes_to_weights(self, data: bytes) -> Weights:
-        from worker.serialization import bytes_to_weights
-
-        return bytes_to_weights(data)
 
     def close(self) -> None:
         if self.manager is not None:

@@ -4,12 +4,14 @@ Messages (the `kind` of the body; the daemon only passes on bodies signed by a
 `scheduler` certificate):
 - `job.start` {job, clients}: build the job's partitions, reply with the label histograms
   of `clients` (no sample leaves the cluster) and this cluster's capacity;
-- `job.plan` {graph, routing, imports}: adopt the round graph and the routing matrix
-  (every neighbour is looked up there),
-  materialize the local clients, import migrated node states;
-- `round.run` {round}: run this cluster's share of the round, reply with its report;
-- `node.export` {nodes}: hand over the state of nodes that move to another cluster;
-- `job.model` {node}: the node's current model as safetensors bytes;
+- `job.plan` {routing, imports}: adopt the routing matrix (the whole plan: the round graph
+  is a read-only view of it), materialize the local clients, and take the states of
+  nodes that migrated here (`imports`: node names; the states arrive as update streams);
+- `round.run` {round}: run this cluster's share of the round, reply with its RoundRecord;
+- `node.export` {nodes: {node: cluster}}: stream the state of nodes that move to
+  another cluster straight to that cluster;
+- `job.model` {to_cluster, node?, share_to?, collect?}: stream the final model (or this
+  cluster's share of it) as an update; never inside a control reply, so any size works;
 - `job.stop`: release actors and reply with how many were materialized.
 """
 
@@ -22,8 +24,10 @@ from typing import Any, Protocol
 
 from proto.job import JobSpec
 from proto.routing import RoutingMatrix
-from worker.executor import graph as rg
-from worker.executor.engine import ClientPool, ClusterEngine
+from worker import payload as wire
+from worker.errors import WorkerError
+from worker.executor.engine import ClientPool, ClusterEngine, average
+from worker.executor.graph import FINAL, STATE, RoundGraph
 from worker.executor.mailbox import Mailbox
 from worker.executor.transport import HybridTransport, RemoteLink, Weights
 
@@ -43,15 +47,13 @@ class JobRuntime(ClientPool, Protocol):
     def make_aggregator(self, node: str) -> Any: ...
     def make_inner_aggregator(self) -> Any: ...
     def make_codec(self) -> Any: ...
-    def weights_to_bytes(self, weights: Weights) -> bytes: ...
-    def bytes_to_weights(self, data: bytes) -> Weights: ...
     def close(self) -> None: ...
 
 
 RuntimeFactory = Callable[[JobSpec], JobRuntime]
 
 
-class ControlError(ValueError):
+class ControlError(WorkerError):
     """A control message is malformed or out of order; the reason goes back to the scheduler."""
 
 
@@ -73,6 +75,7 @@ class ExecutorService:
         self.mailbox = Mailbox()
         self.stopped = threading.Event()
         self._nodes: dict[str, str] = {}
+        self._epoch = 0
         self._lock = threading.Lock()
 
     def handle(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -90,12 +93,16 @@ class ExecutorService:
                                f"{self.spec.job_id!r}")
         return handler(body)
 
-    def deliver(self, message_id: str, payload: bytes) -> None:
-        """An update from another cluster (via fabricd)."""
+    def deliver(self, *, job_id: str, round: int, source_node: str, target_node: str,
+                source_cluster: str, payload: bytes) -> bool:
+        """An update from another cluster (via fabricd, which names the sending cluster)."""
         transport = self.transport
         if transport is None:
-            raise ControlError(f"update {message_id} arrived before the job was planned")
-        transport.deliver_remote(message_id, payload)
+            raise ControlError(f"update {source_node} -> {target_node} arrived before the job "
+                               "was planned")
+        return transport.deliver_remote(job_id=job_id, round=round, source_node=source_node,
+                                        target_node=target_node, source_cluster=source_cluster,
+                                        payload=payload)
 
     # -- handlers --------------------------------------------------------------------------
     def _start(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -113,26 +120,22 @@ class ExecutorService:
 
     def _plan(self, body: dict[str, Any]) -> dict[str, Any]:
         assert self.spec is not None and self.runtime is not None
-        graph = rg.from_dict(body["graph"])
         routing = RoutingMatrix.from_bytes(bytes(body["routing"]))
         if routing.job_id != self.spec.job_id:
             raise ControlError(f"routing matrix is for job {routing.job_id!r}")
         if self.cluster_id not in routing.clusters:
             raise ControlError(f"routing matrix does not name this cluster ({self.cluster_id})")
-        stray = [(a, b) for a, b in graph.edges() if not routing.is_edge(a, b)]
-        if stray:
-            raise ControlError(f"round graph edges {stray[:5]} are not in the routing matrix")
-        try:
-            nodes = {node: routing.cluster_of(node) for node in graph.nodes}
-        except (KeyError, ValueError) as exc:
-            raise ControlError(f"routing matrix does not place every node: {exc}") from None
+        if routing.num_clients != self.spec.data.number_of_clients:
+            raise ControlError(f"routing matrix has {routing.num_clients} clients; the job has "
+                               f"{self.spec.data.number_of_clients}")
+        graph = RoundGraph.from_routing(routing)
+        nodes = {node: routing.cluster_of(node) for node in graph.nodes}
         with self._lock:
             self._nodes = nodes
-        locate = self._nodes_lookup
         if self.transport is None:
             self.transport = HybridTransport(
-                job_id=self.spec.job_id, local_cluster=self.cluster_id, locate=locate,
-                mailbox=self.mailbox, resolve=self.runtime.resolve,
+                job_id=self.spec.job_id, local_cluster=self.cluster_id,
+                locate=self._nodes_lookup, mailbox=self.mailbox, resolve=self.runtime.resolve,
                 codec=self.runtime.make_codec(), link=self.link)
         local_clients = [c for c in graph.clients if nodes[c] == self.cluster_id]
         self.runtime.assign(local_clients)
@@ -142,14 +145,22 @@ class ExecutorService:
             initial_weights=self.runtime.initial_weights,
             make_aggregator=self.runtime.make_aggregator,
             make_inner_aggregator=self.runtime.make_inner_aggregator,
-            evaluate_global=self.runtime.evaluate_global, timeout=self.round_timeout)
+            evaluate_global=self.runtime.evaluate_global, seed=self.spec.seed,
+            client_fraction=self.spec.training.client_fraction, timeout=self.round_timeout)
         if previous is not None:  # nodes that stay here keep their models (and the state)
             self.engine.adopt(previous, [n for n in graph.nodes if nodes[n] == self.cluster_id])
-        for node, state in body.get("imports", {}).items():
-            self.engine.import_node(str(node), self.runtime.bytes_to_weights(bytes(state)))
+        imports = [str(n) for n in body.get("imports", [])]
+        for node in imports:
+            if nodes.get(node) != self.cluster_id:
+                raise ControlError(f"asked to import node {node!r}, which the plan does not "
+                                   "place on this cluster")
+            envelope = self.transport.receive(routing.epoch, STATE, node, node,
+                                              self.round_timeout)
+            self.engine.import_node(node, envelope.weights)
         log.info("event=job_planned job=%s cluster=%s epoch=%d local_clients=%d imports=%d",
                  self.spec.job_id, self.cluster_id, routing.epoch, len(local_clients),
-                 len(body.get("imports", {})))
+                 len(imports))
+        self._epoch = routing.epoch
         return {"clients": len(local_clients),
                 "actors_materialized": self.runtime.actors_materialized()}
 
@@ -163,27 +174,70 @@ class ExecutorService:
     def _round(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.engine is None:
             raise ControlError("round.run before job.plan")
-        report = self.engine.run_round(int(body["round"]))
-        return report.to_dict()
+        return self.engine.run_round(int(body["round"])).to_dict()
 
     def _export(self, body: dict[str, Any]) -> dict[str, Any]:
-        assert self.runtime is not None
-        if self.engine is None:
+        """Stream each moving node's state to the cluster it moves to (epoch = the new
+        plan's, so the receiver takes it when that plan arrives)."""
+        if self.engine is None or self.transport is None:
             raise ControlError("node.export before job.plan")
-        states: dict[str, bytes] = {}
-        for node in body.get("nodes", []):
+        moves = body.get("nodes", {})
+        epoch = int(body.get("epoch", self._epoch + 1))
+        if not isinstance(moves, dict):
+            raise ControlError("node.export needs nodes = {node: target cluster}")
+        sent: list[str] = []
+        for node, target in moves.items():
             weights = self.engine.export_node(str(node))
-            if weights is not None:
-                states[str(node)] = self.runtime.weights_to_bytes(weights)
-        return {"states": states}
+            if weights is None:
+                continue
+            self.transport.send_to(str(target), epoch, STATE, str(node), str(node),
+                                   wire.encode(weights, kind=STATE, samples=0))
+            sent.append(str(node))
+        return {"sent": sent}
 
     def _model(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The job's final model, streamed as an update. Three forms:
+        {node, to_cluster}: that node's model (the root of a tree);
+        {share_to}: this cluster's sample-weighted share, to the collecting cluster;
+        {collect: [source nodes], to_cluster}: the mean of every share, evaluated here."""
         assert self.runtime is not None
-        if self.engine is None:
+        if self.engine is None or self.transport is None:
             raise ControlError("job.model before job.plan")
-        node = str(body.get("node", ""))
-        weights = self.runtime.resolve(self.engine.current_model(node))
-        return {"node": node, "model": self.runtime.weights_to_bytes(weights)}
+        engine, transport = self.engine, self.transport
+        if "share_to" in body:
+            share = engine.local_share()
+            if share is None:
+                return {"source_node": ""}
+            source = self._share_name()
+            weights, samples = share
+            transport.send_to(str(body["share_to"]), 0, FINAL, source, "final",
+                              wire.encode(weights, kind=FINAL, samples=samples))
+            return {"source_node": source}
+        to_cluster = str(body.get("to_cluster", ""))
+        if "collect" in body:
+            shares: list[tuple[Weights, int]] = []
+            own = engine.local_share()
+            if own is not None:
+                shares.append(own)
+            for source in body["collect"]:
+                env = transport.receive(0, FINAL, str(source), "final", self.round_timeout)
+                shares.append((env.weights, env.samples))
+            if not shares:
+                raise ControlError("no cluster holds a model to combine")
+            weights = average(shares, self.runtime.make_inner_aggregator())
+            node, samples = "consensus", sum(k for _, k in shares)
+        else:
+            node = str(body.get("node", ""))
+            weights, samples = self.runtime.resolve(engine.current_model(node)), 0
+        accuracy, loss = self.runtime.evaluate_global(weights)
+        size = transport.send_to(to_cluster, 0, FINAL, node, "scheduler",
+                                 wire.encode(weights, kind=FINAL, samples=samples))
+        return {"node": node, "bytes": size, "accuracy": accuracy, "loss": loss}
+
+    def _share_name(self) -> str:
+        assert self.engine is not None
+        nodes = self.engine.local_aggregators() or self.engine.local_clients()
+        return nodes[0]
 
     def _stop(self, body: dict[str, Any]) -> dict[str, Any]:
         count = self.runtime.actors_materialized() if self.runtime is not None else 0

@@ -9,18 +9,16 @@ given to the bridge; intra-cluster bytes are the tensor bytes the reference stan
 
 from __future__ import annotations
 
-import json
-import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
+from worker import payload as wire
+from worker.executor.graph import FINAL, KINDS, STATE
 from worker.executor.mailbox import Envelope, Mailbox
-from worker.serialization import bytes_metadata
-from worker.topology.messages import SAMPLES_KEY
 
 Weights = dict[str, np.ndarray]
 
@@ -36,8 +34,12 @@ Edge = tuple[str, str, str, str]  # (source node, target node, source cluster, t
 
 
 class Codec(Protocol):
-    def compress(self, weights: Weights, edge: Edge) -> bytes: ...
-    def decompress(self, payload: bytes, edge: Edge) -> Weights: ...
+    def compress(self, weights: Weights, edge: Edge) -> tuple[Weights, dict[str, str]]: ...
+    def decompress(self, tensors: Weights, meta: Mapping[str, str], edge: Edge) -> Weights: ...
+
+
+class DeliveryRefused(ValueError):
+    """An update from another cluster does not fit this job's plan (the reason is logged)."""
 
 
 @dataclass
@@ -55,43 +57,8 @@ class TrafficCounters:
 
 
 def message_id(job_id: str, round_index: int, kind: str, src: str, dst: str) -> str:
+    """The update's id for fabricd's idempotent delivery (a retry reuses it)."""
     return f"{job_id}/{round_index}/{kind}/{src}/{dst}"
-
-
-def parse_message_id(mid: str) -> tuple[str, int, str, str, str]:
-    """Inverse of `message_id`; raises ValueError on anything else."""
-    job_id, round_text, kind, src, dst = mid.split("/")
-    return job_id, int(round_text), kind, src, dst
-
-
-def with_samples(payload: bytes, samples: int) -> bytes:
-    """Add the sample count to a safetensors payload's metadata (no tensor is copied)."""
-    header, body = _split_safetensors(payload)
-    meta = dict(header.get("__metadata__") or {})
-    meta[SAMPLES_KEY] = str(int(samples))
-    header["__metadata__"] = meta
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw + body
-
-
-def samples_of(payload: bytes) -> int:
-    try:
-        return int(bytes_metadata(payload)[SAMPLES_KEY])
-    except (KeyError, ValueError) as exc:  # SerializationError is a ValueError
-        raise ValueError("update payload carries no valid fedpilot.samples metadata") from exc
-
-
-def _split_safetensors(payload: bytes) -> tuple[dict[str, Any], bytes]:
-    if len(payload) < 8:
-        raise ValueError("update payload is shorter than a safetensors header")
-    (size,) = struct.unpack("<Q", payload[:8])
-    if size > len(payload) - 8 or size > 16 * 1024 * 1024:
-        raise ValueError("update payload has an impossible safetensors header length")
-    header = json.loads(payload[8:8 + size])
-    if not isinstance(header, dict):
-        raise ValueError("update payload's safetensors header is not a JSON object")
-    return header, payload[8 + size:]
 
 
 class HybridTransport:
@@ -117,10 +84,9 @@ class HybridTransport:
         self._link = link
         self._lock = threading.Lock()
         self.counters = TrafficCounters()
-
-    def relocate(self, locate: Callable[[str], str]) -> None:
-        """Use a new node -> cluster map (after a re-plan)."""
-        self._locate = locate
+        # updates of a round are accepted only for the round being run and the next one:
+        # a member cannot park models for future rounds in this executor's memory
+        self.current_round = 0
 
     def is_local(self, node: str) -> bool:
         return self._locate(node) == self.local_cluster
@@ -136,30 +102,60 @@ class HybridTransport:
                 self.counters.bytes_intra += nbytes
                 self.counters.messages_intra += 1
             return
-        if self._link is None:
-            raise RuntimeError(f"node {dst} lives on cluster {target!r} but this executor has "
-                               "no bridge to fabricd")
         edge = (src, dst, self.local_cluster, target)
-        payload = with_samples(self._codec.compress(self._resolve(weights), edge), samples)
-        self._link.send_update(
-            target_cluster=target, job_id=self.job_id, round=round_index, source_node=src,
-            target_node=dst, message_id=message_id(self.job_id, round_index, kind, src, dst),
-            payload=payload,
-        )
+        tensors, meta = self._codec.compress(self._resolve(weights), edge)
+        nbytes_sent = self.send_to(target, round_index, kind, src, dst,
+                                   wire.encode(tensors, meta, kind=kind, samples=samples))
         with self._lock:
-            self.counters.bytes_inter += len(payload)
+            self.counters.bytes_inter += nbytes_sent
             self.counters.messages_inter += 1
 
-    def deliver_remote(self, mid: str, payload: bytes) -> bool:
-        """Called for every update fabricd delivers; False if it was a repeat."""
-        job_id, round_index, kind, src, dst = parse_message_id(mid)
+    def send_to(self, target_cluster: str, round_index: int, kind: str, src: str, dst: str,
+                payload: bytes) -> int:
+        """Stream an encoded payload to `target_cluster`'s consumer; its size in bytes."""
+        if self._link is None:
+            raise RuntimeError(f"node {dst} lives on cluster {target_cluster!r} but this "
+                               "executor has no bridge to fabricd")
+        self._link.send_update(
+            target_cluster=target_cluster, job_id=self.job_id, round=round_index,
+            source_node=src, target_node=dst,
+            message_id=message_id(self.job_id, round_index, kind, src, dst), payload=payload)
+        return len(payload)
+
+    def deliver_remote(self, *, job_id: str, round: int, source_node: str, target_node: str,
+                       source_cluster: str, payload: bytes) -> bool:
+        """Called for every update fabricd delivers; False if it was a repeat. The fields
+        are the delivery's own (fabricd names the authenticated sending cluster)."""
+        src, dst = source_node, target_node
         if job_id != self.job_id:
-            raise ValueError(f"update for job {job_id!r} reached the executor of {self.job_id!r}")
-        weights = self._codec.decompress(payload, (src, dst, self._locate(src), self.local_cluster))
-        envelope = Envelope(weights, samples_of(payload), len(payload), remote=True)
-        return self._mailbox.put((round_index, kind, src, dst), envelope)
+            raise DeliveryRefused(f"update for job {job_id!r} reached the executor of "
+                                  f"{self.job_id!r}")
+        decoded = wire.decode(payload, source=f"cluster {source_cluster} node {src}")
+        kind = decoded.kind
+        if kind not in KINDS:
+            raise DeliveryRefused(f"update {src} -> {dst} has unknown kind {kind!r}")
+        if kind in (STATE, FINAL):  # exact copies: never compressed, keyed by node
+            weights = {k: np.array(v) for k, v in decoded.tensors.items()}
+        else:
+            if not self.current_round <= round <= self.current_round + 1:
+                raise DeliveryRefused(f"update {src} -> {dst} is for round {round}; this "
+                                      f"cluster accepts rounds {self.current_round} and "
+                                      f"{self.current_round + 1} only")
+            placed = self._locate(src)
+            if source_cluster and placed != source_cluster:
+                raise DeliveryRefused(f"update from node {src} came from cluster "
+                                      f"{source_cluster!r}, but the plan places it on {placed!r}")
+            if not self.is_local(dst):
+                raise DeliveryRefused(f"update for node {dst}, which is not on this cluster")
+            weights = self._codec.decompress(decoded.tensors, decoded.metadata,
+                                             (src, dst, placed, self.local_cluster))
+        envelope = Envelope(weights, decoded.samples, len(payload), remote=True)
+        return self._mailbox.put((round, kind, src, dst), envelope)
+
+    def abort_round(self, round_index: int, reason: str) -> None:
+        self._mailbox.abort_round(round_index, reason)
 
     def receive(self, round_index: int, kind: str, src: str, dst: str,
                 timeout: float) -> Envelope:
-        where = f" (cluster {self._locate(src)})"
+        where = f" (cluster {self._locate(src)})" if kind not in (STATE, FINAL) else ""
         return self._mailbox.take((round_index, kind, src, dst), timeout, where)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from worker.errors import WorkerError
+
 from .cnn import CNN
 from .lenet import LeNet
 from .mlp import MLP
@@ -39,7 +41,7 @@ MODEL_NAMES = tuple(MODELS)
 _global_rng_lock = threading.Lock()
 
 
-class ModelError(ValueError):
+class ModelError(WorkerError, ValueError):
     """A model name or user class cannot be used; the message says what exists instead."""
 
 

@@ -15,11 +15,8 @@ killed and a fresh one is created instead (FedPilot's original behaviour).
 
 from .federated import (
     FederatedNode,
-    NodeReport,
     NodeState,
     client_seed,
-    state_from_bytes,
-    state_to_bytes,
 )
 from .manager import NodeManager, NodeStats
 from .virtual import NodeConfig, VirtualNode
@@ -28,11 +25,8 @@ __all__ = [
     "FederatedNode",
     "NodeConfig",
     "NodeManager",
-    "NodeReport",
     "NodeState",
     "NodeStats",
     "VirtualNode",
     "client_seed",
-    "state_from_bytes",
-    "state_to_bytes",
 ]

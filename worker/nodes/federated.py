@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from worker.data import Dataset
-from worker.topology.messages import LocalUpdate, Message, as_message
+from worker.nodes.messages import LocalUpdate, Message, as_message
 
 from .virtual import NodeConfig
 
@@ -25,47 +25,6 @@ class NodeState:
     weights: Mapping[str, np.ndarray]
     aggregator: Mapping[str, np.ndarray] | None = None
     rounds: int = 0
-
-
-@dataclass(frozen=True)
-class NodeReport:
-    """A decentralized node's evaluation after mixing with its neighbours."""
-
-    client_id: int
-    round: int
-    accuracy: float
-    loss: float
-    test_samples: int
-    local_accuracy: float
-    local_samples: int
-
-
-def state_to_bytes(state: NodeState) -> bytes:
-    """Safetensors bytes of a node's state, for migrating it to another cluster."""
-    from worker.serialization import weights_to_bytes
-
-    tensors = {f"weights/{k}": np.asarray(v) for k, v in state.weights.items()}
-    tensors.update({f"aggregator/{k}": np.asarray(v) for k, v in (state.aggregator or {}).items()})
-    return weights_to_bytes(tensors, {"fedpilot.rounds": str(int(state.rounds)),
-                                      "fedpilot.aggregator": str(state.aggregator is not None)})
-
-
-def state_from_bytes(data: bytes) -> NodeState:
-    """Inverse of `state_to_bytes` (raises `SerializationError` on anything else)."""
-    from worker.serialization import SerializationError, bytes_metadata, bytes_to_weights
-
-    tensors, meta = bytes_to_weights(data), bytes_metadata(data)
-    try:
-        rounds = int(meta["fedpilot.rounds"])
-    except (KeyError, ValueError):
-        raise SerializationError("node state bytes lack an integer fedpilot.rounds") from None
-    weights = {k[len("weights/"):]: v for k, v in tensors.items() if k.startswith("weights/")}
-    aggregator = {k[len("aggregator/"):]: v for k, v in tensors.items()
-                  if k.startswith("aggregator/")}
-    if not weights or len(weights) + len(aggregator) != len(tensors):
-        raise SerializationError("node state bytes need weights/* (and only aggregator/*) tensors")
-    has_aggregator = meta.get("fedpilot.aggregator") == "True"
-    return NodeState(weights, aggregator if has_aggregator else None, rounds)
 
 
 def client_seed(seed: int, client: int, round_index: int) -> int:
@@ -153,27 +112,6 @@ class FederatedNode:
         return LocalUpdate(weights=model_weights(self._model), num_samples=result.num_samples,
                            client_id=client, round=round_index, loss=result.loss,
                            local_accuracy=local.accuracy, local_samples=local.num_samples)
-
-    def mix(self, round_index: int, *neighbours: Message | Mapping[str, np.ndarray]
-            ) -> NodeReport:
-        """Aggregate the own model with the neighbours' (the job's aggregator, own weights
-        as the reference), then evaluate on the global test set and the own test split."""
-        from worker.aggregators import get_aggregator
-        from worker.serialization import load_weights, model_weights
-        from worker.training import evaluate
-
-        client = self._require_client()
-        own = model_weights(self._model)
-        if self._aggregator is None:
-            self._aggregator = get_aggregator(self._config.aggregation)
-        updates = [(own, len(self._train_idx))]
-        updates += [(dict(m.weights), m.num_samples) for m in map(as_message, neighbours)]
-        load_weights(self._model, self._aggregator.aggregate(own, updates))
-        d = self._dataset
-        overall = evaluate(self._model, d.x_test, d.y_test)
-        local = evaluate(self._model, d.x_train[self._test_idx], d.y_train[self._test_idx])
-        return NodeReport(client, round_index, overall.accuracy, overall.loss,
-                          overall.num_samples, local.accuracy, local.num_samples)
 
     def weights(self) -> Message:
         """The bound client's current model as a message."""

@@ -1,0 +1,128 @@
+"""One record per round: what a cluster's engine measured, and the job's combination.
+
+The engine fills one `RoundRecord` for its cluster's share of a round; it travels to the
+scheduler as plain msgpack data (`to_dict`/`from_dict`, validated field by field); the
+scheduler combines the clusters' records into the job's record with `combine`, which is
+what `summary.json` and `metrics.csv` hold. Accuracy and loss are means weighted by
+`eval_weight` (the samples behind each evaluated model), so combining is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from proto.errors import InvalidMessage
+
+NAN = float("nan")
+
+
+@dataclass
+class RoundRecord:
+    """One round, of one cluster (from its engine) or of the whole job (combined).
+
+    `accuracy`/`loss`: of the models evaluated this round (the root model for star and
+    hierarchical, the group models for hybrid, the mixed node models for decentralized
+    topologies), weighted by the samples behind each. `personalized_accuracy`: each
+    trained client's model right after local training, on that client's own held-out
+    split. `participants`: clients that trained.
+    """
+
+    round: int
+    accuracy: float = NAN
+    loss: float = NAN
+    personalized_accuracy: float = NAN
+    participants: int = 0
+    bytes_intra: int = 0
+    bytes_inter: int = 0
+    messages_intra: int = 0
+    messages_inter: int = 0
+    seconds: float = 0.0
+    eval_weight: int = 0
+    personal_correct: int = 0
+    personal_total: int = 0
+    # per cluster: {"bytes_inter": sent to other clusters, "bytes_intra": kept inside, ...}
+    by_cluster: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def add_evaluation(self, accuracy: float, loss: float, weight: int) -> None:
+        """Fold one evaluated model into this record's weighted means."""
+        total = self.eval_weight + weight
+        if total <= 0:
+            return
+        old = self.eval_weight
+        self.accuracy = (_z(self.accuracy) * old + accuracy * weight) / total
+        self.loss = (_z(self.loss) * old + loss * weight) / total
+        self.eval_weight = total
+
+    def add_personal(self, correct: int, total: int) -> None:
+        self.personal_correct += correct
+        self.personal_total += total
+        if self.personal_total:
+            self.personalized_accuracy = self.personal_correct / self.personal_total
+
+    @classmethod
+    def combine(cls, round_index: int, records: Mapping[str, RoundRecord],
+                seconds: float) -> RoundRecord:
+        """The job's record from every cluster's (keyed by cluster id)."""
+        out = cls(round_index, seconds=seconds)
+        for cluster_id, rec in sorted(records.items()):
+            if rec.eval_weight > 0:
+                out.add_evaluation(rec.accuracy, rec.loss, rec.eval_weight)
+            out.add_personal(rec.personal_correct, rec.personal_total)
+            out.participants += rec.participants
+            out.bytes_intra += rec.bytes_intra
+            out.bytes_inter += rec.bytes_inter
+            out.messages_intra += rec.messages_intra
+            out.messages_inter += rec.messages_inter
+            out.by_cluster[cluster_id] = {"bytes_inter": rec.bytes_inter,
+                                          "bytes_intra": rec.bytes_intra,
+                                          "participants": rec.participants}
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "round report") -> RoundRecord:
+        """Inverse of `to_dict`; raises `InvalidMessage` naming the field on bad input."""
+        if not isinstance(data, dict):
+            raise InvalidMessage(f"{source} must be a map", field=None)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in data:
+                continue
+            value = data[f.name]
+            if f.name == "by_cluster":
+                value = _by_cluster(value, source)
+            elif f.type in ("int",) and (not isinstance(value, int) or isinstance(value, bool)
+                                        or value < 0):
+                raise InvalidMessage(f"{source}: {f.name} must be a non-negative integer",
+                                     field=f.name)
+            elif f.type == "float":
+                if not isinstance(value, int | float) or isinstance(value, bool):
+                    raise InvalidMessage(f"{source}: {f.name} must be a number", field=f.name)
+                value = float(value)
+            values[f.name] = value
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise InvalidMessage(f"{source} has unknown fields {unknown}", field=unknown[0])
+        if "round" not in values:
+            raise InvalidMessage(f"{source} names no round", field="round")
+        return cls(**values)
+
+
+def _by_cluster(value: Any, source: str) -> dict[str, dict[str, int]]:
+    ok = isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, dict)
+        and all(isinstance(a, str) and isinstance(b, int) for a, b in v.items())
+        for k, v in value.items())
+    if not ok:
+        raise InvalidMessage(f"{source}: by_cluster must map cluster ids to integer counters",
+                             field="by_cluster")
+    return {k: dict(v) for k, v in value.items()}
+
+
+def _z(x: float) -> float:
+    return 0.0 if math.isnan(x) else x
