@@ -251,7 +251,7 @@ class Driver:
                         if routing.parent[i] < 0)
             reply = self.channel.request(nodes[root], self._job_body(
                 "job.model", node=root, to_cluster=here), self.timeout)
-            info = {"model": f"root aggregator {root!r}", "node": root}
+            info: dict[str, Any] = {"model": f"root aggregator {root!r}", "node": root}
         else:
             # every cluster's sample-weighted share goes to one collector, which combines,
             # evaluates and streams the result here

@@ -12,8 +12,6 @@ import pytest
 
 from proto.job import AggregationSpec, DataSpec, JobSpec, JobSpecError, TrainingSpec
 from worker.aggregators import AggregationError, get_aggregator
-from worker.context import InProcessContext
-from worker.runner import run_job
 
 # The docs/job.md example, plus one line recording each call so the test sees it used.
 PLUGIN = '''
@@ -69,8 +67,10 @@ def test_job_with_user_aggregator_runs_and_uses_it(plugin: str) -> None:
         "aggregation": {"name": f"{plugin}:UnweightedMean"},
     }, source="job.toml")
     assert spec.aggregation.name == f"{plugin}:UnweightedMean"
-    with InProcessContext(num_cpus=2) as ctx:
-        metrics = list(run_job(spec, ctx))
+    from tests.e2e.test_one_engine import run
+
+    result, _ = run(spec, ("solo",))
+    metrics = result.summary.rounds
     assert [m.round for m in metrics] == [1, 2]
     assert all(np.isfinite(m.accuracy) for m in metrics)
     calls = importlib.import_module(plugin).CALLS

@@ -154,8 +154,7 @@ def two_round_job(dataset: str, model: str = "mlp") -> JobSpec:
 
 @pytest.mark.parametrize("kind", ["imagefolder", "csv"])
 def test_two_round_job_on_an_image_folder_and_a_csv_file(tmp_path: Path, kind: str) -> None:
-    from worker.context import InProcessContext
-    from worker.runner import run_job
+    from tests.e2e.test_one_engine import run
 
     if kind == "imagefolder":
         name = f"imagefolder:{write_images(tmp_path / 'imgs', per_class=10)}"
@@ -163,10 +162,10 @@ def test_two_round_job_on_an_image_folder_and_a_csv_file(tmp_path: Path, kind: s
     else:
         name = f"csv:{write_table(tmp_path / 't.csv', n=60)}"
         model = "mlp"
-    with InProcessContext(num_cpus=2) as ctx:
-        metrics = list(run_job(two_round_job(name, model), ctx))
+    result, _ = run(two_round_job(name, model), ("solo",))
+    metrics = result.summary.rounds
     assert [m.round for m in metrics] == [1, 2]
-    assert all(m.clients_trained == 3 for m in metrics)
+    assert all(m.participants == 3 for m in metrics)
     assert 0.0 <= metrics[-1].accuracy <= 1.0 and np.isfinite(metrics[-1].loss)
 
 

@@ -76,11 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         if service.stopped.is_set():
             finished.set()
 
+    def on_delivery(msg, payload):  # type: ignore[no-untyped-def]
+        service.deliver(job_id=msg.job_id, round=msg.round, source_node=msg.source_node,
+                        target_node=msg.target_node, source_cluster=msg.source_cluster,
+                        payload=payload)
+
     link = BridgeLink(args.bridge, cluster_id=args.cluster_id, job_id=args.job,
-                      on_delivery=lambda msg, payload: service.deliver(
-                          job_id=msg.job_id, round=msg.round, source_node=msg.source_node,
-                          target_node=msg.target_node, source_cluster=msg.source_cluster,
-                          payload=payload),
+                      on_delivery=on_delivery,
                       on_control=on_control, on_replied=on_replied)
     service.link = link
     log.info("event=executor_ready cluster=%s job=%s ray=%s", args.cluster_id, args.job, args.ray)
