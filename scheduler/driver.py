@@ -252,6 +252,7 @@ class Driver:
             reply = self.channel.request(nodes[root], self._job_body(
                 "job.model", node=root, to_cluster=here), self.timeout)
             info: dict[str, Any] = {"model": f"root aggregator {root!r}", "node": root}
+            shares: dict[str, dict[str, Any]] = {}
         else:
             # every cluster's sample-weighted share goes to one collector, which combines,
             # evaluates and streams the result here
@@ -266,8 +267,11 @@ class Driver:
             what = "group" if routing.kind == "hybrid" else "node"
             info = {"model": f"sample-weighted mean of the {what} models", "node": "consensus"}
         model = self.channel.take_update(self.spec.job_id, str(reply["node"]), self.timeout)
+        share_bytes = sum(int(r.get("bytes", 0)) for r in shares.values())
+        # streams between daemons for the final model: shares to the collector, then here
         info.update({"accuracy": float(reply["accuracy"]), "loss": float(reply["loss"]),
-                     "bytes": len(model)})
+                     "bytes": len(model), "share_bytes": share_bytes,
+                     "transfer_bytes": share_bytes + len(model)})
         return model, info
 
     def close(self) -> None:

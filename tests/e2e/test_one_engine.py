@@ -184,3 +184,37 @@ def test_bad_jobs_fail_before_any_actor(tmp_path: Any) -> None:
         if isinstance(err.value, JobFailed):
             assert "job.start" in str(err.value)
         assert counted is None or not counted.trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["star", "k_connected"])
+def test_a_60_mb_model_is_written_and_is_the_one_whose_accuracy_is_reported(
+        kind: str, tmp_path: Any) -> None:
+    """Over the 4 MiB control limit by 15x: the model travels as an update stream."""
+    from safetensors.torch import load_file
+
+    from scheduler.results import write_results
+    from worker.data import load_dataset
+    from worker.models import build_model
+    from worker.serialization import load_weights
+    from worker.training import evaluate
+
+    spec = job(kind, clients=6, rounds=3, model={"name": "mlp", "hidden": 200_000})
+    result, _ = run(spec)
+    assert len(result.model) > 60_000_000
+    write_results(tmp_path, result.summary, model_bytes=result.model)
+    weights = {k: v.numpy() for k, v in load_file(tmp_path / "model.safetensors").items()}
+    dataset = load_dataset(spec.data.dataset)
+    model = build_model(spec.model, dataset.input_shape, dataset.num_classes, seed=spec.seed)
+    load_weights(model, weights)
+    recomputed = evaluate(model, dataset.x_test, dataset.y_test).accuracy
+    assert recomputed == result.summary.final_accuracy
+    summary = json_load(tmp_path / "summary.json")
+    assert summary["final_accuracy"] == recomputed
+    assert summary["final_model"]["node"] == ("server" if kind == "star" else "consensus")
+
+
+def json_load(path: Any) -> Any:
+    import json
+
+    return json.loads(path.read_text())

@@ -68,9 +68,15 @@ def test_inter_cluster_bytes_equal_the_daemons_counters(inprocess_testbed: Any) 
             for c in testbed.cluster_ids}
     received = {c: job_counters(testbed, c, spec.job_id).get("received_bytes", 0)
                 for c in testbed.cluster_ids}
-    assert sum(sent.values()) == summary.bytes_inter_total == sum(received.values())
+    # the rounds' inter-cluster bytes plus the final model's streams (shares between
+    # clusters, then the model to the scheduler's daemon)
+    final = summary.final_model
+    assert final["transfer_bytes"] == final["share_bytes"] + final["bytes"] > 0
+    assert sum(sent.values()) == summary.bytes_inter_total + final["transfer_bytes"]
+    assert sum(received.values()) == summary.bytes_inter_total + final["share_bytes"]
     # the executors asked their daemons too, and the summary carries it
-    assert sum(c.daemon_bytes_sent for c in summary.clusters) == summary.bytes_inter_total
+    assert (sum(c.daemon_bytes_sent for c in summary.clusters)
+            == summary.bytes_inter_total + final["transfer_bytes"])
     assert all(c.actors_materialized > 0 for c in summary.clusters)
     assert sum(c.clients for c in summary.clusters) == 6
 
@@ -128,7 +134,8 @@ def test_job_on_two_embedded_ray_clusters(tmp_path: Path) -> None:
         summary = result.summary
         sent = sum(job_counters(testbed, c, spec.job_id).get("sent_bytes", 0)
                    for c in testbed.cluster_ids)
-        assert summary.bytes_inter_total == sent > 0
+        assert summary.bytes_inter_total + summary.final_model["transfer_bytes"] == sent
+        assert summary.bytes_inter_total > 0
         # 3 clients per cluster, at most 2 actors alive: the slots are recycled, not re-made
         assert [c.actors_materialized for c in summary.clusters] == [2, 2]
         for name in testbed.cluster_ids:

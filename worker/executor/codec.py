@@ -29,7 +29,10 @@ class EdgeCodec:
     def __init__(self, transfer: TransferSpec, initial: Mapping[str, np.ndarray]) -> None:
         self.method = transfer.compression
         self.ratio = transfer.topk_ratio
-        self._initial = {k: np.asarray(v, dtype=np.float64) for k, v in initial.items()}
+        # topk's per-edge references start from the initial weights; the other methods
+        # keep no state, so they need no float64 copy of the model
+        self._initial = ({k: np.asarray(v, dtype=np.float64) for k, v in initial.items()}
+                         if self.method == "topk" else {})
         self._dtypes = {k: np.asarray(v).dtype for k, v in initial.items()}
         self._sent: dict[Edge, Weights] = {}
         self._received: dict[Edge, Weights] = {}

@@ -210,9 +210,9 @@ class ExecutorService:
                 return {"source_node": ""}
             source = self._share_name()
             weights, samples = share
-            transport.send_to(str(body["share_to"]), 0, FINAL, source, "final",
-                              wire.encode(weights, kind=FINAL, samples=samples))
-            return {"source_node": source}
+            size = transport.send_to(str(body["share_to"]), 0, FINAL, source, "final",
+                                     wire.encode(weights, kind=FINAL, samples=samples))
+            return {"source_node": source, "bytes": size}
         to_cluster = str(body.get("to_cluster", ""))
         if "collect" in body:
             shares: list[tuple[Weights, int]] = []
