@@ -116,7 +116,7 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ran]:
             result: dict[str, Any] = {}
 
             def drive() -> None:
-                channel = BridgeChannel(tb.bridge_socket("scheduler"))
+                channel = BridgeChannel(tb.bridge_socket("scheduler"), job_id=spec.job_id)
                 recorder = RunRecorder.for_job(run_dir, spec, backend="inprocess", metrics=job_metrics)
                 driver = Driver(spec, clusters, channel, backend="inprocess", timeout=300,
                                 progress=recorder)
@@ -187,7 +187,10 @@ def test_three_cluster_job_metrics_match_summary(ran: Ran) -> None:
     inter_between_clusters = sum(v for x in tb.cluster_ids for y, v in
                                  by_cluster(after[x], "fabricd_update_sent_bytes_total").items()
                                  if y != "scheduler")
-    assert inter_between_clusters == summary.bytes_inter_total
+    # the rounds' bytes plus the final model's shares between clusters (the model itself
+    # goes to the scheduler's daemon, excluded above)
+    assert inter_between_clusters == (summary.bytes_inter_total
+                                      + summary.final_model["share_bytes"])
 
 
 def test_scheduler_job_metrics_match_summary(ran: Ran) -> None:
