@@ -98,7 +98,6 @@ class Driver:
         *,
         backend: str,
         progress: Progress | None = None,
-        on_round: Callable[[JobSummary], None] | None = None,
         timeout: float = 900.0,
     ) -> None:
         if not clusters:
@@ -108,7 +107,6 @@ class Driver:
         self.channel = channel
         self.backend = backend
         self.progress = progress
-        self.on_round = on_round
         self.timeout = timeout
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(clusters)),
                                         thread_name_prefix="driver")
@@ -177,8 +175,6 @@ class Driver:
             summary.rounds.append(record)
             if self.progress is not None:
                 self.progress(record, rounds)
-            if self.on_round is not None:
-                self.on_round(summary)
             if period > 0 and r % period == 0 and r < rounds:
                 new_plan = plan_epoch(spec, histograms, slots, epoch=r // period)
                 moved = self._migrate(node_clusters(plan.routing), new_plan)

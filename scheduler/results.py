@@ -82,7 +82,9 @@ def write_results(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary.finish()
-    write_progress(out, summary)
+    # metrics.csv first: a reader that finds the new summary also finds its rounds
+    write_metrics_csv(out / "metrics.csv", summary.rounds)
+    _atomic_write(out / "summary.json", (json.dumps(summary.to_dict(), indent=2) + "\n").encode())
     if placement is not None:
         _atomic_write(out / "placement.json", (json.dumps(placement, indent=2) + "\n").encode())
     if model_bytes is not None:
@@ -90,18 +92,6 @@ def write_results(
     plot_accuracy(out / "accuracy.png", {summary.job_id: summary.rounds})
     plot_traffic(out / "traffic.png", {summary.job_id: summary.rounds})
     return out
-
-
-def write_progress(out_dir: str | os.PathLike[str], summary: JobSummary) -> None:
-    """summary.json and metrics.csv as they stand (after every round, and at the end);
-    each file is replaced atomically, so a reader never sees half of one."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if summary.status == "running":
-        summary.bytes_inter_total = sum(r.bytes_inter for r in summary.rounds)
-        summary.bytes_intra_total = sum(r.bytes_intra for r in summary.rounds)
-    _atomic_write(out / "summary.json", (json.dumps(summary.to_dict(), indent=2) + "\n").encode())
-    write_metrics_csv(out / "metrics.csv", summary.rounds)
 
 
 def write_metrics_csv(path: Path, rounds: Sequence[RoundRecord]) -> None:

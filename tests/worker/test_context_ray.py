@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from worker.context import PlacementError
@@ -40,8 +42,12 @@ def test_ray_tasks_actors_and_refs(ray_context) -> None:  # type: ignore[no-unty
     ctx.kill(counter)
     import ray
 
+    # ray.kill is asynchronous: a call sent right after it may still be served, but the
+    # actor must be gone (every call failing) within a few seconds
     with pytest.raises(ray.exceptions.RayActorError):
-        ctx.get(counter.add(1), timeout=30)
+        for _ in range(100):
+            ctx.get(counter.add(1), timeout=30)
+            time.sleep(0.1)
 
 
 def test_ray_placement_group_fails_at_once_with_what_exists(ray_context) -> None:  # type: ignore[no-untyped-def]
