@@ -12,7 +12,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from proto.job import DataSpec, JobSpec, TrainingSpec
 from worker.context import InProcessContext
 from worker.metrics import RunMetrics, parse_endpoint
-from worker.runner import run_job
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -28,15 +27,28 @@ def test_executor_metrics_follow_a_real_job() -> None:
     spec = JobSpec(job_id="m", seed=4, data=DataSpec(number_of_clients=4),
                    training=TrainingSpec(federated_learning_rounds=3, number_of_epochs=1))
     job = {("job", "m")}
-    with RunMetrics("executor", cluster="a") as metrics, InProcessContext(num_cpus=2) as ctx:
+    from scheduler.driver import Driver
+    from scheduler.loopback import LoopbackMesh
+    from worker.executor.runtime import runtime_factory
+
+    mesh = LoopbackMesh(["a"], lambda cid: runtime_factory(InProcessContext(), cid), capacity=4)
+    with RunMetrics("executor", cluster="a") as metrics:
         address = metrics.serve("127.0.0.1:0")
         seen = []
-        for m in run_job(spec, ctx):
+
+        def progress(m: object, total: int) -> None:
             metrics.observe_round(spec.job_id, m)
             seen.append(m)
             s = scrape(address)  # during the job, after each round
-            assert s[("fedpilot_executor_round", frozenset(job))] == m.round
-            assert s[("fedpilot_executor_accuracy", frozenset(job))] == pytest.approx(m.accuracy)
+            assert s[("fedpilot_executor_round", frozenset(job))] == m.round  # type: ignore[attr-defined]
+            assert s[("fedpilot_executor_accuracy", frozenset(job))] == pytest.approx(
+                m.accuracy)  # type: ignore[attr-defined]
+
+        driver = Driver(spec, mesh.clusters(), mesh, backend="inprocess", progress=progress)
+        try:
+            driver.run()
+        finally:
+            driver.close()
         s = scrape(address)
         assert s[("fedpilot_executor_rounds_total", frozenset(job))] == 3
         assert s[("fedpilot_executor_round_seconds_count", frozenset(job))] == 3
@@ -46,7 +58,6 @@ def test_executor_metrics_follow_a_real_job() -> None:
         intra = s[("fedpilot_executor_bytes_total", frozenset(job | {("scope", "intra")}))]
         assert intra == sum(m.bytes_intra for m in seen) > 0
         assert s[("fedpilot_executor_bytes_total", frozenset(job | {("scope", "inter")}))] == 0
-        assert s[("fedpilot_executor_actors_materialized", frozenset(job))] == seen[-1].actors_created
         assert s[("fedpilot_executor_info", frozenset({("cluster", "a")}))] == 1
     with pytest.raises(OSError):  # closed with the context
         scrape(address)
