@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from fedpilot.data import client_data, load_dataset
 from proto.job import AggregationSpec, DataSpec, ModelSpec, TrainingSpec
 from worker.aggregators import get_aggregator
-from worker.data import client_data, load_dataset
 from worker.models import build_model
 from worker.serialization import load_weights, model_weights
 from worker.training import evaluate, train_local

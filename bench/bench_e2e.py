@@ -126,7 +126,7 @@ class LoopbackBench:
                 for i in range(CLUSTERS)]
 
     def channel_for(self, job_id: str) -> ClusterChannel:
-        from scheduler.loopback import LoopbackMesh
+        from fedpilot.loopback import LoopbackMesh
         from worker.context import InProcessContext
         from worker.executor.runtime import runtime_factory
 

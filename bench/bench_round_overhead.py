@@ -159,7 +159,7 @@ class Side:
     def run(self, clusters: int, job_id: str) -> RunResult:
         spec = job_spec(self.setup, job_id)
         if self.backend == "inprocess" and self.mesh == "loopback":
-            from scheduler.loopback import LoopbackMesh
+            from fedpilot.loopback import LoopbackMesh
             from worker.context import InProcessContext
             from worker.executor.runtime import runtime_factory
 

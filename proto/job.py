@@ -25,7 +25,7 @@ PLACEMENT_GROUP_STRATEGIES = ("SPREAD", "PACK")
 COMPRESSIONS = ("none", "fp16", "int8", "topk")
 OPTIMIZERS = ("sgd", "adam")
 DATASETS = ("digits",)                      # plus a file dataset PREFIX:PATH[#options]
-# file datasets (worker/data reads them; docs/job.md says what each holds)
+# file datasets (fedpilot/data reads them; docs/job.md says what each holds)
 DATASET_PREFIXES = ("npz:", "imagefolder:", "csv:", "parquet:")
 MODELS = ("mlp", "cnn", "lenet")            # plus "package.module:Class"
 K_CONNECTED_MODES = ("random", "similarity")

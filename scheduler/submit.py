@@ -91,10 +91,10 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fedpilot.data.preflight import check_before_start
     from scheduler.jobfile import load_job
     from scheduler.mesh import BridgeChannel, wait_for_clusters
     from scheduler.status import RunRecorder
-    from worker.data.preflight import check_before_start
 
     spec = load_job(args.job)
     check_before_start(spec, str(args.job))  # labels and model, before any daemon or Ray starts
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     channel = None
     metrics = None
     if args.metrics:
-        from worker.metrics import RunMetrics
+        from fedpilot.metrics import RunMetrics
 
         metrics = RunMetrics("scheduler")
         print(f"metrics: http://{metrics.serve(args.metrics)}/metrics", file=sys.stderr)

@@ -1,7 +1,8 @@
 """The Ray side of one cluster.
 
-Import what you need from the subpackages; this module imports nothing so that
-`import worker.data` stays free of torch and ray (the scheduler relies on it):
+Import what you need from the subpackages; this module imports nothing. Datasets and
+partitions live in `fedpilot.data` (shared with the scheduler, which imports nothing
+from here).
 
 - `worker.context`: `ExecutionContext`, `InProcessContext`, `RayContext`, `PlacementError`
 - `worker.nodes`: `VirtualNode`, `FederatedNode`, `NodeManager`, `NodeConfig`
@@ -10,6 +11,6 @@ Import what you need from the subpackages; this module imports nothing so that
   worker.executor` is one cluster's executor process
 - `worker.payload`: the update payload (weights + kind + samples + compression, one header)
 - `worker.errors`: `WorkerError`, the root of the worker's errors
-- `worker.data`, `worker.models`, `worker.training`, `worker.aggregators`,
-  `worker.serialization`: datasets, models, local training, aggregation, safetensors
+- `worker.models`, `worker.training`, `worker.aggregators`, `worker.serialization`:
+  models, local training, aggregation, safetensors
 """

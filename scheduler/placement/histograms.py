@@ -14,7 +14,7 @@ from proto.job import JobSpec
 def job_histograms(spec: JobSpec) -> np.ndarray:
     """Label histograms `[number_of_clients, num_classes]` (int64) of every client's training
     part, exactly as the clusters' executors will partition the job's dataset."""
-    from worker.data import client_data, load_dataset  # numpy/sklearn only (see contracts)
+    from fedpilot.data import client_data, load_dataset  # numpy/sklearn only (see contracts)
 
     dataset = load_dataset(spec.data.dataset)
     return np.asarray(client_data(dataset, spec.data, spec.seed).histograms, dtype=np.int64)

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from safetensors.numpy import load as st_load
 
+from fedpilot.loopback import LoopbackMesh
 from proto.job import JobSpec
 from proto.routing import RoutingMatrix
 from scheduler.driver import Driver, JobFailed
-from scheduler.loopback import LoopbackMesh
 from worker.context import InProcessContext
 from worker.executor.runtime import runtime_factory
 

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fedpilot.metrics import RunMetrics
 from proto.job import JobSpec
 from scheduler.cli import main as cli_main
 from scheduler.driver import Driver
@@ -32,7 +33,6 @@ from scheduler.mesh import BridgeChannel, daemon_status
 from scheduler.results import write_results
 from scheduler.status import RunRecorder
 from scheduler.testbed import LocalTestbed, fabricd_command, free_port, set_toml_value
-from worker.metrics import RunMetrics
 
 pytestmark = pytest.mark.slow
 

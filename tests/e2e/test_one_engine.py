@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load as st_load
 
+from fedpilot.loopback import LoopbackMesh
 from proto.job import JobSpec, JobSpecError
 from scheduler.driver import Driver, JobFailed
-from scheduler.loopback import LoopbackMesh
 from worker.context import InProcessContext
 from worker.executor.graph import participants
 from worker.executor.runtime import NodeRuntime, runtime_factory
@@ -193,8 +193,8 @@ def test_a_60_mb_model_is_written_and_is_the_one_whose_accuracy_is_reported(
     """Over the 4 MiB control limit by 15x: the model travels as an update stream."""
     from safetensors.torch import load_file
 
+    from fedpilot.data import load_dataset
     from scheduler.results import write_results
-    from worker.data import load_dataset
     from worker.models import build_model
     from worker.serialization import load_weights
     from worker.training import evaluate

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import worker.data.partition as partition_module
+import fedpilot.data.partition as partition_module
+from fedpilot.data import PartitionError, client_data, label_histograms, load_dataset
+from fedpilot.data.partition import DISTRIBUTIONS, partition
 from proto.job import DataSpec
-from worker.data import PartitionError, client_data, label_histograms, load_dataset
-from worker.data.partition import DISTRIBUTIONS, partition
 
 Y = np.repeat(np.arange(10), 100)  # 1,000 samples, 10 balanced classes
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fedpilot.data import DatasetError, clear_cache, load_dataset
 from proto.job import DataSpec, JobSpec, TrainingSpec
-from worker.data import DatasetError, clear_cache, load_dataset
 
 
 @pytest.fixture(autouse=True)

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fedpilot.data.preflight import check_job_inputs
 from proto.job import JobSpecError
 from scheduler.jobfile import load_job
-from worker.data.preflight import check_job_inputs
 
 WRONG_HEAD = '''
 import torch

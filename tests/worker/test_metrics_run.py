@@ -1,4 +1,4 @@
-"""worker.metrics: a real in-process job feeds RunMetrics round by round; its /metrics
+"""fedpilot.metrics: a real in-process job feeds RunMetrics round by round; its /metrics
 endpoint is scraped after every round and parsed with prometheus_client.parser."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fedpilot.metrics import RunMetrics, parse_endpoint
 from proto.job import DataSpec, JobSpec, TrainingSpec
 from worker.context import InProcessContext
-from worker.metrics import RunMetrics, parse_endpoint
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -27,8 +27,8 @@ def test_executor_metrics_follow_a_real_job() -> None:
     spec = JobSpec(job_id="m", seed=4, data=DataSpec(number_of_clients=4),
                    training=TrainingSpec(federated_learning_rounds=3, number_of_epochs=1))
     job = {("job", "m")}
+    from fedpilot.loopback import LoopbackMesh
     from scheduler.driver import Driver
-    from scheduler.loopback import LoopbackMesh
     from worker.executor.runtime import runtime_factory
 
     mesh = LoopbackMesh(["a"], lambda cid: runtime_factory(InProcessContext(), cid), capacity=4)

@@ -7,9 +7,9 @@ import sys
 import numpy as np
 import pytest
 
+from fedpilot.data import client_data, load_dataset
 from proto.job import JobSpec
 from worker.context import InProcessContext, PlacementError
-from worker.data import client_data, load_dataset
 from worker.nodes import NodeConfig, NodeManager, VirtualNode, client_seed
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from fedpilot.data import client_data, load_dataset
 from proto.job import JobSpec
-from worker.data import client_data, load_dataset
 from worker.nodes import NodeConfig, NodeManager
 
 pytestmark = pytest.mark.slow

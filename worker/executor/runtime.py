@@ -49,7 +49,7 @@ class NodeRuntime:
     def __init__(self, spec: JobSpec, context: ExecutionContext, cluster_id: str) -> None:
         import torch
 
-        from worker.data import client_data, load_dataset
+        from fedpilot.data import client_data, load_dataset
         from worker.models import build_model
         from worker.nodes import NodeConfig
         from worker.serialization import model_weights

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from worker.data import Dataset
+from fedpilot.data import Dataset
 from worker.nodes.messages import LocalUpdate, Message, as_message
 
 from .virtual import NodeConfig

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
+from fedpilot.data import ClientPartition, Dataset
 from worker.context import ActorHandle, ExecutionContext, Ref, Reservation
-from worker.data import ClientPartition, Dataset
 
 from .federated import FederatedNode, NodeState
 from .virtual import NodeConfig, VirtualNode
