@@ -27,6 +27,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
 from fabricd._streams import close_quietly, read_message_exact, reset_quietly
+from fabricd.errors import FabricdError
 from fabricd.logs import get_logger
 from proto.codec import frame
 from proto.errors import ProtocolError
@@ -134,11 +135,11 @@ class ByteBudget:
         self._freed = trio.Event()
 
 
-class StreamLost(Exception):
+class StreamLost(FabricdError):
     """The stream broke before an ack came back (the update may be sent again)."""
 
 
-class BodyRefused(Exception):
+class BodyRefused(FabricdError):
     """The sender's own check of the body failed; the stream was cut before its last chunk."""
 
 

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import trio
 
 from fabricd._sender import ByteBudget, FillingBuffer
+from fabricd.errors import FabricdError
 from fabricd.executors import ExecutorLauncher
 from fabricd.logs import get_logger
 from fabricd.updates import DeliveryError
@@ -73,7 +74,7 @@ class BridgeBackend(Protocol):
     async def send_control(self, target_cluster: str, request_id: str, body: dict[str, Any]) -> ControlResult: ...
 
 
-class RequestFailed(Exception):
+class RequestFailed(FabricdError):
     """A bridge request that could not be served; the message goes back as Error(reason)."""
 
 

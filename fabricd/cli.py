@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from fabricd.config import ConfigError, load_config, render_config
+from fabricd.errors import FabricdError
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 
 
-class CliError(Exception):
+class CliError(FabricdError):
     """A problem the user can act on; printed without a traceback."""
 
 

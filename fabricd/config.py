@@ -15,6 +15,8 @@ from typing import Any
 
 import multiaddr
 
+from fabricd.errors import FabricdError
+
 ROLES = ("cluster", "scheduler")
 RAY_ADDRESS_KINDS = ("local", "auto", "inprocess")
 # AF_UNIX sun_path is 108 bytes on Linux, including the terminating NUL.
@@ -22,7 +24,7 @@ MAX_SOCKET_PATH = 100
 MAX_FRAME_LIMIT = 16 * 1024 * 1024
 
 
-class ConfigError(Exception):
+class ConfigError(FabricdError):
     """A cluster.toml problem the user has to fix; the message says where and how."""
 
 

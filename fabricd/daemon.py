@@ -25,6 +25,7 @@ from fabricd.bridge import BridgeServer, RequestFailed
 from fabricd.config import Config
 from fabricd.control import ControlService
 from fabricd.discovery import ClusterRecordValidator, Discovery
+from fabricd.errors import FabricdError
 from fabricd.executors import ExecutorLauncher
 from fabricd.identity import peer_id_of, raw_private_key, read_identity
 from fabricd.logs import get_logger
@@ -41,11 +42,11 @@ from proto.messages import UpdateHeader
 log = get_logger("fabricd.daemon")
 
 
-class _ConnectionLost(Exception):
+class _ConnectionLost(FabricdError):
     """A libp2p-level failure (dial, stream, reset) while sending to a peer."""
 
 
-class StartupError(Exception):
+class StartupError(FabricdError):
     """The daemon cannot start; the message names the file or setting to fix."""
 
 

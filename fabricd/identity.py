@@ -11,8 +11,10 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.identity_utils import load_identity, save_identity
 from libp2p.peer.id import ID
 
+from fabricd.errors import FabricdError
 
-class IdentityError(Exception):
+
+class IdentityError(FabricdError):
     """The identity file is missing, unreadable, or too open."""
 
 

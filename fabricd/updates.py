@@ -41,6 +41,7 @@ from fabricd._streams import (
     remote_peer,
     write_message,
 )
+from fabricd.errors import FabricdError
 from fabricd.logs import get_logger
 from fabricd.membership import Membership
 from fabricd.metrics import UNWIRED, DaemonMetrics
@@ -80,7 +81,7 @@ async def _feed_in_thread(chunks: trio.MemoryReceiveChannel[bytes], sink: Callab
                 await trio.to_thread.run_sync(sink, chunk)
 
 
-class DeliveryError(Exception):
+class DeliveryError(FabricdError):
     """The local consumer could not take an update (the reason goes back to the sender)."""
 
 
