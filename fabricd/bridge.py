@@ -118,6 +118,8 @@ class BridgeServer:
         self.clients: list[BridgeClient] = []
         self._numbers = 0
         self.rejected_frames = 0
+        #: called with a job id when its last executor/scheduler client left
+        self.on_job_left: Callable[[str], None] | None = None
 
     # ---- server ------------------------------------------------------------------------
 
@@ -166,6 +168,12 @@ class BridgeServer:
             if client in self.clients:
                 self.clients.remove(client)
                 log.info("bridge.client_left", client=client.number, role=client.role, job=client.job_id)
+                job = client.job_id
+                if (self.on_job_left is not None and client.role in CONSUMER_ROLES
+                        and job not in ("", "*")
+                        and not any(c.job_id == job and c.role in CONSUMER_ROLES
+                                    for c in self.clients)):
+                    self.on_job_left(job)
             for channel in client.pending.values():
                 channel.close()
             await stream.aclose()

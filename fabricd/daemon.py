@@ -137,6 +137,7 @@ class Daemon:
                                        control_timeout=lim.control_timeout,
                                        launcher=self.launcher if cfg.role == "cluster" else None,
                                        max_outgoing_bytes=lim.max_inflight_bytes)
+            self.bridge.on_job_left = self._job_left
             self.updates = UpdateService(host, self.membership, self.bridge, cluster_id=cfg.cluster_id,
                                          max_update_bytes=lim.max_update_bytes,
                                          max_inflight_bytes=lim.max_inflight_bytes,
@@ -164,7 +165,8 @@ class Daemon:
             async with trio.open_nursery() as nursery:
                 services = [("membership", self.membership.serve),
                             ("discovery", self.discovery.serve),
-                            ("bridge", self.bridge.serve)]
+                            ("bridge", self.bridge.serve),
+                            ("executor_reaper", self.launcher.reap_loop)]
                 if self.metrics_server is not None:
                     # first up, last down: a scrape sees the whole shutdown
                     services.insert(0, ("metrics", self.metrics_server.serve))
@@ -185,6 +187,13 @@ class Daemon:
                     await trio.sleep(0)
                     log.info("service.stopped", service=name)
         log.info("daemon.stopped", cluster=cfg.cluster_id)
+
+    def _job_left(self, job_id: str) -> None:
+        """A job's last executor/scheduler left this daemon's bridge: forget its delivered
+        message ids (a new run of the same job id reuses them) and expect its executor to
+        exit."""
+        self.updates.forget_job(job_id)
+        self.launcher.left(job_id)
 
     def listen_addrs(self) -> list[str]:
         assert self.stack is not None

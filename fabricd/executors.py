@@ -5,6 +5,11 @@ cluster named by `ray.address` (`local` embeds a Ray, `auto`/an address joins on
 `inprocess` runs threads). The daemon only starts it — it never imports the worker — and
 waits until it attaches to the bridge for the job. Its output goes to a log file next to
 the config; a crash before attaching is reported to the scheduler with the log's tail.
+
+An executor leaves when its job stops, its scheduler's lease runs out or the daemon goes;
+the daemon reaps exited executors every `REAP_INTERVAL` seconds (`reap_loop`). A job whose
+executor left (`detached`) may be started again under the same id at once: `ensure` waits
+for the old process to finish leaving (killing it after `LEAVE_GRACE` s) first.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -24,6 +30,8 @@ from fabricd.logs import get_logger
 log = get_logger("fabricd.executors")
 
 ATTACH_TIMEOUT = 180.0
+REAP_INTERVAL = 1.0
+LEAVE_GRACE = 20.0
 
 
 class ExecutorLauncher:
@@ -35,7 +43,9 @@ class ExecutorLauncher:
         self.log_dir = log_dir
         self.command = command or [sys.executable, "-m", "worker.executor"]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.detached: set[str] = set()
         self.started = 0
+        self.reaped = 0
 
     def command_for(self, job_id: str) -> list[str]:
         return [*self.command, "--bridge", str(self.bridge_socket), "--cluster-id",
@@ -51,6 +61,9 @@ class ExecutorLauncher:
         if attached():
             return None
         proc = self.procs.get(job_id)
+        if proc is not None and proc.poll() is None and job_id in self.detached:
+            await self._finish_leaving(job_id, proc)
+        self.detached.discard(job_id)
         if proc is None or proc.poll() is not None:
             path = self.log_path(job_id)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,12 +95,40 @@ class ExecutorLauncher:
             return "(no log)"
         return " | ".join(text[-lines:])[-800:]
 
-    def reap(self) -> None:
-        """Forget executors that exited (called now and then)."""
+    async def _finish_leaving(self, job_id: str, proc: subprocess.Popen[bytes]) -> None:
+        """An executor that left the bridge is on its way out: wait, then make sure."""
+        with trio.move_on_after(LEAVE_GRACE):
+            while proc.poll() is None:
+                await trio.sleep(0.1)
+        if proc.poll() is None:
+            log.warning("executor.killed", job=job_id, pid=proc.pid,
+                        reason=f"still running {LEAVE_GRACE:.0f} s after leaving the bridge")
+            proc.kill()
+            await trio.to_thread.run_sync(proc.wait)
+
+    def left(self, job_id: str) -> None:
+        """The job's executor left the bridge (job stopped, lease expired, crashed)."""
+        if job_id in self.procs:
+            self.detached.add(job_id)
+
+    def reap(self) -> list[str]:
+        """Forget executors that exited; the jobs they ran."""
+        gone = []
         for job_id, proc in list(self.procs.items()):
             if proc.poll() is not None:
                 log.info("executor.finished", job=job_id, code=proc.returncode)
                 del self.procs[job_id]
+                self.detached.discard(job_id)
+                self.reaped += 1
+                gone.append(job_id)
+        return gone
+
+    async def reap_loop(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Reap exited executors until cancelled (no zombie outlives its job for long)."""
+        task_status.started()
+        while True:
+            self.reap()
+            await trio.sleep(REAP_INTERVAL)
 
     def stop_all(self, grace: float = 5.0) -> None:
         for proc in self.procs.values():

@@ -127,6 +127,11 @@ class UpdateService:
         self.pool = StreamPool(host)
         self.send_retries = 0
 
+    def forget_job(self, job_id: str) -> None:
+        """The job's last consumer left: its message ids may be used again by a new run."""
+        forgotten = self.delivered.forget_prefix(f"{job_id}/")
+        log.info("update.job_forgotten", job=job_id, message_ids=forgotten)
+
     def register(self) -> None:
         handler = self.m.guard("update", self._serve, on_refuse=self._refuse)
         for protocol in (PROTOCOL_UPDATE, PROTOCOL_UPDATE_POOLED):

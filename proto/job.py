@@ -115,6 +115,22 @@ class TransferSpec:
     topk_ratio: float = 0.1
 
 
+FAULT_POLICIES = ("continue", "fail")
+
+
+@dataclass(frozen=True)
+class FaultsSpec:
+    """How a job survives lost processes (docs/job.md, "Faults")."""
+
+    lease_seconds: float = 15.0             # an executor not renewed this long exits
+    checkpoint_every: int = 0               # rounds between checkpoints (0 = none)
+    on_cluster_loss: str = "fail"           # continue | fail
+    min_clusters: int = 1                   # below this, wait for a cluster to return
+    return_wait: float = 300.0              # ... this many seconds, then fail
+    round_deadline_floor: float = 60.0      # a round's deadline is never shorter
+    round_deadline_factor: float = 4.0      # ... and otherwise this x the slowest round seen
+
+
 @dataclass(frozen=True)
 class JobSpec:
     job_id: str = "job"
@@ -126,6 +142,7 @@ class JobSpec:
     aggregation: AggregationSpec = field(default_factory=AggregationSpec)
     placement: PlacementSpec = field(default_factory=PlacementSpec)
     transfer: TransferSpec = field(default_factory=TransferSpec)
+    faults: FaultsSpec = field(default_factory=FaultsSpec)
 
     # -- validation -------------------------------------------------------------------
 
@@ -188,6 +205,7 @@ _SECTIONS: dict[str, type] = {
     "aggregation": AggregationSpec,
     "placement": PlacementSpec,
     "transfer": TransferSpec,
+    "faults": FaultsSpec,
 }
 
 Rule = Callable[[str, str, Any], Any]
@@ -359,6 +377,13 @@ _RULES: dict[str, Rule] = {
     "placement.similarity_weight": _rule_float(0.0),
     "transfer.compression": _rule_choice(COMPRESSIONS),
     "transfer.topk_ratio": _rule_float(0.0, 1.0, low_open=True),
+    "faults.lease_seconds": _rule_float(2.0),
+    "faults.checkpoint_every": _rule_int(0),
+    "faults.on_cluster_loss": _rule_choice(FAULT_POLICIES),
+    "faults.min_clusters": _rule_int(1),
+    "faults.return_wait": _rule_float(0.0),
+    "faults.round_deadline_floor": _rule_float(1.0),
+    "faults.round_deadline_factor": _rule_float(1.0),
 }
 
 

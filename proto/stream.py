@@ -118,6 +118,14 @@ class DeliveredIds:
         """Forget `message_id` (e.g. when its delivery failed and a retry must get through)."""
         self._ids.pop(message_id, None)
 
+    def forget_prefix(self, prefix: str) -> int:
+        """Forget every id starting with `prefix` (a job's ids start with "<job>/": a job
+        that ended may be submitted again under the same id); how many were forgotten."""
+        gone = [m for m in self._ids if m.startswith(prefix)]
+        for m in gone:
+            del self._ids[m]
+        return len(gone)
+
     def __contains__(self, message_id: object) -> bool:
         return message_id in self._ids
 

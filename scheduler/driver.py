@@ -28,6 +28,7 @@ from proto.rounds import RoundRecord
 from proto.routing import RoutingMatrix
 from scheduler.clusters import ClusterSlot
 from scheduler.errors import JobFailed
+from scheduler.leases import LeaseKeeper
 from scheduler.plan import Plan, plan_job
 from scheduler.results import ClusterRecordSummary, JobSummary
 
@@ -131,11 +132,17 @@ class Driver:
 
     # -- the job -------------------------------------------------------------------------
     def run(self) -> JobResult:
+        # the lease keeps every executor alive while this process is; if it dies, they go
+        self.leases = LeaseKeeper(self.channel, self.spec.job_id,
+                                  [c.cluster_id for c in self.clusters],
+                                  lease=self.spec.faults.lease_seconds).start()
         try:
             return self._run()
         except BaseException:
             self._stop_quietly()
             raise
+        finally:
+            self.leases.stop()
 
     def _stop_quietly(self) -> None:
         """Best effort after a failure: let every executor that started release its actors."""

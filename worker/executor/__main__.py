@@ -1,13 +1,17 @@
 """`python -m worker.executor`: one cluster's executor process, started by fabricd.
 
 It connects to the daemon's bridge, registers for one job, answers the scheduler's
-control messages and exits after `job.stop` (or when the bridge goes away).
+control messages and exits after `job.stop`, when the bridge goes away (its daemon died)
+or when the scheduler's lease runs out (the scheduler died). Leaving releases the job's
+actors first; the exit does not wait for threads parked on a round (they are woken, but
+a Ray call may not return).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 
@@ -82,15 +86,21 @@ def main(argv: list[str] | None = None) -> int:
                         payload=payload)
 
     link = BridgeLink(args.bridge, cluster_id=args.cluster_id, job_id=args.job,
-                      on_delivery=on_delivery,
-                      on_control=on_control, on_replied=on_replied)
+                      on_delivery=on_delivery, on_control=on_control, on_replied=on_replied,
+                      on_control_arrived=lambda msg: service.renew())
     service.link = link
     log.info("event=executor_ready cluster=%s job=%s ray=%s", args.cluster_id, args.job, args.ray)
     try:
         while not finished.wait(0.5):
             if link.wait_closed(0):
+                service.abort("the bridge to fabricd closed (the daemon is gone)")
                 log.error("event=executor_exit cluster=%s reason=bridge_closed", args.cluster_id)
                 return 1
+            if service.lease_left() < 0:
+                service.abort(f"no word from the scheduler for {service.lease_seconds:.0f} s "
+                              "(lease expired: the scheduler is gone)")
+                log.error("event=executor_exit cluster=%s reason=lease_expired", args.cluster_id)
+                return 3
         log.info("event=executor_exit cluster=%s reason=job_stopped", args.cluster_id)
         return 0
     finally:
@@ -99,4 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    logging.shutdown()
+    # threads parked in a round (or in a Ray call) must not keep a finished executor alive
+    os._exit(code)

@@ -61,6 +61,7 @@ class BridgeLink:
         on_delivery: Callable[[Delivery, bytes], None],
         on_control: Callable[[ControlDelivery], tuple[bool, dict[str, Any], str]],
         on_replied: Callable[[ControlDelivery], None] | None = None,
+        on_control_arrived: Callable[[ControlDelivery], None] | None = None,
         max_payload: int = 1 << 30,
         send_timeout: float = 300.0,
     ) -> None:
@@ -69,6 +70,7 @@ class BridgeLink:
         self._on_delivery = on_delivery
         self._on_control = on_control
         self._on_replied = on_replied
+        self._on_control_arrived = on_control_arrived
         self._max_payload = max_payload
         self._send_timeout = send_timeout
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -135,6 +137,8 @@ class BridgeLink:
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
             elif isinstance(msg, ControlDelivery):
+                if self._on_control_arrived is not None:  # e.g. renew the lease, even if
+                    self._on_control_arrived(msg)         # every control worker is busy
                 # a bounded pool: a burst of control messages cannot start a thread each
                 self._control_pool.submit(self._answer, msg)
             elif isinstance(msg, Error):

@@ -12,13 +12,18 @@ Messages (the `kind` of the body; the daemon only passes on bodies signed by a
   another cluster straight to that cluster;
 - `job.model` {to_cluster, node?, share_to?, collect?}: stream the final model (or this
   cluster's share of it) as an update; never inside a control reply, so any size works;
-- `job.stop`: release actors and reply with how many were materialized.
+- `job.stop`: release actors and reply with how many were materialized;
+- `job.lease` {lease}: the scheduler is alive; renews this executor's lease for `lease`
+  seconds (any control message renews it). An executor whose lease runs out (its
+  scheduler is gone) releases its actors and exits (`__main__`), so the daemon forgets
+  the job and the same job id can be submitted again at once.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -32,6 +37,9 @@ from worker.executor.mailbox import Mailbox
 from worker.executor.transport import HybridTransport, RemoteLink, Weights
 
 log = logging.getLogger("fedpilot.executor")
+
+#: lease before the scheduler named one: starting a job (data, Ray) may take this long
+FIRST_LEASE = 180.0
 
 
 class JobRuntime(ClientPool, Protocol):
@@ -77,9 +85,34 @@ class ExecutorService:
         self._nodes: dict[str, str] = {}
         self._epoch = 0
         self._lock = threading.Lock()
+        self.lease_seconds = FIRST_LEASE
+        self._last_contact = time.monotonic()
+
+    # -- the lease ---------------------------------------------------------------------------
+    def renew(self) -> None:
+        """The scheduler spoke (called on arrival, before a control worker is free)."""
+        self._last_contact = time.monotonic()
+
+    def lease_left(self) -> float:
+        return self.lease_seconds - (time.monotonic() - self._last_contact)
+
+    def abort(self, reason: str) -> None:
+        """Give up the job: wake every wait with `reason` and release the actors."""
+        log.error("event=job_aborted cluster=%s reason=%s", self.cluster_id, reason)
+        self.mailbox.close(reason)
+        runtime = self.runtime
+        if runtime is not None:
+            try:
+                runtime.close()
+            except Exception as exc:  # the process exits next; say why the release failed
+                log.error("event=release_failed cluster=%s reason=%s", self.cluster_id, exc)
+        self.stopped.set()
 
     def handle(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.renew()
         kind = body.get("kind")
+        if kind == "job.lease":
+            return self._lease(body)
         handler = {
             "job.start": self._start, "job.plan": self._plan, "round.run": self._round,
             "node.export": self._export, "job.model": self._model, "job.stop": self._stop,
@@ -105,6 +138,18 @@ class ExecutorService:
                                         payload=payload)
 
     # -- handlers --------------------------------------------------------------------------
+    def _lease(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.spec is not None and body.get("job_id") != self.spec.job_id:
+            raise ControlError(f"lease for job {body.get('job_id')!r}; this executor runs "
+                               f"{self.spec.job_id!r}")
+        lease = body.get("lease")
+        if not isinstance(lease, int | float) or isinstance(lease, bool) or not 1 <= lease <= 3600:
+            raise ControlError(f"job.lease needs lease = seconds in 1..3600, got {lease!r}")
+        self.lease_seconds = float(lease)
+        transport = self.transport
+        return {"round": transport.current_round if transport is not None else 0,
+                "started": self.spec is not None}
+
     def _start(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.spec is not None:
             raise ControlError(f"job {self.spec.job_id!r} already started on this executor")

@@ -1,0 +1,40 @@
+"""Fault-handling pieces without processes: the `[faults]` table, lease bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+
+from proto.job import JobSpec, JobSpecError
+from proto.stream import DeliveredIds
+from worker.executor.service import ControlError, ExecutorService
+
+
+def test_faults_table_is_validated_and_round_trips() -> None:
+    spec = JobSpec.from_dict({"faults": {"lease_seconds": 5, "checkpoint_every": 2,
+                                         "on_cluster_loss": "continue", "min_clusters": 2}})
+    assert spec.faults.checkpoint_every == 2 and spec.faults.on_cluster_loss == "continue"
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(JobSpecError, match="faults.on_cluster_loss"):
+        JobSpec.from_dict({"faults": {"on_cluster_loss": "ignore"}})
+    with pytest.raises(JobSpecError, match="faults.lease_seconds"):
+        JobSpec.from_dict({"faults": {"lease_seconds": 0.5}})
+
+
+def test_forgetting_a_job_keeps_other_jobs_ids() -> None:
+    ids = DeliveredIds(10)
+    for mid in ("a/1/up/c0/s", "a/2/up/c0/s", "ab/1/up/c0/s", "b/1/up/c0/s"):
+        assert not ids.seen(mid)
+    assert ids.forget_prefix("a/") == 2
+    assert not ids.seen("a/1/up/c0/s")  # a new run of job "a" gets through
+    assert ids.seen("ab/1/up/c0/s") and ids.seen("b/1/up/c0/s")
+
+
+def test_a_lease_is_renewed_by_the_scheduler_and_bad_ones_refused() -> None:
+    service = ExecutorService(cluster_id="x", make_runtime=lambda spec: None)  # type: ignore[arg-type,return-value]
+    reply = service.handle({"kind": "job.lease", "job_id": "j", "lease": 7})
+    assert reply == {"round": 0, "started": False}
+    assert service.lease_seconds == 7 and 6 < service.lease_left() <= 7
+    with pytest.raises(ControlError, match="lease"):
+        service.handle({"kind": "job.lease", "job_id": "j", "lease": "forever"})
+    service.abort("test")
+    assert service.stopped.is_set()
