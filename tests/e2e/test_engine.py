@@ -99,7 +99,7 @@ def build(graph: g.RoundGraph, placement: dict[str, str], *, aggregator: Any = N
     for cluster in sorted(set(placement.values())):
         transport = HybridTransport(job_id="j", local_cluster=cluster, locate=placement.__getitem__,
                                     mailbox=Mailbox(), resolve=lambda h: h, codec=PlainCodec(),
-                                    link=links)
+                                    link=links, template=init)
         links.transports[cluster] = transport
         engines[cluster] = ClusterEngine(
             cluster_id=cluster, graph=graph, transport=transport, pool=FakePool(),
@@ -246,8 +246,41 @@ def test_updates_are_checked_against_the_plan() -> None:
         transport.deliver_remote(round=5, source_cluster="b", **fields)
     with pytest.raises(DeliveryRefused, match="job 'x'"):
         transport.deliver_remote(round=1, source_cluster="b", **{**fields, "job_id": "x"})
+    bad_shape = encode({"w": np.ones((3, 2), np.float32)}, kind="up", samples=3)
+    with pytest.raises(DeliveryRefused, match="shape"):
+        transport.deliver_remote(round=1, source_cluster="b", **{**fields, "payload": bad_shape})
+    nan = encode({"w": np.full((2, 2), np.nan, np.float32)}, kind="up", samples=3)
+    with pytest.raises(DeliveryRefused, match="NaN"):
+        transport.deliver_remote(round=1, source_cluster="b", **{**fields, "payload": nan})
+    extra = encode({"w": np.ones((2, 2), np.float32), "x": np.ones(1, np.float32)}, kind="up",
+                   samples=3)
+    with pytest.raises(DeliveryRefused, match="unexpected"):
+        transport.deliver_remote(round=1, source_cluster="b", **{**fields, "payload": extra})
+    state = encode({"w": np.ones((2, 2), np.float32)}, kind="state", samples=0)
+    with pytest.raises(DeliveryRefused, match="plan places it on 'a'"):  # c0 lives on a
+        transport.deliver_remote(round=1, source_cluster="b", job_id="j", source_node="c0",
+                                 target_node="c0", payload=state)
     assert transport.deliver_remote(round=1, source_cluster="b", **fields)
     assert not transport.deliver_remote(round=1, source_cluster="b", **fields)  # a repeat
+
+
+def test_a_member_cannot_inflate_its_weight_in_an_average() -> None:
+    graph, _ = graph_of("star", 2)
+    placement = {"server": "a", "c0": "a", "c1": "b"}
+    engines, links = build(graph, placement)
+    honest = run_round(engines, 1)["a"].accuracy
+    # cluster b claims 10^9 samples for c1: the server weighs c1 by the plan's 2 samples
+    engines, links = build(graph, placement)
+    original = links.send_update
+
+    def lying(**kw: Any) -> None:
+        if kw["source_node"] == "c1":
+            p = decode(kw["payload"])
+            kw["payload"] = encode(p.tensors, p.metadata, kind=p.kind, samples=10**9)
+        original(**kw)
+
+    links.send_update = lying  # type: ignore[method-assign]
+    assert run_round(engines, 1)["a"].accuracy == pytest.approx(honest)
 
 
 def test_payload_header_carries_kind_and_samples_and_is_checked() -> None:

@@ -20,6 +20,7 @@ hierarchy levels and the hybrid exchange use FedAvg (a sample-weighted mean).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -32,6 +33,7 @@ from proto.rounds import RoundRecord
 from worker.executor.graph import DOWN, PEER, UP, RoundGraph, participants
 from worker.executor.transport import HybridTransport, Weights
 
+log = logging.getLogger("fedpilot.executor")
 
 class ClientPool(Protocol):
     """The cluster's clients (FederatedNode actors behind VirtualNodes)."""
@@ -145,6 +147,24 @@ class ClusterEngine:
             return None
         return average(items, self._make_inner()), sum(k for _, k in items)
 
+    def _trusted_samples(self, node: str, claimed: int, active: set[str] | None) -> int:
+        """The weight a message from `node` gets: what the plan says stands behind it (its
+        own samples; an aggregator's participating descendants'; a hybrid group's whole
+        membership), never the sender's claim, so a member cannot inflate its say in an
+        average. A claim that differs is logged."""
+        if node in self.graph.clients:
+            trusted = self.pool.samples(node)
+        elif active is None:
+            trusted = self._samples_behind(node)
+        else:
+            trusted = sum(self._trusted_samples(c, 0, active) if c not in self.graph.clients
+                          else self.pool.samples(c)
+                          for c in self.graph.children(node) if c in active)
+        if claimed != trusted and claimed:
+            log.warning("event=sample_claim_ignored cluster=%s node=%s claimed=%d plan=%d",
+                        self.cluster_id, node, claimed, trusted)
+        return trusted
+
     def _samples_behind(self, node: str) -> int:
         if node in self.graph.clients:
             return self.pool.samples(node)
@@ -237,7 +257,8 @@ class ClusterEngine:
             for peer in self.graph.peers.get(node, ()):
                 if peer in trained:
                     env = self.transport.receive(r, PEER, peer, node, self.timeout)
-                    received.append((self.pool.resolve(env.weights), env.samples))
+                    received.append((self.pool.resolve(env.weights),
+                                     self._trusted_samples(peer, env.samples, trained)))
             mixed = self._aggregator(node).aggregate(own, received)
             model = self.pool.put(mixed)
             accuracy, loss = self._evaluate_global(mixed)
@@ -266,7 +287,8 @@ class ClusterEngine:
         updates: list[tuple[Weights, int]] = []
         for child in children:
             env = self.transport.receive(r, UP, child, node, self.timeout)
-            updates.append((self.pool.resolve(env.weights), env.samples))
+            updates.append((self.pool.resolve(env.weights),
+                            self._trusted_samples(child, env.samples, active)))
         samples = sum(n for _, n in updates)
         current = self.pool.resolve(self.current_model(node))
         model = self._aggregator(node).aggregate(current, updates) if updates else current
@@ -280,7 +302,8 @@ class ClusterEngine:
             group_models = [(model, behind)]
             for peer in graph.peers.get(node, ()):
                 env = self.transport.receive(r, PEER, peer, node, self.timeout)
-                group_models.append((self.pool.resolve(env.weights), env.samples))
+                group_models.append((self.pool.resolve(env.weights),
+                                     self._trusted_samples(peer, env.samples, None)))
             model = average(group_models, self._make_inner())
         if node in graph.parent:  # an inner level of a hierarchy: pass up, wait for the root
             handle = self.pool.put(model)

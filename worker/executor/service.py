@@ -181,7 +181,8 @@ class ExecutorService:
             self.transport = HybridTransport(
                 job_id=self.spec.job_id, local_cluster=self.cluster_id,
                 locate=self._nodes_lookup, mailbox=self.mailbox, resolve=self.runtime.resolve,
-                codec=self.runtime.make_codec(), link=self.link)
+                codec=self.runtime.make_codec(), link=self.link,
+                template=self.runtime.initial_weights)
         local_clients = [c for c in graph.clients if nodes[c] == self.cluster_id]
         self.runtime.assign(local_clients)
         previous = self.engine

@@ -74,6 +74,7 @@ class HybridTransport:
         resolve: Callable[[Any], Weights],
         codec: Codec,
         link: RemoteLink | None,
+        template: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         self.job_id = job_id
         self.local_cluster = local_cluster
@@ -82,6 +83,9 @@ class HybridTransport:
         self._resolve = resolve
         self._codec = codec
         self._link = link
+        # names, shapes and dtypes every model from another cluster must have
+        self._template = {k: (np.asarray(v).shape, np.asarray(v).dtype)
+                          for k, v in (template or {}).items()}
         self._lock = threading.Lock()
         self.counters = TrafficCounters()
         # updates of a round are accepted only for the round being run and the next one:
@@ -134,23 +138,48 @@ class HybridTransport:
         kind = decoded.kind
         if kind not in KINDS:
             raise DeliveryRefused(f"update {src} -> {dst} has unknown kind {kind!r}")
+        placed = self._locate(src)
+        if source_cluster and placed != source_cluster:
+            raise DeliveryRefused(f"update from node {src} came from cluster "
+                                  f"{source_cluster!r}, but the plan places it on {placed!r}")
         if kind in (STATE, FINAL):  # exact copies: never compressed, keyed by node
+            if (kind == STATE) != (dst == src) or (kind == FINAL and dst != "final"):
+                raise DeliveryRefused(f"{kind} update {src} -> {dst} is not addressed as one")
             weights = {k: np.array(v) for k, v in decoded.tensors.items()}
         else:
             if not self.current_round <= round <= self.current_round + 1:
                 raise DeliveryRefused(f"update {src} -> {dst} is for round {round}; this "
                                       f"cluster accepts rounds {self.current_round} and "
                                       f"{self.current_round + 1} only")
-            placed = self._locate(src)
-            if source_cluster and placed != source_cluster:
-                raise DeliveryRefused(f"update from node {src} came from cluster "
-                                      f"{source_cluster!r}, but the plan places it on {placed!r}")
             if not self.is_local(dst):
                 raise DeliveryRefused(f"update for node {dst}, which is not on this cluster")
             weights = self._codec.decompress(decoded.tensors, decoded.metadata,
                                              (src, dst, placed, self.local_cluster))
+        weights = self._conform(weights, f"{kind} update {src} -> {dst} from cluster "
+                                         f"{source_cluster or placed}")
         envelope = Envelope(weights, decoded.samples, len(payload), remote=True)
         return self._mailbox.put((round, kind, src, dst), envelope)
+
+    def _conform(self, weights: Weights, what: str) -> Weights:
+        """The model as this job's model: same tensor names and shapes, its dtypes, finite
+        values; anything else is refused before it reaches an aggregator."""
+        if not self._template:
+            return weights
+        if set(weights) != set(self._template):
+            extra, missing = sorted(set(weights) - set(self._template)), sorted(
+                set(self._template) - set(weights))
+            raise DeliveryRefused(f"{what}: tensors differ from the job's model "
+                                  f"(unexpected {extra[:3]}, missing {missing[:3]})")
+        out: Weights = {}
+        for name, (shape, dtype) in self._template.items():
+            value = weights[name]
+            if value.shape != shape:
+                raise DeliveryRefused(f"{what}: tensor {name!r} has shape {value.shape}, the "
+                                      f"job's model has {shape}")
+            if value.dtype.kind == "f" and not np.isfinite(value).all():
+                raise DeliveryRefused(f"{what}: tensor {name!r} holds NaN or infinite values")
+            out[name] = value if value.dtype == dtype else value.astype(dtype)
+        return out
 
     def abort_round(self, round_index: int, reason: str) -> None:
         self._mailbox.abort_round(round_index, reason)
