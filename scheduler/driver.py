@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -28,7 +28,7 @@ from proto.rounds import RoundRecord
 from proto.routing import RoutingMatrix
 from scheduler.clusters import ClusterSlot
 from scheduler.errors import JobFailed
-from scheduler.leases import LeaseKeeper
+from scheduler.leases import ClusterLost, LeaseKeeper
 from scheduler.plan import Plan, plan_job
 from scheduler.results import ClusterRecordSummary, JobSummary
 
@@ -109,13 +109,29 @@ class Driver:
         self.backend = backend
         self.progress = progress
         self.timeout = timeout
-        self._pool = ThreadPoolExecutor(max_workers=max(2, len(clusters)),
+        # requests to a lost cluster may linger until its daemon gives up on them: room
+        # for a few rounds of them beside the live ones
+        self._pool = ThreadPoolExecutor(max_workers=4 * len(clusters) + 4,
                                         thread_name_prefix="driver")
+        self.leases: LeaseKeeper | None = None
+        self._slowest = 0.0  # seconds of the slowest round so far
 
     # -- fan-out -------------------------------------------------------------------------
-    def _all(self, bodies: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        futures = {cid: self._pool.submit(self.channel.request, cid, body, self.timeout)
+    def _all(self, bodies: Mapping[str, dict[str, Any]], timeout: float | None = None
+             ) -> dict[str, dict[str, Any]]:
+        """Every cluster's reply; JobFailed naming every refusal, or `ClusterLost` as soon
+        as the lease keeper finds one of these clusters gone (not after `timeout`)."""
+        timeout = self.timeout if timeout is None else timeout
+        futures = {cid: self._pool.submit(self.channel.request, cid, body, timeout)
                    for cid, body in bodies.items()}
+        what = ", ".join(sorted({str(b.get("kind")) for b in bodies.values()}))
+        pending = set(futures.values())
+        while pending:
+            _, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+            lost = self.leases.lost() if self.leases is not None else {}
+            lost = {cid: loss for cid, loss in lost.items() if cid in futures}
+            if lost:
+                raise ClusterLost(lost, what)
         replies: dict[str, dict[str, Any]] = {}
         failures: list[str] = []
         for cid, fut in futures.items():
@@ -127,6 +143,14 @@ class Driver:
             raise JobFailed("; ".join(failures))
         return replies
 
+    def deadline(self) -> float:
+        """How long a round may take: the user's timeout until one round was measured, then
+        `round_deadline_factor` x the slowest round so far, at least `round_deadline_floor`."""
+        faults = self.spec.faults
+        if self._slowest <= 0:
+            return self.timeout
+        return max(faults.round_deadline_floor, faults.round_deadline_factor * self._slowest)
+
     def _job_body(self, kind: str, **extra: Any) -> dict[str, Any]:
         return {"kind": kind, "job_id": self.spec.job_id, **extra}
 
@@ -135,9 +159,14 @@ class Driver:
         # the lease keeps every executor alive while this process is; if it dies, they go
         self.leases = LeaseKeeper(self.channel, self.spec.job_id,
                                   [c.cluster_id for c in self.clusters],
-                                  lease=self.spec.faults.lease_seconds).start()
+                                  lease=self.spec.faults.lease_seconds,
+                                  connected=getattr(self.channel, "connected", None)).start()
         try:
             return self._run()
+        except ClusterLost as exc:
+            self._stop_quietly()
+            raise JobFailed(f"{exc} ([faults] on_cluster_loss = "
+                            f"{self.spec.faults.on_cluster_loss!r})") from None
         except BaseException:
             self._stop_quietly()
             raise
@@ -145,12 +174,17 @@ class Driver:
             self.leases.stop()
 
     def _stop_quietly(self) -> None:
-        """Best effort after a failure: let every executor that started release its actors."""
-        for c in self.clusters:
+        """Best effort after a failure: let every executor that started release its actors
+        (in parallel, skipping clusters known to be gone)."""
+        lost = self.leases.lost() if self.leases is not None else {}
+        futures = {c.cluster_id: self._pool.submit(self.channel.request, c.cluster_id,
+                                                   self._job_body("job.stop"), 30.0)
+                   for c in self.clusters if c.cluster_id not in lost}
+        for cid, fut in futures.items():
             try:
-                self.channel.request(c.cluster_id, self._job_body("job.stop"), 30.0)
+                fut.result()
             except Exception as exc:  # the job already failed; this is only clean-up
-                log.info("event=stop_after_failure cluster=%s result=%s", c.cluster_id, exc)
+                log.info("event=stop_after_failure cluster=%s result=%s", cid, exc)
 
     def _run(self) -> JobResult:
         spec = self.spec
@@ -213,15 +247,28 @@ class Driver:
 
     def _round(self, r: int) -> RoundRecord:
         t0 = time.perf_counter()
-        replies = self._all({c.cluster_id: self._job_body("round.run", round=r)
-                             for c in self.clusters})
+        deadline = self.deadline()
+        try:
+            # executors' waits end at the deadline; the reply may take a little longer
+            replies = self._all({c.cluster_id: self._job_body("round.run", round=r,
+                                                              deadline=deadline)
+                                 for c in self.clusters}, timeout=deadline + 30)
+        except ClusterLost:
+            raise
+        except JobFailed as exc:
+            raise JobFailed(f"round {r} failed (deadline {deadline:.0f} s: "
+                            f"{self.spec.faults.round_deadline_factor:g} x the slowest round so "
+                            f"far, {self._slowest:.1f} s, at least [faults] "
+                            f"round_deadline_floor): {exc}") from None
         records = {}
         for cid, reply in replies.items():
             try:
                 records[cid] = RoundRecord.from_dict(reply, source=f"cluster {cid}'s round report")
             except ValueError as exc:
                 raise JobFailed(f"cluster {cid} sent a bad report for round {r}: {exc}") from None
-        return RoundRecord.combine(r, records, time.perf_counter() - t0)
+        record = RoundRecord.combine(r, records, time.perf_counter() - t0)
+        self._slowest = max(self._slowest, record.seconds)
+        return record
 
     def _migrate(self, before: Mapping[str, str], plan: Plan) -> int:
         """Move nodes whose cluster changed, state and all; returns how many moved. The

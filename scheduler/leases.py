@@ -1,10 +1,16 @@
-"""The scheduler's side of the lease with every cluster's executor.
+"""The scheduler's side of the lease with every cluster's executor, and loss detection.
 
-A thread sends `job.lease` {lease} to every cluster every `lease / 3` seconds. The
-executor renews its lease on arrival (an executor whose lease runs out releases its
-actors and exits: see worker/executor/__main__.py), and its answer tells the scheduler
-the cluster is still there: a cluster that has not answered for `lease` seconds is
-reported by `silent()`, so a lost cluster is noticed in seconds, not by a round timeout.
+A thread sends `job.lease` {lease} to every cluster every `interval` seconds (at most
+2 s, at most a third of the lease). The executor renews its lease on arrival (an
+executor whose lease runs out releases its actors and exits: worker/executor/__main__.py),
+and its answer tells the scheduler the cluster is still there. Once a cluster has
+answered a first time, it is **lost** when
+- the scheduler's daemon no longer sees it connected (mesh connection or heartbeats
+  gone: `clusters[].connected` of the daemon status), or
+- two renewals in a row failed (its daemon refused: the executor is gone; or it could
+  not be reached), or
+- it has not answered for `lease` seconds.
+So a lost cluster is noticed within seconds, not by a round timeout.
 """
 
 from __future__ import annotations
@@ -12,8 +18,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from scheduler.errors import JobFailed
@@ -23,20 +30,47 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fedpilot.scheduler")
 
+MISSES = 2  # failed renewals in a row that make a cluster lost
+
+
+class ClusterLost(JobFailed):
+    """One or more clusters are gone (the message says which and how it was noticed)."""
+
+    def __init__(self, lost: dict[str, Loss], during: str) -> None:
+        self.lost = lost
+        self.during = during
+        what = "; ".join(f"cluster {cid}: {loss.reason} (noticed {loss.detect_seconds:.1f} s "
+                         "after it last answered)" for cid, loss in sorted(lost.items()))
+        super().__init__(f"lost during {during}: {what}")
+
+
+@dataclass(frozen=True)
+class Loss:
+    reason: str
+    last_seen: float        # monotonic time of its last lease answer
+    detected: float         # monotonic time the loss was noticed
+
+    @property
+    def detect_seconds(self) -> float:
+        return self.detected - self.last_seen
+
 
 class LeaseKeeper:
     def __init__(self, channel: ClusterChannel, job_id: str, clusters: Sequence[str], *,
-                 lease: float) -> None:
+                 lease: float, connected: Callable[[], dict[str, bool]] | None = None) -> None:
         self.channel = channel
         self.job_id = job_id
         self.lease = lease
-        self.interval = max(0.5, lease / 3)
-        now = time.monotonic()
+        self.interval = min(2.0, max(0.5, lease / 3))
+        self._connected = connected
         self._lock = threading.Lock()
+        now = time.monotonic()
         self._answered: dict[str, float] = dict.fromkeys(clusters, now)
-        self._reason: dict[str, str] = {}
+        self._armed: set[str] = set()
+        self._misses: dict[str, list[str]] = {}
+        self._lost: dict[str, Loss] = {}
         self._stop = threading.Event()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(clusters)),
+        self._pool = ThreadPoolExecutor(max_workers=max(2, len(clusters) + 1),
                                         thread_name_prefix="lease")
         self._inflight: dict[str, Future[None]] = {}
         self._thread = threading.Thread(target=self._loop, name="lease-keeper", daemon=True)
@@ -45,30 +79,27 @@ class LeaseKeeper:
         self._thread.start()
         return self
 
+    # -- what the driver asks ---------------------------------------------------------------
+    def lost(self) -> dict[str, Loss]:
+        """Clusters found gone (until `watch`ed again)."""
+        with self._lock:
+            return dict(self._lost)
+
     def watch(self, cluster_id: str) -> None:
-        """Hold a lease with `cluster_id` too (a returning cluster), counting from now."""
+        """Hold a lease with `cluster_id` (again: a returning cluster), counting from now."""
         with self._lock:
             self._answered[cluster_id] = time.monotonic()
-            self._reason.pop(cluster_id, None)
+            self._armed.discard(cluster_id)
+            self._misses.pop(cluster_id, None)
+            self._lost.pop(cluster_id, None)
 
     def forget(self, cluster_id: str) -> None:
         with self._lock:
             self._answered.pop(cluster_id, None)
-            self._reason.pop(cluster_id, None)
+            self._armed.discard(cluster_id)
+            self._misses.pop(cluster_id, None)
 
-    def silent(self) -> dict[str, str]:
-        """Clusters that have not answered a lease for `lease` seconds, with why."""
-        now = time.monotonic()
-        with self._lock:
-            return {cid: (f"no lease answer for {now - t:.1f} s"
-                          + (f" (last error: {self._reason[cid]})" if cid in self._reason else ""))
-                    for cid, t in self._answered.items() if now - t > self.lease}
-
-    def silent_for(self, cluster_id: str) -> float:
-        with self._lock:
-            t = self._answered.get(cluster_id)
-        return 0.0 if t is None else time.monotonic() - t
-
+    # -- the thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             with self._lock:
@@ -78,6 +109,31 @@ class LeaseKeeper:
                 if running is not None and not running.done():
                     continue  # the previous renewal is still on its way: do not pile up
                 self._inflight[cid] = self._pool.submit(self._renew, cid)
+            self._check(clusters)
+
+    def _check(self, clusters: list[str]) -> None:
+        connected: dict[str, bool] = {}
+        if self._connected is not None:
+            try:
+                connected = self._connected()
+            except JobFailed as exc:  # our own daemon is unreachable: nothing to conclude
+                log.warning("event=mesh_status_unavailable reason=%s", exc)
+        now = time.monotonic()
+        with self._lock:
+            for cid in clusters:
+                if cid not in self._armed or cid in self._lost or cid not in self._answered:
+                    continue
+                reason = ""
+                if connected and not connected.get(cid, False):
+                    reason = "its daemon left the mesh (connection or heartbeats lost)"
+                elif len(self._misses.get(cid, [])) >= MISSES:
+                    reason = f"{MISSES} lease renewals failed: {self._misses[cid][-1]}"
+                elif now - self._answered[cid] > self.lease:
+                    reason = f"no lease answer for {now - self._answered[cid]:.1f} s"
+                if reason:
+                    self._lost[cid] = Loss(reason, self._answered[cid], now)
+                    log.warning("event=cluster_lost job=%s cluster=%s reason=%s", self.job_id,
+                                cid, reason)
 
     def _renew(self, cluster_id: str) -> None:
         body = {"kind": "job.lease", "job_id": self.job_id, "lease": self.lease}
@@ -85,14 +141,15 @@ class LeaseKeeper:
             self.channel.request(cluster_id, body, self.lease)
         except JobFailed as exc:
             with self._lock:
-                if cluster_id in self._answered:
-                    self._reason[cluster_id] = str(exc)
+                if cluster_id in self._armed:
+                    self._misses.setdefault(cluster_id, []).append(str(exc))
             log.info("event=lease_missed cluster=%s reason=%s", cluster_id, exc)
             return
         with self._lock:
             if cluster_id in self._answered:
                 self._answered[cluster_id] = time.monotonic()
-                self._reason.pop(cluster_id, None)
+                self._armed.add(cluster_id)
+                self._misses.pop(cluster_id, None)
 
     def stop(self) -> None:
         self._stop.set()

@@ -142,6 +142,13 @@ class BridgeChannel:
             raise JobFailed(f"cluster {cluster_id} refused {body.get('kind')}: {result.reason}")
         return dict(result.body)
 
+    def connected(self) -> dict[str, bool]:
+        """Which clusters the scheduler's daemon sees connected now (mesh connection and
+        fresh heartbeats): how a lost cluster is noticed in seconds."""
+        status = daemon_status(self.socket_path, timeout=5.0)
+        return {str(c["cluster_id"]): bool(c.get("connected"))
+                for c in status.get("clusters", [])}
+
     def take_update(self, job_id: str, source_node: str, timeout: float) -> bytes:
         deadline = time.monotonic() + timeout
         with self._arrived:

@@ -171,8 +171,12 @@ class ClusterEngine:
         return sum(self._samples_behind(c) for c in self.graph.children(node))
 
     # -- one round ----------------------------------------------------------------------
-    def run_round(self, round_index: int) -> RoundRecord:
-        """Run this cluster's share of round `round_index`; raises the first failure."""
+    def run_round(self, round_index: int, timeout: float | None = None) -> RoundRecord:
+        """Run this cluster's share of round `round_index`; raises the first failure.
+        `timeout`: how long a node waits for a message this round (the scheduler's
+        deadline, adapted to measured round times); default the engine's."""
+        if timeout is not None:
+            self.timeout = timeout
         started = time.perf_counter()
         self.transport.current_round = round_index
         record = RoundRecord(round_index)

@@ -220,7 +220,12 @@ class ExecutorService:
     def _round(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.engine is None:
             raise ControlError("round.run before job.plan")
-        return self.engine.run_round(int(body["round"])).to_dict()
+        deadline = body.get("deadline")
+        if deadline is not None and (not isinstance(deadline, int | float)
+                                     or isinstance(deadline, bool) or not 0 < deadline <= 86400):
+            raise ControlError(f"round.run deadline must be seconds in (0, 86400], got {deadline!r}")
+        return self.engine.run_round(int(body["round"]),
+                                     None if deadline is None else float(deadline)).to_dict()
 
     def _export(self, body: dict[str, Any]) -> dict[str, Any]:
         """Stream each moving node's state to the cluster it moves to (epoch = the new
