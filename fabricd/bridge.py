@@ -216,6 +216,13 @@ class BridgeServer:
                     continue
                 channel.send_nowait(msg)
                 continue
+            if isinstance(msg, StatusRequest) and client.role not in CONSUMER_ROLES:
+                # Answered right here, not queued behind a new task: status must stay
+                # quick while transfers keep the event loop busy (nothing is pushed to a
+                # cli client, so its socket is free).
+                release()
+                await client.send(StatusReply(status=self.backend.status()))
+                continue
             # Slow work (network) runs in its own task, so this loop keeps reading.
             nursery.start_soon(self._serve_request, client, msg, payload, release)
 

@@ -57,6 +57,7 @@ DRAIN_SECONDS = 2.0
 #: How long a pooled stream may wait for its next header (longer than the sender's
 #: IDLE_SECONDS, so the sender stops reusing a stream before we close it).
 IDLE_WAIT_SECONDS = 60.0
+BUSY_RETRY_TIMEOUTS = 4
 _HEADER_ENDED: tuple[type[BaseException], ...] = (EOFError, trio.TooSlowError, *STREAM_ERRORS)
 
 
@@ -311,8 +312,8 @@ class UpdateService:
         """Stream one update to ``peer_id`` and return its ack (rejections included).
 
         Broken streams and failed opens are retried (bounded, with backoff; the receiver
-        de-duplicates by message id), and so is a ``busy`` refusal until ``stream_timeout``
-        has passed. Raises NotAMember if the peer is not a verified member, StreamLost or
+        de-duplicates by message id), and so is a ``busy`` refusal for up to
+        ``BUSY_RETRY_TIMEOUTS`` stream timeouts. Raises NotAMember if the peer is not a verified member, StreamLost or
         libp2p errors if it cannot be reached, trio.TooSlowError if no ack comes.
         """
         cert = await self.m.wait_verdict(peer_id)
@@ -333,7 +334,9 @@ class UpdateService:
     async def _send_retrying(self, peer_id: str, header: UpdateHeader, body: Body,
                              gate: Gate | None) -> UpdateAck:
         ack_timeout = self.stream_timeout + header.byte_length / 50e6
-        busy_until = time.monotonic() + self.stream_timeout
+        # A busy receiver frees its budget as updates complete: keep asking for a while
+        # (several stream timeouts), so a burst queues up instead of failing.
+        busy_until = time.monotonic() + BUSY_RETRY_TIMEOUTS * self.stream_timeout
         failures = busy = 0
         while True:
             stream, reused = await self.pool.take(peer_id)
