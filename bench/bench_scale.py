@@ -1,6 +1,7 @@
 """Scale with participation: a 100,000-client job where each round trains 1% of them.
 
-The job: 3 clusters (real fabricd daemons on 127.0.0.1, `LocalTestbed`), star + fedavg,
+The job: 3 clusters (real fabricd daemons on 127.0.0.1, `LocalTestbed`), hybrid (or
+`--topology star`) + fedavg,
 an mlp on digits, `client_fraction = 0.01`, 3 rounds, round-robin placement. Digits has
 1,797 samples, so the bench writes a larger digits set first (every sample repeated with
 small pixel noise; `--samples-per-client`, default 2) as an npz the executors load.
@@ -61,7 +62,7 @@ def write_dataset(path: Path, clients: int, per_client: int, seed: int = 0) -> s
     return f"npz:{path}"
 
 
-def job(dataset: str, clients: int, fraction: float, rounds: int) -> JobSpec:
+def job(dataset: str, clients: int, fraction: float, rounds: int, topology: str) -> JobSpec:
     return JobSpec.from_dict({
         "job": {"id": f"scale-{clients}", "seed": 0},
         "data": {"dataset": dataset, "number_of_clients": clients,
@@ -69,7 +70,7 @@ def job(dataset: str, clients: int, fraction: float, rounds: int) -> JobSpec:
         "model": {"name": "mlp", "hidden": 32},
         "training": {"federated_learning_rounds": rounds, "number_of_epochs": 2,
                      "client_fraction": fraction, "batch_size": 16},
-        "topology": {"kind": "star"},
+        "topology": {"kind": topology},
         "placement": {"strategy": "round_robin", "max_materialized": 8},
     })
 
@@ -209,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fraction", type=float, default=0.01)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clusters", type=int, default=3)
+    parser.add_argument("--topology", choices=("hybrid", "star"), default="hybrid",
+                        help="hybrid (default): clients aggregate in their cluster, clusters "
+                             "exchange every round; star: every update goes to one server")
     parser.add_argument("--samples-per-client", type=int, default=4)
     parser.add_argument("--backend", choices=("inprocess", "ray", "both"), default="both")
     parser.add_argument("--quick", action="store_true", help="3,000 clients, in-process only")
@@ -219,11 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         dataset = write_dataset(Path(tmp) / "digits-big.npz", args.clients,
                                 args.samples_per_client)
-        spec = job(dataset, args.clients, args.fraction, args.rounds)
+        spec = job(dataset, args.clients, args.fraction, args.rounds, args.topology)
         results = [run(b, spec, args.clusters) for b in backends]
     out = {
         "bench": "scale", "clients": args.clients, "client_fraction": args.fraction,
-        "rounds": args.rounds, "clusters": args.clusters, "goal_ratio": GOAL_RATIO,
+        "rounds": args.rounds, "clusters": args.clusters, "topology": args.topology,
+        "goal_ratio": GOAL_RATIO,
         "goal_scheduler_rss_bytes": GOAL_SCHEDULER_RSS, "results": results,
         "meets_goals": all(r["ratio_after_round_1"] <= GOAL_RATIO
                            and r["peak_rss_bytes"]["scheduler"] <= GOAL_SCHEDULER_RSS

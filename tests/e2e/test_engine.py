@@ -292,3 +292,25 @@ def test_payload_header_carries_kind_and_samples_and_is_checked() -> None:
                 encode({"x": np.zeros(1, np.float32)}, kind="up", samples=1)[:-1]):
         with pytest.raises(PayloadError):
             decode(bad)
+
+
+def test_mailbox_hands_each_message_out_once_and_forgets_finished_rounds() -> None:
+    from worker.executor.mailbox import Envelope
+
+    box = Mailbox()
+    key = (1, "up", "c0", "server")
+    assert box.put(key, Envelope({"w": 1}, 1, 4, remote=True))
+    assert box.take(key, 1).samples == 1
+    assert not box.put(key, Envelope({"w": 2}, 2, 4, remote=True))  # a replay after take
+    assert len(box) == 0
+    box.put((1, "up", "c1", "server"), Envelope({}, 1, 4, remote=True))  # never read
+    box.forget_before(2, ("up",))
+    assert len(box) == 0
+    # a message wakes its own reader, while another keeps waiting for its own
+    got: list[int] = []
+    reader = threading.Thread(target=lambda: got.append(box.take((2, "up", "c0", "s"), 10).samples))
+    reader.start()
+    box.put((2, "up", "c9", "s"), Envelope({}, 9, 4, remote=True))
+    box.put((2, "up", "c0", "s"), Envelope({}, 5, 4, remote=True))
+    reader.join(10)
+    assert got == [5] and len(box) == 1

@@ -178,7 +178,7 @@ class ClusterEngine:
         if timeout is not None:
             self.timeout = timeout
         started = time.perf_counter()
-        self.transport.current_round = round_index
+        self.transport.begin_round(round_index)
         record = RoundRecord(round_index)
         trained = self.participants(round_index)
         active = self.graph.active(trained)

@@ -30,64 +30,92 @@ class Mailbox:
     """Thread-safe store of messages keyed by (round, kind, src, dst).
 
     A message is handed out once: `take` removes it, so memory is released as soon as
-    its reader has it (object references are freed when the last holder drops them).
+    its reader has it (object references are freed when the last holder drops them), and
+    a repeat of a key already stored or taken is ignored. Each waiter sleeps on its own
+    event, so a message wakes only the node waiting for it (a thousand clients of a round
+    do not wake each other).
     """
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._items: dict[Key, Envelope] = {}
-        self._cond = threading.Condition()
+        self._taken: set[Key] = set()
+        self._waiters: dict[Key, threading.Event] = {}
         self._closed: str | None = None
         self._aborted: dict[int, str] = {}  # round -> why its waits were cut short
 
     def put(self, key: Key, envelope: Envelope) -> bool:
         """Store a message; a repeat of a key already stored or taken is ignored (False)."""
-        with self._cond:
-            if key in self._items:
+        with self._lock:
+            if key in self._items or key in self._taken:
                 return False
             self._items[key] = envelope
-            self._cond.notify_all()
-            return True
+            waiter = self._waiters.get(key)
+        if waiter is not None:
+            waiter.set()
+        return True
 
     def take(self, key: Key, timeout: float, where: str = "") -> Envelope:
         deadline = time.monotonic() + timeout
-        with self._cond:
-            while key not in self._items:
+        while True:
+            with self._lock:
+                if key in self._items:
+                    self._taken.add(key)
+                    self._waiters.pop(key, None)
+                    return self._items.pop(key)
                 if key[0] in self._aborted:
                     raise MessageTimeout(f"round {key[0]} was aborted while waiting for "
                                          f"{_describe(key)}: {self._aborted[key[0]]}")
                 if self._closed is not None:
-                    raise MessageTimeout(f"stopped while waiting for {_describe(key)}: {self._closed}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise MessageTimeout(
-                        f"no {key[1]!r} message from node {key[2]}{where} to node {key[3]} "
-                        f"in round {key[0]} after {timeout:.0f} s"
-                    )
-                self._cond.wait(left)
-            return self._items.pop(key)
+                    raise MessageTimeout(f"stopped while waiting for {_describe(key)}: "
+                                         f"{self._closed}")
+                waiter = self._waiters.setdefault(key, threading.Event())
+            left = deadline - time.monotonic()
+            if left <= 0:
+                with self._lock:
+                    self._waiters.pop(key, None)
+                raise MessageTimeout(
+                    f"no {key[1]!r} message from node {key[2]}{where} to node {key[3]} "
+                    f"in round {key[0]} after {timeout:.0f} s"
+                )
+            waiter.wait(left)
 
     def close(self, reason: str) -> None:
         """Wake every waiter with an error (used when the job is stopped)."""
-        with self._cond:
+        with self._lock:
             self._closed = reason
-            self._cond.notify_all()
+            waiters = list(self._waiters.values())
+        for waiter in waiters:
+            waiter.set()
 
     def abort_round(self, round_index: int, reason: str) -> None:
         """Wake every waiter of `round_index` with an error and forget its messages (a
         failed round is run again from the start, if at all)."""
-        with self._cond:
+        with self._lock:
             self._aborted[round_index] = reason
             for key in [k for k in self._items if k[0] == round_index]:
                 del self._items[key]
-            self._cond.notify_all()
+            waiters = [w for k, w in self._waiters.items() if k[0] == round_index]
+        for waiter in waiters:
+            waiter.set()
 
     def reopen_round(self, round_index: int) -> None:
-        """Let `round_index` be waited on again (before it is repeated)."""
-        with self._cond:
+        """Let `round_index` be waited on again (before it is repeated): its waits are no
+        longer cut short and its messages may arrive anew."""
+        with self._lock:
             self._aborted.pop(round_index, None)
+            self._taken = {k for k in self._taken if k[0] != round_index}
+
+    def forget_before(self, round_index: int, kinds: tuple[str, ...]) -> None:
+        """Drop what rounds before `round_index` left of messages of `kinds` (unread ones,
+        the memory of what was taken): a round's keys are only repeated while it runs."""
+        with self._lock:
+            for key in [k for k in self._items if k[0] < round_index and k[1] in kinds]:
+                del self._items[key]
+            self._taken = {k for k in self._taken if k[0] >= round_index or k[1] not in kinds}
 
     def __len__(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._items)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from worker import payload as wire
-from worker.executor.graph import FINAL, KINDS, STATE
+from worker.executor.graph import DOWN, FINAL, KINDS, PEER, STATE, UP
 from worker.executor.mailbox import Envelope, Mailbox
 
 Weights = dict[str, np.ndarray]
@@ -180,6 +180,13 @@ class HybridTransport:
                 raise DeliveryRefused(f"{what}: tensor {name!r} holds NaN or infinite values")
             out[name] = value if value.dtype == dtype else value.astype(dtype)
         return out
+
+    def begin_round(self, round_index: int) -> None:
+        """Accept updates for `round_index` (and the next) from now on; forget the rounds
+        before the previous one."""
+        self.current_round = round_index
+        self._mailbox.reopen_round(round_index)
+        self._mailbox.forget_before(round_index - 1, (UP, DOWN, PEER))
 
     def abort_round(self, round_index: int, reason: str) -> None:
         self._mailbox.abort_round(round_index, reason)
