@@ -222,6 +222,9 @@ class MetricsServer:
             return trio.from_thread.run_sync(self._snapshot, trio_token=self._token)
         except (trio.RunFinishedError, trio.Cancelled):
             return None
+        except Exception as exc:  # noqa: BLE001 - a scrape must not fail on a state read
+            log.error("metrics.snapshot_failed", reason=f"{type(exc).__name__}: {exc}")
+            return None
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self._token = trio.lowlevel.current_trio_token()
