@@ -66,6 +66,13 @@ class LoopbackMesh:
     def clusters(self) -> list[ClusterInfo]:
         return [ClusterInfo(cid, f"loopback-{cid}", self.capacity) for cid in self.services]
 
+    def send_update(self, *, target_cluster: str, job_id: str, round: int, source_node: str,
+                    target_node: str, message_id: str, payload: bytes, timeout: float) -> None:
+        """An update from the scheduler (a checkpoint's node state) to a cluster."""
+        _Link(self, SCHEDULER).send_update(
+            target_cluster=target_cluster, job_id=job_id, round=round, source_node=source_node,
+            target_node=target_node, message_id=message_id, payload=payload)
+
     def take_update(self, job_id: str, source_node: str, timeout: float) -> bytes:
         with self.arrived:
             if not self.arrived.wait_for(lambda: (job_id, source_node) in self.updates, timeout):

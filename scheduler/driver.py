@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -26,6 +27,7 @@ import numpy as np
 from proto.job import JobSpec
 from proto.rounds import RoundRecord
 from proto.routing import RoutingMatrix
+from scheduler.checkpoint import Checkpoint, write_checkpoint
 from scheduler.clusters import ClusterSlot
 from scheduler.errors import JobFailed
 from scheduler.leases import ClusterLost, LeaseKeeper
@@ -100,6 +102,8 @@ class Driver:
         backend: str,
         progress: Progress | None = None,
         timeout: float = 900.0,
+        run_dir: str | Path | None = None,
+        resume: Checkpoint | None = None,
     ) -> None:
         if not clusters:
             raise JobFailed("no clusters to run on: the mesh lists none")
@@ -109,6 +113,11 @@ class Driver:
         self.backend = backend
         self.progress = progress
         self.timeout = timeout
+        # checkpoints go to run_dir/checkpoints every [faults] checkpoint_every rounds;
+        # `resume` continues from one (its rounds are not run again)
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.resume = resume
+        self._restores = 0
         # requests to a lost cluster may linger until its daemon gives up on them: room
         # for a few rounds of them beside the live ones
         self._pool = ThreadPoolExecutor(max_workers=4 * len(clusters) + 4,
@@ -203,15 +212,26 @@ class Driver:
                 histograms[i] = row
         slots = [ClusterSlot(c.cluster_id, c.capacity or int(started[c.cluster_id].get("capacity") or n),
                              c.peer_id) for c in self.clusters]
-        plan = plan_epoch(spec, histograms, slots, epoch=0)
+        resume = self.resume
+        plan = plan_epoch(spec, histograms, slots, epoch=resume.epoch if resume else 0)
         self._publish(plan, imports={})
         summary = JobSummary(
             job_id=spec.job_id, backend=self.backend, placement_strategy=spec.placement.strategy,
             topology=spec.topology.kind, aggregation=spec.aggregation.name,
             compression=spec.transfer.compression, communities=plan.placement.communities)
+        first = 1
+        if resume is not None:
+            self._restore(plan, resume.models)
+            summary.rounds = [RoundRecord.from_dict(d, source="checkpoint")
+                              for d in resume.rounds]
+            summary.replans, summary.migrations = resume.replans, resume.migrations
+            first = resume.round + 1
+            log.info("event=resumed job=%s round=%d epoch=%d nodes=%d", spec.job_id,
+                     resume.round, resume.epoch, len(resume.models))
         rounds = spec.training.federated_learning_rounds
         period = spec.placement.clustering_period
-        for r in range(1, rounds + 1):
+        every = spec.faults.checkpoint_every
+        for r in range(first, rounds + 1):
             record = self._round(r)
             summary.rounds.append(record)
             if self.progress is not None:
@@ -222,6 +242,8 @@ class Driver:
                 summary.replans += 1
                 summary.migrations += moved
                 plan = new_plan
+            if every and self.run_dir is not None and r % every == 0:
+                self._checkpoint(r, plan, summary)
         model, info = self._fetch_model(plan.routing) if rounds else (None, {})
         stopped = self._all({cid: self._job_body("job.stop") for cid in ids})
         per_cluster = plan.placement.clients_per_cluster()
@@ -291,6 +313,47 @@ class Driver:
         log.info("event=replan job=%s epoch=%d moved=%d", self.spec.job_id, plan.routing.epoch,
                  count)
         return count
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def _checkpoint(self, r: int, plan: Plan, summary: JobSummary) -> None:
+        """Every cluster streams its checkpoint nodes' states here; written atomically."""
+        assert self.run_dir is not None
+        here = self.channel.local_cluster
+        replies = self._all({c.cluster_id: self._job_body("job.checkpoint", round=r,
+                                                          to_cluster=here)
+                             for c in self.clusters})
+        models = {str(node): self.channel.take_update(self.spec.job_id, str(node), self.timeout)
+                  for reply in replies.values() for node in reply.get("nodes", {})}
+        path = write_checkpoint(self.run_dir, Checkpoint(
+            round=r, epoch=plan.routing.epoch, spec=self.spec.to_dict(),
+            rounds=[rec.to_dict() for rec in summary.rounds], models=models,
+            replans=summary.replans, migrations=summary.migrations))
+        log.info("event=checkpoint job=%s round=%d nodes=%d path=%s", self.spec.job_id, r,
+                 len(models), path)
+
+    def _restore(self, plan: Plan, models: Mapping[str, bytes]) -> None:
+        """Stream checkpointed node states to the clusters the plan places them on (as
+        update streams, like migrating nodes) and have them adopted."""
+        send = getattr(self.channel, "send_update", None)
+        if send is None:
+            raise JobFailed("this channel cannot stream checkpoints to clusters")
+        where = node_clusters(plan.routing)
+        unknown = sorted(set(models) - set(where))
+        if unknown:
+            raise JobFailed(f"the checkpoint holds nodes {unknown[:5]} that the plan does not have")
+        by_cluster: dict[str, list[str]] = {}
+        for node in models:
+            by_cluster.setdefault(where[node], []).append(node)
+        here = self.channel.local_cluster
+        self._all({cid: self._job_body("job.restore", phase="expect", source_cluster=here,
+                                       nodes=nodes) for cid, nodes in by_cluster.items()})
+        self._restores += 1
+        for node, payload in models.items():
+            send(target_cluster=where[node], job_id=self.spec.job_id, round=0,
+                 source_node=node, target_node="restore",
+                 message_id=f"{self.spec.job_id}/0/restore-{self._restores}/{node}/restore",
+                 payload=payload, timeout=self.timeout)
+        self._all({cid: self._job_body("job.restore", phase="apply") for cid in by_cluster})
 
     def _fetch_model(self, routing: RoutingMatrix) -> tuple[bytes, dict[str, Any]]:
         """The final model as an update stream, and what it is."""

@@ -8,7 +8,9 @@ identity, and receiving daemons refuse job messages not signed by a scheduler.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import logging
 import socket
 import threading
@@ -22,6 +24,8 @@ from proto.bridge import (
     Delivery,
     Error,
     Hello,
+    SendResult,
+    SendUpdate,
     StatusReply,
     StatusRequest,
     recv_bridge,
@@ -112,6 +116,7 @@ class BridgeChannel:
         send_bridge(self._sock, Hello(role="scheduler", job_id=job_id))
         self._write = threading.Lock()
         self._pending: dict[str, Future[ControlResult]] = {}
+        self._sent: dict[str, Future[SendResult]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
@@ -149,6 +154,36 @@ class BridgeChannel:
         return {str(c["cluster_id"]): bool(c.get("connected"))
                 for c in status.get("clusters", [])}
 
+    def send_update(self, *, target_cluster: str, job_id: str, round: int, source_node: str,
+                    target_node: str, message_id: str, payload: bytes, timeout: float) -> None:
+        """Stream `payload` (a safetensors update) to `target_cluster`'s executor (a node
+        state restored from a checkpoint); JobFailed unless its daemon took it."""
+        size = int.from_bytes(payload[:8], "little")
+        count = sum(1 for k in json.loads(payload[8:8 + size]) if k != "__metadata__")
+        msg = SendUpdate(target_cluster=target_cluster, job_id=job_id, round=round,
+                         source_node=source_node, target_node=target_node,
+                         message_id=message_id, tensor_count=count, byte_length=len(payload),
+                         sha256=hashlib.sha256(payload).digest())
+        fut: Future[SendResult] = Future()
+        with self._lock:
+            self._sent[message_id] = fut
+        try:
+            with self._write:
+                send_bridge(self._sock, msg, payload)
+            result = fut.result(timeout=timeout)
+        except TimeoutError:
+            raise JobFailed(f"update {message_id} to cluster {target_cluster} was not "
+                            f"acknowledged within {timeout:.0f} s") from None
+        except OSError as exc:
+            raise JobFailed(f"lost the scheduler's daemon while sending to cluster "
+                            f"{target_cluster}: {exc}") from exc
+        finally:
+            with self._lock:
+                self._sent.pop(message_id, None)
+        if not result.ok:
+            raise JobFailed(f"cluster {target_cluster} did not take update {message_id}: "
+                            f"{result.reason}")
+
     def take_update(self, job_id: str, source_node: str, timeout: float) -> bytes:
         deadline = time.monotonic() + timeout
         with self._arrived:
@@ -172,6 +207,11 @@ class BridgeChannel:
                     fut = self._pending.get(msg.request_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+            elif isinstance(msg, SendResult):
+                with self._lock:
+                    sent = self._sent.get(msg.message_id)
+                if sent is not None and not sent.done():
+                    sent.set_result(msg)
             elif isinstance(msg, Delivery):
                 with self._arrived:
                     self._updates[(msg.job_id, msg.source_node)] = payload
@@ -184,6 +224,9 @@ class BridgeChannel:
             for rid, fut in self._pending.items():
                 if not fut.done():
                     fut.set_result(ControlResult(request_id=rid, ok=False, body={}, reason=reason))
+            for mid, sent in self._sent.items():
+                if not sent.done():
+                    sent.set_result(SendResult(message_id=mid, ok=False, reason=reason, bytes=0))
             self._closed = True
         with self._arrived:
             self._arrived.notify_all()

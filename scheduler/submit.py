@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from scheduler.driver import ClusterInfo, Driver
+from scheduler.driver import ClusterInfo, Driver, JobFailed
 from scheduler.results import RoundRecord, write_results
 
 log = logging.getLogger("fedpilot.scheduler")
@@ -37,6 +37,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--clusters", metavar="ID,ID",
                    help="with --mesh: run on exactly these clusters (default: all connected)")
     p.add_argument("--out", metavar="DIR", help="results directory (default runs/<job-id>)")
+    p.add_argument("--resume", metavar="DIR",
+                   help="continue the job from the last checkpoint in run directory DIR "
+                        "(written with [faults] checkpoint_every); results stay in DIR")
     p.add_argument("--wait", metavar="SECONDS", type=float, default=60.0,
                    help="how long to wait for clusters to join (default 60)")
     p.add_argument("--round-timeout", metavar="SECONDS", type=float, default=900.0,
@@ -98,7 +101,20 @@ def run(args: argparse.Namespace) -> int:
 
     spec = load_job(args.job)
     check_before_start(spec, str(args.job))  # labels and model, before any daemon or Ray starts
-    out = Path(args.out or Path("runs") / spec.job_id)
+    out = Path(args.resume or args.out or Path("runs") / spec.job_id)
+    checkpoint = None
+    if args.resume:
+        from scheduler.checkpoint import load_checkpoint
+
+        checkpoint = load_checkpoint(out)
+        if checkpoint.spec.get("job", {}).get("id") != spec.job_id:
+            raise JobFailed(f"{out} holds a checkpoint of job "
+                            f"{checkpoint.spec.get('job', {}).get('id')!r}, not {spec.job_id!r}")
+        if checkpoint.round >= spec.training.federated_learning_rounds:
+            raise JobFailed(f"{out}'s checkpoint is at round {checkpoint.round}; the job has "
+                            f"{spec.training.federated_learning_rounds} rounds: nothing to do")
+        print(f"resuming {spec.job_id} after round {checkpoint.round} from {out}",
+              file=sys.stderr)
     testbed = None
     channel = None
     metrics = None
@@ -130,6 +146,9 @@ def run(args: argparse.Namespace) -> int:
         channel = BridgeChannel(socket_path, job_id=spec.job_id)
         # out/summary.json and metrics.csv follow the job round by round (`status RUN_DIR`)
         recorder = RunRecorder.for_job(out, spec, backend=args.backend, metrics=metrics)
+        if checkpoint is not None:  # metrics.csv keeps the rounds before the checkpoint once
+            recorder.summary.rounds.extend(RoundRecord.from_dict(d, source="checkpoint")
+                                           for d in checkpoint.rounds)
         bar = None if args.quiet else ProgressBar(sys.stderr)
 
         def progress(record: RoundRecord, total: int) -> None:
@@ -138,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
                 bar(record, total)
 
         driver = Driver(spec, clusters, channel, backend=args.backend, progress=progress,
-                        timeout=args.round_timeout)
+                        timeout=args.round_timeout, run_dir=out, resume=checkpoint)
         try:
             result = driver.run()
         except BaseException as exc:

@@ -8,6 +8,7 @@ whose daemon was killed exits on its own.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.slow
 
 SCHEDULER = str(Path(sys.executable).with_name("fedpilot-scheduler"))
 LEASE = 4
+ROUNDS = 12
 JOB = f"""
 [job]
 id = "lease-job"
@@ -42,6 +44,7 @@ strategy = "round_robin"
 max_materialized = 2
 [faults]
 lease_seconds = {LEASE}
+checkpoint_every = 1
 """
 
 
@@ -87,11 +90,12 @@ def rounds_done(out: Path) -> int:
         return 0
 
 
-def submit(job: Path, testbed: LocalTestbed, out: Path) -> subprocess.Popen[bytes]:
+def submit(job: Path, testbed: LocalTestbed, out: Path, *extra: str
+           ) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     return subprocess.Popen(
         [SCHEDULER, "submit", str(job), "--mesh", str(testbed.configs["scheduler"]),
-         "--out", str(out), "--quiet", "--round-timeout", "120"],
+         "--out", str(out), "--quiet", "--round-timeout", "120", *extra],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -105,7 +109,7 @@ def testbed(tmp_path: Path) -> Any:
 def test_killed_scheduler_releases_every_executor_and_the_job_runs_again(
         testbed: LocalTestbed, tmp_path: Path) -> None:
     job = tmp_path / "job.toml"
-    job.write_text(JOB.format(rounds=400))
+    job.write_text(JOB.format(rounds=ROUNDS))
     out = tmp_path / "first"
     proc = submit(job, testbed, out)
     try:
@@ -125,19 +129,27 @@ def test_killed_scheduler_releases_every_executor_and_the_job_runs_again(
     for name in testbed.cluster_ids:
         clients = daemon_status(testbed.bridge_socket(name))["bridge_clients"]
         assert not [c for c in clients if c["job_id"] == "lease-job"], clients
-    # the same job id again, to the end (the daemons forgot the first run's message ids)
-    job.write_text(JOB.format(rounds=3))
-    again = submit(job, testbed, tmp_path / "second")
+    # the same job id again, resumed from its last checkpoint to the end (the daemons
+    # forgot the first run's message ids)
+    again = submit(job, testbed, out, "--resume", str(out))
     output, _ = again.communicate(timeout=300)
     assert again.returncode == 0, output.decode()[-3000:]
-    summary = json.loads((tmp_path / "second" / "summary.json").read_text())
-    assert [r["round"] for r in summary["rounds"]] == [1, 2, 3]
-    assert (tmp_path / "second" / "model.safetensors").stat().st_size > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished"
+    assert [r["round"] for r in summary["rounds"]] == list(range(1, ROUNDS + 1))
+    with (out / "metrics.csv").open() as f:
+        assert [int(row["round"]) for row in csv.DictReader(f)] == list(range(1, ROUNDS + 1))
+    assert (out / "model.safetensors").stat().st_size > 0
+    # and a fresh run of the same id, from round 1
+    fresh = submit(job, testbed, tmp_path / "fresh")
+    output, _ = fresh.communicate(timeout=300)
+    assert fresh.returncode == 0, output.decode()[-3000:]
 
 
 def test_executor_whose_daemon_died_exits(testbed: LocalTestbed, tmp_path: Path) -> None:
     job = tmp_path / "job.toml"
-    job.write_text(JOB.format(rounds=400).replace("lease_seconds = 4", "lease_seconds = 600"))
+    job.write_text(JOB.format(rounds=400).replace("lease_seconds = 4", "lease_seconds = 600")
+                   .replace("checkpoint_every = 1", "checkpoint_every = 0"))
     out = tmp_path / "run"
     proc = submit(job, testbed, out)
     try:

@@ -134,6 +134,24 @@ class ClusterEngine:
         with self._lock:
             self._models[node] = self.pool.put(weights)
 
+    def checkpoint_nodes(self) -> list[str]:
+        """Local nodes whose state a checkpoint must hold to continue exactly: all of them
+        (a client trains from the model it last received, which need not be its parent's
+        current one)."""
+        return [*self.local_clients(), *self.local_aggregators()]
+
+    def aggregator_state(self, node: str) -> Weights:
+        """The server state of the node's aggregator (empty if it has none yet)."""
+        with self._lock:
+            aggregator = self._aggregators.get(node)
+        state = getattr(aggregator, "state_dict", None)
+        return dict(state()) if callable(state) else {}
+
+    def restore_aggregator(self, node: str, state: Weights) -> None:
+        load = getattr(self._aggregator(node), "load_state_dict", None)
+        if state and callable(load):
+            load(state)
+
     def local_share(self) -> tuple[Weights, int] | None:
         """The sample-weighted mean of the models this cluster evaluates (group models for
         hybrid, client models for decentralized topologies) and the samples behind it; the

@@ -13,6 +13,10 @@ Messages (the `kind` of the body; the daemon only passes on bodies signed by a
 - `job.model` {to_cluster, node?, share_to?, collect?}: stream the final model (or this
   cluster's share of it) as an update; never inside a control reply, so any size works;
 - `job.stop`: release actors and reply with how many were materialized;
+- `job.checkpoint` {round, to_cluster}: stream the state of this cluster's checkpoint
+  nodes (model + aggregator server state, one payload per node) to the scheduler;
+- `job.restore` {phase: expect, source_cluster, nodes} then {phase: apply}: take those
+  nodes' states, streamed by the scheduler from a checkpoint, and adopt them;
 - `job.lease` {lease}: the scheduler is alive; renews this executor's lease for `lease`
   seconds (any control message renews it). An executor whose lease runs out (its
   scheduler is gone) releases its actors and exits (`__main__`), so the daemon forgets
@@ -27,16 +31,22 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
+
 from proto.job import JobSpec
 from proto.routing import RoutingMatrix
 from worker import payload as wire
 from worker.errors import WorkerError
 from worker.executor.engine import ClientPool, ClusterEngine, average
 from worker.executor.graph import FINAL, STATE, RoundGraph
-from worker.executor.mailbox import Mailbox
+from worker.executor.mailbox import Envelope, Mailbox
 from worker.executor.transport import HybridTransport, RemoteLink, Weights
 
 log = logging.getLogger("fedpilot.executor")
+
+RESTORE = "restore"        # target node of a state streamed back from a checkpoint
+CHECKPOINT = "checkpoint"  # target node of a state streamed to the scheduler's checkpoint
+MODEL, AGGREGATOR = "model/", "aggregator/"
 
 #: lease before the scheduler named one: starting a job (data, Ray) may take this long
 FIRST_LEASE = 180.0
@@ -86,6 +96,7 @@ class ExecutorService:
         self._epoch = 0
         self._lock = threading.Lock()
         self.lease_seconds = FIRST_LEASE
+        self._restoring: tuple[str, set[str]] | None = None  # (from cluster, nodes)
         self._last_contact = time.monotonic()
 
     # -- the lease ---------------------------------------------------------------------------
@@ -116,6 +127,7 @@ class ExecutorService:
         handler = {
             "job.start": self._start, "job.plan": self._plan, "round.run": self._round,
             "node.export": self._export, "job.model": self._model, "job.stop": self._stop,
+            "job.checkpoint": self._checkpoint, "job.restore": self._restore,
         }.get(str(kind))
         if handler is None:
             raise ControlError(f"unknown control message kind {kind!r}")
@@ -133,6 +145,9 @@ class ExecutorService:
         if transport is None:
             raise ControlError(f"update {source_node} -> {target_node} arrived before the job "
                                "was planned")
+        if target_node == RESTORE:
+            self._take_restore(job_id, round, source_node, source_cluster, payload)
+            return True
         return transport.deliver_remote(job_id=job_id, round=round, source_node=source_node,
                                         target_node=target_node, source_cluster=source_cluster,
                                         payload=payload)
@@ -284,6 +299,65 @@ class ExecutorService:
         size = transport.send_to(to_cluster, 0, FINAL, node, "scheduler",
                                  wire.encode(weights, kind=FINAL, samples=samples))
         return {"node": node, "bytes": size, "accuracy": accuracy, "loss": loss}
+
+    def _checkpoint(self, body: dict[str, Any]) -> dict[str, Any]:
+        assert self.runtime is not None
+        if self.engine is None or self.transport is None:
+            raise ControlError("job.checkpoint before job.plan")
+        r, to_cluster = int(body["round"]), str(body["to_cluster"])
+        sent: dict[str, int] = {}
+        for node in self.engine.checkpoint_nodes():
+            tensors = {MODEL + k: v for k, v in
+                       self.runtime.resolve(self.engine.current_model(node)).items()}
+            tensors.update({AGGREGATOR + k: v
+                            for k, v in self.engine.aggregator_state(node).items()})
+            sent[node] = self.transport.send_to(to_cluster, r, STATE, node, CHECKPOINT,
+                                                wire.encode(tensors, kind=STATE, samples=0))
+        return {"nodes": sent}
+
+    def _restore(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.engine is None:
+            raise ControlError("job.restore before job.plan")
+        if body.get("phase") == "expect":
+            nodes = {str(n) for n in body.get("nodes", [])}
+            foreign = sorted(n for n in nodes if self._nodes.get(n) != self.cluster_id)
+            if foreign:
+                raise ControlError(f"asked to restore nodes {foreign[:5]}, which the plan does "
+                                   "not place on this cluster")
+            self._restoring = (str(body["source_cluster"]), nodes)
+            return {"expecting": len(nodes)}
+        if self._restoring is None:
+            raise ControlError("job.restore apply without expect")
+        _, nodes = self._restoring
+        for node in sorted(nodes):
+            env = self.mailbox.take((0, RESTORE, node, RESTORE), self.round_timeout,
+                                    " (from the checkpoint)")
+            weights = dict(env.weights)
+            self.engine.import_node(node, {k[len(MODEL):]: v for k, v in weights.items()
+                                           if k.startswith(MODEL)})
+            self.engine.restore_aggregator(node, {k[len(AGGREGATOR):]: v
+                                                  for k, v in weights.items()
+                                                  if k.startswith(AGGREGATOR)})
+        self._restoring = None
+        log.info("event=restored job=%s cluster=%s nodes=%d", self.spec and self.spec.job_id,
+                 self.cluster_id, len(nodes))
+        return {"restored": sorted(nodes)}
+
+    def _take_restore(self, job_id: str, r: int, node: str, source_cluster: str,
+                      payload: bytes) -> None:
+        """A node state from the checkpoint: only from the cluster the scheduler named,
+        only for the nodes it named, while a restore is expected."""
+        expected = self._restoring
+        if expected is None or source_cluster != expected[0] or node not in expected[1]:
+            raise ControlError(f"unexpected restore of node {node!r} from cluster "
+                               f"{source_cluster!r}")
+        if self.spec is None or job_id != self.spec.job_id:
+            raise ControlError(f"restore for job {job_id!r}")
+        decoded = wire.decode(payload, source=f"checkpoint of node {node}")
+        if decoded.kind != STATE:
+            raise ControlError(f"restore of node {node!r} is a {decoded.kind!r} payload")
+        weights = {k: np.array(v) for k, v in decoded.tensors.items()}
+        self.mailbox.put((0, RESTORE, node, RESTORE), Envelope(weights, 0, len(payload), True))
 
     def _share_name(self) -> str:
         assert self.engine is not None
