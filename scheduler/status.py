@@ -18,7 +18,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -116,7 +116,11 @@ class RunRecorder:
     def finished(self) -> None:
         self._write("finished")
 
-    def failed(self, reason: str) -> None:
+    def failed(self, reason: str, lost: Sequence[str] = ()) -> None:
+        """The job failed; ``lost`` are the clusters it lost (counted in the metrics)."""
+        if self.metrics is not None:
+            for cluster in lost:
+                self.metrics.cluster_lost(self.summary.job_id, cluster)
         self._write("failed", error=reason)
 
     def _write(self, state: str, error: str = "") -> None:

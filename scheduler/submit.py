@@ -161,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             result = driver.run()
         except BaseException as exc:
-            recorder.failed(str(exc) or type(exc).__name__)
+            recorder.failed(str(exc) or type(exc).__name__,
+                            lost=sorted(getattr(exc, "lost", None) or ()))  # ClusterLost names them
             raise
         finally:
             driver.close()

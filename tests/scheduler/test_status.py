@@ -144,7 +144,24 @@ def test_run_recorder_keeps_the_run_dir_current(tmp_path: Path, capsys: pytest.C
     recorder(record(2), 3)
     assert main(["status", str(run)]) == 0
     assert capsys.readouterr().out.startswith("job rec: running, round 2 of 3, accuracy 0.5200")
-    recorder.failed("cluster b lost")
+    recorder.failed("cluster b lost", lost=["b"])
     assert main(["status", str(run)]) == 1
     assert "job rec: failed, round 2 of 3, accuracy 0.5200 - cluster b lost" in capsys.readouterr().out
     assert sorted(p.name for p in run.iterdir()) == ["metrics.csv", "summary.json"]  # no temp files left
+
+
+def test_run_recorder_feeds_job_metrics_and_counts_lost_clusters(tmp_path: Path) -> None:
+    from fedpilot.metrics import RunMetrics
+    from proto.job import JobSpec
+    from scheduler.status import RunRecorder
+
+    spec = JobSpec.from_dict({"job": {"id": "lossy"}, "training": {"federated_learning_rounds": 4}})
+    metrics = RunMetrics("scheduler")
+    recorder = RunRecorder.for_job(tmp_path / "run", spec, backend="ray", metrics=metrics)
+    recorder(record(1), 4)
+    recorder.failed("lost during round 2: cluster c: disconnected", lost=["c"])
+    value = metrics.registry.get_sample_value
+    assert value("fedpilot_scheduler_round", {"job": "lossy"}) == 1
+    assert value("fedpilot_scheduler_bytes_total", {"job": "lossy", "scope": "inter"}) == 2_000_000
+    assert value("fedpilot_scheduler_cluster_losses_total", {"job": "lossy", "cluster": "c"}) == 1
+    assert read_run(tmp_path / "run").error.startswith("lost during round 2")
