@@ -120,3 +120,19 @@ def test_state_travels_as_an_update_payload_and_can_be_imported() -> None:
             moved = ctx.get(target.call(1, "weights"))
         for name, value in state.weights.items():
             np.testing.assert_array_equal(moved.weights[name], value)
+
+
+def test_without_kept_state_a_switch_only_binds_data_and_training_uses_the_given_model() -> None:
+    """The engine's mode: every call brings its model, so nothing is saved or reloaded."""
+    with InProcessContext(num_cpus=2) as ctx:
+        stateful = setup_manager(ctx, 4, 1)
+        stateless = setup_manager(ctx, 4, 1, keep_state=False)
+        with stateful, stateless:
+            model = ctx.get(stateful.call(0, "weights")).weights
+            for c in (0, 1, 2, 3, 0):  # one slot: every call switches clients
+                a = ctx.get(stateful.call(c, "train", 1, dict(model)))
+                b = ctx.get(stateless.call(c, "train", 1, dict(model)))
+                for name in a.weights:
+                    np.testing.assert_array_equal(a.weights[name], b.weights[name])
+            assert stateless._states == {} and len(stateful._states) == 4
+            assert stateless.stats.dematerializations == stateful.stats.dematerializations == 4

@@ -113,7 +113,9 @@ class NodeRuntime:
             range(self.spec.data.number_of_clients), max_materialized=slots,
             strategy=self.spec.placement.placement_group_strategy,
             cpus_per_node=min(0.25, 0.9 * total_cpus / slots),
-            name_prefix=f"fedpilot/{self.spec.job_id}/{self.cluster_id}")
+            name_prefix=f"fedpilot/{self.spec.job_id}/{self.cluster_id}",
+            # the engine gives every training call its model: actors keep no client state
+            keep_state=False)
         # the placement group is reserved before any actor starts, and fails at once
         self.manager.start()
 

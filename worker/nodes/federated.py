@@ -78,6 +78,15 @@ class FederatedNode:
             self._aggregator.load_state_dict(state.aggregator)
         return os.getpid()
 
+    def bind(self, client_id: int, train_indices: np.ndarray, test_indices: np.ndarray) -> int:
+        """Become client `client_id` for calls that bring the model to start from (the
+        resident weights are not touched); returns the process id."""
+        self._client = int(client_id)
+        self._train_idx = np.asarray(train_indices, dtype=np.int64)
+        self._test_idx = np.asarray(test_indices, dtype=np.int64)
+        self._aggregator, self._rounds = None, 0
+        return os.getpid()
+
     def save(self) -> NodeState:
         """The bound client's state (copied; the actor may load another client next)."""
         from worker.serialization import model_weights

@@ -63,7 +63,7 @@ class NodeManager:
     def __init__(self, context: ExecutionContext, config: NodeConfig, dataset: Dataset | Ref,
                  partition: ClientPartition, clients: Sequence[int], *, max_materialized: int,
                  strategy: str = "SPREAD", cpus_per_node: float = 0.25, recycle: bool = True,
-                 name_prefix: str | None = None) -> None:
+                 name_prefix: str | None = None, keep_state: bool = True) -> None:
         if max_materialized < 1:
             raise ValueError(f"placement.max_materialized must be >= 1, got {max_materialized}")
         self.context = context
@@ -76,6 +76,10 @@ class NodeManager:
         self.strategy = strategy
         self.cpus_per_node = cpus_per_node
         self.recycle = recycle
+        # False when the caller hands every call the model to start from (the round engine
+        # holds each node's model): an actor then only binds a client's data on a switch,
+        # with no save of the old client's weights and no load of the new one's
+        self.keep_state = keep_state
         self.name_prefix = name_prefix or f"fedpilot/{config.job_id}/{os.getpid()}-{id(self):x}"
         self.stats = NodeStats()
         self._slots = [_Slot(i) for i in range(self.capacity)]
@@ -168,7 +172,10 @@ class NodeManager:
         assert slot.handle is not None
         train_idx = self._partition.train_indices[client]
         test_idx = self._partition.test_indices[client]
-        slot.handle.load(client, train_idx, test_idx, self._states.get(client))
+        if self.keep_state:
+            slot.handle.load(client, train_idx, test_idx, self._states.get(client))
+        else:
+            slot.handle.bind(client, train_idx, test_idx)
         slot.client = client
         self._lru[client] = slot
         self.stats.materializations += 1
@@ -178,9 +185,13 @@ class NodeManager:
 
     def _dematerialize(self, client: int, slot: _Slot) -> None:
         assert slot.handle is not None
-        self._states[client] = slot.handle.save()
         slot.client = None
         self.stats.dematerializations += 1
+        if not self.keep_state:
+            if not self.recycle:
+                self._kill(slot)
+            return
+        self._states[client] = slot.handle.save()
         if not self.recycle:
             # the save must finish before the actor dies (kill does not wait for the queue)
             self.context.wait([self._states[client]], num_returns=1)
