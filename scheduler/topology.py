@@ -2,8 +2,8 @@
 
 Node ids: clients are 0..num_clients-1; aggregator nodes (the star server, hierarchical
 aggregators, hybrid group heads) follow from num_clients on. Each undirected edge appears
-once with u < v and a traffic weight (messages per round). The definitions follow the
-worker's topology builders (issue 3):
+once with u < v and a traffic weight (messages per round). This is the only topology
+builder; the routing matrix carries its result (with each node's parent) to the clusters:
 
 - star: every client ↔ the node `server` (id `num_clients`).
 - hierarchical: clients in id order are grouped `hierarchy_branching` per level-1

@@ -1,7 +1,8 @@
 """Stage 1: one label histogram per client. No sample leaves the partitioner.
 
-`job_histograms` asks the worker's pure-numpy partitioner (the same deterministic split
-the clusters will build); the synthetic generators serve tests and scale benchmarks.
+`job_histograms` asks the shared pure-numpy partitioner (`fedpilot.data`, the same
+deterministic split the clusters will build); the synthetic generators serve tests and
+scale benchmarks.
 """
 
 from __future__ import annotations
