@@ -27,11 +27,12 @@ import numpy as np
 from proto.job import JobSpec
 from proto.rounds import RoundRecord
 from proto.routing import RoutingMatrix
-from scheduler.checkpoint import Checkpoint, write_checkpoint
+from scheduler.checkpoint import Checkpoint
 from scheduler.clusters import ClusterSlot
 from scheduler.errors import JobFailed
 from scheduler.leases import ClusterLost, LeaseKeeper
 from scheduler.plan import Plan, plan_job
+from scheduler.recovery import Recovery, node_clusters
 from scheduler.results import ClusterRecordSummary, JobSummary
 
 log = logging.getLogger("fedpilot.scheduler")
@@ -67,12 +68,6 @@ def plan_epoch(spec: JobSpec, histograms: np.ndarray, slots: Sequence[ClusterSlo
     return plan
 
 
-def node_clusters(routing: RoutingMatrix) -> dict[str, str]:
-    """Every node's cluster in a plan."""
-    return {routing.node_name(i): routing.clusters[int(k)]
-            for i, k in enumerate(routing.node_cluster.tolist())}
-
-
 @dataclass(frozen=True)
 class ClusterInfo:
     cluster_id: str
@@ -92,7 +87,7 @@ class JobResult:
 Progress = Callable[[RoundRecord, int], None]
 
 
-class Driver:
+class Driver(Recovery):
     def __init__(
         self,
         spec: JobSpec,
@@ -118,6 +113,10 @@ class Driver:
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.resume = resume
         self._restores = 0
+        self._attempt = 0          # bumped when a round is repeated (fresh message ids)
+        self._epoch = 0            # the newest placement epoch
+        self._slots: list[ClusterSlot] = []
+        self._last_models: dict[str, bytes] = dict(resume.models) if resume else {}
         # requests to a lost cluster may linger until its daemon gives up on them: room
         # for a few rounds of them beside the live ones
         self._pool = ThreadPoolExecutor(max_workers=4 * len(clusters) + 4,
@@ -140,7 +139,7 @@ class Driver:
             lost = self.leases.lost() if self.leases is not None else {}
             lost = {cid: loss for cid, loss in lost.items() if cid in futures}
             if lost:
-                raise ClusterLost(lost, what)
+                raise ClusterLost(lost, what, pending=futures)
         replies: dict[str, dict[str, Any]] = {}
         failures: list[str] = []
         for cid, fut in futures.items():
@@ -149,8 +148,28 @@ class Driver:
             except JobFailed as exc:
                 failures.append(str(exc))
         if failures:
+            # a refusal is often the first sign of a lost cluster: let the lease decide
+            lost = self._lost_among([cid for cid, f in futures.items() if f.exception()])
+            if lost:
+                raise ClusterLost(lost, what, pending=futures)
             raise JobFailed("; ".join(failures))
         return replies
+
+    def _lost_among(self, failed: list[str]) -> dict[str, Any]:
+        """Which of the clusters that just failed a request the lease keeper finds lost:
+        waits for its verdict until each answered a lease since (alive: the failure is the
+        job's own) or at most one lease."""
+        if self.leases is None or not failed:
+            return {}
+        since = time.monotonic()
+        until = since + self.leases.lease + self.leases.interval
+        while True:
+            lost = {cid: v for cid, v in self.leases.lost().items() if cid in failed}
+            if lost or time.monotonic() > until:
+                return lost
+            if all(self.leases.answered_at(cid) > since for cid in failed):
+                return {}
+            time.sleep(0.1)
 
     def deadline(self) -> float:
         """How long a round may take: the user's timeout until one round was measured, then
@@ -231,21 +250,40 @@ class Driver:
         rounds = spec.training.federated_learning_rounds
         period = spec.placement.clustering_period
         every = spec.faults.checkpoint_every
-        for r in range(first, rounds + 1):
-            record = self._round(r)
-            summary.rounds.append(record)
-            if self.progress is not None:
-                self.progress(record, rounds)
-            if period > 0 and r % period == 0 and r < rounds:
-                new_plan = plan_epoch(spec, histograms, slots, epoch=r // period)
-                moved = self._migrate(node_clusters(plan.routing), new_plan)
-                summary.replans += 1
-                summary.migrations += moved
-                plan = new_plan
-            if every and self.run_dir is not None and r % every == 0:
-                self._checkpoint(r, plan, summary)
+        self._epoch = plan.routing.epoch
+        self._slots = slots
+        r, stage = first, "round"
+        while r <= rounds:
+            try:
+                if stage == "round":
+                    record = self._round(r)
+                    summary.rounds.append(record)
+                    if self.progress is not None:
+                        self.progress(record, rounds)
+                    stage = "replan"
+                if stage == "replan":
+                    if period > 0 and r % period == 0 and r < rounds:
+                        self._epoch = max(self._epoch + 1, r // period)
+                        new_plan = plan_epoch(spec, histograms, self._slots, epoch=self._epoch)
+                        moved = self._migrate(node_clusters(plan.routing), new_plan)
+                        summary.replans += 1
+                        summary.migrations += moved
+                        plan = new_plan
+                    stage = "checkpoint"
+                if every and self.run_dir is not None and r % every == 0:
+                    self._checkpoint(r, plan, summary)
+            except ClusterLost as lost:
+                if spec.faults.on_cluster_loss != "continue":
+                    raise
+                # a lost round runs again; after a finished round, the re-plan makes up the
+                # re-plan and checkpoint of that round
+                plan = self._recover(lost, r, plan, histograms, summary)
+                if stage != "round":
+                    stage = "checkpoint"
+                continue
+            r, stage = r + 1, "round"
         model, info = self._fetch_model(plan.routing) if rounds else (None, {})
-        stopped = self._all({cid: self._job_body("job.stop") for cid in ids})
+        stopped = self._all({c.cluster_id: self._job_body("job.stop") for c in self.clusters})
         per_cluster = plan.placement.clients_per_cluster()
         for c in self.clusters:
             reply = stopped[c.cluster_id]
@@ -261,6 +299,9 @@ class Driver:
         placement["routing"] = plan.routing.to_dict(readable=True)
         return JobResult(summary, placement, model, model_info=info)
 
+    def _replan(self, histograms: np.ndarray, slots: list[ClusterSlot], epoch: int) -> Plan:
+        return plan_epoch(self.spec, histograms, slots, epoch=epoch)
+
     def _publish(self, plan: Plan, imports: Mapping[str, list[str]]) -> None:
         routing = plan.routing.to_bytes()
         self._all({c.cluster_id: self._job_body("job.plan", routing=routing,
@@ -273,7 +314,8 @@ class Driver:
         try:
             # executors' waits end at the deadline; the reply may take a little longer
             replies = self._all({c.cluster_id: self._job_body("round.run", round=r,
-                                                              deadline=deadline)
+                                                              deadline=deadline,
+                                                              attempt=self._attempt)
                                  for c in self.clusters}, timeout=deadline + 30)
         except ClusterLost:
             raise
@@ -313,47 +355,6 @@ class Driver:
         log.info("event=replan job=%s epoch=%d moved=%d", self.spec.job_id, plan.routing.epoch,
                  count)
         return count
-
-    # -- checkpoints ---------------------------------------------------------------------
-    def _checkpoint(self, r: int, plan: Plan, summary: JobSummary) -> None:
-        """Every cluster streams its checkpoint nodes' states here; written atomically."""
-        assert self.run_dir is not None
-        here = self.channel.local_cluster
-        replies = self._all({c.cluster_id: self._job_body("job.checkpoint", round=r,
-                                                          to_cluster=here)
-                             for c in self.clusters})
-        models = {str(node): self.channel.take_update(self.spec.job_id, str(node), self.timeout)
-                  for reply in replies.values() for node in reply.get("nodes", {})}
-        path = write_checkpoint(self.run_dir, Checkpoint(
-            round=r, epoch=plan.routing.epoch, spec=self.spec.to_dict(),
-            rounds=[rec.to_dict() for rec in summary.rounds], models=models,
-            replans=summary.replans, migrations=summary.migrations))
-        log.info("event=checkpoint job=%s round=%d nodes=%d path=%s", self.spec.job_id, r,
-                 len(models), path)
-
-    def _restore(self, plan: Plan, models: Mapping[str, bytes]) -> None:
-        """Stream checkpointed node states to the clusters the plan places them on (as
-        update streams, like migrating nodes) and have them adopted."""
-        send = getattr(self.channel, "send_update", None)
-        if send is None:
-            raise JobFailed("this channel cannot stream checkpoints to clusters")
-        where = node_clusters(plan.routing)
-        unknown = sorted(set(models) - set(where))
-        if unknown:
-            raise JobFailed(f"the checkpoint holds nodes {unknown[:5]} that the plan does not have")
-        by_cluster: dict[str, list[str]] = {}
-        for node in models:
-            by_cluster.setdefault(where[node], []).append(node)
-        here = self.channel.local_cluster
-        self._all({cid: self._job_body("job.restore", phase="expect", source_cluster=here,
-                                       nodes=nodes) for cid, nodes in by_cluster.items()})
-        self._restores += 1
-        for node, payload in models.items():
-            send(target_cluster=where[node], job_id=self.spec.job_id, round=0,
-                 source_node=node, target_node="restore",
-                 message_id=f"{self.spec.job_id}/0/restore-{self._restores}/{node}/restore",
-                 payload=payload, timeout=self.timeout)
-        self._all({cid: self._job_body("job.restore", phase="apply") for cid in by_cluster})
 
     def _fetch_model(self, routing: RoutingMatrix) -> tuple[bytes, dict[str, Any]]:
         """The final model as an update stream, and what it is."""

@@ -18,10 +18,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from scheduler.errors import JobFailed
 
@@ -36,9 +36,12 @@ MISSES = 2  # failed renewals in a row that make a cluster lost
 class ClusterLost(JobFailed):
     """One or more clusters are gone (the message says which and how it was noticed)."""
 
-    def __init__(self, lost: dict[str, Loss], during: str) -> None:
+    def __init__(self, lost: dict[str, Loss], during: str,
+                 pending: Mapping[str, Future[Any]] | None = None) -> None:
         self.lost = lost
         self.during = during
+        #: the requests of the interrupted fan-out (a survivor's may still be running)
+        self.pending = dict(pending or {})
         what = "; ".join(f"cluster {cid}: {loss.reason} (noticed {loss.detect_seconds:.1f} s "
                          "after it last answered)" for cid, loss in sorted(lost.items()))
         super().__init__(f"lost during {during}: {what}")
@@ -84,6 +87,11 @@ class LeaseKeeper:
         """Clusters found gone (until `watch`ed again)."""
         with self._lock:
             return dict(self._lost)
+
+    def answered_at(self, cluster_id: str) -> float:
+        """Monotonic time of the cluster's last lease answer (0 if it is not watched)."""
+        with self._lock:
+            return self._answered.get(cluster_id, 0.0)
 
     def watch(self, cluster_id: str) -> None:
         """Hold a lease with `cluster_id` (again: a returning cluster), counting from now."""

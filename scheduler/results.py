@@ -54,6 +54,9 @@ class JobSummary:
     status: str = "running"
     # which model model.safetensors is, and its accuracy/loss as evaluated
     final_model: dict[str, Any] = field(default_factory=dict)
+    # every cluster lost or returned: round, cluster, event, nodes moved, seconds to
+    # detect and to recover (scheduler/recovery.py)
+    faults: list[dict[str, Any]] = field(default_factory=list)
 
     def finish(self, status: str = "finished") -> None:
         """Derive the totals from the per-round records."""

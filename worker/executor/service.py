@@ -17,6 +17,8 @@ Messages (the `kind` of the body; the daemon only passes on bodies signed by a
   nodes (model + aggregator server state, one payload per node) to the scheduler;
 - `job.restore` {phase: expect, source_cluster, nodes} then {phase: apply}: take those
   nodes' states, streamed by the scheduler from a checkpoint, and adopt them;
+- `round.abort` {round, reason}: end that round's waits at once (a cluster was lost; the
+  round is run again, `round.run` with a new `attempt`, on the survivors);
 - `job.lease` {lease}: the scheduler is alive; renews this executor's lease for `lease`
   seconds (any control message renews it). An executor whose lease runs out (its
   scheduler is gone) releases its actors and exits (`__main__`), so the daemon forgets
@@ -128,6 +130,7 @@ class ExecutorService:
             "job.start": self._start, "job.plan": self._plan, "round.run": self._round,
             "node.export": self._export, "job.model": self._model, "job.stop": self._stop,
             "job.checkpoint": self._checkpoint, "job.restore": self._restore,
+            "round.abort": self._abort_round,
         }.get(str(kind))
         if handler is None:
             raise ControlError(f"unknown control message kind {kind!r}")
@@ -235,12 +238,24 @@ class ExecutorService:
     def _round(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.engine is None:
             raise ControlError("round.run before job.plan")
+        r = int(body["round"])
+        attempt = int(body.get("attempt", 0))
+        if self.transport is not None and attempt != self.transport.attempt:
+            # the round is repeated (a cluster was lost): its waits may be taken again
+            self.transport.attempt = attempt
+            self.mailbox.reopen_round(r)
         deadline = body.get("deadline")
         if deadline is not None and (not isinstance(deadline, int | float)
                                      or isinstance(deadline, bool) or not 0 < deadline <= 86400):
             raise ControlError(f"round.run deadline must be seconds in (0, 86400], got {deadline!r}")
-        return self.engine.run_round(int(body["round"]),
-                                     None if deadline is None else float(deadline)).to_dict()
+        return self.engine.run_round(r, None if deadline is None else float(deadline)).to_dict()
+
+    def _abort_round(self, body: dict[str, Any]) -> dict[str, Any]:
+        """End a round at once (another cluster is gone): its waits fail with `reason`."""
+        if self.transport is None:
+            raise ControlError("round.abort before job.plan")
+        self.transport.abort_round(int(body["round"]), str(body.get("reason", "aborted"))[:500])
+        return {"aborted": int(body["round"])}
 
     def _export(self, body: dict[str, Any]) -> dict[str, Any]:
         """Stream each moving node's state to the cluster it moves to (epoch = the new

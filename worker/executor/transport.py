@@ -91,6 +91,9 @@ class HybridTransport:
         # updates of a round are accepted only for the round being run and the next one:
         # a member cannot park models for future rounds in this executor's memory
         self.current_round = 0
+        # a repeated round (after a lost cluster) sends under fresh message ids: daemons
+        # remember the ids they delivered in its first attempt
+        self.attempt = 0
 
     def is_local(self, node: str) -> bool:
         return self._locate(node) == self.local_cluster
@@ -123,7 +126,8 @@ class HybridTransport:
         self._link.send_update(
             target_cluster=target_cluster, job_id=self.job_id, round=round_index,
             source_node=src, target_node=dst,
-            message_id=message_id(self.job_id, round_index, kind, src, dst), payload=payload)
+            message_id=message_id(self.job_id, round_index, kind, src, dst)
+            + (f"~{self.attempt}" if self.attempt else ""), payload=payload)
         return len(payload)
 
     def deliver_remote(self, *, job_id: str, round: int, source_node: str, target_node: str,

@@ -1,0 +1,89 @@
+"""A lost cluster does not end the job: with `on_cluster_loss = "continue"` its nodes are
+re-planned onto the survivors, restored from the last checkpoint, and the interrupted
+round runs again; summary.faults records it. Real daemons, in-process executors."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proto.job import JobSpec
+from proto.rounds import RoundRecord
+from scheduler.driver import Driver, JobFailed
+from scheduler.mesh import BridgeChannel
+from scheduler.testbed import LocalTestbed
+from tests.e2e.test_faults_detect import executor_pid
+
+pytestmark = pytest.mark.slow
+ROUNDS = 8
+
+
+def spec(job_id: str, **faults: Any) -> JobSpec:
+    return JobSpec.from_dict({
+        "job": {"id": job_id, "seed": 6},
+        "data": {"number_of_clients": 6},
+        "training": {"federated_learning_rounds": ROUNDS, "number_of_epochs": 1},
+        "topology": {"kind": "star"},
+        "aggregation": {"name": "fedadam"},
+        "placement": {"strategy": "round_robin", "max_materialized": 2},
+        "faults": {"lease_seconds": 6, "checkpoint_every": 1, "on_cluster_loss": "continue",
+                   **faults}})
+
+
+@pytest.fixture()
+def testbed(tmp_path: Path) -> Any:
+    with LocalTestbed(3, backend="inprocess", workdir=str(tmp_path / "tb"), capacity=3) as tb:
+        clusters = tb.start(timeout=60)
+        yield tb, clusters
+
+
+def run(tb: LocalTestbed, clusters: Any, job: JobSpec, out: Path, what: str) -> Any:
+    victim = tb.cluster_ids[0]
+
+    def kill_at_round_3(record: RoundRecord, total: int) -> None:
+        if record.round == 3:
+            if what == "daemon":
+                tb.kill(victim)
+            else:
+                os.kill(executor_pid(tb, victim), signal.SIGKILL)
+
+    channel = BridgeChannel(tb.bridge_socket("scheduler"), job_id=job.job_id)
+    driver = Driver(job, clusters, channel, backend="inprocess", timeout=300,
+                    progress=kill_at_round_3, run_dir=out)
+    try:
+        return driver.run(), victim
+    finally:
+        driver.close()
+        channel.close()
+
+
+@pytest.mark.parametrize("what", ["daemon", "executor"])
+def test_the_job_goes_on_without_a_killed_cluster(testbed: Any, tmp_path: Path,
+                                                   what: str) -> None:
+    tb, clusters = testbed
+    result, victim = run(tb, clusters, spec(f"go-on-{what}"), tmp_path / "run", what)
+    summary = result.summary
+    assert [r.round for r in summary.rounds] == list(range(1, ROUNDS + 1))
+    assert [f["event"] for f in summary.faults] == ["lost"]
+    fault = summary.faults[0]
+    assert fault["cluster"] == victim and fault["round"] in (3, 4)  # its checkpoint or next round
+    assert fault["nodes_moved"] >= 2 and victim not in fault["moved_to"]
+    assert fault["detect_seconds"] >= 0 and fault["recover_seconds"] > 0
+    # the rounds after the loss ran on the two survivors only, with every client
+    for record in summary.rounds[4:]:
+        assert set(record.by_cluster) == set(tb.cluster_ids) - {victim}
+        assert record.participants == 6
+    assert not math.isnan(summary.rounds[-1].accuracy)
+    assert {c.cluster_id for c in summary.clusters} == set(tb.cluster_ids) - {victim}
+
+
+def test_below_min_clusters_the_job_fails_naming_what_is_missing(testbed: Any,
+                                                                 tmp_path: Path) -> None:
+    tb, clusters = testbed
+    with pytest.raises(JobFailed, match="min_clusters = 3"):
+        run(tb, clusters, spec("too-few", min_clusters=3), tmp_path / "run", "daemon")
