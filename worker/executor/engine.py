@@ -93,11 +93,14 @@ class ClusterEngine:
         self._model_nbytes = model_nbytes(initial_weights)
         self._models: dict[str, Any] = {}       # node -> handle of its current model
         self._aggregators: dict[str, Aggregate] = {}
+        self._local_clients: list[str] | None = None
         self._lock = threading.Lock()
 
-    # -- placement ---------------------------------------------------------------------
+    # -- placement (fixed for the life of an engine: a new plan makes a new engine) -----
     def local_clients(self) -> list[str]:
-        return [c for c in self.graph.clients if self.transport.is_local(c)]
+        if self._local_clients is None:
+            self._local_clients = [c for c in self.graph.clients if self.transport.is_local(c)]
+        return self._local_clients
 
     def local_aggregators(self) -> list[str]:
         return [a for a in self.graph.aggregators if self.transport.is_local(a)]
@@ -170,12 +173,12 @@ class ClusterEngine:
         own samples; an aggregator's participating descendants'; a hybrid group's whole
         membership), never the sender's claim, so a member cannot inflate its say in an
         average. A claim that differs is logged."""
-        if node in self.graph.clients:
+        if self.graph.is_client(node):
             trusted = self.pool.samples(node)
         elif active is None:
             trusted = self._samples_behind(node)
         else:
-            trusted = sum(self._trusted_samples(c, 0, active) if c not in self.graph.clients
+            trusted = sum(self._trusted_samples(c, 0, active) if not self.graph.is_client(c)
                           else self.pool.samples(c)
                           for c in self.graph.children(node) if c in active)
         if claimed != trusted and claimed:
@@ -184,7 +187,7 @@ class ClusterEngine:
         return trusted
 
     def _samples_behind(self, node: str) -> int:
-        if node in self.graph.clients:
+        if self.graph.is_client(node):
             return self.pool.samples(node)
         return sum(self._samples_behind(c) for c in self.graph.children(node))
 

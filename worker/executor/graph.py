@@ -83,6 +83,13 @@ class RoundGraph:
                                     if routing.node_name(j) in heads)
         return cls(routing.kind, clients, parent, peers, routing.exchange_period)
 
+    @cached_property
+    def _client_set(self) -> frozenset[str]:
+        return frozenset(self.clients)
+
+    def is_client(self, node: str) -> bool:
+        return node in self._client_set
+
     @property
     def decentralized(self) -> bool:
         return self.kind in DECENTRALIZED_KINDS
