@@ -6,7 +6,8 @@ executor whose lease runs out releases its actors and exits: worker/executor/__m
 and its answer tells the scheduler the cluster is still there. Once a cluster has
 answered a first time, it is **lost** when
 - the scheduler's daemon no longer sees it connected (mesh connection or heartbeats
-  gone: `clusters[].connected` of the daemon status), or
+  gone: `clusters[].connected` of the daemon status) and it has not answered a lease for
+  two intervals (a heartbeat late under load is not a loss), or
 - two renewals in a row failed (its daemon refused: the executor is gone; or it could
   not be reached), or
 - it has not answered for `lease` seconds.
@@ -132,7 +133,10 @@ class LeaseKeeper:
                 if cid not in self._armed or cid in self._lost or cid not in self._answered:
                     continue
                 reason = ""
-                if connected and not connected.get(cid, False):
+                silent = now - self._answered[cid]
+                # a heartbeat late on a loaded machine flips `connected` for a moment: the
+                # mesh's word counts once the lease has gone unanswered too
+                if connected and not connected.get(cid, False) and silent > 2 * self.interval:
                     reason = "its daemon left the mesh (connection or heartbeats lost)"
                 elif len(self._misses.get(cid, [])) >= MISSES:
                     reason = f"{MISSES} lease renewals failed: {self._misses[cid][-1]}"

@@ -1,0 +1,46 @@
+"""LeaseKeeper: a heartbeat that flaps under load is not a loss; silence plus the mesh's
+word is, within seconds."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from scheduler.errors import JobFailed
+from scheduler.leases import LeaseKeeper
+
+
+class Channel:
+    local_cluster = "scheduler"
+
+    def __init__(self) -> None:
+        self.answering = threading.Event()
+        self.answering.set()
+
+    def request(self, cluster_id: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        if not self.answering.wait(timeout):
+            raise JobFailed(f"cluster {cluster_id} did not answer {body['kind']}")
+        return {}
+
+    def take_update(self, job_id: str, source_node: str, timeout: float) -> bytes:
+        raise AssertionError("not used")
+
+
+def test_a_disconnected_flag_alone_does_not_lose_a_cluster_that_answers() -> None:
+    channel = Channel()
+    keeper = LeaseKeeper(channel, "j", ["a", "b"], lease=3.0,  # type: ignore[arg-type]
+                         connected=lambda: {"a": True, "b": False}).start()
+    try:
+        time.sleep(4 * keeper.interval)
+        assert keeper.lost() == {}  # b's heartbeats look late, but b answers its lease
+        channel.answering.clear()  # now b (and a) fall silent
+        deadline = time.monotonic() + 30
+        while "b" not in keeper.lost() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        loss = keeper.lost()["b"]
+        assert "left the mesh" in loss.reason
+        assert loss.detected - loss.last_seen > 2 * keeper.interval
+    finally:
+        channel.answering.set()
+        keeper.stop()
