@@ -58,6 +58,10 @@ class Config:
     ray_address: str
     metrics_endpoint: str
     limits: Limits = field(default_factory=Limits)
+    # bounds of an embedded Ray (ray.address = "local"); 0 = Ray's own default (all CPUs,
+    # ~30% of memory for the object store)
+    ray_num_cpus: float = 0.0
+    ray_object_store_memory: int = 0
 
 
 def _err(path: Path, key: str, value: Any, allowed: str) -> ConfigError:
@@ -173,6 +177,11 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     ray_address = _str(cfg_path, ray, "ray", "address", "inprocess")
     if ray_address not in RAY_ADDRESS_KINDS and ":" not in ray_address:
         raise _err(cfg_path, "ray.address", ray_address, "local, auto, inprocess or HOST:PORT")
+    ray_num_cpus = _num(cfg_path, ray, "ray", "num_cpus", 0, 0, 4096, False)
+    ray_object_store_memory = _num(cfg_path, ray, "ray", "object_store_memory", 0, 0, 1 << 44, True)
+    if 0 < ray_object_store_memory < 78 * 1024 * 1024:  # Ray refuses less
+        raise _err(cfg_path, "ray.object_store_memory", ray_object_store_memory,
+                   "0 (Ray's default) or at least 81788928 bytes (78 MiB)")
 
     metrics = _section(cfg_path, data, "metrics")
     metrics_endpoint = _str(cfg_path, metrics, "metrics", "endpoint", "")
@@ -208,6 +217,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         announce=announce, bootstrap=bootstrap, identity_key=identity_key, certificate=certificate,
         ca_public_key=ca_pub, revocation_list=revocations, bridge_socket=sock,
         ray_address=ray_address, metrics_endpoint=metrics_endpoint, limits=limits,
+        ray_num_cpus=float(ray_num_cpus), ray_object_store_memory=int(ray_object_store_memory),
     )
 
 
@@ -242,6 +252,8 @@ socket = "bridge.sock"          # Unix socket (mode 0600) for executors and the 
 
 [ray]
 address = "inprocess"           # local | auto | inprocess | HOST:PORT
+num_cpus = 0                    # embedded Ray ("local"): CPUs it may use; 0 = all
+object_store_memory = 0         # embedded Ray: object store bytes; 0 = Ray's default
 
 [limits]
 max_update_bytes = {Limits.max_update_bytes}

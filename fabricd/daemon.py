@@ -131,7 +131,8 @@ class Daemon:
                                          ClusterRecordValidator(self.membership))
             self.launcher = ExecutorLauncher(
                 cluster_id=cfg.cluster_id, bridge_socket=cfg.bridge_socket,
-                ray_address=cfg.ray_address, log_dir=cfg.path.parent)
+                ray_address=cfg.ray_address, log_dir=cfg.path.parent,
+                num_cpus=cfg.ray_num_cpus, object_store_memory=cfg.ray_object_store_memory)
             self.bridge = BridgeServer(cfg.bridge_socket, self, cluster_id=cfg.cluster_id,
                                        max_payload=lim.max_update_bytes,
                                        control_timeout=lim.control_timeout,

@@ -36,11 +36,14 @@ LEAVE_GRACE = 20.0
 
 class ExecutorLauncher:
     def __init__(self, *, cluster_id: str, bridge_socket: Path, ray_address: str,
-                 log_dir: Path, command: list[str] | None = None) -> None:
+                 log_dir: Path, command: list[str] | None = None, num_cpus: float = 0.0,
+                 object_store_memory: int = 0) -> None:
         self.cluster_id = cluster_id
         self.bridge_socket = bridge_socket
         self.ray_address = ray_address
         self.log_dir = log_dir
+        self.num_cpus = num_cpus
+        self.object_store_memory = object_store_memory
         self.command = command or [sys.executable, "-m", "worker.executor"]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.detached: set[str] = set()
@@ -48,8 +51,13 @@ class ExecutorLauncher:
         self.reaped = 0
 
     def command_for(self, job_id: str) -> list[str]:
+        bounds = []  # cluster.toml [ray] num_cpus / object_store_memory (embedded Ray)
+        if self.num_cpus:
+            bounds += ["--num-cpus", f"{self.num_cpus:g}"]
+        if self.object_store_memory:
+            bounds += ["--object-store-memory", str(self.object_store_memory)]
         return [*self.command, "--bridge", str(self.bridge_socket), "--cluster-id",
-                self.cluster_id, "--job", job_id, "--ray", self.ray_address]
+                self.cluster_id, "--job", job_id, "--ray", self.ray_address, *bounds]
 
     def log_path(self, job_id: str) -> Path:
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in job_id)

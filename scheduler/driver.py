@@ -135,30 +135,35 @@ class Driver(Recovery):
         what = ", ".join(sorted({str(b.get("kind")) for b in bodies.values()}))
         pending = set(futures.values())
         while pending:
-            _, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+            done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
             lost = self.leases.lost() if self.leases is not None else {}
             lost = {cid: loss for cid, loss in lost.items() if cid in futures}
             if lost:
                 raise ClusterLost(lost, what, pending=futures)
+            if any(f.exception() is not None for f in done):
+                break  # fail fast: the others are stopped by whoever handles the failure
         replies: dict[str, dict[str, Any]] = {}
         failures: list[str] = []
         for cid, fut in futures.items():
+            if not fut.done():
+                continue
             try:
                 replies[cid] = fut.result()
             except JobFailed as exc:
                 failures.append(str(exc))
         if failures:
-            # a refusal is often the first sign of a lost cluster: let the lease decide
-            lost = self._lost_among([cid for cid, f in futures.items() if f.exception()])
+            # a failure is often the first sign of a lost cluster (the failing one, or one
+            # its round needed): let the lease decide
+            lost = self._lost_among(list(futures))
             if lost:
                 raise ClusterLost(lost, what, pending=futures)
             raise JobFailed("; ".join(failures))
         return replies
 
     def _lost_among(self, failed: list[str]) -> dict[str, Any]:
-        """Which of the clusters that just failed a request the lease keeper finds lost:
-        waits for its verdict until each answered a lease since (alive: the failure is the
-        job's own) or at most one lease."""
+        """Which of these clusters (one just failed a request) the lease keeper finds lost:
+        waits for its verdict until each answered a lease since (all alive: the failure is
+        the job's own) or at most one lease."""
         if self.leases is None or not failed:
             return {}
         since = time.monotonic()
@@ -193,8 +198,8 @@ class Driver(Recovery):
             return self._run()
         except ClusterLost as exc:
             self._stop_quietly()
-            raise JobFailed(f"{exc} ([faults] on_cluster_loss = "
-                            f"{self.spec.faults.on_cluster_loss!r})") from None
+            raise ClusterLost(exc.lost, exc.during, note="[faults] on_cluster_loss = "
+                              f"{self.spec.faults.on_cluster_loss!r}") from None
         except BaseException:
             self._stop_quietly()
             raise

@@ -38,14 +38,14 @@ class ClusterLost(JobFailed):
     """One or more clusters are gone (the message says which and how it was noticed)."""
 
     def __init__(self, lost: dict[str, Loss], during: str,
-                 pending: Mapping[str, Future[Any]] | None = None) -> None:
+                 pending: Mapping[str, Future[Any]] | None = None, note: str = "") -> None:
         self.lost = lost
         self.during = during
         #: the requests of the interrupted fan-out (a survivor's may still be running)
         self.pending = dict(pending or {})
         what = "; ".join(f"cluster {cid}: {loss.reason} (noticed {loss.detect_seconds:.1f} s "
                          "after it last answered)" for cid, loss in sorted(lost.items()))
-        super().__init__(f"lost during {during}: {what}")
+        super().__init__(f"lost during {during}: {what}" + (f" ({note})" if note else ""))
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from proto.job import JobSpec, JobSpecError
@@ -38,3 +40,15 @@ def test_a_lease_is_renewed_by_the_scheduler_and_bad_ones_refused() -> None:
         service.handle({"kind": "job.lease", "job_id": "j", "lease": "forever"})
     service.abort("test")
     assert service.stopped.is_set()
+
+
+def test_cluster_toml_ray_bounds_reach_the_executor_command(tmp_path: Any) -> None:
+    from fabricd.executors import ExecutorLauncher
+
+    launcher = ExecutorLauncher(cluster_id="a", bridge_socket=tmp_path / "s", ray_address="local",
+                                log_dir=tmp_path, num_cpus=2, object_store_memory=200 << 20)
+    command = launcher.command_for("j")
+    assert command[-4:] == ["--num-cpus", "2", "--object-store-memory", str(200 << 20)]
+    unbounded = ExecutorLauncher(cluster_id="a", bridge_socket=tmp_path / "s",
+                                 ray_address="local", log_dir=tmp_path).command_for("j")
+    assert "--num-cpus" not in unbounded and "--object-store-memory" not in unbounded

@@ -33,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "or 'inprocess' (no Ray; threads)")
     parser.add_argument("--num-cpus", type=float, default=None,
                         help="CPUs for an embedded Ray (default: all)")
+    parser.add_argument("--object-store-memory", type=int, default=None,
+                        help="bytes of object store for an embedded Ray (default: Ray's)")
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
     return parser.parse_args(argv)
 
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_format)
     from worker.executor.runtime import open_context, runtime_factory
 
-    context = open_context(args.ray, num_cpus=args.num_cpus)
+    context = open_context(args.ray, num_cpus=args.num_cpus,
+                           object_store_memory=args.object_store_memory)
     service = ExecutorService(cluster_id=args.cluster_id,
                               make_runtime=runtime_factory(context, args.cluster_id),
                               daemon_counters=lambda job: daemon_job_counters(args.bridge, job))

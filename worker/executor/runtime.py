@@ -29,7 +29,8 @@ log = logging.getLogger("fedpilot.executor")
 Weights = dict[str, np.ndarray]
 
 
-def open_context(address: str, *, num_cpus: float | None = None) -> ExecutionContext:
+def open_context(address: str, *, num_cpus: float | None = None,
+                 object_store_memory: int | None = None) -> ExecutionContext:
     """`inprocess` → threads; `local` → an embedded Ray on loopback; else join `address`."""
     if address == "inprocess":
         return InProcessContext()
@@ -41,6 +42,8 @@ def open_context(address: str, *, num_cpus: float | None = None) -> ExecutionCon
         kwargs: dict[str, Any] = {"_node_ip_address": "127.0.0.1"}
         if num_cpus is not None:
             kwargs["num_cpus"] = num_cpus
+        if object_store_memory is not None:
+            kwargs["object_store_memory"] = object_store_memory
         return RayContext(None, **kwargs)
     return RayContext(address)
 

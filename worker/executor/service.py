@@ -40,6 +40,7 @@ from proto.routing import RoutingMatrix
 from worker import payload as wire
 from worker.errors import WorkerError
 from worker.executor.engine import ClientPool, ClusterEngine, average
+from worker.executor.failures import explain_failure
 from worker.executor.graph import FINAL, STATE, RoundGraph
 from worker.executor.mailbox import Envelope, Mailbox
 from worker.executor.transport import HybridTransport, RemoteLink, Weights
@@ -248,7 +249,11 @@ class ExecutorService:
         if deadline is not None and (not isinstance(deadline, int | float)
                                      or isinstance(deadline, bool) or not 0 < deadline <= 86400):
             raise ControlError(f"round.run deadline must be seconds in (0, 86400], got {deadline!r}")
-        return self.engine.run_round(r, None if deadline is None else float(deadline)).to_dict()
+        try:
+            record = self.engine.run_round(r, None if deadline is None else float(deadline))
+        except Exception as exc:
+            raise ControlError(explain_failure(exc, self.cluster_id, r, self.spec)) from exc
+        return record.to_dict()
 
     def _abort_round(self, body: dict[str, Any]) -> dict[str, Any]:
         """End a round at once (another cluster is gone): its waits fail with `reason`."""

@@ -1,0 +1,184 @@
+"""Faults: how fast a lost cluster is noticed and the job recovers, and what it costs.
+
+Each case runs one job on a fresh `LocalTestbed` (3 real fabricd daemons + the scheduler's
+on 127.0.0.1; executors in-process threads, or an embedded Ray each with
+`--backend local`): star + fedadam, 6 clients, `[faults] on_cluster_loss = "continue"`,
+`checkpoint_every = 1`, `lease_seconds = 6`.
+
+- `undisturbed`: the baseline, measured in the same run;
+- `kill_daemon`: `kill -9` of one cluster's fabricd (and its executor) after round
+  `--kill-at`; the job must finish every round on the two survivors;
+- `kill_executor`: `kill -9` of that cluster's executor only;
+- `kill_scheduler`: `kill -9` of `fedpilot-scheduler submit` (a subprocess) after round
+  `--kill-at`; reported: seconds until every executor of the job has exited (lease
+  `lease_seconds`), then `submit --resume` of the run directory to the end.
+
+Reported per case: detect_seconds (from the lost cluster's last lease answer to the
+verdict, from summary.faults), recover_seconds (verdict to the round running again),
+rounds completed, final accuracy and its difference from the undisturbed run, wall
+seconds and their ratio to the undisturbed run's.
+
+    python bench/bench_faults.py                 # in-process executors, 10 rounds
+    python bench/bench_faults.py --backend local # embedded Ray per cluster
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from proto.job import JobSpec  # noqa: E402
+from proto.rounds import RoundRecord  # noqa: E402
+from scheduler.driver import Driver  # noqa: E402
+from scheduler.mesh import BridgeChannel  # noqa: E402
+from scheduler.testbed import LocalTestbed  # noqa: E402
+
+LEASE = 6
+
+
+def job_table(job_id: str, rounds: int) -> dict[str, Any]:
+    return {
+        "job": {"id": job_id, "seed": 7},
+        "data": {"number_of_clients": 6},
+        "training": {"federated_learning_rounds": rounds, "number_of_epochs": 1},
+        "topology": {"kind": "star"},
+        "aggregation": {"name": "fedadam"},
+        "placement": {"strategy": "round_robin", "max_materialized": 2},
+        "faults": {"lease_seconds": LEASE, "checkpoint_every": 1,
+                   "on_cluster_loss": "continue"}}
+
+
+def executor_pids(tb: LocalTestbed, job_id: str) -> dict[int, str]:
+    daemons = {p.pid: name for name, p in tb.procs.items()}
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            fields = (proc / "stat").read_text().split(")")[-1].split()
+        except OSError:
+            continue
+        if (fields[0] != "Z" and int(fields[2]) in daemons and "worker.executor" in cmd
+                and f"--job {job_id} " in cmd):
+            found[int(proc.name)] = daemons[int(fields[2])]
+    return found
+
+
+def driver_case(args: argparse.Namespace, case: str, workdir: Path) -> dict[str, Any]:
+    spec = JobSpec.from_dict(job_table(f"bench-{case}", args.rounds))
+    with LocalTestbed(3, backend=args.backend, workdir=str(workdir / case), capacity=3) as tb:
+        clusters = tb.start(timeout=120)
+        victim = tb.cluster_ids[0]
+
+        def progress(record: RoundRecord, total: int) -> None:
+            if record.round != args.kill_at:
+                return
+            if case == "kill_daemon":
+                tb.kill(victim)
+            elif case == "kill_executor":
+                for pid, name in executor_pids(tb, spec.job_id).items():
+                    if name == victim:
+                        os.kill(pid, signal.SIGKILL)
+
+        channel = BridgeChannel(tb.bridge_socket("scheduler"), job_id=spec.job_id)
+        driver = Driver(spec, clusters, channel, backend=args.backend, timeout=600,
+                        progress=progress, run_dir=workdir / case / "run")
+        started = time.perf_counter()
+        try:
+            result = driver.run()
+        finally:
+            driver.close()
+            channel.close()
+        seconds = time.perf_counter() - started
+    s = result.summary
+    row: dict[str, Any] = {"rounds": len(s.rounds), "final_accuracy": round(s.final_accuracy, 4),
+                           "seconds": round(seconds, 2), "faults": s.faults}
+    if s.faults:
+        row["detect_seconds"] = s.faults[0]["detect_seconds"]
+        row["recover_seconds"] = s.faults[0]["recover_seconds"]
+    return row
+
+
+def scheduler_case(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    job_id = "bench-kill-scheduler"
+    table = job_table(job_id, args.rounds)
+    lines = []
+    for section, values in table.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    job = workdir / "scheduler-job.toml"
+    job.write_text("\n".join(lines) + "\n")
+    out = workdir / "scheduler-run"
+    scheduler = str(Path(sys.executable).with_name("fedpilot-scheduler"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with LocalTestbed(3, backend=args.backend, workdir=str(workdir / "kill_scheduler"),
+                      capacity=3) as tb:
+        tb.start(timeout=120)
+        base = [scheduler, "submit", str(job), "--mesh", str(tb.configs["scheduler"]),
+                "--out", str(out), "--quiet"]
+        proc = subprocess.Popen(base, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        while _rounds(out) < args.kill_at and proc.poll() is None:
+            time.sleep(0.1)
+        proc.kill()
+        proc.wait()
+        killed = time.perf_counter()
+        while executor_pids(tb, job_id) and time.perf_counter() - killed < 120:
+            time.sleep(0.1)
+        released = time.perf_counter() - killed
+        left = len(executor_pids(tb, job_id))
+        started = time.perf_counter()
+        again = subprocess.run([*base, "--resume", str(out)], env=env, capture_output=True,
+                               text=True)
+        resumed = time.perf_counter() - started
+    summary = json.loads((out / "summary.json").read_text())
+    return {"executors_exit_seconds": round(released, 2), "executors_left": left,
+            "lease_seconds": LEASE, "resume_exit_code": again.returncode,
+            "resume_seconds": round(resumed, 2), "rounds": len(summary["rounds"]),
+            "final_accuracy": round(float(summary["final_accuracy"]), 4)}
+
+
+def _rounds(out: Path) -> int:
+    try:
+        return len(json.loads((out / "summary.json").read_text()).get("rounds", []))
+    except (OSError, ValueError):
+        return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--backend", choices=("inprocess", "local"), default="inprocess")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--kill-at", type=int, default=3)
+    p.add_argument("--cases", default="kill_daemon,kill_executor,kill_scheduler")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp:
+        workdir = Path(tmp)
+        base = driver_case(args, "undisturbed", workdir)
+        cases: dict[str, Any] = {}
+        for case in args.cases.split(","):
+            row = (scheduler_case(args, workdir) if case == "kill_scheduler"
+                   else driver_case(args, case, workdir))
+            row["accuracy_delta"] = round(row["final_accuracy"] - base["final_accuracy"], 4)
+            if "seconds" in row:
+                row["ratio_seconds"] = round(row["seconds"] / base["seconds"], 2)
+            cases[case] = row
+    print(json.dumps({"benchmark": "faults", "backend": args.backend, "rounds": args.rounds,
+                      "kill_at": args.kill_at, "undisturbed": base, "cases": cases}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
