@@ -7,7 +7,8 @@ and its answer tells the scheduler the cluster is still there. Once a cluster ha
 answered a first time, it is **lost** when
 - the scheduler's daemon no longer sees it connected (mesh connection or heartbeats
   gone: `clusters[].connected` of the daemon status) and it has not answered a lease for
-  two intervals (a heartbeat late under load is not a loss), or
+  half the lease (a heartbeat late under load, or an executor busy for seconds in a
+  job.start that holds the GIL, is not a loss), or
 - two renewals in a row failed (its daemon refused: the executor is gone; or it could
   not be reached), or
 - it has not answered for `lease` seconds.
@@ -136,7 +137,8 @@ class LeaseKeeper:
                 silent = now - self._answered[cid]
                 # a heartbeat late on a loaded machine flips `connected` for a moment: the
                 # mesh's word counts once the lease has gone unanswered too
-                if connected and not connected.get(cid, False) and silent > 2 * self.interval:
+                if (connected and not connected.get(cid, False)
+                        and silent > max(2 * self.interval, self.lease / 2)):
                     reason = "its daemon left the mesh (connection or heartbeats lost)"
                 elif len(self._misses.get(cid, [])) >= MISSES:
                     reason = f"{MISSES} lease renewals failed: {self._misses[cid][-1]}"

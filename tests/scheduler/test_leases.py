@@ -40,7 +40,7 @@ def test_a_disconnected_flag_alone_does_not_lose_a_cluster_that_answers() -> Non
             time.sleep(0.1)
         loss = keeper.lost()["b"]
         assert "left the mesh" in loss.reason
-        assert loss.detected - loss.last_seen > 2 * keeper.interval
+        assert loss.detected - loss.last_seen > keeper.lease / 2
     finally:
         channel.answering.set()
         keeper.stop()
