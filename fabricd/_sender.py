@@ -42,7 +42,7 @@ HEADER_LIMIT = 64 * 1024
 IDLE_SECONDS = 20.0
 #: Idle streams kept per peer (also the number of updates sent to one peer at a time).
 PARALLEL_PER_PEER = 8
-OPEN_ATTEMPTS = 6
+OPEN_ATTEMPTS = 8
 SEND_ATTEMPTS = 4
 BACKOFF_FIRST = 0.05
 BACKOFF_MAX = 2.0

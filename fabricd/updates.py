@@ -189,8 +189,6 @@ class UpdateService:
     async def _handle(self, stream: INetStream, first: bool = True) -> bool:
         """One update; True if it was acked ``ok`` and the stream may carry the next."""
         peer = remote_peer(stream)
-        cert = self.m.member_certificate(peer)
-        source_cluster = cert.cluster_id if cert is not None else ""
         try:
             with trio.fail_after(self.stream_timeout if first else IDLE_WAIT_SECONDS):
                 header = await read_message_exact(stream, HEADER_LIMIT)
@@ -202,6 +200,14 @@ class UpdateService:
         except ProtocolError as exc:
             await self._reject(stream, peer, None, f"bad update header: {type(exc).__name__}: {exc}")
             return False
+        # Checked per update, not only when the stream opened: a pooled stream may outlive
+        # its sender's membership (revoked, certificate expired) by a while.
+        cert = self.m.member_certificate(peer)
+        if cert is None:
+            await self._reject(stream, peer, None, "not a member (any more): no verified certificate "
+                                                   "for this peer")
+            return False
+        source_cluster = cert.cluster_id
         if not isinstance(header, UpdateHeader):
             await self._reject(stream, peer, None, f"expected UpdateHeader, got {header.TYPE}")
             return False
@@ -339,7 +345,17 @@ class UpdateService:
         busy_until = time.monotonic() + BUSY_RETRY_TIMEOUTS * self.stream_timeout
         failures = busy = 0
         while True:
-            stream, reused = await self.pool.take(peer_id)
+            try:
+                stream, reused = await self.pool.take(peer_id)
+            except Exception as exc:  # noqa: BLE001 - StreamFailure after the open retries
+                failures += 1
+                if failures >= SEND_ATTEMPTS:
+                    raise
+                self.send_retries += 1
+                log.info("update.retry", peer=peer_id, job=header.job_id, message_id=header.message_id,
+                         reused=False, reason=f"opening a stream: {type(exc).__name__}: {exc}")
+                await trio.sleep(backoff(failures + 3))
+                continue
             try:
                 result, completed = await exchange(stream, header, body, self.chunk_bytes, ack_timeout, gate)
             except StreamLost as exc:
