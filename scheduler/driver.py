@@ -112,6 +112,7 @@ class Driver(Recovery):
         # `resume` continues from one (its rounds are not run again)
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.resume = resume
+        self._next_round = 1
         self._restores = 0
         self._attempt = 0          # bumped when a round is repeated (fresh message ids)
         self._epoch = 0            # the newest placement epoch
@@ -238,6 +239,10 @@ class Driver(Recovery):
                              c.peer_id) for c in self.clusters]
         resume = self.resume
         plan = plan_epoch(spec, histograms, slots, epoch=resume.epoch if resume else 0)
+        # each plan names the round that runs next: the executors accept updates for that
+        # round (and the one after) only, and a fast cluster's first update of it may come
+        # before the slow cluster's round.run
+        self._next_round = resume.round + 1 if resume is not None else 1
         self._publish(plan, imports={})
         summary = JobSummary(
             job_id=spec.job_id, backend=self.backend, placement_strategy=spec.placement.strategy,
@@ -259,6 +264,7 @@ class Driver(Recovery):
         self._slots = slots
         r, stage = first, "round"
         while r <= rounds:
+            self._next_round = r if stage == "round" else r + 1
             try:
                 if stage == "round":
                     record = self._round(r)
@@ -266,6 +272,7 @@ class Driver(Recovery):
                     if self.progress is not None:
                         self.progress(record, rounds)
                     stage = "replan"
+                    self._next_round = r + 1
                 if stage == "replan":
                     if period > 0 and r % period == 0 and r < rounds:
                         self._epoch = max(self._epoch + 1, r // period)
@@ -310,7 +317,8 @@ class Driver(Recovery):
     def _publish(self, plan: Plan, imports: Mapping[str, list[str]]) -> None:
         routing = plan.routing.to_bytes()
         self._all({c.cluster_id: self._job_body("job.plan", routing=routing,
-                                                imports=imports.get(c.cluster_id, []))
+                                                imports=imports.get(c.cluster_id, []),
+                                                next_round=self._next_round)
                    for c in self.clusters})
 
     def _round(self, r: int) -> RoundRecord:

@@ -51,6 +51,7 @@ class FakePool:
 
     def __init__(self) -> None:
         self.trained: list[tuple[str, int]] = []
+        self.started: dict[tuple[str, int], float] = {}  # the model each training began from
         self.lock = threading.Lock()
 
     def samples(self, node: str) -> int:
@@ -65,6 +66,7 @@ class FakePool:
     def train(self, node: str, model: Any, round_index: int) -> Any:
         with self.lock:
             self.trained.append((node, round_index))
+            self.started[(node, round_index)] = float(model["w"][0, 0])
         return {k: v + g.client_index(node) for k, v in model.items()}
 
     def personal_score(self, trained: Any) -> tuple[int, int]:
@@ -139,7 +141,7 @@ def test_star_across_two_clusters_averages_by_samples_and_counts_bytes() -> None
     expected = sum(i * (i + 1) for i in range(4)) / sum(i + 1 for i in range(4))
     assert reports["a"].accuracy == pytest.approx(expected)
     assert reports["b"].eval_weight == 0  # the server is not there
-    assert engines["b"].current_model("c3")["w"][0, 0] == pytest.approx(expected)
+    assert engines["a"].current_model("server")["w"][0, 0] == pytest.approx(expected)
     model_bytes = 2 * 2 * 4
     # a: c0, c1 up to the server and the server down to c0, c1 stay inside cluster a
     assert reports["a"].bytes_intra == 4 * model_bytes
@@ -149,6 +151,10 @@ def test_star_across_two_clusters_averages_by_samples_and_counts_bytes() -> None
     assert reports["a"].bytes_inter + reports["b"].bytes_inter == links.sent_bytes > 0
     assert reports["a"].personal_total + reports["b"].personal_total == 8
     assert reports["a"].participants + reports["b"].participants == 4
+    # the next round starts every client, wherever it is, from the server's new model
+    run_round(engines, 2)
+    started = {**engines["a"].pool.started, **engines["b"].pool.started}
+    assert all(started[(c, 2)] == pytest.approx(expected) for c in ("c0", "c1", "c2", "c3"))
 
 
 def test_hybrid_groups_exchange_only_every_period() -> None:
@@ -193,19 +199,27 @@ def test_hierarchical_levels_pass_through_inner_aggregators() -> None:
     reports = run_round(engines, 1)
     expected = sum(i * (i + 1) for i in range(4)) / 10
     assert reports["a"].accuracy == pytest.approx(expected)
-    assert engines["b"].current_model("c3")["w"][0, 0] == pytest.approx(expected)
+    run_round(engines, 2)
+    assert engines["b"].pool.started[("c3", 2)] == pytest.approx(expected)
 
 
 def test_client_fraction_trains_the_same_sample_on_every_cluster() -> None:
     graph, _ = graph_of("star", 10)
     placement = {n: ("a" if n in ("c0", "c1", "c2", "server") else "b") for n in graph.nodes}
     engines, _ = build(graph, placement, fraction=0.3)
+    last = 0.0  # the initial model's value
     for r in (1, 2, 3):
         reports = run_round(engines, r)
         trained = sorted(n for e in engines.values() for n, rr in e.pool.trained if rr == r)
         expected = sorted(f"c{i}" for i in g.participants(10, 0.3, 0, r))
         assert trained == expected and len(trained) == 3
         assert sum(rep.participants for rep in reports.values()) == 3
+        # a client sampled now starts from the server's latest model, not from its own
+        # model of the last round it took part in (or the initial one)
+        server = engines["a"]
+        started = {**engines["a"].pool.started, **engines["b"].pool.started}
+        assert all(started[(c, r)] == pytest.approx(last) for c in trained)
+        last = float(server.current_model("server")["w"][0, 0])
 
 
 def test_missing_neighbour_times_out_naming_node_and_cluster() -> None:

@@ -124,7 +124,9 @@ def test_a_migrated_node_arrives_with_the_model_it_had() -> None:
     from scheduler.clusters import ClusterSlot
     from scheduler.driver import plan_epoch
 
-    spec = job(topology={"kind": "star"}, placement={"strategy": "round_robin"})
+    # a ring: decentralized nodes hold their own models (a star's clients start each round
+    # from the server's, so only the server's state would be worth moving)
+    spec = job(topology={"kind": "ring"}, placement={"strategy": "round_robin"})
     mesh = LoopbackMesh(["a", "b"], lambda cid: runtime_factory(InProcessContext(), cid),
                         capacity=9)
     hist: dict[int, list[int]] = {}
@@ -153,12 +155,12 @@ def test_a_migrated_node_arrives_with_the_model_it_had() -> None:
     assert sent == ["c1"]
     # the state travelled as an update stream, not inside the control reply
     assert mesh.bytes_sent[source] > 0
+    before_plan = plan.routing
     moved = RoutingMatrix.from_edges(
-        job_id=spec.job_id, clusters=["a", "b"], epoch=1, kind="star",
-        node_cluster=np.array([0 if n != 1 else ["a", "b"].index(target) for n in range(9)]
-                              + [0]),
-        edges=np.array([[i, 9] for i in range(9)]), num_clients=9, aggregators=["server"],
-        parent=np.array([9] * 9 + [-1]))
+        job_id=spec.job_id, clusters=["a", "b"], epoch=1, kind="ring",
+        node_cluster=np.array([["a", "b"].index(target) if n == 1
+                               else int(before_plan.node_cluster[n]) for n in range(9)]),
+        edges=np.array([[i, (i + 1) % 9] for i in range(9)]), num_clients=9)
     mesh.request(target, {"kind": "job.plan", "job_id": spec.job_id,
                           "routing": moved.to_bytes(), "imports": ["c1"]}, 60)
     after = mesh.services[target].runtime.resolve(mesh.services[target].engine.current_model("c1"))

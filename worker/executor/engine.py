@@ -257,7 +257,16 @@ class ClusterEngine:
             return None
 
     def _client_send(self, node: str, r: int, trained: set[str]) -> Any:
-        update = self.pool.train(node, self.current_model(node), r)
+        """Train and send: from the parent's model of this round (it sends it down first;
+        twice the timeout, so that if the parent is stuck its own wait fails first and
+        names the node really missing), or, decentralized, from the node's own model."""
+        if not self.graph.decentralized:
+            parent = self.graph.parent[node]
+            envelope = self.transport.receive(r, DOWN, parent, node, 2 * self.timeout)
+            start = envelope.weights if not envelope.remote else self.pool.put(envelope.weights)
+        else:
+            start = self.current_model(node)
+        update = self.pool.train(node, start, r)
         samples = self.pool.samples(node)
         nbytes = self._model_nbytes
         if not self.graph.decentralized:
@@ -270,13 +279,7 @@ class ClusterEngine:
 
     def _client_receive(self, node: str, r: int, update: Any, trained: set[str],
                         record: RoundRecord) -> None:
-        if not self.graph.decentralized:
-            # twice the timeout: if the parent is stuck, its own wait fails first and names
-            # the node that is really missing
-            envelope = self.transport.receive(r, DOWN, self.graph.parent[node], node,
-                                              2 * self.timeout)
-            model = envelope.weights if not envelope.remote else self.pool.put(envelope.weights)
-        else:
+        if self.graph.decentralized:
             own = self.pool.resolve(update)
             received = [(own, self.pool.samples(node))]
             for peer in self.graph.peers.get(node, ()):
@@ -285,13 +288,15 @@ class ClusterEngine:
                     received.append((self.pool.resolve(env.weights),
                                      self._trusted_samples(peer, env.samples, trained)))
             mixed = self._aggregator(node).aggregate(own, received)
-            model = self.pool.put(mixed)
             accuracy, loss = self._evaluate_global(mixed)
+            handle = self.pool.put(mixed)
             with self._lock:
+                self._models[node] = handle
                 record.add_evaluation(accuracy, loss, self.pool.samples(node))
+        # (a tree's client keeps no model: it starts each round it takes part in from
+        # the model its parent sends down then)
         correct, total = self.pool.personal_score(update)
         with self._lock:
-            self._models[node] = model
             record.add_personal(correct, total)
 
     def _aggregator(self, node: str) -> Aggregate:
@@ -308,16 +313,24 @@ class ClusterEngine:
     def _aggregator_program(self, node: str, r: int, active: set[str],
                             record: RoundRecord) -> None:
         graph = self.graph
+        nbytes = self._model_nbytes
         children = [c for c in graph.children(node) if c in active]
+        # down first: the round's model to every participating child (one shared handle)
+        if node in graph.parent:  # an inner level of a hierarchy starts from its parent's
+            env = self.transport.receive(r, DOWN, graph.parent[node], node, self.timeout)
+            start = env.weights if not env.remote else self.pool.put(env.weights)
+        else:
+            start = self.current_model(node)
+        for child in children:
+            self.transport.send(r, DOWN, node, child, start, 0, nbytes)
         updates: list[tuple[Weights, int]] = []
         for child in children:
             env = self.transport.receive(r, UP, child, node, self.timeout)
             updates.append((self.pool.resolve(env.weights),
                             self._trusted_samples(child, env.samples, active)))
         samples = sum(n for _, n in updates)
-        current = self.pool.resolve(self.current_model(node))
+        current = self.pool.resolve(start)
         model = self._aggregator(node).aggregate(current, updates) if updates else current
-        nbytes = self._model_nbytes
         if graph.exchanges(r):
             # groups weigh by the samples behind them, not by who trained this round
             behind = self._samples_behind(node)
@@ -330,21 +343,16 @@ class ClusterEngine:
                 group_models.append((self.pool.resolve(env.weights),
                                      self._trusted_samples(peer, env.samples, None)))
             model = average(group_models, self._make_inner())
-        if node in graph.parent:  # an inner level of a hierarchy: pass up, wait for the root
-            handle = self.pool.put(model)
-            self.transport.send(r, UP, node, graph.parent[node], handle, samples, nbytes)
-            env = self.transport.receive(r, DOWN, graph.parent[node], node, self.timeout)
-            model = self.pool.resolve(env.weights)
         handle = self.pool.put(model)
+        if node in graph.parent:  # an inner level of a hierarchy: pass the merge up
+            self.transport.send(r, UP, node, graph.parent[node], handle, samples, nbytes)
+            return
         with self._lock:
             self._models[node] = handle
-        for child in children:
-            self.transport.send(r, DOWN, node, child, handle, samples, nbytes)
-        if node not in graph.parent:
-            accuracy, loss = self._evaluate_global(model)
-            weight = self._samples_behind(node) if graph.kind == "hybrid" else max(samples, 1)
-            with self._lock:
-                record.add_evaluation(accuracy, loss, weight)
+        accuracy, loss = self._evaluate_global(model)
+        weight = self._samples_behind(node) if graph.kind == "hybrid" else max(samples, 1)
+        with self._lock:
+            record.add_evaluation(accuracy, loss, weight)
 
 
 def average(items: list[tuple[Weights, int]], fedavg: Aggregate) -> Weights:

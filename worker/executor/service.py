@@ -214,6 +214,9 @@ class ExecutorService:
             client_fraction=self.spec.training.client_fraction, timeout=self.round_timeout)
         if previous is not None:  # nodes that stay here keep their models (and the state)
             self.engine.adopt(previous, [n for n in graph.nodes if nodes[n] == self.cluster_id])
+        # the plan names the round that runs next: its updates (and the next round's) are
+        # accepted from now on, even before this cluster's round.run arrives
+        self.transport.current_round = max(0, int(body.get("next_round", 1)) - 1)
         imports = [str(n) for n in body.get("imports", [])]
         for node in imports:
             if nodes.get(node) != self.cluster_id:
