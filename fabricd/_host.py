@@ -5,6 +5,11 @@ py-libp2p 0.8.1 defaults we change, and why:
   It is a module global, so it applies to every yamux connection in this process.
 - ``max_connections_per_peer=1``: otherwise ``connect()`` waits 250 ms for more.
 - Gossipsub heartbeat 120 s -> ``heartbeat_interval`` (1 s), so meshes form quickly.
+- ``max_connections`` 300 -> 1024 and pruning above 768: unauthenticated peers are
+  bounded by fabricd.membership (MAX_PENDING_PEERS, auth_timeout), so a flood of
+  strangers can neither fill the connection table nor trigger pruning of members
+  (members are also protected from pruning once verified).
+- The auto-connector is off (see ``_disable_auto_connector``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from fabricd import _fastpath
 GOSSIPSUB_PROTOCOLS = ("/meshsub/1.1.0", "/meshsub/1.0.0")
 YAMUX_FRAME = 4 * 1024 * 1024 + _yamux.HEADER_SIZE
 YAMUX_WINDOW = 16 * 1024 * 1024
+MAX_CONNECTIONS = 1024
+PRUNE_ABOVE = 768
 
 
 def tune_yamux(max_message_size: int = YAMUX_FRAME, window: int = YAMUX_WINDOW) -> None:
@@ -53,12 +60,31 @@ def build_host(key_pair: KeyPair, announce: list[str] | None = None) -> IHost:
     kwargs: dict[str, Any] = {}
     if announce:
         kwargs["announce_addrs"] = [multiaddr.Multiaddr(a) for a in announce]
-    return new_host(
+    host = new_host(
         key_pair=key_pair,
         muxer_preference="YAMUX",
-        connection_config=ConnectionConfig(max_connections_per_peer=1),
+        connection_config=ConnectionConfig(max_connections_per_peer=1, max_connections=MAX_CONNECTIONS,
+                                           high_watermark=PRUNE_ABOVE),
         **kwargs,
     )
+    _disable_auto_connector(host)
+    return host
+
+
+def _disable_auto_connector(host: IHost) -> None:
+    """fabricd dials only bootstrap peers and verified members (fabricd.discovery).
+
+    libp2p's auto-connector dials every peer in the peerstore whenever the connection
+    count is below its target: any address a stranger ever advertised (identify, DHT
+    replies) would be dialled - a reflection vector - so it is switched off.
+    """
+    connector = getattr(host.get_network(), "auto_connector", None)
+    if connector is not None:
+
+        async def never() -> None:
+            return None
+
+        connector.maybe_connect = never
 
 
 def build_gossipsub(heartbeat_interval: float) -> GossipSub:

@@ -37,6 +37,8 @@ class Limits:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     stream_timeout: float = 30.0
+    # a connected peer that has not proved membership by then is disconnected
+    auth_timeout: float = 5.0
     # a control request (e.g. a training round on a big cluster) may take this long
     control_timeout: float = 900.0
 
@@ -204,6 +206,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         heartbeat_timeout=_num(cfg_path, lim, "limits", "heartbeat_timeout", defaults.heartbeat_timeout, 0.5, 600, False),
         stream_timeout=_num(cfg_path, lim, "limits", "stream_timeout", defaults.stream_timeout, 1, 3600, False),
         control_timeout=_num(cfg_path, lim, "limits", "control_timeout", defaults.control_timeout, 1, 86400, False),
+        auth_timeout=_num(cfg_path, lim, "limits", "auth_timeout", defaults.auth_timeout, 0.5, 600, False),
     )
     if limits.heartbeat_timeout <= limits.heartbeat_interval:
         raise _err(cfg_path, "limits.heartbeat_timeout", limits.heartbeat_timeout,

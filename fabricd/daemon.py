@@ -126,9 +126,12 @@ class Daemon:
             host = stack.host
             self.membership = Membership(host, certificate=self.creds.certificate,
                                          ca_public=self.creds.ca_public,
-                                         revocation_path=cfg.revocation_list)
+                                         revocation_path=cfg.revocation_list,
+                                         auth_timeout=lim.auth_timeout)
             stack.dht.register_validator(ClusterRecordValidator.namespace,
                                          ClusterRecordValidator(self.membership))
+            # Strict: every stored key is validated; keys outside a registered namespace are refused.
+            stack.dht.strict_validation = True
             self.launcher = ExecutorLauncher(
                 cluster_id=cfg.cluster_id, bridge_socket=cfg.bridge_socket,
                 ray_address=cfg.ray_address, log_dir=cfg.path.parent,
@@ -215,8 +218,10 @@ class Daemon:
             "listen_addrs": self.listen_addrs(),
             "uptime_s": round(time.time() - self.started_at, 3),
             "clusters": self.discovery.table(),
-            "refused": [{"cluster_id": r.cluster_id, "peer_id": r.peer_id, "reason": r.reason}
-                        for r in m.refusals.values()],
+            "refused": [{"cluster_id": r.cluster_id, "peer_id": r.peer_id, "reason": r.reason,
+                         "verified": r.verified}
+                        for r in [*m.refusals.values(), *m.unverified.values()]],
+            "preauth_dropped": m.preauth_dropped,
             "jobs": self.updates.counters(),
             "bridge_clients": self.bridge.describe(),
             "bridge_rejected_frames": self.bridge.rejected_frames,
@@ -227,6 +232,8 @@ class Daemon:
             "metrics_endpoint": self.metrics_server.address if self.metrics_server else "",
             "transfer": {**self.updates.transfer_status(), "outgoing_bytes": self.bridge.outgoing.used,
                          "outgoing_peak_bytes": self.bridge.outgoing.peak},
+            "gossip": {"rejected_heartbeats": self.discovery.rejected_heartbeats,
+                       "dial_hints": len(self.discovery.dial_hints)},
         }
 
     def snapshot(self) -> StateSnapshot:
@@ -261,6 +268,13 @@ class Daemon:
             if record is not None:
                 peer_id, addrs = record.peer_id, record.addrs
         if peer_id is None:
+            # A claim made with an unverified certificate only explains the failure; it is
+            # never used to route to (or to refuse) a cluster.
+            claims = [r for r in m.unverified.values() if r.cluster_id == cluster_id]
+            if claims:
+                raise RequestFailed(f"unknown cluster {cluster_id!r}: not a member as far as this daemon "
+                                    f"knows; peer {claims[-1].peer_id} claimed it with a certificate "
+                                    f"that did not verify: {claims[-1].reason}")
             known = sorted(self.discovery.clusters)
             raise RequestFailed(f"unknown cluster {cluster_id!r}: not connected and no DHT record "
                                 f"(known clusters: {', '.join(known) or 'none'})")

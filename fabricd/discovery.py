@@ -3,10 +3,12 @@
 - Bootstrap and reconnect: dial the configured bootstrap peers and every cluster we
   have seen, until connected (so a restarted peer, or a restart of our own, rejoins).
 - Gossipsub heartbeats on TOPIC_HEARTBEAT every ``heartbeat_interval``: accepted only
-  when the forwarding peer is a verified member and the signed source matches the
-  heartbeat's peer id; a heartbeat from a cluster we are not connected to is a hint to
-  dial it (membership is then checked directly). A member silent for
-  ``heartbeat_timeout`` is marked as left.
+  when the forwarding peer is a verified member, the signed source matches the
+  heartbeat's peer id, and the heartbeat carries a valid member certificate for that
+  source and cluster. A verified heartbeat from a cluster we are not connected to is a
+  hint to dial it (membership is then checked directly); hints are bounded in number and
+  addresses, so forged heartbeats cannot make us dial attacker-chosen addresses. A
+  member silent for ``heartbeat_timeout`` is marked as left.
 - Kademlia: each daemon stores a ClusterRecord signed with its identity key under
   ``/fedpilot/<cluster_id>``; the validator accepts only records whose certificate the
   federation CA signed for that peer and cluster.
@@ -25,11 +27,12 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.records.validator import Validator
 
+from fabricd._bounded import BoundedDict, Throttle
 from fabricd._host import HostStack
 from fabricd.gossip import ReliableGossip
 from fabricd.logs import get_logger
 from fabricd.membership import Membership
-from proto.certs import Certificate
+from proto.certs import Certificate, verify_certificate
 from proto.codec import decode, encode
 from proto.errors import ProtocolError
 from proto.ids import DHT_NAMESPACE, TOPIC_HEARTBEAT, dht_key
@@ -41,6 +44,11 @@ HEARTBEAT_MAX_BYTES = 16 * 1024
 RECORD_MAX_BYTES = 16 * 1024
 DIAL_TIMEOUT = 10.0
 RECORD_REFRESH = 30.0
+#: dial hints kept (peers we heard of but are not connected to) and addresses per hint
+MAX_DIAL_HINTS = 256
+MAX_HINT_ADDRS = 8
+#: verified heartbeat certificates cached (by their bytes) to spare a signature check
+CERT_CACHE = 512
 
 
 @dataclass
@@ -114,8 +122,11 @@ class Discovery:
         self.timeout = heartbeat_timeout
         self.clusters: dict[str, ClusterInfo] = {}
         self._seq = 0
-        self._dial_hints: dict[str, tuple[str, ...]] = {}
-        self._next_dial: dict[str, float] = {}
+        self.dial_hints: BoundedDict[str, tuple[str, ...]] = BoundedDict(MAX_DIAL_HINTS)
+        self._next_dial: BoundedDict[str, float] = BoundedDict(MAX_DIAL_HINTS * 4)
+        self._certs: BoundedDict[bytes, Certificate] = BoundedDict(CERT_CACHE)
+        self.rejected_heartbeats = 0
+        self._throttle = Throttle(log)
         self.gossip = ReliableGossip(stack.pubsub)
         self.record_published_at: float | None = None
         membership.on_member = self._on_member
@@ -186,22 +197,40 @@ class Discovery:
             nursery.start_soon(self._publish_record_loop)
             task_status.started()
 
+    def _reject_heartbeat(self, fwd: str, reason: str) -> bool:
+        self.rejected_heartbeats += 1
+        self._throttle.warning("gossip.rejected", peer=fwd, topic=TOPIC_HEARTBEAT, reason=reason,
+                               rejected_total=self.rejected_heartbeats)
+        return False
+
     def _validate_heartbeat(self, forwarder: ID, msg: Any) -> bool:
         fwd = str(forwarder)
         if fwd != str(self.host.get_id()) and self.m.member_certificate(fwd) is None:
-            log.warning("gossip.rejected", peer=fwd, topic=TOPIC_HEARTBEAT, reason="forwarder is not a member")
-            return False
+            return self._reject_heartbeat(fwd, "forwarder is not a member")
         try:
             hb = decode(bytes(msg.data), max_size=HEARTBEAT_MAX_BYTES)
             source = str(ID(bytes(msg.from_id)))
         except (ProtocolError, ValueError) as exc:
-            log.warning("gossip.rejected", peer=fwd, topic=TOPIC_HEARTBEAT, reason=str(exc))
-            return False
+            return self._reject_heartbeat(fwd, str(exc))
         if not isinstance(hb, Heartbeat) or hb.peer_id != source:
-            log.warning("gossip.rejected", peer=fwd, topic=TOPIC_HEARTBEAT,
-                        reason="not a Heartbeat signed by the peer it names")
-            return False
+            return self._reject_heartbeat(fwd, "not a Heartbeat signed by the peer it names")
+        try:
+            self._heartbeat_certificate(hb)
+        except ProtocolError as exc:
+            return self._reject_heartbeat(fwd, f"heartbeat of peer {hb.peer_id} (claims cluster "
+                                               f"{hb.cluster_id!r}) has no valid member certificate: {exc}")
         return True
+
+    def _heartbeat_certificate(self, hb: Heartbeat) -> Certificate:
+        """The heartbeat's certificate, verified for its publisher and cluster (ProtocolError if not)."""
+        cert = self._certs.get(hb.certificate)
+        if cert is None or cert.serial in self.m.revoked or time.time() > cert.not_after:
+            cert = verify_certificate(hb.certificate, self.m.ca_public, now=time.time(),
+                                      revoked=self.m.revoked, expected_peer_id=hb.peer_id)
+            self._certs[hb.certificate] = cert
+        if cert.cluster_id != hb.cluster_id:
+            raise ProtocolError(f"the certificate is for cluster {cert.cluster_id!r}")
+        return cert
 
     async def _receive_heartbeats(self, subscription: Any) -> None:
         while True:
@@ -214,8 +243,13 @@ class Discovery:
                 continue
             cert = self.m.member_certificate(hb.peer_id)
             if cert is None:
-                # Not (yet) verified directly: only a hint of where to dial.
-                self._dial_hints[hb.peer_id] = hb.addrs
+                # Not verified directly yet: a hint of where to dial, but only for a
+                # publisher whose member certificate the validator checked (no reflection).
+                try:
+                    self._heartbeat_certificate(hb)
+                except ProtocolError:
+                    continue
+                self.dial_hints[hb.peer_id] = hb.addrs[:MAX_HINT_ADDRS]
                 continue
             if cert.cluster_id != hb.cluster_id:
                 log.warning("gossip.rejected", peer=hb.peer_id, topic=TOPIC_HEARTBEAT,
@@ -236,7 +270,7 @@ class Discovery:
             hb = Heartbeat(
                 cluster_id=self.cluster_id, peer_id=str(self.host.get_id()),
                 addrs=self.own_addrs()[:32], capacity=self.capacity, seq=self._seq,
-                sent_at=time.time(),
+                sent_at=time.time(), certificate=self.m.certificate,
             )
             try:
                 await self.gossip.publish(TOPIC_HEARTBEAT, encode(hb))
@@ -266,7 +300,7 @@ class Discovery:
         for cinfo in self.clusters.values():
             if cinfo.addrs and cinfo.peer_id not in self.m.refused_by:
                 targets.setdefault(cinfo.peer_id, _peer_info(cinfo.peer_id, cinfo.addrs))
-        for peer_id, addrs in self._dial_hints.items():
+        for peer_id, addrs in self.dial_hints.items():
             if addrs:
                 targets.setdefault(peer_id, _peer_info(peer_id, addrs))
         own = str(self.host.get_id())
@@ -297,7 +331,7 @@ class Discovery:
         refused = pid in self.m.refused_by
         self._next_dial[pid] = time.monotonic() + (10.0 if refused else (1.0 if not ok else 0.5))
         if ok:
-            self._dial_hints.pop(pid, None)
+            self.dial_hints.pop(pid, None)
 
     async def connect_to(self, peer_id: str, addrs: tuple[str, ...]) -> None:
         with trio.fail_after(DIAL_TIMEOUT):

@@ -7,6 +7,13 @@ validity window and not revoked. Until then (and forever, for non-members) every
 protocol is refused by ``Membership.guard``; non-members are disconnected. The
 revocation list is re-read when its mtime changes, and members whose certificate was
 revoked or expired are dropped without a restart.
+
+Pre-authentication limits (see docs/security.md): a peer that has not proved membership
+within ``auth_timeout`` seconds of connecting is disconnected; at most
+``MAX_PENDING_PEERS`` peers may be unauthenticated at once (the oldest is dropped for a
+newcomer); streams waiting for a verdict are bounded per peer and in total. A claim
+made with a certificate that does not verify (foreign CA, wrong peer) is kept in a small
+table of its own and can never mark a real cluster "not a member".
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import trio
 from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.peer.id import ID
 
+from fabricd._bounded import BoundedDict, Throttle
 from fabricd._streams import (
     Handler,
     close_quietly,
@@ -44,6 +52,20 @@ log = get_logger("fabricd.membership")
 MEMBER_FRAME_LIMIT = MAX_CERTIFICATE_BYTES + 2048
 VERDICT_TIMEOUT = 15.0
 EXCHANGE_TIMEOUT = 20.0
+#: seconds a connected peer has to prove membership before it is disconnected
+AUTH_TIMEOUT = 5.0
+#: unauthenticated peers held at once; a newcomer beyond this drops the oldest
+MAX_PENDING_PEERS = 128
+#: guarded streams of unauthenticated peers waiting for a verdict (per peer, in total)
+MAX_WAITING_STREAMS_PER_PEER = 4
+MAX_WAITING_STREAMS = 128
+#: concurrent /fedpilot/member streams served per peer
+MAX_MEMBER_STREAMS_PER_PEER = 2
+#: refusals of CA-signed (revoked, expired, refusing) certificates, by cluster id
+MAX_REFUSALS = 1024
+#: claims made with certificates that did not verify, by peer id (status display only)
+MAX_UNVERIFIED_CLAIMS = 64
+MAX_REFUSED_BY = 1024
 RevocationCallback = Callable[[str, str], Awaitable[None]]
 
 
@@ -73,6 +95,8 @@ class Refusal:
     reason: str
     addrs: tuple[str, ...] = ()
     at: float = field(default_factory=time.time)
+    #: the CA signed this certificate for this peer (False: anyone could have made the claim)
+    verified: bool = True
 
 
 class _Notifee(INotifee):
@@ -103,6 +127,7 @@ class Membership:
 
     def __init__(
         self, host: IHost, *, certificate: bytes, ca_public: bytes, revocation_path: Path,
+        auth_timeout: float = AUTH_TIMEOUT,
     ) -> None:
         self.host = host
         self.certificate = certificate
@@ -111,10 +136,20 @@ class Membership:
         self.revocation_path = revocation_path
         self.revoked = RevocationList.load(revocation_path)
         self._revocation_mtime = _mtime(revocation_path)
+        self.auth_timeout = auth_timeout
         self.verdicts: dict[str, PeerVerdict] = {}
-        #: non-members by the cluster id they claimed, and clusters that refused us
-        self.refusals: dict[str, Refusal] = {}
-        self.refused_by: dict[str, str] = {}  # peer id -> reason the peer gave us
+        #: CA-signed non-members (revoked, expired) and clusters that refused us, by cluster id
+        self.refusals: BoundedDict[str, Refusal] = BoundedDict(MAX_REFUSALS)
+        #: claims whose certificate did not verify, by peer id: shown, never trusted
+        self.unverified: BoundedDict[str, Refusal] = BoundedDict(MAX_UNVERIFIED_CLAIMS)
+        self.refused_by: BoundedDict[str, str] = BoundedDict(MAX_REFUSED_BY)  # peer id -> their reason
+        #: connected peers that have not proved membership yet, oldest first
+        self.pending: BoundedDict[str, float] = BoundedDict(MAX_PENDING_PEERS + 1)
+        self._waiting: dict[str, int] = {}
+        self._waiting_total = 0
+        self._member_streams: dict[str, int] = {}
+        self.preauth_dropped = 0
+        self._throttle = Throttle(log)
         self.on_member: Callable[[str, Certificate], None] | None = None
         self.on_leave: Callable[[str], None] | None = None
         self._spawn: trio.Nursery | None = None
@@ -149,17 +184,53 @@ class Membership:
         self.metrics.member_event("connected")
         if peer_id not in self.verdicts:
             self.verdicts[peer_id] = PeerVerdict()
+        if self.member_certificate(peer_id) is None and peer_id not in self.pending:
+            self.pending[peer_id] = time.monotonic()
+            if len(self.pending) > MAX_PENDING_PEERS:
+                oldest, _ = next(iter(self.pending.items()))
+                self.pending.pop(oldest, None)
+                self._drop_unauthenticated(oldest, f"more than {MAX_PENDING_PEERS} peers were "
+                                                   "waiting to authenticate; the oldest is dropped")
+            if self._spawn is not None:
+                self._spawn.start_soon(self._auth_deadline, peer_id)
         if self._spawn is not None:
             self._spawn.start_soon(self._exchange, peer_id)
+
+    async def _auth_deadline(self, peer_id: str) -> None:
+        await trio.sleep(self.auth_timeout)
+        if peer_id not in self.pending:
+            return
+        self.pending.pop(peer_id, None)
+        verdict = self.verdicts.get(peer_id)
+        if verdict is not None and verdict.certificate is not None:
+            return
+        reason = (verdict.reason if verdict is not None and verdict.reason else
+                  f"did not complete the membership exchange within {self.auth_timeout:g} s")
+        self._drop_unauthenticated(peer_id, reason)
+
+    def _drop_unauthenticated(self, peer_id: str, reason: str) -> None:
+        self.preauth_dropped += 1
+        self._throttle.warning("member.preauth_dropped", peer=peer_id, reason=reason,
+                               dropped_total=self.preauth_dropped)
+        if self._spawn is not None:
+            self._spawn.start_soon(self._hang_up, peer_id)
+
+    async def _hang_up(self, peer_id: str) -> None:
+        try:
+            await self.host.disconnect(ID.from_base58(peer_id))
+        except Exception as exc:  # noqa: BLE001 - best effort; the peer may be gone already
+            log.debug("member.disconnect_failed", peer=peer_id, reason=str(exc))
 
     def on_disconnected(self, peer_id: str) -> None:
         if self.host.get_network().connections.get(ID.from_base58(peer_id)):
             return
+        self.pending.pop(peer_id, None)
         verdict = self.verdicts.pop(peer_id, None)
         if verdict is not None:
             verdict.decided.set()
             verdict.answered.set()
             if verdict.certificate is not None:
+                _protect(self.host, peer_id, False)
                 log.info("member.disconnected", peer=peer_id, cluster=verdict.certificate.cluster_id)
                 self.metrics.member_event("disconnected")
                 if self.on_leave is not None:
@@ -206,7 +277,10 @@ class Membership:
         async def guarded(stream: INetStream) -> None:
             peer = remote_peer(stream)
             try:
-                await self.wait_verdict(peer)
+                if self.member_certificate(peer) is None:
+                    await self._wait_bounded(name, peer, stream)
+            except _TooManyWaiting:
+                return
             except NotAMember as exc:
                 log.warning("stream.refused", protocol=name, peer=peer, reason=f"not a member: {exc}")
                 self.metrics.stream_refused()
@@ -223,6 +297,30 @@ class Membership:
         wrapped._fabricd_guarded = True  # type: ignore[attr-defined]
         return wrapped
 
+    async def _wait_bounded(self, name: str, peer: str, stream: INetStream) -> None:
+        """Wait for ``peer``'s verdict, unless too many streams already wait (then reset)."""
+        per_peer = self._waiting.get(peer, 0)
+        if per_peer >= MAX_WAITING_STREAMS_PER_PEER or self._waiting_total >= MAX_WAITING_STREAMS:
+            self._throttle.warning(
+                "stream.refused", protocol=name, peer=peer,
+                reason=f"too many streams waiting for membership ({per_peer} from this peer, "
+                       f"{self._waiting_total} in total; limits {MAX_WAITING_STREAMS_PER_PEER} "
+                       f"and {MAX_WAITING_STREAMS})")
+            self.metrics.stream_refused()
+            await reset_quietly(stream)
+            raise _TooManyWaiting
+        self._waiting[peer] = per_peer + 1
+        self._waiting_total += 1
+        try:
+            await self.wait_verdict(peer, timeout=self.auth_timeout)
+        finally:
+            self._waiting_total -= 1
+            left = self._waiting.get(peer, 1) - 1
+            if left > 0:
+                self._waiting[peer] = left
+            else:
+                self._waiting.pop(peer, None)
+
     # ---- the exchange ------------------------------------------------------------------
 
     def _verify(self, cert_bytes: bytes, peer_id: str) -> Certificate:
@@ -236,9 +334,11 @@ class Membership:
         first = verdict.certificate is None
         verdict.certificate, verdict.reason = cert, ""
         verdict.decided.set()
+        self.pending.pop(peer_id, None)
         if peer_id not in self.refused_by:
             self.refusals.pop(cert.cluster_id, None)
         if first:
+            _protect(self.host, peer_id, True)
             log.info("member.accepted", peer=peer_id, cluster=cert.cluster_id, role=cert.role,
                      serial=cert.serial)
             self.metrics.member_event("accepted")
@@ -250,12 +350,32 @@ class Membership:
         verdict.certificate, verdict.reason = None, reason
         verdict.decided.set()
         claimed = _claimed_cluster(cert_bytes)
+        authentic = bool(claimed) and self._ca_signed_for(cert_bytes, peer_id)
         if claimed:
-            self.refusals[claimed] = Refusal(claimed, peer_id, reason, _peer_addrs(self.host, peer_id))
-        log.warning("member.rejected", peer=peer_id, claimed_cluster=claimed or "?", reason=reason)
+            refusal = Refusal(claimed, peer_id, reason, _peer_addrs(self.host, peer_id), verified=authentic)
+            # Only a certificate the CA signed for this very peer may say "cluster X is not
+            # a member"; anyone can write any cluster id into a forged one.
+            if authentic:
+                self.refusals[claimed] = refusal
+            else:
+                self.unverified[peer_id] = refusal
+        log.warning("member.rejected", peer=peer_id, claimed_cluster=claimed or "?", reason=reason,
+                    verified_claim=authentic)
         self.metrics.member_event("rejected", reason)
         if self._spawn is not None:
             self._spawn.start_soon(self._disconnect_later, peer_id)
+
+    def _ca_signed_for(self, cert_bytes: bytes | None, peer_id: str) -> bool:
+        """Whether the CA signed ``cert_bytes`` for ``peer_id`` (expired or revoked or not)."""
+        if not cert_bytes:
+            return False
+        try:
+            cert = parse_certificate(cert_bytes)
+            verify_certificate(cert_bytes, self.ca_public, now=cert.not_before, revoked=(),
+                               expected_peer_id=peer_id)
+        except NotAMember:
+            return False
+        return True
 
     async def _disconnect_later(self, peer_id: str) -> None:
         # Give the MemberAck with the reason time to reach the peer before we hang up.
@@ -269,11 +389,28 @@ class Membership:
 
     async def _handle(self, stream: INetStream) -> None:
         peer = remote_peer(stream)
+        open_streams = self._member_streams.get(peer, 0)
+        if open_streams >= MAX_MEMBER_STREAMS_PER_PEER:
+            self._throttle.warning("member.bad_frame", peer=peer,
+                                   reason=f"more than {MAX_MEMBER_STREAMS_PER_PEER} membership streams at once")
+            await reset_quietly(stream)
+            return
+        self._member_streams[peer] = open_streams + 1
+        try:
+            await self._handle_hello(stream, peer)
+        finally:
+            left = self._member_streams.get(peer, 1) - 1
+            if left > 0:
+                self._member_streams[peer] = left
+            else:
+                self._member_streams.pop(peer, None)
+
+    async def _handle_hello(self, stream: INetStream, peer: str) -> None:
         reader = stream_reader(stream)
         try:
-            with trio.fail_after(10):
+            with trio.fail_after(self.auth_timeout):
                 hello = await read_message(reader, MEMBER_FRAME_LIMIT)
-        except (ProtocolError, EOFError) as exc:
+        except (ProtocolError, EOFError, trio.TooSlowError) as exc:
             log.warning("member.bad_frame", peer=peer, reason=f"{type(exc).__name__}: {exc}")
             await write_message(stream, MemberAck(accepted=False, reason=f"bad frame: {exc}",
                                                   certificate=self.certificate))
@@ -335,17 +472,18 @@ class Membership:
         if not isinstance(ack, MemberAck):
             self._reject(peer_id, f"expected MemberAck, got {ack.TYPE}", None)
             return
+        try:
+            cert = self._verify(ack.certificate, peer_id)
+        except NotAMember as exc:
+            self._reject(peer_id, f"{type(exc).__name__}: {exc}", ack.certificate)
+            return
+        # Recorded only for verified peers, so strangers cannot grow this table.
         if not ack.accepted:
             self.refused_by[peer_id] = ack.reason
             log.warning("member.refused_by_peer", peer=peer_id, reason=ack.reason)
             self.metrics.member_event("refused_by_peer")
         else:
             self.refused_by.pop(peer_id, None)
-        try:
-            cert = self._verify(ack.certificate, peer_id)
-        except NotAMember as exc:
-            self._reject(peer_id, f"{type(exc).__name__}: {exc}", ack.certificate)
-            return
         if not ack.accepted:
             # They are a member to us, but they refuse us: we cannot talk to them either.
             self.refusals[cert.cluster_id] = Refusal(
@@ -392,6 +530,18 @@ class Membership:
                                                      _peer_addrs(self.host, peer_id))
             if self.on_leave is not None:
                 self.on_leave(peer_id)
+
+
+class _TooManyWaiting(Exception):
+    """The stream was reset because too many streams already wait for a verdict."""
+
+
+def _protect(host: IHost, peer_id: str, on: bool) -> None:
+    """Keep a verified member's connection out of libp2p's connection pruning."""
+    network: Any = host.get_network()
+    method = getattr(network, "protect" if on else "unprotect", None)
+    if method is not None:
+        method(ID.from_base58(peer_id), "fedpilot-member")
 
 
 def _mtime(path: Path) -> float | None:

@@ -151,7 +151,11 @@ class ClusterRecord(Message):
 
 @dataclass(frozen=True)
 class Heartbeat(Message):
-    """Published on TOPIC_HEARTBEAT about once a second by every daemon."""
+    """Published on TOPIC_HEARTBEAT about once a second by every daemon.
+
+    ``certificate`` is the publisher's membership certificate: receivers count a heartbeat
+    (and use its addresses as a dial hint) only if it verifies for the gossip signer.
+    """
 
     TYPE: ClassVar[str] = "Heartbeat"
     cluster_id: str = spec(CLUSTER_ID)
@@ -160,6 +164,7 @@ class Heartbeat(Message):
     capacity: int = spec(CAPACITY)
     seq: int = spec(Int())
     sent_at: float = spec(TIMESTAMP)
+    certificate: bytes = spec(CERTIFICATE, default=b"")
 
 
 # ---- update streams ---------------------------------------------------------------------

@@ -1,0 +1,78 @@
+"""In-process hostile peers for the security tests: strangers, forgers, lying members."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p.abc import IHost
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+
+from fabricd._host import build_host
+from fabricd._streams import read_message_exact
+from fabricd.identity import raw_public_key
+from proto.certs import issue_certificate, load_ca_private
+from proto.codec import frame
+from proto.ids import PROTOCOL_MEMBER
+from proto.messages import MemberAck, MemberHello
+
+
+def certificate_for(key_pair: KeyPair, ca_dir: Path, cluster: str, role: str = "cluster") -> bytes:
+    return issue_certificate(load_ca_private(ca_dir), raw_public_key(key_pair), cluster, role,
+                             not_before=int(time.time()) - 60)
+
+
+def peer_info(addr: str) -> PeerInfo:
+    return info_from_p2p_addr(multiaddr.Multiaddr(addr))
+
+
+@asynccontextmanager
+async def raw_host(key_pair: KeyPair | None = None, listen: bool = False) -> AsyncIterator[IHost]:
+    """A bare libp2p host (no membership service): it answers nothing on /fedpilot/*."""
+    host = build_host(key_pair or create_new_key_pair())
+    addrs = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")] if listen else []
+    async with host.run(addrs):
+        yield host
+
+
+async def hello(host: IHost, peer: ID, certificate: bytes) -> MemberAck:
+    """Present ``certificate`` on /fedpilot/member and return the daemon's answer."""
+    stream = await host.new_stream(peer, [PROTOCOL_MEMBER])  # type: ignore[list-item]
+    await stream.write(frame(MemberHello(certificate=certificate)))
+    with trio.fail_after(30):
+        ack = await read_message_exact(stream, 1 << 20)
+    await stream.close()
+    assert isinstance(ack, MemberAck), ack
+    return ack
+
+
+async def stall(host: IHost, peer: ID, protocols: list[str], hold: trio.Event) -> int:
+    """Open one stream per protocol and send nothing on it until ``hold`` is set.
+
+    Returns how many streams could be opened (the daemon may reset or refuse some)."""
+    opened: list[Any] = []
+    for proto in protocols:
+        try:
+            with trio.fail_after(15):
+                opened.append(await host.new_stream(peer, [proto]))  # type: ignore[list-item]
+        except Exception:  # noqa: BLE001 - a refused or reset stream is an expected outcome
+            continue
+    await hold.wait()
+    for stream in opened:
+        try:
+            await stream.reset()
+        except Exception:  # noqa: BLE001
+            pass
+    return len(opened)
+
+
+def is_connected(host: IHost, peer: ID) -> bool:
+    return bool(host.get_network().connections.get(peer))
