@@ -117,6 +117,7 @@ class BridgeServer:
         self.control_timeout = control_timeout
         self.clients: list[BridgeClient] = []
         self._numbers = 0
+        self._deliveries = 0
         self.rejected_frames = 0
         #: called with a job id when its last executor/scheduler client left
         self.on_job_left: Callable[[str], None] | None = None
@@ -359,10 +360,13 @@ class BridgeServer:
                                f"{self.cluster_id!r}")
         client = targets[-1]
         send, receive = trio.open_memory_channel[ControlReply](1)
-        key = request_id
+        # The id the local client answers to is ours, not the remote's: a peer reusing
+        # another's request id can neither steal nor drop that reply.
+        self._deliveries += 1
+        key = f"{self._deliveries}:{request_id}"[:128]
         client.pending[key] = send
         try:
-            await client.send(ControlDelivery(request_id=request_id, from_cluster=from_cluster,
+            await client.send(ControlDelivery(request_id=key, from_cluster=from_cluster,
                                               from_peer=from_peer, from_role=from_role, body=body))
             with trio.move_on_after(self.control_timeout):
                 try:

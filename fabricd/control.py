@@ -6,6 +6,11 @@ daemon gives a ``ControlDelivery`` (with the sender's verified cluster id, peer 
 certificate role) to a local client, whose ``ControlReply`` travels back as
 ``ControlResponse`` and reaches the sender as ``ControlResult``. No local client means
 a clear refusal, never a silent drop.
+
+Every body is a signed envelope addressed to one cluster (fabricd.signing). A job is
+owned by the scheduler that sent its ``job.start`` here; job messages for it from any
+other signer are refused (``JobOwners``). Replies travel back on the stream the request
+came in on, so no peer can answer for another.
 """
 
 from __future__ import annotations
@@ -17,17 +22,23 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
+from fabricd._bounded import BoundedDict
 from fabricd._streams import close_quietly, read_message_exact, remote_peer, write_message
 from fabricd.logs import get_logger
 from fabricd.membership import Membership
+from fabricd.signing import is_job_message
 from proto.certs import Certificate
-from proto.errors import ProtocolError
+from proto.errors import InvalidMessage, ProtocolError, WrongRole
 from proto.ids import MAX_MESSAGE_BYTES, PROTOCOL_CONTROL
 from proto.messages import ControlRequest, ControlResponse
 
 log = get_logger("fabricd.control")
 
 CONTROL_LIMIT = MAX_MESSAGE_BYTES + 1024
+#: jobs whose owner is remembered (oldest forgotten first)
+MAX_OWNED_JOBS = 4096
+#: a control request frame must arrive within this long of the stream opening
+CONTROL_READ_TIMEOUT = 30.0
 
 
 class ControlSink(Protocol):
@@ -36,8 +47,40 @@ class ControlSink(Protocol):
         """Deliver a control request locally and return (ok, body, reason) of the reply."""
 
 
-Seal = Callable[[dict[str, Any]], dict[str, Any]]
+Seal = Callable[[dict[str, Any], str], dict[str, Any]]  # (body, audience cluster)
 Unseal = Callable[[dict[str, Any], str], tuple[Certificate, dict[str, Any]]]
+
+
+class JobOwners:
+    """Which scheduler (by peer id) owns which job on this cluster.
+
+    The first ``job.start`` for a job id makes its signer the owner; every job message
+    (``job.*``, ``round.*``, ``node.*``) for that job must come from the owner, and job
+    messages for a job never started here are refused.
+    """
+
+    def __init__(self, limit: int = MAX_OWNED_JOBS) -> None:
+        self._owners: BoundedDict[str, tuple[str, str]] = BoundedDict(limit)
+
+    def owner(self, job_id: str) -> tuple[str, str] | None:
+        return self._owners.get(job_id)
+
+    def check(self, body: dict[str, Any], signer: Certificate) -> None:
+        """Raise WrongRole/InvalidMessage unless ``signer`` may send ``body``."""
+        if not is_job_message(body):
+            return
+        kind, job_id = body.get("kind"), body.get("job_id")
+        if not isinstance(job_id, str) or not job_id:
+            raise InvalidMessage(f"{kind} without a job_id")
+        owner = self._owners.get(job_id)
+        if owner is not None and owner[0] != signer.peer_id:
+            raise WrongRole(f"job {job_id!r} is owned by scheduler peer {owner[0]} (cluster {owner[1]}); "
+                            f"{kind} from peer {signer.peer_id} (cluster {signer.cluster_id}) refused")
+        if owner is None:
+            if kind != "job.start":
+                raise InvalidMessage(f"{kind} for job {job_id!r}, which no scheduler started on this "
+                                     "cluster (job.start first)")
+            self._owners[job_id] = (signer.peer_id, signer.cluster_id)
 
 
 class ControlService:
@@ -56,6 +99,7 @@ class ControlService:
         self.cluster_id = cluster_id
         self.served = 0
         self.refused = 0
+        self.owners = JobOwners()
 
     def register(self) -> None:
         self.host.set_stream_handler(
@@ -76,7 +120,7 @@ class ControlService:
         peer = remote_peer(stream)
         cert = self.m.member_certificate(peer)
         try:
-            with trio.fail_after(self.timeout):
+            with trio.fail_after(min(self.timeout, CONTROL_READ_TIMEOUT)):
                 msg = await read_message_exact(stream, CONTROL_LIMIT)
         except (ProtocolError, EOFError, trio.TooSlowError) as exc:
             await self._reply_error(stream, peer, "unknown", f"bad control frame: {type(exc).__name__}: {exc}")
@@ -95,6 +139,12 @@ class ControlService:
                 await self._reply_error(stream, peer, msg.request_id,
                                         f"rejected by cluster {self.cluster_id}: {exc}")
                 return
+            try:
+                self.owners.check(body, cert)
+            except ProtocolError as exc:
+                await self._reply_error(stream, peer, msg.request_id,
+                                        f"rejected by cluster {self.cluster_id}: {exc}")
+                return
         with trio.move_on_after(self.timeout) as scope:
             ok, body, reason = await self.sink.control(
                 msg.request_id, cert.cluster_id, peer, cert.role, body)
@@ -106,10 +156,11 @@ class ControlService:
         await write_message(stream, ControlResponse(request_id=msg.request_id, ok=ok, body=body, reason=reason))
         await close_quietly(stream)
 
-    async def send(self, peer_id: str, request_id: str, body: dict[str, Any]) -> ControlResponse:
-        """Send one control request to a member daemon and return its response."""
+    async def send(self, peer_id: str, request_id: str, body: dict[str, Any], *,
+                   audience: str) -> ControlResponse:
+        """Send one control request to the daemon of cluster ``audience`` and return its response."""
         if self.seal is not None:
-            body = self.seal(body)
+            body = self.seal(body, audience)
         await self.m.wait_verdict(peer_id)
         stream = await self.host.new_stream(ID.from_base58(peer_id), [PROTOCOL_CONTROL])  # type: ignore[list-item]
         try:

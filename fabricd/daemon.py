@@ -31,7 +31,7 @@ from fabricd.identity import peer_id_of, raw_private_key, read_identity
 from fabricd.logs import get_logger
 from fabricd.membership import Membership
 from fabricd.metrics import DaemonMetrics, MetricsServer, StateSnapshot
-from fabricd.signing import seal, unseal
+from fabricd.signing import ReplayWindow, seal, unseal
 from fabricd.updates import INLINE_HASH_BYTES, UpdateService
 from proto.bridge import ControlResult, ProbeReply, SendResult
 from proto.certs import RevocationList, load_ca_public, public_key_bytes, verify_certificate
@@ -147,11 +147,14 @@ class Daemon:
                                          max_inflight_bytes=lim.max_inflight_bytes,
                                          chunk_bytes=lim.chunk_bytes, stream_timeout=lim.stream_timeout)
             signing_key = Ed25519PrivateKey.from_private_bytes(raw_private_key(self.creds.key_pair))
+            replay = ReplayWindow()
             self.control_service = ControlService(
                 host, self.membership, self.bridge, timeout=lim.control_timeout,
                 cluster_id=cfg.cluster_id,
-                seal=lambda body: seal(body, self.creds.certificate, signing_key),
-                unseal=lambda body, peer: unseal(body, sender_peer=peer,
+                seal=lambda body, audience: seal(body, self.creds.certificate, signing_key,
+                                                 audience=audience),
+                unseal=lambda body, peer: unseal(body, sender_peer=peer, audience=cfg.cluster_id,
+                                                 replay=replay,
                                                  ca_public=self.creds.ca_public,
                                                  revoked=self.membership.revoked))
             self.discovery = Discovery(
@@ -222,6 +225,8 @@ class Daemon:
                          "verified": r.verified}
                         for r in [*m.refusals.values(), *m.unverified.values()]],
             "preauth_dropped": m.preauth_dropped,
+            "unauthenticated_peers": len(m.pending),
+            "connections": len(self.stack.host.get_network().connections) if self.stack else 0,
             "jobs": self.updates.counters(),
             "bridge_clients": self.bridge.describe(),
             "bridge_rejected_frames": self.bridge.rejected_frames,
@@ -396,7 +401,7 @@ class Daemon:
     async def send_control(self, target_cluster: str, request_id: str, body: dict[str, Any]) -> ControlResult:
         try:
             peer_id = await self.resolve(target_cluster)
-            resp = await self.control_service.send(peer_id, request_id, body)
+            resp = await self.control_service.send(peer_id, request_id, body, audience=target_cluster)
         except RequestFailed as exc:
             return ControlResult(request_id=request_id, ok=False, body={}, reason=str(exc))
         except NotAMember as exc:

@@ -197,16 +197,20 @@ class Membership:
             self._spawn.start_soon(self._exchange, peer_id)
 
     async def _auth_deadline(self, peer_id: str) -> None:
+        # Loops because a hang-up can fail under load: the peer is dropped until it is gone.
         await trio.sleep(self.auth_timeout)
-        if peer_id not in self.pending:
-            return
-        self.pending.pop(peer_id, None)
-        verdict = self.verdicts.get(peer_id)
-        if verdict is not None and verdict.certificate is not None:
-            return
-        reason = (verdict.reason if verdict is not None and verdict.reason else
-                  f"did not complete the membership exchange within {self.auth_timeout:g} s")
-        self._drop_unauthenticated(peer_id, reason)
+        while self._connected(peer_id):
+            verdict = self.verdicts.get(peer_id)
+            if verdict is not None and verdict.certificate is not None:
+                return
+            self.pending.pop(peer_id, None)
+            reason = (verdict.reason if verdict is not None and verdict.reason else
+                      f"did not complete the membership exchange within {self.auth_timeout:g} s")
+            self._drop_unauthenticated(peer_id, reason)
+            await trio.sleep(self.auth_timeout)
+
+    def _connected(self, peer_id: str) -> bool:
+        return bool(self.host.get_network().connections.get(ID.from_base58(peer_id)))
 
     def _drop_unauthenticated(self, peer_id: str, reason: str) -> None:
         self.preauth_dropped += 1
