@@ -24,7 +24,7 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import PUBSUB_SIGNING_PREFIX
 
 from fabricd._host import open_host_stack
-from fabricd.membership import MAX_UNVERIFIED_CLAIMS
+from fabricd.membership import MAX_PENDING_PEERS, MAX_UNVERIFIED_CLAIMS
 from proto.codec import encode
 from proto.ids import PROTOCOL_CONTROL, PROTOCOL_MEMBER, PROTOCOL_UPDATE, TOPIC_HEARTBEAT
 from proto.messages import Heartbeat
@@ -44,7 +44,7 @@ async def test_stalled_strangers_are_dropped_and_a_new_member_still_joins(mesh) 
     target = peer_info(t.addr())
     hold = trio.Event()
     hosts: list = []
-    stalled: list[int] = []
+    refused: list[str] = []
 
     async def stranger(limiter: trio.CapacityLimiter) -> None:
         async with raw_host() as host:
@@ -52,19 +52,22 @@ async def test_stalled_strangers_are_dropped_and_a_new_member_still_joins(mesh) 
                 try:
                     with trio.fail_after(30):
                         await host.connect(target)
-                except Exception:  # noqa: BLE001 - counted below as "did not connect"
+                except Exception as exc:  # noqa: BLE001 - e.g. dropped by t while connecting
+                    refused.append(type(exc).__name__)
                     return
                 hosts.append(host)
-            stalled.append(await stall(host, target.peer_id, [PROTOCOL_MEMBER, PROTOCOL_UPDATE,
-                                                              PROTOCOL_CONTROL], hold))
+            await stall(host, target.peer_id, [PROTOCOL_MEMBER, PROTOCOL_UPDATE, PROTOCOL_CONTROL], hold)
 
     async with trio.open_nursery() as nursery:
         limiter = trio.CapacityLimiter(25)
         for _ in range(STRANGERS):
             nursery.start_soon(stranger, limiter)
-        with trio.fail_after(240):
-            while len(hosts) < STRANGERS * 0.9:
+        with trio.fail_after(300):
+            while len(hosts) + len(refused) < STRANGERS:
                 await trio.sleep(0.1)
+        # Connections t dropped while their connect was still finishing count as refused;
+        # at least the pending bound's worth got through and stalled.
+        assert len(hosts) >= MAX_PENDING_PEERS, (len(hosts), refused[:5])
 
         # While they hold their connections and streams, a new member joins t.
         n = await trio.to_thread.run_sync(lambda: mesh.add("n1", [t.addr()]))
@@ -73,7 +76,8 @@ async def test_stalled_strangers_are_dropped_and_a_new_member_still_joins(mesh) 
         probe = await trio.to_thread.run_sync(lambda: t.probe("n1", 65536, check=False))
         joined_and_probed = time.monotonic() - started
         assert probe.returncode == 0, probe.stderr
-        print(f"strangers={len(hosts)} member_ready_to_joined_and_probed_s={joined_and_probed:.2f}")
+        print(f"strangers_connected={len(hosts)} strangers_refused={len(refused)} "
+              f"member_ready_to_joined_and_probed_s={joined_and_probed:.2f}")
 
         # Every stranger is disconnected by t (auth_timeout), none ever became a member.
         members = len(mesh.nodes)
@@ -84,7 +88,7 @@ async def test_stalled_strangers_are_dropped_and_a_new_member_still_joins(mesh) 
     status = await trio.to_thread.run_sync(lambda: bridge_status(t))
     # Most are dropped by the deadline or the pending bound; on a loaded machine libp2p
     # itself may close a few stalled connections first.
-    assert status["preauth_dropped"] >= len(hosts) // 2, status["preauth_dropped"]
+    assert status["preauth_dropped"] >= MAX_PENDING_PEERS // 2, status["preauth_dropped"]
     assert not {c["peer_id"] for c in status["clusters"]} & {str(h.get_id()) for h in hosts}
     log = t.log()
     assert re.search(r"event=member\.preauth_dropped .*reason=.*(did not complete the membership|oldest)", log)
