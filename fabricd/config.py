@@ -39,6 +39,8 @@ class Limits:
     stream_timeout: float = 30.0
     # a connected peer that has not proved membership by then is disconnected
     auth_timeout: float = 5.0
+    # an update transfer slower than this (bytes/s, after a 5 s grace) is cut off
+    min_transfer_rate: float = 256 * 1024
     # a control request (e.g. a training round on a big cluster) may take this long
     control_timeout: float = 900.0
 
@@ -207,6 +209,8 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         stream_timeout=_num(cfg_path, lim, "limits", "stream_timeout", defaults.stream_timeout, 1, 3600, False),
         control_timeout=_num(cfg_path, lim, "limits", "control_timeout", defaults.control_timeout, 1, 86400, False),
         auth_timeout=_num(cfg_path, lim, "limits", "auth_timeout", defaults.auth_timeout, 0.5, 600, False),
+        min_transfer_rate=_num(cfg_path, lim, "limits", "min_transfer_rate", defaults.min_transfer_rate,
+                               1, 1 << 40, False),
     )
     if limits.heartbeat_timeout <= limits.heartbeat_interval:
         raise _err(cfg_path, "limits.heartbeat_timeout", limits.heartbeat_timeout,

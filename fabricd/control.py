@@ -24,6 +24,7 @@ from libp2p.peer.id import ID
 
 from fabricd._bounded import BoundedDict
 from fabricd._streams import close_quietly, read_message_exact, remote_peer, write_message
+from fabricd.admission import Placements
 from fabricd.logs import get_logger
 from fabricd.membership import Membership
 from fabricd.signing import is_job_message
@@ -89,7 +90,8 @@ class ControlService:
 
     def __init__(self, host: IHost, membership: Membership, sink: ControlSink, *,
                  timeout: float = 30.0, seal: Seal | None = None,
-                 unseal: Unseal | None = None, cluster_id: str = "") -> None:
+                 unseal: Unseal | None = None, cluster_id: str = "",
+                 placements: Placements | None = None) -> None:
         self.host = host
         self.m = membership
         self.sink = sink
@@ -100,6 +102,7 @@ class ControlService:
         self.served = 0
         self.refused = 0
         self.owners = JobOwners()
+        self.placements = placements if placements is not None else Placements()
 
     def register(self) -> None:
         self.host.set_stream_handler(
@@ -145,16 +148,27 @@ class ControlService:
                 await self._reply_error(stream, peer, msg.request_id,
                                         f"rejected by cluster {self.cluster_id}: {exc}")
                 return
+        request = body
         with trio.move_on_after(self.timeout) as scope:
             ok, body, reason = await self.sink.control(
-                msg.request_id, cert.cluster_id, peer, cert.role, body)
+                msg.request_id, cert.cluster_id, peer, cert.role, request)
         if scope.cancelled_caught:
             ok, body, reason = False, {}, f"no reply from the local client within {self.timeout:.0f} s"
+        if ok and is_job_message(request):
+            self._learn(request)
         self.served += 1
         log.info("control.served", peer=peer, cluster=cert.cluster_id, request_id=msg.request_id, ok=ok,
                  reason=reason)
         await write_message(stream, ControlResponse(request_id=msg.request_id, ok=ok, body=body, reason=reason))
         await close_quietly(stream)
+
+    def _learn(self, body: dict[str, Any]) -> None:
+        """Keep the routing matrix of each owner-checked job.plan the executor accepted."""
+        job_id = str(body.get("job_id"))
+        if body.get("kind") == "job.plan" and isinstance(body.get("routing"), bytes):
+            self.placements.learn(job_id, body["routing"])
+        elif body.get("kind") == "job.stop":
+            self.placements.forget(job_id)
 
     async def send(self, peer_id: str, request_id: str, body: dict[str, Any], *,
                    audience: str) -> ControlResponse:

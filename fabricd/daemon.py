@@ -145,12 +145,13 @@ class Daemon:
             self.updates = UpdateService(host, self.membership, self.bridge, cluster_id=cfg.cluster_id,
                                          max_update_bytes=lim.max_update_bytes,
                                          max_inflight_bytes=lim.max_inflight_bytes,
-                                         chunk_bytes=lim.chunk_bytes, stream_timeout=lim.stream_timeout)
+                                         chunk_bytes=lim.chunk_bytes, stream_timeout=lim.stream_timeout,
+                                         min_rate=lim.min_transfer_rate)
             signing_key = Ed25519PrivateKey.from_private_bytes(raw_private_key(self.creds.key_pair))
             replay = ReplayWindow()
             self.control_service = ControlService(
                 host, self.membership, self.bridge, timeout=lim.control_timeout,
-                cluster_id=cfg.cluster_id,
+                cluster_id=cfg.cluster_id, placements=self.updates.placements,
                 seal=lambda body, audience: seal(body, self.creds.certificate, signing_key,
                                                  audience=audience),
                 unseal=lambda body, peer: unseal(body, sender_peer=peer, audience=cfg.cluster_id,

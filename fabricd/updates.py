@@ -41,6 +41,7 @@ from fabricd._streams import (
     remote_peer,
     write_message,
 )
+from fabricd.admission import Placements, RateFloor, dedup_key
 from fabricd.errors import FabricdError
 from fabricd.logs import get_logger
 from fabricd.membership import Membership
@@ -82,6 +83,10 @@ async def _feed_in_thread(chunks: trio.MemoryReceiveChannel[bytes], sink: Callab
                 await trio.to_thread.run_sync(sink, chunk)
 
 
+class _TooSlow(FabricdError):
+    """A transfer fell below the minimum rate (the message is the reason)."""
+
+
 class DeliveryError(FabricdError):
     """The local consumer could not take an update (the reason goes back to the sender)."""
 
@@ -110,7 +115,8 @@ class UpdateService:
     def __init__(
         self, host: IHost, membership: Membership, consumer: Consumer, *, cluster_id: str,
         max_update_bytes: int, max_inflight_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        stream_timeout: float = 30.0,
+        stream_timeout: float = 30.0, min_rate: float = 256 * 1024,
+        placements: Placements | None = None,
     ) -> None:
         self.host = host
         self.m = membership
@@ -122,6 +128,10 @@ class UpdateService:
         self.stream_timeout = stream_timeout
         self.inflight = 0
         self.inflight_peak = 0
+        #: in-flight bytes per sending peer: one peer may hold at most half the budget
+        self.peer_inflight: dict[str, int] = {}
+        self.min_rate = min_rate
+        self.placements = placements if placements is not None else Placements()
         self.delivered = DeliveredIds(100_000)
         self.jobs: dict[str, JobCounters] = defaultdict(JobCounters)
         self.metrics: DaemonMetrics = UNWIRED
@@ -218,7 +228,11 @@ class UpdateService:
             return False
         probe = header.job_id == PROBE_JOB_ID
         if not probe:
-            if header.message_id in self.delivered:
+            misplaced = self.placements.refusal(header, source_cluster)
+            if misplaced is not None:
+                await self._reject(stream, peer, header, misplaced, drain=True)
+                return False
+            if dedup_key(source_cluster, header.message_id) in self.delivered:
                 self.jobs[header.job_id].duplicates += 1
                 log.info("update.duplicate", peer=peer, job=header.job_id, message_id=header.message_id)
                 await self._ack(stream, header, "duplicate", "already delivered", 0)
@@ -233,14 +247,26 @@ class UpdateService:
                                    f"busy: {self.inflight} bytes of updates in flight, limit "
                                    f"{self.max_inflight_bytes}; retry later", drain=True)
                 return False
+            held = self.peer_inflight.get(peer, 0)
+            if held and held + header.byte_length > self.max_inflight_bytes // 2:
+                await self._reject(stream, peer, header,
+                                   f"busy: this peer already has {held} bytes of updates in flight "
+                                   f"(at most half of limits.max_inflight_bytes); retry later", drain=True)
+                return False
         reserved = 0 if probe else header.byte_length
         self.inflight += reserved
         self.inflight_peak = max(self.inflight_peak, self.inflight)
+        self.peer_inflight[peer] = self.peer_inflight.get(peer, 0) + reserved
         self.metrics.stream_opened("received")
         try:
             return await self._receive_body(stream, peer, header, receiver, probe, source_cluster)
         finally:
             self.inflight -= reserved
+            left = self.peer_inflight.get(peer, reserved) - reserved
+            if left > 0:
+                self.peer_inflight[peer] = left
+            else:
+                self.peer_inflight.pop(peer, None)
             self.metrics.stream_closed("received")
 
     async def _receive_body(self, stream: INetStream, peer: str, header: UpdateHeader,
@@ -250,6 +276,7 @@ class UpdateService:
         digest = hashlib.sha256()
         sink = digest.update if probe else receiver.feed
         received = 0
+        floor = RateFloor(self.min_rate)
         try:
             # Hashing runs in a worker thread (hashlib releases the GIL) while the next
             # chunk is read; at most two chunks wait for it, so memory stays bounded.
@@ -259,15 +286,24 @@ class UpdateService:
                     nursery.start_soon(_feed_in_thread, receive, sink)
                     async with send:
                         while received < header.byte_length:
-                            with trio.fail_after(self.stream_timeout):
+                            # A read may wait only until the transfer would fall below the
+                            # minimum rate (slow-loris senders must not hold the budget).
+                            with trio.fail_after(floor.wait_budget(received, self.stream_timeout)):
                                 chunk = await stream.read(
                                     min(header.byte_length - received, self.chunk_bytes))
                             received += len(chunk)
+                            too_slow = floor.too_slow(received)
+                            if too_slow is not None:
+                                raise _TooSlow(too_slow)
                             await send.send(chunk)
             except BaseExceptionGroup as group:
                 raise _sole_exception(group) from None
+        except _TooSlow as exc:
+            await self._reject(stream, peer, header, str(exc), received)
+            return False
         except trio.TooSlowError:
-            await self._reject(stream, peer, header, f"no body data for {self.stream_timeout:.0f} s", received)
+            reason = floor.too_slow(received) or f"no body data for {self.stream_timeout:.0f} s"
+            await self._reject(stream, peer, header, reason, received)
             return False
         except STREAM_ERRORS:
             if received < header.byte_length:
@@ -291,7 +327,7 @@ class UpdateService:
             await self._reject(stream, peer, header, f"{type(exc).__name__}: {exc}", received)
             return False
         if not probe:
-            if self.delivered.seen(header.message_id):
+            if self.delivered.seen(dedup_key(source_cluster, header.message_id)):
                 self.jobs[header.job_id].duplicates += 1
                 await self._ack(stream, header, "duplicate", "already delivered", received)
                 await close_quietly(stream)
@@ -299,7 +335,7 @@ class UpdateService:
             try:
                 await self.consumer.deliver(header, payload, source_cluster)
             except DeliveryError as exc:
-                self.delivered.discard(header.message_id)
+                self.delivered.discard(dedup_key(source_cluster, header.message_id))
                 await self._reject(stream, peer, header, str(exc), received)
                 return False
         self.jobs[header.job_id].received_updates += 1

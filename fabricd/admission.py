@@ -1,0 +1,114 @@
+"""Admission rules for incoming updates: who may send what, and how slowly.
+
+- Dedup is keyed on (authenticated sender cluster, message id): a member that sends
+  first under another node's predictable message id cannot make the genuine update be
+  acked as a "duplicate".
+- Placement: the daemon learns each job's routing matrix from the ``job.plan`` it relays
+  to its executor (owner-checked, see fabricd.control) and refuses an update whose
+  source node the matrix does not place on the authenticated sending cluster, or whose
+  message id names another source than its header.
+- Rate: a transfer must keep above ``min_rate`` bytes/s (after a short grace), so
+  slow-loris senders cannot hold the in-flight budget; and one peer may hold at most
+  half of that budget.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fabricd._bounded import BoundedDict
+from fabricd.logs import get_logger
+from proto.errors import ProtocolError
+from proto.ids import PROBE_JOB_ID
+from proto.messages import UpdateHeader
+from proto.routing import RoutingMatrix
+
+log = get_logger("fabricd.admission")
+
+#: jobs whose routing matrices are kept (two epochs each, for updates crossing a re-plan)
+MAX_PLACED_JOBS = 64
+#: target nodes that are not placed by the routing matrix
+SPECIAL_TARGETS = frozenset({"scheduler"})
+#: seconds a transfer may run before the minimum rate applies (connection warm-up)
+RATE_GRACE = 5.0
+
+
+def dedup_key(source_cluster: str, message_id: str) -> str:
+    """The key updates are de-duplicated by: the sender's verified cluster and its id."""
+    return f"{source_cluster}\x00{message_id}"
+
+
+class Placements:
+    """job -> its last two routing matrices, learned from relayed ``job.plan`` bodies."""
+
+    def __init__(self, limit: int = MAX_PLACED_JOBS) -> None:
+        self._jobs: BoundedDict[str, tuple[RoutingMatrix, ...]] = BoundedDict(limit)
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._jobs
+
+    def learn(self, job_id: str, routing: Any) -> None:
+        """Record the routing matrix of a ``job.plan`` the local executor accepted."""
+        try:
+            matrix = RoutingMatrix.from_bytes(bytes(routing))
+        except (ProtocolError, ValueError, TypeError) as exc:
+            # Without a readable matrix this job's updates are admitted unchecked.
+            log.warning("placement.unreadable", job=job_id, reason=f"{type(exc).__name__}: {exc}")
+            return
+        if matrix.job_id != job_id:
+            log.warning("placement.unreadable", job=job_id,
+                        reason=f"routing matrix is for job {matrix.job_id!r}")
+            return
+        previous = self._jobs.get(job_id, ())
+        self._jobs[job_id] = (matrix, *previous[:1])
+        log.info("placement.learned", job=job_id, clusters=len(matrix.clusters), nodes=matrix.num_nodes)
+
+    def forget(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+
+    def refusal(self, header: UpdateHeader, source_cluster: str) -> str | None:
+        """Why ``source_cluster`` may not send ``header`` (None if it may)."""
+        if header.job_id == PROBE_JOB_ID or header.target_node in SPECIAL_TARGETS:
+            return None
+        matrices = self._jobs.get(header.job_id)
+        if not matrices:
+            return None
+        parts = header.message_id.split("/")
+        if len(parts) != 5 or parts[0] != header.job_id or parts[3] != header.source_node \
+                or parts[4] != header.target_node:
+            return (f"message id {header.message_id!r} does not name job {header.job_id!r}, source "
+                    f"{header.source_node!r} and target {header.target_node!r} as job/round/kind/src/dst")
+        placed: list[str] = []
+        for matrix in matrices:
+            try:
+                cluster = matrix.cluster_of(header.source_node)
+            except (KeyError, ValueError, IndexError):
+                continue
+            if cluster == source_cluster:
+                return None
+            placed.append(cluster)
+        where = f"places it on cluster {placed[0]!r}" if placed else "does not name it"
+        return (f"update from cluster {source_cluster!r} claims source node {header.source_node!r}; "
+                f"the routing matrix of job {header.job_id!r} {where}")
+
+
+class RateFloor:
+    """The minimum-rate rule for one transfer: ``min_rate`` bytes/s after ``grace`` s."""
+
+    def __init__(self, min_rate: float, grace: float = RATE_GRACE) -> None:
+        self.min_rate = min_rate
+        self.grace = grace
+        self.started = time.monotonic()
+
+    def wait_budget(self, received: int, cap: float) -> float:
+        """Seconds the next read may take before ``received`` falls below the floor."""
+        due = self.started + self.grace + (received + 1) / self.min_rate
+        return max(0.05, min(cap, due - time.monotonic()))
+
+    def too_slow(self, received: int) -> str | None:
+        elapsed = time.monotonic() - self.started
+        if elapsed <= self.grace or received >= self.min_rate * (elapsed - self.grace):
+            return None
+        return (f"too slow: {received} bytes in {elapsed:.1f} s, below the minimum rate of "
+                f"{self.min_rate:.0f} bytes/s (limits.min_transfer_rate) after a {self.grace:g} s grace")
