@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import trio
 
 from fabricd._sender import ByteBudget, FillingBuffer
+from fabricd.config import ensure_private_dir
 from fabricd.errors import FabricdError
 from fabricd.executors import ExecutorLauncher
 from fabricd.logs import get_logger
@@ -129,7 +130,7 @@ class BridgeServer:
         if len(str(self.path)) >= 100:
             raise OSError(f"bridge socket path {self.path} is {len(str(self.path))} characters; "
                           "Unix sockets allow fewer than 100 - set bridge.socket to a shorter path")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        ensure_private_dir(self.path.parent)
         if self.path.exists() or self.path.is_symlink():
             self.path.unlink()
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)

@@ -55,17 +55,18 @@ def cmd_init_ca(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
         save_ca(out)
-    except FileExistsError as exc:
+    except (FileExistsError, ValueError) as exc:
         raise CliError(str(exc)) from None
     _print_json({"ca_key": str(out / "ca.key"), "ca_pub": str(out / "ca.pub")})
     return 0
 
 
-def _issue(ca_dir: Path, peer_id: str, cluster_id: str, role: str, days: float) -> bytes:
+def _issue(ca_dir: Path, peer_id: str, cluster_id: str, role: str, days: float,
+           allow_readable: bool = False) -> bytes:
     from proto.certs import ed25519_public_from_peer_id, issue_certificate, load_ca_private
 
     try:
-        ca_key = load_ca_private(ca_dir)
+        ca_key = load_ca_private(ca_dir, allow_readable=allow_readable)
     except (ValueError, OSError) as exc:
         raise CliError(f"cannot load the CA key from {ca_dir}: {exc}") from None
     try:
@@ -80,10 +81,36 @@ def _issue(ca_dir: Path, peer_id: str, cluster_id: str, role: str, days: float) 
         raise CliError(f"cannot issue certificate: {exc}") from None
 
 
+SIGNING_REQUEST = "signing-request.json"
+
+
+def _read_request(path: Path) -> dict[str, str]:
+    """A signing request written by `fabricd init` on a head node without ca.key."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CliError(f"--request {path}: cannot read the signing request: {exc}") from None
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("peer_id", "cluster_id", "role")):
+        raise CliError(f"--request {path}: expected JSON with string fields peer_id, cluster_id and role "
+                       "(as written by `fabricd init` without ca.key)")
+    return {k: data[k] for k in ("peer_id", "cluster_id", "role")}
+
+
 def cmd_issue(args: argparse.Namespace) -> int:
     from proto.certs import parse_certificate
 
-    data = _issue(Path(args.ca), args.peer_id, args.cluster_id, args.role, args.days)
+    if args.request:
+        request = _read_request(Path(args.request))
+        for flag, key in (("peer_id", "peer_id"), ("cluster_id", "cluster_id")):
+            given = getattr(args, flag)
+            if given and given != request[key]:
+                raise CliError(f"--{flag.replace('_', '-')} {given!r} differs from the request's {request[key]!r}")
+        args.peer_id, args.cluster_id = request["peer_id"], request["cluster_id"]
+        args.role = request["role"] if args.role is None else args.role
+    if not args.peer_id or not args.cluster_id:
+        raise CliError("give --request FILE, or both --peer-id and --cluster-id")
+    data = _issue(Path(args.ca), args.peer_id, args.cluster_id, args.role or "cluster", args.days,
+                  allow_readable=args.allow_readable_ca_key)
     Path(args.out).write_bytes(data)
     cert = parse_certificate(data)
     _print_json({"certificate": args.out, "peer_id": cert.peer_id, "cluster_id": cert.cluster_id,
@@ -128,8 +155,16 @@ def cmd_init(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     key_pair = create_identity(out / "identity.key")
     peer_id = str(peer_id_of(key_pair))
-    cert = _issue(ca_dir, peer_id, args.cluster_id, args.role, args.days)
-    (out / "membership.cert").write_bytes(cert)
+    request_path: Path | None = None
+    if (ca_dir / "ca.key").is_file():
+        cert = _issue(ca_dir, peer_id, args.cluster_id, args.role, args.days,
+                      allow_readable=args.allow_readable_ca_key)
+        (out / "membership.cert").write_bytes(cert)
+    else:
+        # A head node without the CA key: write what the CA operator needs to sign.
+        request_path = out / SIGNING_REQUEST
+        request_path.write_text(json.dumps({"peer_id": peer_id, "cluster_id": args.cluster_id,
+                                            "role": args.role}, indent=2) + "\n")
     shutil.copyfile(ca_dir / "ca.pub", out / "ca.pub")
     (out / "revoked.txt").touch()
     cfg_path.write_text(render_config(
@@ -139,7 +174,11 @@ def cmd_init(args: argparse.Namespace) -> int:
     config = load_config(cfg_path)  # what we wrote must load
     _print_json({"config": str(cfg_path), "cluster_id": config.cluster_id, "peer_id": peer_id,
                  "addrs": _full_addrs(config.announce or config.listen, peer_id),
-                 "bridge_socket": str(config.bridge_socket)})
+                 "bridge_socket": str(config.bridge_socket),
+                 **({"signing_request": str(request_path),
+                     "next": f"on the CA machine: fabricd certs issue --ca CA_DIR --request {request_path.name} "
+                             f"--out membership.cert; then copy membership.cert to {out}/"}
+                    if request_path is not None else {})})
     return 0
 
 
@@ -225,11 +264,16 @@ def build_parser() -> argparse.ArgumentParser:
     c = csub.add_parser("init-ca", help="create a federation CA: DIR/ca.key (0600) and DIR/ca.pub")
     c.add_argument("--out", required=True, metavar="DIR")
     c.set_defaults(func=cmd_init_ca)
-    c = csub.add_parser("issue", help="sign a membership certificate for a peer id")
+    c = csub.add_parser("issue", help="sign a membership certificate for a peer id or a signing request")
     c.add_argument("--ca", required=True, metavar="DIR", help="directory holding ca.key")
-    c.add_argument("--peer-id", required=True, help="the daemon's peer id (see `fabricd id`)")
-    c.add_argument("--cluster-id", required=True)
-    c.add_argument("--role", choices=("cluster", "scheduler"), default="cluster")
+    c.add_argument("--request", metavar="FILE",
+                   help=f"a {SIGNING_REQUEST} written by `fabricd init` on a node without ca.key")
+    c.add_argument("--peer-id", help="the daemon's peer id (see `fabricd id`)")
+    c.add_argument("--cluster-id")
+    c.add_argument("--role", choices=("cluster", "scheduler"), default=None,
+                   help="default: the request's, else cluster")
+    c.add_argument("--allow-readable-ca-key", action="store_true",
+                   help="use a ca.key that other users can read (refused otherwise)")
     c.add_argument("--days", type=float, default=365.0, help="validity in days (default 365)")
     c.add_argument("--out", required=True, metavar="CERTFILE")
     c.set_defaults(func=cmd_issue)
@@ -247,8 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address others should dial, if not the listen address (repeatable)")
     c.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
                    help="a peer to join through, ending in /p2p/<peer id> (repeatable)")
-    c.add_argument("--ca", required=True, metavar="DIR", help="directory holding ca.key and ca.pub")
+    c.add_argument("--ca", required=True, metavar="DIR",
+                   help="directory holding ca.pub, and ca.key to sign here; without ca.key a "
+                        f"{SIGNING_REQUEST} is written for the CA operator (`certs issue --request`)")
     c.add_argument("--out", required=True, metavar="DIR")
+    c.add_argument("--allow-readable-ca-key", action="store_true",
+                   help="use a ca.key that other users can read (refused otherwise)")
     c.add_argument("--role", choices=("cluster", "scheduler"), default="cluster")
     c.add_argument("--capacity", type=int, default=1, help="how many virtual nodes this cluster hosts")
     c.add_argument("--days", type=float, default=365.0, help="certificate validity in days")

@@ -129,7 +129,26 @@ def short_socket_path(preferred: Path, cluster_id: str) -> Path:
     import hashlib
 
     digest = hashlib.sha256(str(preferred).encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / f"fabricd-{digest}.sock"
+    # Never a guessable name in a shared directory: the socket goes into a directory of
+    # this user's own (created 0700 and checked by fabricd.bridge before binding).
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    base = Path(runtime) if runtime and len(runtime) < MAX_SOCKET_PATH - 40 else Path(tempfile.gettempdir())
+    return base / f"fabricd-{os.getuid()}-{digest}" / "bridge.sock"
+
+
+def ensure_private_dir(directory: Path) -> None:
+    """Create ``directory`` (mode 0700) or check an existing one is ours and private.
+
+    Raises OSError naming the directory if another user owns it or may write to it, so
+    nobody else can replace or intercept the bridge socket inside it."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = directory.stat()
+    if st.st_uid != os.getuid():
+        raise OSError(f"{directory} belongs to uid {st.st_uid}, not to this user; the bridge socket "
+                      "must live in a directory of our own (set bridge.socket to a private path)")
+    if st.st_mode & 0o022:
+        raise OSError(f"{directory} (mode {st.st_mode & 0o777:o}) is writable by other users; the "
+                      "bridge socket must live in a private directory (chmod 700 it or set bridge.socket)")
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:
@@ -168,8 +187,9 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     certificate = _path(base, _str(cfg_path, ident, "identity", "certificate", "membership.cert"))
     ca_pub = _path(base, _str(cfg_path, ident, "identity", "ca_public_key", "ca.pub"))
     revocations = _path(base, _str(cfg_path, ident, "identity", "revocation_list", "revoked.txt"))
-    for key, p in (("identity.key", identity_key), ("identity.certificate", certificate),
-                   ("identity.ca_public_key", ca_pub)):
+    # The certificate may still be missing (a signing request at the CA): the daemon says
+    # so at start-up, with what to do.
+    for key, p in (("identity.key", identity_key), ("identity.ca_public_key", ca_pub)):
         if not p.is_file():
             raise _err(cfg_path, key, str(p), "the path of an existing file (run `fabricd init`)")
 

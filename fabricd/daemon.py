@@ -69,7 +69,14 @@ def load_credentials(config: Config) -> Credentials:
         ca_public = public_key_bytes(load_ca_public(config.ca_public_key))
     except (ValueError, OSError) as exc:
         raise StartupError(f"{config.path}: identity.ca_public_key: {exc}") from None
-    certificate = config.certificate.read_bytes()
+    try:
+        certificate = config.certificate.read_bytes()
+    except FileNotFoundError:
+        request = config.path.parent / "signing-request.json"
+        hint = (f"send {request} to the CA operator (`fabricd certs issue --ca CA_DIR --request "
+                f"{request.name} --out membership.cert`) and put the result there"
+                if request.is_file() else "issue one with `fabricd certs issue`")
+        raise StartupError(f"{config.certificate}: no membership certificate yet; {hint}") from None
     peer_id = str(peer_id_of(key_pair))
     try:
         revoked = RevocationList.load(config.revocation_list)

@@ -158,6 +158,11 @@ def save_ca(directory: str | os.PathLike[str], private_key: Ed25519PrivateKey | 
     with os.fdopen(fd, "wb") as fh:
         fh.write(pem)
     os.chmod(key_path, 0o600)
+    mode = stat.S_IMODE(key_path.stat().st_mode)
+    if mode & 0o077:  # e.g. a filesystem that ignores chmod: never leave a readable CA key
+        key_path.unlink()
+        raise InsecureKeyFile(f"{key_path} could not be made private (mode {mode:o}); create the "
+                              "CA on a filesystem that keeps Unix permissions")
     pub = key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
@@ -170,11 +175,22 @@ def _resolve(path: str | os.PathLike[str], default_name: str) -> Path:
     return p / default_name if p.is_dir() else p
 
 
-def load_ca_private(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
-    """Load the CA key from a PEM file (or `DIR/ca.key`); ValueError names the file."""
+class InsecureKeyFile(ValueError):
+    """The CA key file can be read by other users; the message says how to fix it."""
+
+
+def load_ca_private(path: str | os.PathLike[str], *, allow_readable: bool = False) -> Ed25519PrivateKey:
+    """Load the CA key from a PEM file (or `DIR/ca.key`); ValueError names the file.
+
+    Refuses (InsecureKeyFile) a key file that group or others may access, unless
+    ``allow_readable`` (the CLI's ``--allow-readable-ca-key``), then only warns."""
     p = _resolve(path, CA_KEY_FILE)
     mode = stat.S_IMODE(p.stat().st_mode)
     if mode & 0o077:
+        if not allow_readable:
+            raise InsecureKeyFile(
+                f"{p} has mode {mode:o}: other users can read the federation CA key; run "
+                f"`chmod 600 {p}` (or pass --allow-readable-ca-key to use it anyway)")
         log.warning("event=ca_key_permissions path=%s mode=%o advice=chmod_600", p, mode)
     try:
         key = serialization.load_pem_private_key(p.read_bytes(), password=None)
