@@ -35,8 +35,10 @@ RATE_GRACE = 5.0
 
 
 def dedup_key(source_cluster: str, message_id: str) -> str:
-    """The key updates are de-duplicated by: the sender's verified cluster and its id."""
-    return f"{source_cluster}\x00{message_id}"
+    """The key updates are de-duplicated by: the sender's verified cluster and its id.
+
+    The message id comes first so that forgetting a job's ids by prefix still works."""
+    return f"{message_id}\x00{source_cluster}"
 
 
 class Placements:

@@ -141,6 +141,7 @@ class UpdateService:
     def forget_job(self, job_id: str) -> None:
         """The job's last consumer left: its message ids may be used again by a new run."""
         forgotten = self.delivered.forget_prefix(f"{job_id}/")
+        self.placements.forget(job_id)
         log.info("update.job_forgotten", job=job_id, message_ids=forgotten)
 
     def register(self) -> None:
