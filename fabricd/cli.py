@@ -122,15 +122,50 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     from proto.certs import RevocationList, parse_certificate
     from proto.errors import ProtocolError
 
-    config = load_config(args.config)
     try:
         cert = parse_certificate(Path(args.cert).read_bytes())
     except (OSError, ProtocolError) as exc:
         raise CliError(f"cannot read certificate {args.cert}: {exc}") from None
+    if args.ca:
+        return _revoke_signed(args, cert.serial, cert.cluster_id, cert.peer_id)
+    if not args.config:
+        raise CliError("give --config (revoke on this daemon only) or --ca and --out (a CA-signed list "
+                       "for the whole federation)")
+    config = load_config(args.config)
     RevocationList.append(config.revocation_list, cert.serial,
                           comment=f"{cert.cluster_id} {cert.peer_id} revoked {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
     _print_json({"revoked_serial": cert.serial, "cluster_id": cert.cluster_id,
                  "peer_id": cert.peer_id, "revocation_list": str(config.revocation_list)})
+    return 0
+
+
+def _revoke_signed(args: argparse.Namespace, serial: int, cluster_id: str, peer_id: str) -> int:
+    """Add ``serial`` to the CA-signed revocation list at --out (created if missing)."""
+    from proto.certs import load_ca_private, sign_revocations, verify_revocations
+    from proto.errors import ProtocolError
+
+    try:
+        ca_key = load_ca_private(Path(args.ca), allow_readable=args.allow_readable_ca_key)
+    except (ValueError, OSError) as exc:
+        raise CliError(f"cannot load the CA key from {args.ca}: {exc}") from None
+    if not args.out:
+        raise CliError("--ca needs --out FILE: the signed revocation list to create or extend")
+    out = Path(args.out)
+    serials: set[int] = set()
+    previous = 0
+    if out.exists():
+        try:
+            current = verify_revocations(out.read_bytes(), ca_key.public_key())
+        except (OSError, ProtocolError) as exc:
+            raise CliError(f"{out}: not a revocation list signed by this CA: {exc}") from None
+        serials, previous = set(current.serials), current.issued_at
+    serials.add(serial)
+    issued_at = max(int(time.time()), previous + 1)  # strictly newer, or members ignore it
+    out.write_bytes(sign_revocations(ca_key, serials, issued_at))
+    _print_json({"revoked_serial": serial, "cluster_id": cluster_id, "peer_id": peer_id,
+                 "signed_revocations": str(out), "serials": len(serials), "issued_at": issued_at,
+                 "next": "copy it to any member as <config dir>/revocations.signed; every member "
+                         "applies it within seconds"})
     return 0
 
 
@@ -277,9 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--days", type=float, default=365.0, help="validity in days (default 365)")
     c.add_argument("--out", required=True, metavar="CERTFILE")
     c.set_defaults(func=cmd_issue)
-    c = csub.add_parser("revoke", help="append a certificate's serial to the revocation list of --config "
-                                       "(a running daemon applies it within a second)")
-    c.add_argument("--config", dest="config", required=True)
+    c = csub.add_parser("revoke", help="revoke a certificate: on one daemon (--config: appended to its "
+                                       "revoked.txt) or federation-wide (--ca --out: a CA-signed list "
+                                       "that spreads over gossip); applied within seconds, no restart")
+    c.add_argument("--config", dest="config")
+    c.add_argument("--ca", metavar="DIR", help="directory holding ca.key (federation-wide revocation)")
+    c.add_argument("--out", metavar="FILE", help="the signed revocation list to create or extend")
+    c.add_argument("--allow-readable-ca-key", action="store_true",
+                   help="use a ca.key that other users can read (refused otherwise)")
     c.add_argument("--cert", required=True, metavar="CERTFILE")
     c.set_defaults(func=cmd_revoke)
 

@@ -31,6 +31,7 @@ from fabricd.identity import peer_id_of, raw_private_key, read_identity
 from fabricd.logs import get_logger
 from fabricd.membership import Membership
 from fabricd.metrics import DaemonMetrics, MetricsServer, StateSnapshot
+from fabricd.revocation import RevocationGossip, Revocations
 from fabricd.signing import ReplayWindow, seal, unseal
 from fabricd.updates import INLINE_HASH_BYTES, UpdateService
 from proto.bridge import ControlResult, ProbeReply, SendResult
@@ -131,9 +132,10 @@ class Daemon:
                                    lim.heartbeat_interval) as stack:
             self.stack = stack
             host = stack.host
+            revocations = Revocations(cfg.revocation_list, self.creds.ca_public)
             self.membership = Membership(host, certificate=self.creds.certificate,
                                          ca_public=self.creds.ca_public,
-                                         revocation_path=cfg.revocation_list,
+                                         revocations=revocations,
                                          auth_timeout=lim.auth_timeout)
             stack.dht.register_validator(ClusterRecordValidator.namespace,
                                          ClusterRecordValidator(self.membership))
@@ -172,6 +174,9 @@ class Daemon:
                 heartbeat_interval=lim.heartbeat_interval, heartbeat_timeout=lim.heartbeat_timeout,
             )
             self.membership.metrics = self.updates.metrics = self.metrics
+            self.revocation_gossip = RevocationGossip(
+                stack.pubsub, revocations, lambda peer: self.membership.member_certificate(peer) is not None,
+                self.peer_id)
             self.updates.register()
             self.control_service.register()
             self.membership.guard_all_handlers()
@@ -180,6 +185,7 @@ class Daemon:
             async with trio.open_nursery() as nursery:
                 services = [("membership", self.membership.serve),
                             ("discovery", self.discovery.serve),
+                            ("revocations", self.revocation_gossip.serve),
                             ("bridge", self.bridge.serve),
                             ("executor_reaper", self.launcher.reap_loop)]
                 if self.metrics_server is not None:

@@ -4,9 +4,10 @@ On every new connection the two daemons exchange certificates (MemberHello ->
 MemberAck). A peer counts as a member only after it presented a certificate that the
 federation CA signed for ITS OWN Noise-authenticated peer id, that is inside its
 validity window and not revoked. Until then (and forever, for non-members) every other
-protocol is refused by ``Membership.guard``; non-members are disconnected. The
-revocation list is re-read when its mtime changes, and members whose certificate was
-revoked or expired are dropped without a restart.
+protocol is refused by ``Membership.guard``; non-members are disconnected. Revocations
+(the local list and the CA-signed one spread over gossip, see fabricd.revocation) are
+checked every second, and members whose certificate was revoked or expired are dropped
+without a restart.
 
 Pre-authentication limits (see docs/security.md): a peer that has not proved membership
 within ``auth_timeout`` seconds of connecting is disconnected; at most
@@ -18,11 +19,9 @@ table of its own and can never mark a real cluster "not a member".
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -42,6 +41,7 @@ from fabricd._streams import (
 )
 from fabricd.logs import get_logger
 from fabricd.metrics import UNWIRED, DaemonMetrics
+from fabricd.revocation import Revocations
 from proto.certs import Certificate, RevocationList, parse_certificate, verify_certificate
 from proto.errors import NotAMember, ProtocolError
 from proto.ids import MAX_CERTIFICATE_BYTES, PROTOCOL_MEMBER
@@ -126,16 +126,14 @@ class Membership:
     """Certificate exchange, per-peer verdicts, the stream guard and revocation watching."""
 
     def __init__(
-        self, host: IHost, *, certificate: bytes, ca_public: bytes, revocation_path: Path,
+        self, host: IHost, *, certificate: bytes, ca_public: bytes, revocations: Revocations,
         auth_timeout: float = AUTH_TIMEOUT,
     ) -> None:
         self.host = host
         self.certificate = certificate
         self.own = parse_certificate(certificate)
         self.ca_public = ca_public
-        self.revocation_path = revocation_path
-        self.revoked = RevocationList.load(revocation_path)
-        self._revocation_mtime = _mtime(revocation_path)
+        self.revocations = revocations
         self.auth_timeout = auth_timeout
         self.verdicts: dict[str, PeerVerdict] = {}
         #: CA-signed non-members (revoked, expired) and clusters that refused us, by cluster id
@@ -507,23 +505,20 @@ class Membership:
             # libp2p may register handlers later (e.g. a DHT mode switch): guard those too.
             self.guard_all_handlers()
 
+    @property
+    def revoked(self) -> RevocationList:
+        """Every serial revoked as of now (re-read if the lists changed)."""
+        return self.revocations.current()
+
     def recheck(self) -> None:
-        """Re-read the revocation list if it changed; drop revoked or expired members."""
-        mtime = _mtime(self.revocation_path)
-        if mtime != self._revocation_mtime:
-            self._revocation_mtime = mtime
-            try:
-                self.revoked = RevocationList.load(self.revocation_path)
-                log.info("revocations.reloaded", path=self.revocation_path, serials=len(self.revoked))
-            except (ValueError, OSError) as exc:
-                log.error("revocations.unreadable", path=self.revocation_path, reason=str(exc),
-                          action="keeping the previous list")
+        """Drop members whose certificate is now revoked or expired."""
+        revoked = self.revoked
         now = time.time()
         for peer_id, verdict in list(self.verdicts.items()):
             cert = verdict.certificate
             if cert is None:
                 continue
-            if cert.serial in self.revoked:
+            if cert.serial in revoked:
                 reason = f"certificate serial {cert.serial} for peer {peer_id} has been revoked"
             elif not cert.not_before <= now <= cert.not_after:
                 reason = f"certificate serial {cert.serial} for peer {peer_id} expired"
@@ -546,13 +541,6 @@ def _protect(host: IHost, peer_id: str, on: bool) -> None:
     method = getattr(network, "protect" if on else "unprotect", None)
     if method is not None:
         method(ID.from_base58(peer_id), "fedpilot-member")
-
-
-def _mtime(path: Path) -> float | None:
-    try:
-        return os.stat(path).st_mtime_ns / 1e9
-    except FileNotFoundError:
-        return None
 
 
 def _claimed_cluster(cert_bytes: bytes | None) -> str:

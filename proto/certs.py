@@ -22,7 +22,18 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from proto._schema import I64_MAX, Bin, Int, Schema, Text, from_map, pack, spec, unpack_limited
+from proto._schema import (
+    I64_MAX,
+    Bin,
+    Int,
+    ListOf,
+    Schema,
+    Text,
+    from_map,
+    pack,
+    spec,
+    unpack_limited,
+)
 from proto.errors import (
     CertificateExpired,
     CertificateRevoked,
@@ -38,6 +49,10 @@ log = logging.getLogger(__name__)
 
 ROLES = ("cluster", "scheduler")
 CERT_DOMAIN = b"fedpilot-certificate-v1\x00"
+REVOCATIONS_DOMAIN = b"fedpilot-revocations-v1\x00"
+#: largest signed revocation list (about 40,000 serials); it travels over gossip
+MAX_REVOCATIONS_BYTES = 480 * 1024
+MAX_REVOKED_SERIALS = 40_000
 CA_KEY_FILE = "ca.key"
 CA_PUB_FILE = "ca.pub"
 DEFAULT_VALIDITY_SECONDS = 365 * 24 * 3600
@@ -410,3 +425,42 @@ class RevocationWatcher:
                           "action=keeping_previous_list", self.path, exc)
             self._stamp = stamp
         return self._list
+
+
+@dataclass(frozen=True)
+class RevocationSet(_CertSchema):
+    """What a CA-signed revocation list asserts: every revoked serial as of ``issued_at``."""
+
+    TYPE: ClassVar[str] = "RevocationSet"
+    serials: tuple[int, ...] = spec(ListOf(Int(1, I64_MAX), max_items=MAX_REVOKED_SERIALS))
+    issued_at: int = spec(Int(0, I64_MAX))
+
+
+@dataclass(frozen=True)
+class _SignedRevocations(_CertSchema):
+    TYPE: ClassVar[str] = "SignedRevocations"
+    tbs: bytes = spec(Bin(MAX_REVOCATIONS_BYTES, 1))
+    signature: bytes = spec(Bin(64, exact=(64,)))
+
+
+def sign_revocations(ca_private: Ed25519PrivateKey, serials: Iterable[int], issued_at: int) -> bytes:
+    """A revocation list signed by the federation CA (cumulative: every revoked serial)."""
+    body = RevocationSet(serials=tuple(sorted(set(serials))), issued_at=int(issued_at))
+    tbs = pack(body.to_map())
+    return pack(_SignedRevocations(tbs=tbs, signature=ca_private.sign(REVOCATIONS_DOMAIN + tbs)).to_map())
+
+
+def verify_revocations(data: bytes, ca_public: Ed25519PublicKey | bytes) -> RevocationSet:
+    """The revocation set in ``data`` if the federation CA signed it; ForeignCertificate or
+    ProtocolError (malformed, too large) otherwise."""
+    outer = from_map(_CertSchema.REGISTRY, unpack_limited(data, MAX_REVOCATIONS_BYTES + 1024))
+    if not isinstance(outer, _SignedRevocations):
+        raise ProtocolError("expected a SignedRevocations")
+    try:
+        _public_key(ca_public).verify(outer.signature, REVOCATIONS_DOMAIN + outer.tbs)
+    except InvalidSignature:
+        raise ForeignCertificate("revocation list is not signed by this federation's CA") from None
+    inner = from_map(_CertSchema.REGISTRY, unpack_limited(outer.tbs, MAX_REVOCATIONS_BYTES))
+    if not isinstance(inner, RevocationSet):
+        raise ProtocolError("the signed part is not a RevocationSet")
+    return inner
