@@ -66,6 +66,10 @@ class Config:
     # ~30% of memory for the object store)
     ray_num_cpus: float = 0.0
     ray_object_store_memory: int = 0
+    #: [allow] models: modules job classes may come from (built-in classes are always allowed)
+    allow_models: tuple[str, ...] = ()
+    #: [allow] data_roots: directories job datasets may be read from
+    data_roots: tuple[Path, ...] = ()
 
 
 def _err(path: Path, key: str, value: Any, allowed: str) -> ConfigError:
@@ -161,7 +165,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{cfg_path}: not valid TOML: {exc}") from None
     base = cfg_path.parent
-    known = {"cluster", "network", "identity", "bridge", "ray", "limits", "metrics"}
+    known = {"cluster", "network", "identity", "bridge", "ray", "limits", "metrics", "allow"}
     for key in data:
         if key not in known:
             raise _err(cfg_path, key, data[key], "sections " + ", ".join(sorted(known)))
@@ -239,13 +243,28 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         raise _err(cfg_path, "limits.max_update_bytes", limits.max_update_bytes,
                    f"at most limits.max_inflight_bytes ({limits.max_inflight_bytes})")
 
+    allow = _section(cfg_path, data, "allow")
+    for key in allow:
+        if key not in ("models", "data_roots"):
+            raise _err(cfg_path, f"allow.{key}", allow[key], "keys allow.models and allow.data_roots")
+    allow_models = _str_list(cfg_path, allow, "allow.models", [])
+    data_roots = tuple(_path(base, r) for r in _str_list(cfg_path, allow, "allow.data_roots", ["data"]))
+
     return Config(
         path=cfg_path, cluster_id=cluster_id, role=role, capacity=capacity, listen=listen,
         announce=announce, bootstrap=bootstrap, identity_key=identity_key, certificate=certificate,
         ca_public_key=ca_pub, revocation_list=revocations, bridge_socket=sock,
         ray_address=ray_address, metrics_endpoint=metrics_endpoint, limits=limits,
         ray_num_cpus=float(ray_num_cpus), ray_object_store_memory=int(ray_object_store_memory),
+        allow_models=tuple(allow_models), data_roots=data_roots,
     )
+
+
+def _str_list(path: Path, sect: dict[str, Any], key: str, default: list[str]) -> list[str]:
+    value = sect.get(key.rpartition(".")[2], default)
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise _err(path, key, value, "a list of non-empty strings")
+    return value
 
 
 def render_config(

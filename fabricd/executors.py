@@ -14,6 +14,7 @@ for the old process to finish leaving (killing it after `LEAVE_GRACE` s) first.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -30,6 +31,9 @@ from fabricd.logs import get_logger
 log = get_logger("fabricd.executors")
 
 ATTACH_TIMEOUT = 180.0
+#: how the allow-lists reach the executor (names shared with worker/executor/allowlist.py)
+ENV_ALLOWED_MODULES = "FEDPILOT_ALLOWED_MODULES"
+ENV_DATA_ROOTS = "FEDPILOT_DATA_ROOTS"
 REAP_INTERVAL = 1.0
 LEAVE_GRACE = 20.0
 
@@ -37,8 +41,12 @@ LEAVE_GRACE = 20.0
 class ExecutorLauncher:
     def __init__(self, *, cluster_id: str, bridge_socket: Path, ray_address: str,
                  log_dir: Path, command: list[str] | None = None, num_cpus: float = 0.0,
-                 object_store_memory: int = 0) -> None:
+                 object_store_memory: int = 0,
+                 allow_models: tuple[str, ...] = (), data_roots: tuple[Path, ...] = ()) -> None:
         self.cluster_id = cluster_id
+        # The cluster operator's allow-lists, read by worker/executor/allowlist.py.
+        self.env = {**os.environ, ENV_ALLOWED_MODULES: json.dumps(list(allow_models)),
+                    ENV_DATA_ROOTS: json.dumps([str(r) for r in data_roots])}
         self.bridge_socket = bridge_socket
         self.ray_address = ray_address
         self.log_dir = log_dir
@@ -76,7 +84,7 @@ class ExecutorLauncher:
             path = self.log_path(job_id)
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("ab") as out:
-                proc = subprocess.Popen(self.command_for(job_id), stdout=out,
+                proc = subprocess.Popen(self.command_for(job_id), stdout=out, env=self.env,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             self.procs[job_id] = proc
             self.started += 1

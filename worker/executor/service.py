@@ -39,6 +39,7 @@ from proto.job import JobSpec
 from proto.routing import RoutingMatrix
 from worker import payload as wire
 from worker.errors import WorkerError
+from worker.executor.allowlist import check_job_from_environment
 from worker.executor.engine import ClientPool, ClusterEngine, average
 from worker.executor.failures import explain_failure
 from worker.executor.graph import FINAL, STATE, RoundGraph
@@ -173,6 +174,7 @@ class ExecutorService:
         if self.spec is not None:
             raise ControlError(f"job {self.spec.job_id!r} already started on this executor")
         spec = JobSpec.from_dict(body["job"], source="job.start message")
+        check_job_from_environment(spec, cluster_id=self.cluster_id)  # before any import or open
         self.spec = spec
         self.runtime = self._make_runtime(spec)
         clients = [int(c) for c in body.get("clients", [])]
