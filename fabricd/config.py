@@ -38,7 +38,7 @@ class Limits:
     heartbeat_timeout: float = 5.0
     stream_timeout: float = 30.0
     # a connected peer that has not proved membership by then is disconnected
-    auth_timeout: float = 5.0
+    auth_timeout: float = 10.0
     # an update transfer slower than this (bytes/s, after a 5 s grace) is cut off
     min_transfer_rate: float = 256 * 1024
     # a control request (e.g. a training round on a big cluster) may take this long

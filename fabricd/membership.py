@@ -53,7 +53,7 @@ MEMBER_FRAME_LIMIT = MAX_CERTIFICATE_BYTES + 2048
 VERDICT_TIMEOUT = 15.0
 EXCHANGE_TIMEOUT = 20.0
 #: seconds a connected peer has to prove membership before it is disconnected
-AUTH_TIMEOUT = 5.0
+AUTH_TIMEOUT = 10.0
 #: unauthenticated peers held at once; a newcomer beyond this drops the oldest
 MAX_PENDING_PEERS = 128
 #: guarded streams of unauthenticated peers waiting for a verdict (per peer, in total)
@@ -443,12 +443,21 @@ class Membership:
             return
         verdict.exchanging = True
         try:
-            await self._present(peer_id)
+            # Opening a stream can fail on a loaded daemon: retry while the peer is still
+            # connected and has not proved membership either way, so a member is not
+            # mistaken for a staller by the auth deadline.
+            started = time.monotonic()
+            while not await self._present(peer_id):
+                if (time.monotonic() - started > self.auth_timeout or not self._connected(peer_id)
+                        or (peer_id in self.verdicts and self.verdicts[peer_id].certificate is not None)):
+                    break
+                await trio.sleep(0.25)
         finally:
             verdict.exchanging = False
             verdict.answered.set()
 
-    async def _present(self, peer_id: str) -> None:
+    async def _present(self, peer_id: str) -> bool:
+        """One attempt; False only if it failed in a way worth retrying (no answer at all)."""
         try:
             with trio.fail_after(EXCHANGE_TIMEOUT):
                 stream = await self.host.new_stream(ID.from_base58(peer_id), [PROTOCOL_MEMBER])  # type: ignore[list-item]
@@ -463,22 +472,22 @@ class Membership:
                 verdict.reason = f"peer {peer_id} did not answer the membership exchange within {EXCHANGE_TIMEOUT:.0f} s"
                 verdict.decided.set()
                 self.verdicts.pop(peer_id, None)
-            return
+            return True
         except (ProtocolError, EOFError) as exc:
             self._reject(peer_id, f"bad membership reply: {type(exc).__name__}: {exc}", None)
-            return
+            return True
         except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on dial/negotiate
             # A peer that vanished mid-exchange is neither member nor rejected; forget it.
             log.info("member.exchange_failed", peer=peer_id, reason=f"{type(exc).__name__}: {exc}")
-            return
+            return False
         if not isinstance(ack, MemberAck):
             self._reject(peer_id, f"expected MemberAck, got {ack.TYPE}", None)
-            return
+            return True
         try:
             cert = self._verify(ack.certificate, peer_id)
         except NotAMember as exc:
             self._reject(peer_id, f"{type(exc).__name__}: {exc}", ack.certificate)
-            return
+            return True
         # Recorded only for verified peers, so strangers cannot grow this table.
         if not ack.accepted:
             self.refused_by[peer_id] = ack.reason
@@ -493,8 +502,10 @@ class Membership:
             verdict = self.verdicts.setdefault(peer_id, PeerVerdict())
             verdict.reason = f"peer {peer_id} (cluster {cert.cluster_id}) refused us: {ack.reason}"
             verdict.decided.set()
-            return
+            return True
         self._accept(peer_id, cert)
+        return True
+
 
     # ---- revocation --------------------------------------------------------------------
 
