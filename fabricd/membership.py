@@ -52,6 +52,9 @@ log = get_logger("fabricd.membership")
 MEMBER_FRAME_LIMIT = MAX_CERTIFICATE_BYTES + 2048
 VERDICT_TIMEOUT = 15.0
 EXCHANGE_TIMEOUT = 20.0
+#: pauses before retrying our exchange after a stream failed to open (bounded: a stranger
+#: that never answers costs at most this many attempts)
+EXCHANGE_RETRY_PAUSES = (1.0, 2.0, 0.0)
 #: seconds a connected peer has to prove membership before it is disconnected
 AUTH_TIMEOUT = 10.0
 #: unauthenticated peers held at once; a newcomer beyond this drops the oldest
@@ -446,12 +449,13 @@ class Membership:
             # Opening a stream can fail on a loaded daemon: retry while the peer is still
             # connected and has not proved membership either way, so a member is not
             # mistaken for a staller by the auth deadline.
-            started = time.monotonic()
-            while not await self._present(peer_id):
-                if (time.monotonic() - started > self.auth_timeout or not self._connected(peer_id)
-                        or (peer_id in self.verdicts and self.verdicts[peer_id].certificate is not None)):
+            for pause in EXCHANGE_RETRY_PAUSES:
+                if await self._present(peer_id):
                     break
-                await trio.sleep(0.25)
+                await trio.sleep(pause)
+                current = self.verdicts.get(peer_id)
+                if not self._connected(peer_id) or current is None or current.decided.is_set():
+                    break
         finally:
             verdict.exchanging = False
             verdict.answered.set()
