@@ -135,8 +135,12 @@ class RevocationGossip:
 
     async def _publish(self) -> None:
         if self.revocations.signed:
+            # Straight to pubsub, not through ReliableGossip's backpressure: one stuck peer
+            # queue must not hold a revocation back from everyone else (it is republished
+            # every few seconds, so a peer that missed it gets it later).
             try:
-                await self.gossip.publish(TOPIC_REVOCATIONS, self.revocations.signed)
+                with trio.move_on_after(5):
+                    await self.pubsub.publish(TOPIC_REVOCATIONS, self.revocations.signed)
             except Exception as exc:  # noqa: BLE001 - retried on the next tick
                 log.debug("revocations.publish_failed", reason=str(exc))
 
