@@ -46,12 +46,17 @@ class Placements:
 
     def __init__(self, limit: int = MAX_PLACED_JOBS) -> None:
         self._jobs: BoundedDict[str, tuple[RoutingMatrix, ...]] = BoundedDict(limit)
+        self._owners: BoundedDict[str, str] = BoundedDict(limit)
 
     def __contains__(self, job_id: object) -> bool:
         return job_id in self._jobs
 
-    def learn(self, job_id: str, routing: Any) -> None:
-        """Record the routing matrix of a ``job.plan`` the local executor accepted."""
+    def learn(self, job_id: str, routing: Any, owner: str = "") -> None:
+        """Record the routing matrix of a ``job.plan`` the local executor accepted, and the
+        cluster of the scheduler that owns the job (it streams checkpointed node states
+        back on a resume or a recovery, as no node of the matrix)."""
+        if owner:
+            self._owners[job_id] = owner
         try:
             matrix = RoutingMatrix.from_bytes(bytes(routing))
         except (ProtocolError, ValueError, TypeError) as exc:
@@ -68,15 +73,21 @@ class Placements:
 
     def forget(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
+        self._owners.pop(job_id, None)
 
     def refusal(self, header: UpdateHeader, source_cluster: str) -> str | None:
         """Why ``source_cluster`` may not send ``header`` (None if it may)."""
         if header.job_id == PROBE_JOB_ID or header.target_node in SPECIAL_TARGETS:
             return None
+        if source_cluster and self._owners.get(header.job_id) == source_cluster:
+            return None
         matrices = self._jobs.get(header.job_id)
         if not matrices:
             return None
         parts = header.message_id.split("/")
+        if len(parts) == 5:  # a repeated round's ids end in ~<attempt> (fresh ids, no dedup)
+            base, _, attempt = parts[4].rpartition("~")
+            parts[4] = base if base and attempt.isdigit() else parts[4]
         if len(parts) != 5 or parts[0] != header.job_id or parts[3] != header.source_node \
                 or parts[4] != header.target_node:
             return (f"message id {header.message_id!r} does not name job {header.job_id!r}, source "

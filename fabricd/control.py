@@ -155,18 +155,19 @@ class ControlService:
         if scope.cancelled_caught:
             ok, body, reason = False, {}, f"no reply from the local client within {self.timeout:.0f} s"
         if ok and is_job_message(request):
-            self._learn(request)
+            self._learn(request, cert.cluster_id)
         self.served += 1
         log.info("control.served", peer=peer, cluster=cert.cluster_id, request_id=msg.request_id, ok=ok,
                  reason=reason)
         await write_message(stream, ControlResponse(request_id=msg.request_id, ok=ok, body=body, reason=reason))
         await close_quietly(stream)
 
-    def _learn(self, body: dict[str, Any]) -> None:
-        """Keep the routing matrix of each owner-checked job.plan the executor accepted."""
+    def _learn(self, body: dict[str, Any], scheduler_cluster: str) -> None:
+        """Keep the routing matrix of each owner-checked job.plan the executor accepted
+        (and which scheduler's cluster sent it: it may stream checkpointed states back)."""
         job_id = str(body.get("job_id"))
         if body.get("kind") == "job.plan" and isinstance(body.get("routing"), bytes):
-            self.placements.learn(job_id, body["routing"])
+            self.placements.learn(job_id, body["routing"], owner=scheduler_cluster)
         elif body.get("kind") == "job.stop":
             self.placements.forget(job_id)
 

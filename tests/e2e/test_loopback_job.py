@@ -126,7 +126,8 @@ def test_a_migrated_node_arrives_with_the_model_it_had() -> None:
 
     # a ring: decentralized nodes hold their own models (a star's clients start each round
     # from the server's, so only the server's state would be worth moving)
-    spec = job(topology={"kind": "ring"}, placement={"strategy": "round_robin"})
+    spec = job(topology={"kind": "ring"}, placement={"strategy": "round_robin"},
+               aggregation={"name": "fedadam"})  # each node mixes with its own moments
     mesh = LoopbackMesh(["a", "b"], lambda cid: runtime_factory(InProcessContext(), cid),
                         capacity=9)
     hist: dict[int, list[int]] = {}
@@ -150,6 +151,8 @@ def test_a_migrated_node_arrives_with_the_model_it_had() -> None:
     source = plan.routing.cluster_of("c1")
     target = "a" if source == "b" else "b"
     before = mesh.services[source].runtime.resolve(mesh.services[source].engine.current_model("c1"))
+    moments = mesh.services[source].engine.aggregator_state("c1")
+    assert moments  # FedAdam keeps server state after a round
     sent = mesh.request(source, {"kind": "node.export", "job_id": spec.job_id,
                                  "nodes": {"c1": target}, "epoch": 1}, 60)["sent"]
     assert sent == ["c1"]
@@ -166,5 +169,8 @@ def test_a_migrated_node_arrives_with_the_model_it_had() -> None:
     after = mesh.services[target].runtime.resolve(mesh.services[target].engine.current_model("c1"))
     assert set(after) == set(before)
     assert all(np.array_equal(after[k], before[k]) for k in before)
+    moved_moments = mesh.services[target].engine.aggregator_state("c1")
+    assert set(moved_moments) == set(moments)
+    assert all(np.array_equal(moved_moments[k], moments[k]) for k in moments)
     initial = mesh.services[target].runtime.initial_weights
     assert not all(np.array_equal(after[k], initial[k]) for k in initial)

@@ -116,12 +116,14 @@ class ClusterEngine:
                 self._models[node] = self.pool.put(self._initial)
             return self._models[node]
 
-    def export_node(self, node: str) -> Weights | None:
-        """The node's current model (to migrate it); None if it never left the initial one."""
+    def export_node(self, node: str) -> tuple[Weights, Weights] | None:
+        """The node's current model and its aggregator's server state (to migrate it; the
+        node leaves this engine); None if it never left the initial model."""
+        state = self.aggregator_state(node)
         with self._lock:
             handle = self._models.pop(node, None)
             self._aggregators.pop(node, None)
-        return None if handle is None else self.pool.resolve(handle)
+        return None if handle is None else (self.pool.resolve(handle), state)
 
     def adopt(self, previous: ClusterEngine, nodes: Iterable[str]) -> None:
         """Carry over the models (and aggregator state) of `nodes` from a previous plan."""
@@ -138,10 +140,13 @@ class ClusterEngine:
             self._models[node] = self.pool.put(weights)
 
     def checkpoint_nodes(self) -> list[str]:
-        """Local nodes whose state a checkpoint must hold to continue exactly: all of them
-        (a client trains from the model it last received, which need not be its parent's
-        current one)."""
-        return [*self.local_clients(), *self.local_aggregators()]
+        """Local nodes whose state a checkpoint must hold to continue exactly: the roots
+        (and hybrid groups) of a tree, whose clients start every round from the model sent
+        down; in a decentralized topology every node that has a model of its own."""
+        if self.graph.decentralized:
+            with self._lock:
+                return [c for c in self.local_clients() if c in self._models]
+        return [a for a in self.local_aggregators() if self.graph.root(a)]
 
     def aggregator_state(self, node: str) -> Weights:
         """The server state of the node's aggregator (empty if it has none yet)."""

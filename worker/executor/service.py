@@ -44,13 +44,12 @@ from worker.executor.engine import ClientPool, ClusterEngine, average
 from worker.executor.failures import explain_failure
 from worker.executor.graph import FINAL, STATE, RoundGraph
 from worker.executor.mailbox import Envelope, Mailbox
-from worker.executor.transport import HybridTransport, RemoteLink, Weights
+from worker.executor.transport import AGGREGATOR, MODEL, HybridTransport, RemoteLink, Weights
 
 log = logging.getLogger("fedpilot.executor")
 
 RESTORE = "restore"        # target node of a state streamed back from a checkpoint
 CHECKPOINT = "checkpoint"  # target node of a state streamed to the scheduler's checkpoint
-MODEL, AGGREGATOR = "model/", "aggregator/"
 
 #: lease before the scheduler named one: starting a job (data, Ray) may take this long
 FIRST_LEASE = 180.0
@@ -226,7 +225,9 @@ class ExecutorService:
                                    "place on this cluster")
             envelope = self.transport.receive(routing.epoch, STATE, node, node,
                                               self.round_timeout)
-            self.engine.import_node(node, envelope.weights)
+            model, aggregator = envelope.weights
+            self.engine.import_node(node, model)
+            self.engine.restore_aggregator(node, aggregator)
         log.info("event=job_planned job=%s cluster=%s epoch=%d local_clients=%d imports=%d",
                  self.spec.job_id, self.cluster_id, routing.epoch, len(local_clients),
                  len(imports))
@@ -278,11 +279,14 @@ class ExecutorService:
             raise ControlError("node.export needs nodes = {node: target cluster}")
         sent: list[str] = []
         for node, target in moves.items():
-            weights = self.engine.export_node(str(node))
-            if weights is None:
+            exported = self.engine.export_node(str(node))
+            if exported is None:
                 continue
+            model, aggregator = exported  # the server state moves too (FedAdam's moments)
+            tensors = {**{MODEL + k: v for k, v in model.items()},
+                       **{AGGREGATOR + k: v for k, v in aggregator.items()}}
             self.transport.send_to(str(target), epoch, STATE, str(node), str(node),
-                                   wire.encode(weights, kind=STATE, samples=0))
+                                   wire.encode(tensors, kind=STATE, samples=0))
             sent.append(str(node))
         return {"sent": sent}
 

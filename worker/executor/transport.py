@@ -31,6 +31,7 @@ class RemoteLink(Protocol):
 
 
 Edge = tuple[str, str, str, str]  # (source node, target node, source cluster, target cluster)
+MODEL, AGGREGATOR = "model/", "aggregator/"  # tensor name prefixes of a migrating node's state
 
 
 class Codec(Protocol):
@@ -146,9 +147,24 @@ class HybridTransport:
         if source_cluster and placed != source_cluster:
             raise DeliveryRefused(f"update from node {src} came from cluster "
                                   f"{source_cluster!r}, but the plan places it on {placed!r}")
-        if kind in (STATE, FINAL):  # exact copies: never compressed, keyed by node
-            if (kind == STATE) != (dst == src) or (kind == FINAL and dst != "final"):
-                raise DeliveryRefused(f"{kind} update {src} -> {dst} is not addressed as one")
+        what = f"{kind} update {src} -> {dst} from cluster {source_cluster or placed}"
+        if kind == STATE:  # a migrating node: its model and its aggregator's server state
+            if dst != src:
+                raise DeliveryRefused(f"{what} is not addressed as one")
+            model = {k[len(MODEL):]: np.array(v) for k, v in decoded.tensors.items()
+                     if k.startswith(MODEL)}
+            server = {k[len(AGGREGATOR):]: np.array(v) for k, v in decoded.tensors.items()
+                      if k.startswith(AGGREGATOR)}
+            if len(model) + len(server) != len(decoded.tensors):
+                raise DeliveryRefused(f"{what} holds tensors outside {MODEL} and {AGGREGATOR}")
+            if not all(np.isfinite(v).all() for v in server.values() if v.dtype.kind == "f"):
+                raise DeliveryRefused(f"{what}: the aggregator state holds NaN or infinities")
+            envelope = Envelope((self._conform(model, what), server), 0, len(payload),
+                                remote=True)
+            return self._mailbox.put((round, kind, src, dst), envelope)
+        if kind == FINAL:  # an exact copy of a cluster's share: never compressed
+            if dst != "final":
+                raise DeliveryRefused(f"{what} is not addressed as one")
             weights = {k: np.array(v) for k, v in decoded.tensors.items()}
         else:
             if not self.current_round <= round <= self.current_round + 1:
@@ -159,8 +175,7 @@ class HybridTransport:
                 raise DeliveryRefused(f"update for node {dst}, which is not on this cluster")
             weights = self._codec.decompress(decoded.tensors, decoded.metadata,
                                              (src, dst, placed, self.local_cluster))
-        weights = self._conform(weights, f"{kind} update {src} -> {dst} from cluster "
-                                         f"{source_cluster or placed}")
+        weights = self._conform(weights, what)
         envelope = Envelope(weights, decoded.samples, len(payload), remote=True)
         return self._mailbox.put((round, kind, src, dst), envelope)
 

@@ -1,0 +1,49 @@
+"""Update admission: the job's own scheduler may stream checkpointed states back to its
+executors (no node of the matrix lives on its cluster); nobody else may claim its nodes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fabricd.admission import Placements
+from proto.messages import UpdateHeader
+from proto.routing import RoutingMatrix
+
+
+def header(source: str, target: str) -> UpdateHeader:
+    return UpdateHeader(job_id="j", round=0, source_node=source, target_node=target,
+                        message_id=f"j/0/restore-1/{source}/{target}", tensor_count=1,
+                        byte_length=8, sha256=b"\0" * 32)
+
+
+def test_the_owning_scheduler_may_restore_and_others_may_not() -> None:
+    matrix = RoutingMatrix.from_edges(
+        job_id="j", clusters=["a", "b"], node_cluster=np.array([0, 1, 1]),
+        edges=np.array([[0, 2], [1, 2]]), num_clients=2, aggregators=["server"], kind="star",
+        parent=np.array([2, 2, -1]))
+    placements = Placements()
+    placements.learn("j", matrix.to_bytes(), owner="sched")
+    assert placements.refusal(header("server", "restore"), "sched") is None
+    refused = placements.refusal(header("server", "restore"), "a")  # a member posing
+    assert refused is not None and "places it on cluster 'b'" in refused
+    assert placements.refusal(header("server", "c0"), "b") is None  # the genuine sender
+    placements.forget("j")
+    placements.learn("j", matrix.to_bytes())  # a plan without an owner: no exemption
+    assert placements.refusal(header("server", "restore"), "sched") is not None
+
+
+def test_a_repeated_rounds_attempt_suffix_still_names_source_and_target() -> None:
+    matrix = RoutingMatrix.from_edges(
+        job_id="j", clusters=["a", "b"], node_cluster=np.array([0, 1, 1]),
+        edges=np.array([[0, 2], [1, 2]]), num_clients=2, aggregators=["server"], kind="star",
+        parent=np.array([2, 2, -1]))
+    placements = Placements()
+    placements.learn("j", matrix.to_bytes(), owner="sched")
+    again = UpdateHeader(job_id="j", round=4, source_node="server", target_node="c0",
+                         message_id="j/4/down/server/c0~1", tensor_count=1, byte_length=8,
+                         sha256=b"\0" * 32)
+    assert placements.refusal(again, "b") is None
+    forged = UpdateHeader(job_id="j", round=4, source_node="server", target_node="c0",
+                          message_id="j/4/down/server/c1~1", tensor_count=1, byte_length=8,
+                          sha256=b"\0" * 32)
+    assert "does not name" in (placements.refusal(forged, "b") or "")
