@@ -62,6 +62,8 @@ class Config:
     ray_address: str
     metrics_endpoint: str
     limits: Limits = field(default_factory=Limits)
+    #: [metrics] executor_endpoint: where this cluster's executor serves its job metrics
+    metrics_executor_endpoint: str = ""
     # bounds of an embedded Ray (ray.address = "local"); 0 = Ray's own default (all CPUs,
     # ~30% of memory for the object store)
     ray_num_cpus: float = 0.0
@@ -221,6 +223,16 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         except ValueError as exc:
             raise _err(cfg_path, "metrics.endpoint", metrics_endpoint, f"empty (off) or {exc}") from None
 
+    metrics_executor_endpoint = _str(cfg_path, metrics, "metrics", "executor_endpoint", "")
+    if metrics_executor_endpoint:
+        from fabricd.metrics import parse_endpoint
+
+        try:
+            parse_endpoint(metrics_executor_endpoint)
+        except ValueError as exc:
+            raise _err(cfg_path, "metrics.executor_endpoint", metrics_executor_endpoint,
+                       f"empty (off) or {exc}") from None
+
     lim = _section(cfg_path, data, "limits")
     defaults = Limits()
     limits = Limits(
@@ -255,6 +267,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         announce=announce, bootstrap=bootstrap, identity_key=identity_key, certificate=certificate,
         ca_public_key=ca_pub, revocation_list=revocations, bridge_socket=sock,
         ray_address=ray_address, metrics_endpoint=metrics_endpoint, limits=limits,
+        metrics_executor_endpoint=metrics_executor_endpoint,
         ray_num_cpus=float(ray_num_cpus), ray_object_store_memory=int(ray_object_store_memory),
         allow_models=tuple(allow_models), data_roots=data_roots,
     )

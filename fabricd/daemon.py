@@ -145,6 +145,7 @@ class Daemon:
                 cluster_id=cfg.cluster_id, bridge_socket=cfg.bridge_socket,
                 ray_address=cfg.ray_address, log_dir=cfg.path.parent,
                 num_cpus=cfg.ray_num_cpus, object_store_memory=cfg.ray_object_store_memory,
+                metrics_endpoint=cfg.metrics_executor_endpoint,
                 allow_models=cfg.allow_models, data_roots=cfg.data_roots)
             self.bridge = BridgeServer(cfg.bridge_socket, self, cluster_id=cfg.cluster_id,
                                        max_payload=lim.max_update_bytes,

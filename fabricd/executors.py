@@ -41,7 +41,7 @@ LEAVE_GRACE = 20.0
 class ExecutorLauncher:
     def __init__(self, *, cluster_id: str, bridge_socket: Path, ray_address: str,
                  log_dir: Path, command: list[str] | None = None, num_cpus: float = 0.0,
-                 object_store_memory: int = 0,
+                 object_store_memory: int = 0, metrics_endpoint: str = "",
                  allow_models: tuple[str, ...] = (), data_roots: tuple[Path, ...] = ()) -> None:
         self.cluster_id = cluster_id
         # The cluster operator's allow-lists, read by worker/executor/allowlist.py.
@@ -52,6 +52,7 @@ class ExecutorLauncher:
         self.log_dir = log_dir
         self.num_cpus = num_cpus
         self.object_store_memory = object_store_memory
+        self.metrics_endpoint = metrics_endpoint
         self.command = command or [sys.executable, "-m", "worker.executor"]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.detached: set[str] = set()
@@ -64,6 +65,8 @@ class ExecutorLauncher:
             bounds += ["--num-cpus", f"{self.num_cpus:g}"]
         if self.object_store_memory:
             bounds += ["--object-store-memory", str(self.object_store_memory)]
+        if self.metrics_endpoint:  # cluster.toml [metrics] executor_endpoint
+            bounds += ["--metrics", self.metrics_endpoint]
         return [*self.command, "--bridge", str(self.bridge_socket), "--cluster-id",
                 self.cluster_id, "--job", job_id, "--ray", self.ray_address, *bounds]
 

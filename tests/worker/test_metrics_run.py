@@ -90,3 +90,44 @@ def test_submit_rejects_a_bad_metrics_endpoint_before_starting(tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert "metrics endpoint 'nonsense': expected HOST:PORT" in err and "\n" not in err
     assert not (tmp_path / "tb").exists()
+
+
+def test_each_executor_serves_its_own_rounds_and_fabricd_passes_the_endpoint(
+        tmp_path: object) -> None:
+    from pathlib import Path
+
+    from fabricd.executors import ExecutorLauncher
+    from fedpilot.loopback import LoopbackMesh
+    from scheduler.driver import Driver
+    from worker.executor.runtime import runtime_factory
+
+    launcher = ExecutorLauncher(cluster_id="a", bridge_socket=Path("/x.sock"), ray_address="local",
+                                log_dir=Path(str(tmp_path)), metrics_endpoint="127.0.0.1:0")
+    command = launcher.command_for("j")
+    assert command[command.index("--metrics") + 1] == "127.0.0.1:0"
+
+    from proto.job import PlacementSpec
+
+    spec = JobSpec(job_id="m2", seed=4, data=DataSpec(number_of_clients=6),
+                   training=TrainingSpec(federated_learning_rounds=2, number_of_epochs=1),
+                   placement=PlacementSpec(strategy="round_robin"))
+    mesh = LoopbackMesh(["a", "b"], lambda cid: runtime_factory(InProcessContext(), cid),
+                        capacity=6)
+    served = {}
+    for cid, service in mesh.services.items():
+        service.metrics = RunMetrics("executor", cluster=cid)
+        served[cid] = service.metrics.serve("127.0.0.1:0")
+    driver = Driver(spec, mesh.clusters(), mesh, backend="inprocess")
+    try:
+        summary = driver.run().summary
+    finally:
+        driver.close()
+    job = {("job", "m2")}
+    inter = 0
+    for cid, address in served.items():
+        s = scrape(address)
+        assert s[("fedpilot_executor_round", frozenset(job))] == 2
+        assert s[("fedpilot_executor_rounds_total", frozenset(job))] == 2
+        inter += s[("fedpilot_executor_bytes_total", frozenset(job | {("scope", "inter")}))]
+        mesh.services[cid].metrics.close()
+    assert inter == summary.bytes_inter_total > 0

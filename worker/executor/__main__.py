@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="CPUs for an embedded Ray (default: all)")
     parser.add_argument("--object-store-memory", type=int, default=None,
                         help="bytes of object store for an embedded Ray (default: Ray's)")
+    parser.add_argument("--metrics", metavar="HOST:PORT", default="",
+                        help="serve this job's executor metrics (fedpilot_executor_*) at "
+                             "http://HOST:PORT/metrics (cluster.toml [metrics] executor_endpoint)")
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
     return parser.parse_args(argv)
 
@@ -92,6 +95,17 @@ def main(argv: list[str] | None = None) -> int:
                       on_delivery=on_delivery, on_control=on_control, on_replied=on_replied,
                       on_control_arrived=lambda msg: service.renew())
     service.link = link
+    if args.metrics:
+        from fedpilot.metrics import RunMetrics
+
+        metrics = RunMetrics("executor", cluster=args.cluster_id)
+        try:
+            address = metrics.serve(args.metrics)
+            service.metrics = metrics
+            log.info("event=metrics_serving cluster=%s address=%s", args.cluster_id, address)
+        except OSError as exc:  # e.g. another job's executor holds the port: run without
+            log.warning("event=metrics_unavailable cluster=%s endpoint=%s reason=%s",
+                        args.cluster_id, args.metrics, exc)
     log.info("event=executor_ready cluster=%s job=%s ray=%s", args.cluster_id, args.job, args.ray)
     try:
         while not finished.wait(0.5):

@@ -97,6 +97,8 @@ class ExecutorService:
         self.stopped = threading.Event()
         self._nodes: dict[str, str] = {}
         self._epoch = 0
+        #: a fedpilot.metrics.RunMetrics to report every round to (or None)
+        self.metrics: Any = None
         self._lock = threading.Lock()
         self.lease_seconds = FIRST_LEASE
         self._restoring: tuple[str, set[str]] | None = None  # (from cluster, nodes)
@@ -259,6 +261,12 @@ class ExecutorService:
             record = self.engine.run_round(r, None if deadline is None else float(deadline))
         except Exception as exc:
             raise ControlError(explain_failure(exc, self.cluster_id, r, self.spec)) from exc
+        if self.metrics is not None and self.spec is not None and self.runtime is not None:
+            self.metrics.round_finished(
+                self.spec.job_id, record.round, seconds=record.seconds,
+                accuracy=record.accuracy, loss=record.loss, bytes_intra=record.bytes_intra,
+                bytes_inter=record.bytes_inter,
+                actors_materialized=self.runtime.actors_materialized())
         return record.to_dict()
 
     def _abort_round(self, body: dict[str, Any]) -> dict[str, Any]:
