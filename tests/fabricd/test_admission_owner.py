@@ -3,6 +3,8 @@ executors (no node of the matrix lives on its cluster); nobody else may claim it
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from fabricd.admission import Placements
@@ -16,11 +18,16 @@ def header(source: str, target: str) -> UpdateHeader:
                         byte_length=8, sha256=b"\0" * 32)
 
 
-def test_the_owning_scheduler_may_restore_and_others_may_not() -> None:
-    matrix = RoutingMatrix.from_edges(
+def star_ab() -> RoutingMatrix:
+    """c0 on a; c1 and the server on b."""
+    return RoutingMatrix.from_edges(
         job_id="j", clusters=["a", "b"], node_cluster=np.array([0, 1, 1]),
         edges=np.array([[0, 2], [1, 2]]), num_clients=2, aggregators=["server"], kind="star",
         parent=np.array([2, 2, -1]))
+
+
+def test_the_owning_scheduler_may_restore_and_others_may_not() -> None:
+    matrix = star_ab()
     placements = Placements()
     placements.learn("j", matrix.to_bytes(), owner="sched")
     assert placements.refusal(header("server", "restore"), "sched") is None
@@ -33,17 +40,10 @@ def test_the_owning_scheduler_may_restore_and_others_may_not() -> None:
 
 
 def test_a_repeated_rounds_attempt_suffix_still_names_source_and_target() -> None:
-    matrix = RoutingMatrix.from_edges(
-        job_id="j", clusters=["a", "b"], node_cluster=np.array([0, 1, 1]),
-        edges=np.array([[0, 2], [1, 2]]), num_clients=2, aggregators=["server"], kind="star",
-        parent=np.array([2, 2, -1]))
+    matrix = star_ab()
     placements = Placements()
     placements.learn("j", matrix.to_bytes(), owner="sched")
-    again = UpdateHeader(job_id="j", round=4, source_node="server", target_node="c0",
-                         message_id="j/4/down/server/c0~1", tensor_count=1, byte_length=8,
-                         sha256=b"\0" * 32)
+    again = replace(header("server", "c0"), message_id="j/4/down/server/c0~1")
     assert placements.refusal(again, "b") is None
-    forged = UpdateHeader(job_id="j", round=4, source_node="server", target_node="c0",
-                          message_id="j/4/down/server/c1~1", tensor_count=1, byte_length=8,
-                          sha256=b"\0" * 32)
+    forged = replace(header("server", "c0"), message_id="j/4/down/server/c1~1")
     assert "does not name" in (placements.refusal(forged, "b") or "")
