@@ -56,12 +56,16 @@ class JobOwners:
     """Which scheduler (by peer id) owns which job on this cluster.
 
     The first ``job.start`` for a job id makes its signer the owner; every job message
-    (``job.*``, ``round.*``, ``node.*``) for that job must come from the owner, and job
-    messages for a job never started here are refused.
+    (``job.*``, ``round.*``, ``node.*``) for that job must come from the owner. A job
+    with no owner here (never started, or over: its last executor left) has nothing to
+    steer; the bridge refuses its messages unless an executor for it is attached.
     """
 
     def __init__(self, limit: int = MAX_OWNED_JOBS) -> None:
         self._owners: BoundedDict[str, tuple[str, str]] = BoundedDict(limit)
+
+    def forget(self, job_id: str) -> None:
+        self._owners.pop(job_id, None)
 
     def owner(self, job_id: str) -> tuple[str, str] | None:
         return self._owners.get(job_id)
@@ -77,10 +81,7 @@ class JobOwners:
         if owner is not None and owner[0] != signer.peer_id:
             raise WrongRole(f"job {job_id!r} is owned by scheduler peer {owner[0]} (cluster {owner[1]}); "
                             f"{kind} from peer {signer.peer_id} (cluster {signer.cluster_id}) refused")
-        if owner is None:
-            if kind != "job.start":
-                raise InvalidMessage(f"{kind} for job {job_id!r}, which no scheduler started on this "
-                                     "cluster (job.start first)")
+        if owner is None and kind == "job.start":
             self._owners[job_id] = (signer.peer_id, signer.cluster_id)
 
 

@@ -216,6 +216,8 @@ class Daemon:
         message ids (a new run of the same job id reuses them) and expect its executor to
         exit."""
         self.updates.forget_job(job_id)
+        # The job is over here: a new run of the same id may be started by any scheduler.
+        self.control_service.owners.forget(job_id)
         self.launcher.left(job_id)
 
     def listen_addrs(self) -> list[str]:
