@@ -176,14 +176,17 @@ async def test_forged_heartbeats_relayed_by_a_member_cause_no_dials(mesh) -> Non
                 await trio.sleep(0.005)
         # Wait until a has judged them: its counter rises, then stays put (gossipsub's
         # peer scoring may mute the liar after a while, which is fine too).
+        # On a loaded machine the judgements can trickle in for minutes: what matters is
+        # that some were judged (asserted below) and that none led to a dial.
         last, stable_since = before, time.monotonic()
-        with trio.fail_after(120):
+        with trio.move_on_after(120):
             while last == before or time.monotonic() - stable_since < 3:
                 now = (await trio.to_thread.run_sync(lambda: bridge_status(a)))["gossip"]["rejected_heartbeats"]
                 if now != last:
                     last, stable_since = now, time.monotonic()
                 await trio.sleep(0.2)
         # The dial loop runs every 0.25 s: by now it has had many rounds to (wrongly) use a hint.
+    assert last > before, "the member never judged the forged heartbeats"
     dials = 0
     while True:
         try:
