@@ -98,6 +98,22 @@ class SendUpdate(BridgeMessage):
         return cls(target_cluster=target_cluster,
                    **{k: getattr(header, k) for k in _HEADER_FIELDS})
 
+    @classmethod
+    def for_payload(cls, payload: bytes, *, target_cluster: str, job_id: str, round: int,
+                    source_node: str, target_node: str, message_id: str) -> SendUpdate:
+        """The request to stream `payload` (safetensors bytes): its tensor count, length
+        and digest taken from the payload itself (the one place a client computes them)."""
+        import hashlib
+        import json
+        import struct
+
+        (size,) = struct.unpack_from("<Q", payload)
+        count = sum(1 for k in json.loads(payload[8:8 + size]) if k != "__metadata__")
+        return cls(target_cluster=target_cluster, job_id=job_id, round=round,
+                   source_node=source_node, target_node=target_node, message_id=message_id,
+                   tensor_count=count, byte_length=len(payload),
+                   sha256=hashlib.sha256(payload).digest())
+
 
 @dataclass(frozen=True)
 class SendResult(BridgeMessage):

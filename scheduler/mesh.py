@@ -8,9 +8,7 @@ identity, and receiving daemons refuse job messages not signed by a scheduler.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import logging
 import socket
 import threading
@@ -125,24 +123,15 @@ class BridgeChannel:
 
     def request(self, cluster_id: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         request_id = f"s{next(self._ids)}"
-        fut: Future[ControlResult] = Future()
-        with self._lock:
-            self._pending[request_id] = fut
+        msg = ControlSend(request_id=request_id, target_cluster=cluster_id, body=body)
         try:
-            with self._write:
-                send_bridge(self._sock, ControlSend(request_id=request_id,
-                                                    target_cluster=cluster_id, body=body))
-            try:
-                result = fut.result(timeout=timeout)
-            except TimeoutError:
-                raise JobFailed(f"cluster {cluster_id} did not answer {body.get('kind')} "
-                                f"within {timeout:.0f} s") from None
+            result = self._exchange(self._pending, request_id, msg, b"", timeout)
+        except TimeoutError:
+            raise JobFailed(f"cluster {cluster_id} did not answer {body.get('kind')} "
+                            f"within {timeout:.0f} s") from None
         except OSError as exc:
             raise JobFailed(f"lost the scheduler's daemon while talking to cluster "
                             f"{cluster_id}: {exc}") from exc
-        finally:
-            with self._lock:
-                self._pending.pop(request_id, None)
         if not result.ok:
             raise JobFailed(f"cluster {cluster_id} refused {body.get('kind')}: {result.reason}")
         return dict(result.body)
@@ -158,31 +147,35 @@ class BridgeChannel:
                     target_node: str, message_id: str, payload: bytes, timeout: float) -> None:
         """Stream `payload` (a safetensors update) to `target_cluster`'s executor (a node
         state restored from a checkpoint); JobFailed unless its daemon took it."""
-        size = int.from_bytes(payload[:8], "little")
-        count = sum(1 for k in json.loads(payload[8:8 + size]) if k != "__metadata__")
-        msg = SendUpdate(target_cluster=target_cluster, job_id=job_id, round=round,
-                         source_node=source_node, target_node=target_node,
-                         message_id=message_id, tensor_count=count, byte_length=len(payload),
-                         sha256=hashlib.sha256(payload).digest())
-        fut: Future[SendResult] = Future()
-        with self._lock:
-            self._sent[message_id] = fut
+        msg = SendUpdate.for_payload(payload, target_cluster=target_cluster, job_id=job_id,
+                                     round=round, source_node=source_node,
+                                     target_node=target_node, message_id=message_id)
         try:
-            with self._write:
-                send_bridge(self._sock, msg, payload)
-            result = fut.result(timeout=timeout)
+            result = self._exchange(self._sent, message_id, msg, payload, timeout)
         except TimeoutError:
             raise JobFailed(f"update {message_id} to cluster {target_cluster} was not "
                             f"acknowledged within {timeout:.0f} s") from None
         except OSError as exc:
             raise JobFailed(f"lost the scheduler's daemon while sending to cluster "
                             f"{target_cluster}: {exc}") from exc
-        finally:
-            with self._lock:
-                self._sent.pop(message_id, None)
         if not result.ok:
             raise JobFailed(f"cluster {target_cluster} did not take update {message_id}: "
                             f"{result.reason}")
+
+    def _exchange(self, table: dict[str, Future[Any]], key: str, msg: Any, payload: bytes,
+                  timeout: float) -> Any:
+        """Write `msg` and wait for the answer the reader files under `key` in `table`
+        (TimeoutError, or OSError if the daemon's socket fails)."""
+        fut: Future[Any] = Future()
+        with self._lock:
+            table[key] = fut
+        try:
+            with self._write:
+                send_bridge(self._sock, msg, payload)
+            return fut.result(timeout=timeout)
+        finally:
+            with self._lock:
+                table.pop(key, None)
 
     def take_update(self, job_id: str, source_node: str, timeout: float) -> bytes:
         deadline = time.monotonic() + timeout

@@ -8,11 +8,8 @@ flowing while a round runs.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,12 +38,6 @@ CONTROL_WORKERS = 4  # control messages answered at once (the rest queue in orde
 
 class RemoteSendError(WorkerError, RuntimeError):
     """fabricd could not deliver an update to the target cluster (reason from the daemon)."""
-
-
-def tensor_count(payload: bytes) -> int:
-    (size,) = struct.unpack("<Q", payload[:8])
-    header = json.loads(payload[8:8 + size])
-    return sum(1 for k in header if k != "__metadata__")
 
 
 class BridgeLink:
@@ -95,10 +86,9 @@ class BridgeLink:
     # -- RemoteLink ----------------------------------------------------------------------
     def send_update(self, *, target_cluster: str, job_id: str, round: int, source_node: str,
                     target_node: str, message_id: str, payload: bytes) -> None:
-        msg = SendUpdate(
-            target_cluster=target_cluster, job_id=job_id, round=round, source_node=source_node,
-            target_node=target_node, message_id=message_id, tensor_count=tensor_count(payload),
-            byte_length=len(payload), sha256=hashlib.sha256(payload).digest())
+        msg = SendUpdate.for_payload(
+            payload, target_cluster=target_cluster, job_id=job_id, round=round,
+            source_node=source_node, target_node=target_node, message_id=message_id)
         fut: Future[SendResult] = Future()
         with self._pending_lock:
             self._pending[message_id] = fut
