@@ -77,8 +77,8 @@ def parse(data: bytes | bytearray | memoryview, *, source: str = "remote node"
     """Tensors (read-only views into `data`) and string metadata of safetensors bytes."""
     view = memoryview(data).cast("B")
     if len(view) < 8:
-        raise PayloadError(f"payload from {source} is {len(view)} bytes, shorter than a "
-                           "safetensors header")
+        raise PayloadError(f"payload from {source} is {len(view)} bytes, too short to hold "
+                           "a safetensors header")
     (size,) = struct.unpack_from("<Q", view)
     if size > min(len(view) - 8, MAX_HEADER_BYTES):
         raise PayloadError(f"payload from {source} declares a {size}-byte header; "

@@ -58,24 +58,9 @@ def bytes_to_weights(data: bytes) -> Weights:
 
 def bytes_metadata(data: bytes) -> dict[str, str]:
     """Return the string metadata stored in safetensors bytes (empty if there is none)."""
-    import json
-    import struct
+    from worker.payload import parse  # the one safetensors header parser
 
-    if len(data) < 8:
-        raise SerializationError(f"{len(data)} bytes are too short to be safetensors")
-    (header_len,) = struct.unpack("<Q", data[:8])
-    if header_len > len(data) - 8:
-        raise SerializationError(
-            f"safetensors header claims {header_len} bytes but only {len(data) - 8} follow"
-        )
-    try:
-        header = json.loads(data[8 : 8 + header_len])
-    except ValueError as exc:
-        raise SerializationError(f"safetensors header is not JSON ({exc})") from None
-    meta = header.get("__metadata__") or {}
-    if not isinstance(meta, dict):
-        raise SerializationError("safetensors __metadata__ is not a map of strings")
-    return {str(k): str(v) for k, v in meta.items()}
+    return parse(data, source="safetensors bytes")[1]
 
 
 def state_dict_to_weights(state_dict: Mapping[str, torch.Tensor]) -> Weights:
