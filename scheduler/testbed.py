@@ -142,6 +142,12 @@ class LocalTestbed:
             pass
         proc.wait(timeout=10)
 
+    def restart(self, name: str) -> None:
+        """Start a killed daemon again with the same config (identity, listen address)."""
+        if self.procs[name].poll() is None:
+            raise JobFailed(f"daemon {name} is still running: kill it first")
+        self._spawn(name, self.configs[name])
+
     # -- tear-down ---------------------------------------------------------------------------
     def close(self) -> None:
         for proc in self.procs.values():
