@@ -7,6 +7,7 @@ paths in the file are resolved against the directory that holds it.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import tomllib
 from dataclasses import dataclass, field
@@ -16,12 +17,14 @@ from typing import Any
 import multiaddr
 
 from fabricd.errors import FabricdError
+from proto.job import DATASET_PREFIXES
 
 ROLES = ("cluster", "scheduler")
 RAY_ADDRESS_KINDS = ("local", "auto", "inprocess")
 # AF_UNIX sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_SOCKET_PATH = 100
 MAX_FRAME_LIMIT = 16 * 1024 * 1024
+_DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 class ConfigError(FabricdError):
@@ -72,6 +75,9 @@ class Config:
     allow_models: tuple[str, ...] = ()
     #: [allow] data_roots: directories job datasets may be read from
     data_roots: tuple[Path, ...] = ()
+    #: [datasets] NAME = "KIND:PATH[#options]": the data this cluster holds, for jobs with
+    #: data.placement = "pinned" (paths absolute, inside data_roots)
+    datasets: tuple[tuple[str, str], ...] = ()
 
 
 def _err(path: Path, key: str, value: Any, allowed: str) -> ConfigError:
@@ -167,7 +173,8 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{cfg_path}: not valid TOML: {exc}") from None
     base = cfg_path.parent
-    known = {"cluster", "network", "identity", "bridge", "ray", "limits", "metrics", "allow"}
+    known = {"cluster", "network", "identity", "bridge", "ray", "limits", "metrics", "allow",
+             "datasets"}
     for key in data:
         if key not in known:
             raise _err(cfg_path, key, data[key], "sections " + ", ".join(sorted(known)))
@@ -261,6 +268,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
             raise _err(cfg_path, f"allow.{key}", allow[key], "keys allow.models and allow.data_roots")
     allow_models = _str_list(cfg_path, allow, "allow.models", [])
     data_roots = tuple(_path(base, r) for r in _str_list(cfg_path, allow, "allow.data_roots", ["data"]))
+    datasets = _datasets(cfg_path, _section(cfg_path, data, "datasets"), base, data_roots)
 
     return Config(
         path=cfg_path, cluster_id=cluster_id, role=role, capacity=capacity, listen=listen,
@@ -269,8 +277,36 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         ray_address=ray_address, metrics_endpoint=metrics_endpoint, limits=limits,
         metrics_executor_endpoint=metrics_executor_endpoint,
         ray_num_cpus=float(ray_num_cpus), ray_object_store_memory=int(ray_object_store_memory),
-        allow_models=tuple(allow_models), data_roots=data_roots,
+        allow_models=tuple(allow_models), data_roots=data_roots, datasets=datasets,
     )
+
+
+def _datasets(path: Path, sect: dict[str, Any], base: Path,
+              roots: tuple[Path, ...]) -> tuple[tuple[str, str], ...]:
+    """`[datasets] NAME = "KIND:PATH[#options]"`: each path made absolute (relative to the
+    config's directory) and required to lie inside `[allow] data_roots` (symlinks resolved),
+    so a pinned job reads only what the operator declared and allowed."""
+    out = []
+    for name, value in sect.items():
+        key = f"datasets.{name}"
+        if not _DATASET_NAME.match(name):
+            raise _err(path, key, value, "a dataset name of 1-64 letters, digits, '.', '_' or '-'"
+                       " (starting with a letter or digit)")
+        kind, sep, rest = value.partition(":") if isinstance(value, str) else ("", "", "")
+        if not sep or kind + sep not in DATASET_PREFIXES or not rest.partition("#")[0]:
+            raise _err(path, key, value, "a string KIND:PATH[#options] with KIND one of "
+                       + ", ".join(p.rstrip(":") for p in DATASET_PREFIXES)
+                       + ' (e.g. "npz:data/site-a.npz"; relative paths start at this file)')
+        raw, hash_, options = rest.partition("#")
+        resolved = _path(base, raw)
+        real = Path(os.path.realpath(resolved))
+        if not any(real == Path(os.path.realpath(r)) or Path(os.path.realpath(r)) in real.parents
+                   for r in roots):
+            raise _err(path, key, value, f"a path inside [allow] data_roots (it reads {real}; "
+                       f"data_roots: {', '.join(str(r) for r in roots) or 'none'}); move the "
+                       "file or add its directory to [allow] data_roots")
+        out.append((name, f"{kind}:{resolved}{hash_}{options}"))
+    return tuple(out)
 
 
 def _str_list(path: Path, sect: dict[str, Any], key: str, default: list[str]) -> list[str]:
@@ -322,4 +358,9 @@ heartbeat_timeout = 5.0
 
 [metrics]
 endpoint = ""                   # HOST:PORT serves Prometheus text at /metrics; "" = off
+
+# The data this cluster holds, for jobs with data.placement = "pinned" (docs/job.md):
+# NAME = "KIND:PATH" (KIND npz, csv, parquet or imagefolder; PATH inside [allow] data_roots)
+# [datasets]
+# site = "npz:data/site.npz"
 """

@@ -146,7 +146,8 @@ class Daemon:
                 ray_address=cfg.ray_address, log_dir=cfg.path.parent,
                 num_cpus=cfg.ray_num_cpus, object_store_memory=cfg.ray_object_store_memory,
                 metrics_endpoint=cfg.metrics_executor_endpoint,
-                allow_models=cfg.allow_models, data_roots=cfg.data_roots)
+                allow_models=cfg.allow_models, data_roots=cfg.data_roots,
+                datasets=cfg.datasets)
             self.bridge = BridgeServer(cfg.bridge_socket, self, cluster_id=cfg.cluster_id,
                                        max_payload=lim.max_update_bytes,
                                        control_timeout=lim.control_timeout,

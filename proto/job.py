@@ -15,6 +15,10 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 DISTRIBUTIONS = ("iid", "dirichlet", "labels", "shards", "quantity")
+#: simulated: every cluster can rebuild every client from one dataset (the job's path);
+#: pinned: each cluster builds its clients from the dataset of that name it declares in
+#: cluster.toml [datasets], and no client leaves the cluster that holds its data
+DATA_PLACEMENTS = ("simulated", "pinned")
 TOPOLOGIES = ("star", "hierarchical", "ring", "k_connected", "full", "custom", "hybrid")
 AGGREGATORS = (
     "fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad",
@@ -43,7 +47,8 @@ class JobSpecError(ValueError):
 
 @dataclass(frozen=True)
 class DataSpec:
-    dataset: str = "digits"                 # "digits" or PREFIX:PATH (DATASET_PREFIXES)
+    dataset: str = "digits"                 # "digits" or PREFIX:PATH; pinned: a NAME
+    placement: str = "simulated"            # simulated | pinned (DATA_PLACEMENTS)
     number_of_clients: int = 30
     data_distribution_kind: str = "dirichlet"
     dirichlet_beta: float = 0.5
@@ -294,12 +299,23 @@ def _rule_job_id(source: str, key: str, value: Any) -> str:
     return value
 
 
+_DATASET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def dataset_is_path(dataset: str) -> bool:
+    """Whether `dataset` is a file dataset PREFIX:PATH (else a built-in or a declared name)."""
+    return any(dataset.startswith(p) and len(dataset) > len(p) for p in DATASET_PREFIXES)
+
+
 def _rule_dataset(source: str, key: str, value: Any) -> str:
-    if isinstance(value, str) and (value in DATASETS or any(
-            value.startswith(p) and len(value) > len(p) for p in DATASET_PREFIXES)):
+    # a bare NAME is a dataset the clusters declare (data.placement = "pinned"; checked
+    # with the other keys in _check_cross)
+    if isinstance(value, str) and (value in DATASETS or dataset_is_path(value)
+                                   or _DATASET_NAME.match(value)):
         return value
     raise _fail(source, key, value, "one of " + ", ".join(DATASETS) + ", or " +
-                ", ".join(f"'{p}PATH'" for p in DATASET_PREFIXES))
+                ", ".join(f"'{p}PATH'" for p in DATASET_PREFIXES) +
+                ", or (data.placement = 'pinned') the NAME of a cluster.toml [datasets] entry")
 
 
 def _rule_aggregator(source: str, key: str, value: Any) -> str:
@@ -332,6 +348,7 @@ def _rule_optional_positive_float(source: str, key: str, value: Any) -> float | 
 
 _RULES: dict[str, Rule] = {
     "data.dataset": _rule_dataset,
+    "data.placement": _rule_choice(DATA_PLACEMENTS),
     "data.number_of_clients": _rule_int(1, 10_000_000),
     "data.data_distribution_kind": _rule_choice(DISTRIBUTIONS),
     "data.dirichlet_beta": _rule_float(0.0, low_open=True),
@@ -397,6 +414,7 @@ def _build_section(source: str, name: str, section_cls: type, table: Mapping[str
 
 def _check_cross(source: str, spec: JobSpec) -> None:
     """Rules that involve more than one key."""
+    _check_data_placement(source, spec)
     n = spec.data.number_of_clients
     topo = spec.topology
     if topo.kind == "k_connected" and topo.client_k_neighbors >= n:
@@ -413,3 +431,27 @@ def _check_cross(source: str, spec: JobSpec) -> None:
     if spec.aggregation.name == "krum" and n <= 2 * spec.aggregation.krum_byzantine + 2:
         raise _fail(source, "aggregation.krum_byzantine", spec.aggregation.krum_byzantine,
                     f"an integer f with data.number_of_clients ({n}) > 2f + 2 for krum")
+
+
+def _check_data_placement(source: str, spec: JobSpec) -> None:
+    """Pinned data names a dataset the clusters declare; simulated data is one the job
+    names by path (or a built-in). Pinned placement is fixed by where the data is, so no
+    assignment strategy applies."""
+    dataset = spec.data.dataset
+    if spec.data.placement == "pinned":
+        if dataset_is_path(dataset) or dataset in DATASETS:
+            raise _fail(source, "data.dataset", dataset,
+                        "with data.placement = 'pinned', the NAME of a dataset every cluster "
+                        "declares in its cluster.toml [datasets] (e.g. \"site\"), not a path or "
+                        "a built-in: each cluster reads its own file")
+        if spec.placement.strategy != "locality":
+            raise _fail(source, "placement.strategy", spec.placement.strategy,
+                        "'locality' (the default) with data.placement = 'pinned': every client "
+                        "stays on the cluster that holds its data, so no other assignment applies")
+        return
+    if not (dataset in DATASETS or dataset_is_path(dataset)):
+        raise _fail(source, "data.dataset", dataset,
+                    "one of " + ", ".join(DATASETS) + ", or " +
+                    ", ".join(f"'{p}PATH'" for p in DATASET_PREFIXES) +
+                    f"; a bare name ({dataset!r}) means the dataset of that name each cluster "
+                    "declares in cluster.toml [datasets]: set data.placement = 'pinned' for that")

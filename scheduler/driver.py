@@ -31,6 +31,7 @@ from scheduler.checkpoint import Checkpoint
 from scheduler.clusters import ClusterSlot
 from scheduler.errors import JobFailed
 from scheduler.leases import ClusterLost, LeaseKeeper
+from scheduler.pinned import check_pinned_data, client_clusters, pinned_holders
 from scheduler.plan import Plan, plan_job
 from scheduler.recovery import Recovery, node_clusters
 from scheduler.results import ClusterRecordSummary, JobSummary
@@ -58,13 +59,15 @@ class ClusterChannel(Protocol):
 
 
 def plan_epoch(spec: JobSpec, histograms: np.ndarray, slots: Sequence[ClusterSlot], *,
-               epoch: int) -> Plan:
+               epoch: int, pinned: Sequence[str] | None = None) -> Plan:
     """Plan placement epoch `epoch`. Deterministic strategies give the same answer every
-    epoch (nothing moves unless the clusters changed); `random` draws anew each epoch."""
+    epoch (nothing moves unless the clusters changed); `random` draws anew each epoch.
+    `pinned`: the cluster of every client of a pinned-data job (they never move)."""
     planned_spec = spec
     if spec.placement.strategy == "random" and epoch:
         planned_spec = replace(spec, seed=spec.seed + epoch)
-    plan = plan_job(planned_spec, list(slots), histograms=histograms, epoch=epoch)
+    plan = plan_job(planned_spec, list(slots), histograms=histograms, epoch=epoch,
+                    pinned=pinned)
     return plan
 
 
@@ -124,6 +127,8 @@ class Driver(Recovery):
                                         thread_name_prefix="driver")
         self.leases: LeaseKeeper | None = None
         self._slowest = 0.0  # seconds of the slowest round so far
+        self._pinned: list[str] | None = None  # data.placement = "pinned": each client's cluster
+        self._client_samples: list[int] = []    # ... and its training samples (histogram sums)
 
     # -- fan-out -------------------------------------------------------------------------
     def _all(self, bodies: Mapping[str, dict[str, Any]], timeout: float | None = None
@@ -224,10 +229,16 @@ class Driver(Recovery):
         spec = self.spec
         ids = [c.cluster_id for c in self.clusters]
         n = spec.data.number_of_clients
-        holders = {cid: [i for i in range(n) if i % len(ids) == k] for k, cid in enumerate(ids)}
+        if spec.data.placement == "pinned":  # each cluster's clients come from its own file
+            holders = pinned_holders(n, ids)
+            self._pinned = client_clusters(holders)
+        else:
+            holders = {cid: [i for i in range(n) if i % len(ids) == k] for k, cid in enumerate(ids)}
         log.info("event=job_start job=%s clusters=%s clients=%d", spec.job_id, ",".join(ids), n)
         started = self._all({cid: self._job_body("job.start", job=spec.to_dict(),
                                                  clients=holders[cid]) for cid in ids})
+        if self._pinned is not None:
+            check_pinned_data(started, spec.data.dataset)
         histograms = np.zeros((n, 0), dtype=np.int64)
         for reply in started.values():
             rows = {int(k): v for k, v in reply["histograms"].items()}
@@ -235,10 +246,12 @@ class Driver(Recovery):
                 histograms = np.zeros((n, len(next(iter(rows.values())))), dtype=np.int64)
             for i, row in rows.items():
                 histograms[i] = row
+        self._client_samples = [int(x) for x in histograms.sum(axis=1)]
         slots = [ClusterSlot(c.cluster_id, c.capacity or int(started[c.cluster_id].get("capacity") or n),
                              c.peer_id) for c in self.clusters]
         resume = self.resume
-        plan = plan_epoch(spec, histograms, slots, epoch=resume.epoch if resume else 0)
+        plan = plan_epoch(spec, histograms, slots, epoch=resume.epoch if resume else 0,
+                          pinned=self._pinned)
         # each plan names the round that runs next: the executors accept updates for that
         # round (and the one after) only, and a fast cluster's first update of it may come
         # before the slow cluster's round.run
@@ -276,7 +289,8 @@ class Driver(Recovery):
                 if stage == "replan":
                     if period > 0 and r % period == 0 and r < rounds:
                         self._epoch = max(self._epoch + 1, r // period)
-                        new_plan = plan_epoch(spec, histograms, self._slots, epoch=self._epoch)
+                        new_plan = plan_epoch(spec, histograms, self._slots, epoch=self._epoch,
+                                              pinned=self._pinned)
                         moved = self._migrate(node_clusters(plan.routing), new_plan)
                         summary.replans += 1
                         summary.migrations += moved
@@ -312,13 +326,16 @@ class Driver(Recovery):
         return JobResult(summary, placement, model, model_info=info)
 
     def _replan(self, histograms: np.ndarray, slots: list[ClusterSlot], epoch: int) -> Plan:
-        return plan_epoch(self.spec, histograms, slots, epoch=epoch)
+        return plan_epoch(self.spec, histograms, slots, epoch=epoch, pinned=self._pinned)
 
     def _publish(self, plan: Plan, imports: Mapping[str, list[str]]) -> None:
         routing = plan.routing.to_bytes()
+        # pinned data: a cluster cannot count another's clients' samples itself; the
+        # weights of their updates are what their own clusters reported at start
+        extra = {} if self._pinned is None else {"client_samples": self._client_samples}
         self._all({c.cluster_id: self._job_body("job.plan", routing=routing,
                                                 imports=imports.get(c.cluster_id, []),
-                                                next_round=self._next_round)
+                                                next_round=self._next_round, **extra)
                    for c in self.clusters})
 
     def _round(self, r: int) -> RoundRecord:

@@ -20,6 +20,7 @@ from proto.routing import RoutingMatrix
 
 from .clusters import ClusterSlot, as_slots
 from .errors import AssignmentFileError, CapacityError, PlanError
+from .pinned import client_clusters, fixed_assignment, pinned_holders
 from .placement.communities import Communities, find_communities
 from .placement.histograms import job_histograms
 from .placement.mapping import (
@@ -106,17 +107,30 @@ def plan_placement(
     strategy: str | None = None,
     communities: Communities | None = None,
     topology: LogicalTopology | None = None,
+    pinned: Sequence[str] | None = None,
 ) -> PlacementResult:
     """Place every client on a cluster by `strategy` (default: the job's), never over a
     cluster's capacity. `histograms` are the clients' label histograms `[n, C]`; the
     communities and pre-placement topology are computed unless given. Raises
-    CapacityError when the clusters cannot hold the clients."""
+    CapacityError when the clusters cannot hold the clients.
+
+    A pinned job (data.placement = "pinned") places every client on the cluster that holds
+    its data: `pinned[i]` is client i's cluster (default: the blocks `pinned_holders`
+    gives these clusters); PinnedClientsLost if one of them is not among `clusters`."""
     slots = as_slots(clusters)
     ids = tuple(s.cluster_id for s in slots)
     caps = [s.capacity for s in slots]
     n = spec.data.number_of_clients
     seed = spec.seed if seed is None else seed
     strategy = strategy or spec.placement.strategy
+    if spec.data.placement == "pinned":
+        fixed = np.asarray(fixed_assignment(
+            pinned if pinned is not None else client_clusters(pinned_holders(n, ids)), ids,
+            caps), dtype=np.int64)
+        _check_histograms(histograms, n)
+        if communities is None:
+            communities = job_communities(spec, histograms, seed=seed)
+        return PlacementResult("pinned", ids, fixed, communities.labels, communities.count)
     check_capacity(n, caps)
     _check_histograms(histograms, n)
     if communities is None:
@@ -209,12 +223,17 @@ def plan_job(
     histograms: np.ndarray | None = None,
     compare: Sequence[str] = (),
     epoch: int = 0,
+    pinned: Sequence[str] | None = None,
 ) -> Plan:
     """Run the whole pipeline for `spec` (histograms from the job's own partition unless
     given) and time each stage. `compare` names other strategies whose inter-cluster
-    edge counts are reported alongside (same histograms, communities and topology)."""
+    edge counts are reported alongside (same histograms, communities and topology); a
+    pinned job has no other assignment to compare. `pinned`: see `plan_placement`."""
     slots = as_slots(clusters)
-    check_capacity(spec.data.number_of_clients, [s.capacity for s in slots])
+    if spec.data.placement == "pinned":
+        compare = ()
+    else:
+        check_capacity(spec.data.number_of_clients, [s.capacity for s in slots])
     seconds: dict[str, float] = {}
     t = time.perf_counter()
 
@@ -225,6 +244,10 @@ def plan_job(
         t = now
 
     if histograms is None:
+        if spec.data.placement == "pinned":
+            raise PlanError(f"data.dataset {spec.data.dataset!r} is pinned: the clients' label "
+                            "histograms come from the clusters' own files, which never leave "
+                            "them; plan with --synthetic-histograms, or submit the job")
         histograms = job_histograms(spec)
     _check_histograms(histograms, spec.data.number_of_clients)
     lap("histograms")
@@ -233,7 +256,7 @@ def plan_job(
     pre = pre_placement_topology(spec, histograms, seed=spec.seed)
     lap("topology")
     placement = plan_placement(spec, histograms, slots, strategy=strategy,
-                               communities=communities, topology=pre)
+                               communities=communities, topology=pre, pinned=pinned)
     lap("placement")
     topology = final_topology(spec, placement, pre, seed=spec.seed)
     routing = routing_matrix(spec, placement, topology, slots, epoch=epoch)

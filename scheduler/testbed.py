@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
@@ -76,7 +77,8 @@ def set_toml_value(path: Path, section: str, key: str, value: str) -> None:
 
 class LocalTestbed:
     def __init__(self, clusters: int, *, backend: str = "local", workdir: str | None = None,
-                 capacity: int = 0, cluster_prefix: str = "cluster-", metrics: bool = False) -> None:
+                 capacity: int = 0, cluster_prefix: str = "cluster-", metrics: bool = False,
+                 datasets: Mapping[str, Mapping[str, str]] | None = None) -> None:
         if clusters < 1:
             raise JobFailed("--local needs at least one cluster")
         if backend not in ("local", "inprocess"):
@@ -91,6 +93,13 @@ class LocalTestbed:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[IO[bytes]] = []
         self.configs: dict[str, Path] = {}
+        # cluster id -> its cluster.toml [datasets] (NAME -> KIND:PATH; relative paths start
+        # in the cluster's own directory, ROOT/<cluster id>/, whose data/ is its data root)
+        self.datasets = {cid: dict(table) for cid, table in (datasets or {}).items()}
+        unknown = sorted(set(self.datasets) - set(self.cluster_ids))
+        if unknown:
+            raise JobFailed(f"testbed: datasets for unknown cluster(s) {', '.join(unknown)} "
+                            f"(clusters: {', '.join(self.cluster_ids)})")
 
     # -- set-up ------------------------------------------------------------------------------
     def start(self, timeout: float = 60.0) -> list[ClusterInfo]:
@@ -113,6 +122,8 @@ class LocalTestbed:
                 set_toml_value(config, "ray", "address", self.backend)
             if self.metrics:
                 set_toml_value(config, "metrics", "endpoint", "127.0.0.1:0")
+            for dataset, where in self.datasets.get(name, {}).items():
+                set_toml_value(config, "datasets", dataset, where)
             self.configs[name] = config
             if first_addr is None:
                 ids = json.loads(_run(["id", "--config", str(config)], f"reading {name}'s id"))

@@ -11,6 +11,7 @@ from .partition import (
     PartitionError,
     client_data,
     label_histograms,
+    pinned_data,
 )
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "client_data",
     "label_histograms",
     "load_dataset",
+    "pinned_data",
 ]

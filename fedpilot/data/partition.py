@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -134,6 +134,34 @@ def client_data(dataset: Dataset, spec: DataSpec, seed: int) -> ClientPartition:
         histograms=label_histograms(dataset.y_train, train, dataset.num_classes),
         test_histograms=label_histograms(dataset.y_train, test, dataset.num_classes),
     )
+
+
+def pinned_data(dataset: Dataset, spec: DataSpec, seed: int, clients: Sequence[int]
+                ) -> ClientPartition:
+    """A cluster's share of a pinned job (data.placement = "pinned"): its own `dataset`
+    partitioned among `clients` only (global client ids, in order) as `spec` says, in a
+    partition of all `spec.number_of_clients` clients whose other entries are empty.
+
+    The clients of other clusters are built by those clusters from their own files; here
+    they hold no sample, so nothing of this cluster's data can train them."""
+    n = int(spec.number_of_clients)
+    ids = [int(c) for c in clients]
+    if not ids:
+        raise PartitionError("a pinned partition needs at least one client of this cluster")
+    bad = [c for c in ids if not 0 <= c < n]
+    if bad or len(set(ids)) != len(ids):
+        raise PartitionError(f"pinned clients must be distinct ids in 0..{n - 1}, got {ids[:8]}")
+    local = client_data(dataset, replace(spec, number_of_clients=len(ids)), seed)
+    empty = np.zeros(0, dtype=np.int64)
+    train = [empty] * n
+    test = [empty] * n
+    hist = np.zeros((n, dataset.num_classes), dtype=np.int64)
+    test_hist = np.zeros((n, dataset.num_classes), dtype=np.int64)
+    for j, c in enumerate(ids):
+        train[c], test[c] = local.train_indices[j], local.test_indices[j]
+        hist[c], test_hist[c] = local.histograms[j], local.test_histograms[j]
+    return ClientPartition(train_indices=train, test_indices=test, histograms=hist,
+                           test_histograms=test_hist)
 
 
 # ---------------------------------------------------------------------------------------

@@ -39,7 +39,12 @@ def check_job_inputs(spec: JobSpec, source: str, *, model: bool = True) -> Datas
 
 def check_before_start(spec: JobSpec, source: str) -> None:
     """What `plan` and `submit` run first: the data here, a user model in a child Python
-    (the calling process never imports torch); JobSpecError naming the key otherwise."""
+    (the calling process never imports torch); JobSpecError naming the key otherwise.
+
+    A pinned job's data is on the clusters, not here: each cluster checks its own file and
+    the model against it when the job starts (`job.start`)."""
+    if spec.data.placement == "pinned":
+        return
     check_job_inputs(spec, source, model=False)
     if ":" in spec.model.name:
         check_model_in_child(spec, source)

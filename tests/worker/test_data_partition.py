@@ -192,3 +192,24 @@ def test_any_request_either_fails_clearly_or_partitions_validly(
     except PartitionError:
         return
     _check_disjoint(parts, len(y), num_clients)
+
+
+def test_pinned_data_partitions_only_this_clusters_clients() -> None:
+    from fedpilot.data import load_dataset, pinned_data
+    from proto.job import DataSpec
+
+    dataset = load_dataset("digits")
+    spec = DataSpec(number_of_clients=9, data_distribution_kind="iid", dataset="site",
+                    placement="pinned")
+    part = pinned_data(dataset, spec, 0, [3, 4, 5])
+    assert part.num_clients == 9
+    mine = [3, 4, 5]
+    # every training sample of this file goes to one of this cluster's clients
+    assert sum(len(part.train_indices[c]) + len(part.test_indices[c]) for c in mine) == \
+        len(dataset.y_train)
+    assert all(len(part.train_indices[c]) == 0 and part.histograms[c].sum() == 0
+               for c in range(9) if c not in mine)
+    with pytest.raises(PartitionError, match="distinct ids in 0..8"):
+        pinned_data(dataset, spec, 0, [3, 3])
+    with pytest.raises(PartitionError, match="distinct ids in 0..8"):
+        pinned_data(dataset, spec, 0, [9])

@@ -38,8 +38,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--metrics", metavar="HOST:PORT", default="",
                         help="serve this job's executor metrics (fedpilot_executor_*) at "
                              "http://HOST:PORT/metrics (cluster.toml [metrics] executor_endpoint)")
+    parser.add_argument("--dataset", metavar="NAME=KIND:PATH", action="append", default=[],
+                        help="a dataset this cluster holds, for jobs with data.placement = "
+                             "'pinned' (cluster.toml [datasets]; repeatable)")
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    datasets: dict[str, str] = {}
+    for item in args.dataset:
+        name, sep, dataset = item.partition("=")
+        if not sep or not name or not dataset:
+            parser.error(f"--dataset {item!r}: expected NAME=KIND:PATH")
+        datasets[name] = dataset
+    args.datasets = datasets
+    return args
 
 
 def setup_logging(fmt: str) -> None:
@@ -74,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     context = open_context(args.ray, num_cpus=args.num_cpus,
                            object_store_memory=args.object_store_memory)
     service = ExecutorService(cluster_id=args.cluster_id,
-                              make_runtime=runtime_factory(context, args.cluster_id),
+                              make_runtime=runtime_factory(context, args.cluster_id,
+                                                           datasets=args.datasets),
                               daemon_counters=lambda job: daemon_job_counters(args.bridge, job))
 
     def on_control(msg):  # type: ignore[no-untyped-def]

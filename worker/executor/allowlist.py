@@ -68,7 +68,9 @@ def check_job(spec: JobSpec, allowed_modules: Iterable[str], data_roots: Iterabl
                 f"its operator may add {name.partition(':')[0]!r} to [allow] models in cluster.toml "
                 f"(allowed now: {', '.join(modules) or 'built-in classes only'})")
     dataset = spec.data.dataset
-    if dataset in DATASETS:
+    if dataset in DATASETS or spec.data.placement == "pinned":
+        # a pinned job names one of this cluster's own [datasets], whose paths were held
+        # to the data roots when cluster.toml was loaded (and are again when opened)
         return
     prefix = next((p for p in DATASET_PREFIXES if dataset.startswith(p)), None)
     raw = dataset[len(prefix):] if prefix else dataset

@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +23,9 @@ from worker.context import ExecutionContext, InProcessContext
 from worker.executor.codec import EdgeCodec
 from worker.executor.graph import client_index
 from worker.nodes.messages import LocalUpdate, Message
+
+if TYPE_CHECKING:
+    from fedpilot.data import ClientPartition
 
 log = logging.getLogger("fedpilot.executor")
 
@@ -48,8 +51,32 @@ def open_context(address: str, *, num_cpus: float | None = None,
     return RayContext(address)
 
 
+class PinnedDataError(ValueError):
+    """A pinned job names a dataset this cluster does not declare (or cannot use)."""
+
+
+def pinned_dataset(spec: JobSpec, cluster_id: str, datasets: Mapping[str, str]) -> str:
+    """The file dataset (KIND:PATH) this cluster declares under the pinned job's
+    data.dataset name, held to the cluster's data roots again before it is opened."""
+    from worker.executor.allowlist import check_job_from_environment
+
+    name = spec.data.dataset
+    if name not in datasets:
+        have = ", ".join(sorted(datasets)) or "none"
+        raise PinnedDataError(
+            f"job {spec.job_id!r}: data.dataset = {name!r} (data.placement = 'pinned') is not a "
+            f"dataset of cluster {cluster_id!r}, which declares: {have}; its operator adds "
+            f'{name} = "npz:PATH" (or csv:, parquet:, imagefolder:) to [datasets] in cluster.toml')
+    path = datasets[name]
+    check_job_from_environment(
+        replace(spec, data=replace(spec.data, dataset=path, placement="simulated")),
+        cluster_id=cluster_id)
+    return path
+
+
 class NodeRuntime:
-    def __init__(self, spec: JobSpec, context: ExecutionContext, cluster_id: str) -> None:
+    def __init__(self, spec: JobSpec, context: ExecutionContext, cluster_id: str,
+                 datasets: Mapping[str, str] | None = None) -> None:
         import torch
 
         from fedpilot.data import client_data, load_dataset
@@ -61,8 +88,17 @@ class NodeRuntime:
         self.spec = spec
         self.context = context
         self.cluster_id = cluster_id
-        self.dataset = load_dataset(spec.data.dataset)
-        self.partition = client_data(self.dataset, spec.data, spec.seed)
+        self.pinned = spec.data.placement == "pinned"
+        # pinned: this cluster's own file, partitioned among its own clients once the
+        # scheduler names them (`histograms`); simulated: every client of the job
+        self.dataset_path = (pinned_dataset(spec, cluster_id, datasets or {}) if self.pinned
+                             else spec.data.dataset)
+        self.dataset = load_dataset(self.dataset_path)
+        self._own: list[int] = []
+        self._own_set: frozenset[int] = frozenset()
+        self._remote_samples: list[int] = []
+        self._partition: ClientPartition | None = (
+            None if self.pinned else client_data(self.dataset, spec.data, spec.seed))
         self._model = build_model(spec.model, self.dataset.input_shape, self.dataset.num_classes,
                                   seed=spec.seed)
         self._check(spec)
@@ -85,13 +121,40 @@ class NodeRuntime:
         train_local(self._model, self.dataset.x_train[:0], self.dataset.y_train[:0],
                     spec.training, seed=0)
 
+    @property
+    def partition(self) -> ClientPartition:
+        if self._partition is None:
+            raise RuntimeError(f"cluster {self.cluster_id}: the pinned job's clients were not "
+                               "named yet (job.start names them)")
+        return self._partition
+
     # -- JobRuntime --------------------------------------------------------------------------
     def histograms(self, clients: list[int]) -> dict[int, list[int]]:
         n = self.spec.data.number_of_clients
         bad = [c for c in clients if not 0 <= c < n]
         if bad:
             raise ValueError(f"clients {bad[:5]} are outside 0..{n - 1}")
+        if self.pinned and self._partition is None:
+            from fedpilot.data import pinned_data
+
+            self._partition = pinned_data(self.dataset, self.spec.data, self.spec.seed, clients)
+            self._own = [int(c) for c in clients]
+            self._own_set = frozenset(self._own)
+            log.info("event=pinned_data job=%s cluster=%s dataset=%s path=%s clients=%s samples=%d",
+                     self.spec.job_id, self.cluster_id, self.spec.data.dataset,
+                     self.dataset_path, ",".join(f"c{c}" for c in self._own),
+                     len(self.dataset.y_train))
+        elif self.pinned and [int(c) for c in clients] != self._own:
+            raise ValueError(f"cluster {self.cluster_id} holds pinned clients "
+                             f"{self._own[:8]}; asked for {clients[:8]}")
         return {c: [int(x) for x in self.partition.histograms[c]] for c in clients}
+
+    def data_info(self) -> dict[str, Any]:
+        """What this cluster's data looks like (pinned jobs: every cluster must agree on
+        classes and sample shape, since they train one model)."""
+        return {"dataset": self.spec.data.dataset, "num_classes": int(self.dataset.num_classes),
+                "input_shape": [int(d) for d in self.dataset.input_shape],
+                "samples": int(len(self.dataset.y_train))}
 
     def capacity(self) -> int:
         return 0  # the daemon's configured capacity is authoritative
@@ -107,13 +170,20 @@ class NodeRuntime:
         from worker.nodes import NodeManager
 
         self._local = [client_index(c) for c in clients]
+        if self.pinned:
+            foreign = sorted(set(self._local) - set(self._own))
+            if foreign:  # the plan must keep every pinned client where its data is
+                raise ValueError(f"cluster {self.cluster_id} was given clients "
+                                 f"{[f'c{c}' for c in foreign[:8]]} whose data is on other "
+                                 "clusters (data.placement = 'pinned'); they cannot train here")
         if self.manager is not None or not self._local:
             return
         slots = max(1, min(self.spec.placement.max_materialized, len(self._local)))
         total_cpus = float(self.context.resources()["total"].get("CPU", 1.0))
         self.manager = NodeManager(
             self.context, self._config, self.dataset, self.partition,
-            range(self.spec.data.number_of_clients), max_materialized=slots,
+            self._own if self.pinned else range(self.spec.data.number_of_clients),
+            max_materialized=slots,
             strategy=self.spec.placement.placement_group_strategy,
             cpus_per_node=min(0.25, 0.9 * total_cpus / slots),
             name_prefix=f"fedpilot/{self.spec.job_id}/{self.cluster_id}",
@@ -126,7 +196,19 @@ class NodeRuntime:
         return 0 if self.manager is None else int(self.manager.stats.created)
 
     def samples(self, node: str) -> int:
-        return int(len(self.partition.train_indices[client_index(node)]))
+        index = client_index(node)
+        if self.pinned and index not in self._own_set:
+            # another cluster's client: the count its own cluster reported (job.plan)
+            if index >= len(self._remote_samples):
+                raise RuntimeError(f"cluster {self.cluster_id} has no sample count for pinned "
+                                   f"client {node} of another cluster (job.plan names them)")
+            return self._remote_samples[index]
+        return int(len(self.partition.train_indices[index]))
+
+    def set_client_samples(self, counts: list[int]) -> None:
+        """Every client's training samples as the scheduler gathered them (pinned data:
+        only a client's own cluster can count them)."""
+        self._remote_samples = [int(k) for k in counts]
 
     def put(self, weights: Weights) -> Any:
         return self.context.put(weights)
@@ -179,8 +261,11 @@ class NodeRuntime:
             self.manager.close()
 
 
-def runtime_factory(context: ExecutionContext, cluster_id: str) -> Callable[[JobSpec], NodeRuntime]:
+def runtime_factory(context: ExecutionContext, cluster_id: str,
+                    datasets: Mapping[str, str] | None = None) -> Callable[[JobSpec], NodeRuntime]:
+    """Runtimes of jobs on this cluster; `datasets` are its cluster.toml [datasets]
+    (name -> KIND:PATH), the only data a pinned job can read here."""
     def make(spec: JobSpec) -> NodeRuntime:
-        return NodeRuntime(spec, context, cluster_id)
+        return NodeRuntime(spec, context, cluster_id, datasets)
 
     return make

@@ -4,9 +4,11 @@ Messages (the `kind` of the body; the daemon only passes on bodies signed by a
 `scheduler` certificate):
 - `job.start` {job, clients}: build the job's partitions, reply with the label histograms
   of `clients` (no sample leaves the cluster) and this cluster's capacity;
-- `job.plan` {routing, imports}: adopt the routing matrix (the whole plan: the round graph
-  is a read-only view of it), materialize the local clients, and take the states of
-  nodes that migrated here (`imports`: node names; the states arrive as update streams);
+- `job.plan` {routing, imports, client_samples?}: adopt the routing matrix (the whole plan:
+  the round graph is a read-only view of it), materialize the local clients, and take the
+  states of nodes that migrated here (`imports`: node names; the states arrive as update
+  streams); a pinned-data job's plan also carries every client's training-sample count
+  (what its own cluster reported), the weight its updates get elsewhere;
 - `round.run` {round}: run this cluster's share of the round, reply with its RoundRecord;
 - `node.export` {nodes: {node: cluster}}: stream the state of nodes that move to
   another cluster straight to that cluster;
@@ -182,8 +184,12 @@ class ExecutorService:
         hist = self.runtime.histograms(clients)
         log.info("event=job_started job=%s cluster=%s clients=%d", spec.job_id,
                  self.cluster_id, len(clients))
-        return {"histograms": {str(k): v for k, v in hist.items()},
-                "capacity": self.runtime.capacity()}
+        reply: dict[str, Any] = {"histograms": {str(k): v for k, v in hist.items()},
+                                 "capacity": self.runtime.capacity()}
+        data_info = getattr(self.runtime, "data_info", None)
+        if data_info is not None:  # classes and shape, which pinned clusters must agree on
+            reply["data"] = data_info()
+        return reply
 
     def _plan(self, body: dict[str, Any]) -> dict[str, Any]:
         assert self.spec is not None and self.runtime is not None
@@ -206,6 +212,16 @@ class ExecutorService:
                 codec=self.runtime.make_codec(), link=self.link,
                 template=self.runtime.initial_weights)
         local_clients = [c for c in graph.clients if nodes[c] == self.cluster_id]
+        if "client_samples" in body:  # pinned data: other clusters' clients' sample counts
+            counts = body["client_samples"]
+            if (not isinstance(counts, list) or len(counts) != routing.num_clients
+                    or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0
+                               for k in counts)):
+                raise ControlError(f"job.plan client_samples must be {routing.num_clients} "
+                                   "non-negative integers")
+            set_samples = getattr(self.runtime, "set_client_samples", None)
+            if set_samples is not None:
+                set_samples(counts)
         self.runtime.assign(local_clients)
         previous = self.engine
         self.engine = ClusterEngine(

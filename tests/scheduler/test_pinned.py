@@ -1,0 +1,137 @@
+"""Pinned data on the scheduler's side: clients numbered per cluster, an assignment that
+no plan or re-plan changes, and routing that still follows the histograms."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from proto.job import JobSpec, JobSpecError
+from scheduler.clusters import ClusterSlot
+from scheduler.driver import plan_epoch
+from scheduler.errors import CapacityError, JobFailed, PlanError
+from scheduler.pinned import (
+    PinnedClientsLost,
+    check_pinned_data,
+    client_clusters,
+    pinned_holders,
+)
+from scheduler.plan import plan_job
+
+
+def spec(**sections: Any) -> JobSpec:
+    base: dict[str, Any] = {"job": {"id": "p", "seed": 1},
+                            "data": {"dataset": "site", "placement": "pinned",
+                                     "number_of_clients": 9}}
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    return JobSpec.from_dict(base, source="job.toml")
+
+
+def site_histograms(n_per: int = 3, sites: int = 3) -> np.ndarray:
+    """Every site's clients hold mostly their site's three classes."""
+    rows = []
+    for s in range(sites):
+        for j in range(n_per):
+            row = np.full(10, 2)
+            row[[(3 * s + k) % 10 for k in range(3)]] = 30 + j
+            rows.append(row)
+    return np.array(rows, dtype=np.int64)
+
+
+SLOTS = [ClusterSlot("b", 4), ClusterSlot("a", 4), ClusterSlot("c", 4)]
+
+
+def test_clients_are_numbered_in_blocks_whatever_order_the_clusters_come_in() -> None:
+    assert pinned_holders(7, ["c", "a", "b"]) == {"a": [0, 1, 2], "b": [3, 4], "c": [5, 6]}
+    assert client_clusters(pinned_holders(4, ["x", "y"])) == ["x", "x", "y", "y"]
+    with pytest.raises(JobFailed, match="fewer than the 3 clusters"):
+        pinned_holders(2, ["a", "b", "c"])
+
+
+def test_no_plan_or_replan_moves_a_pinned_client() -> None:
+    job = spec(placement={"clustering_period": 1}, topology={"kind": "hybrid"})
+    pinned = client_clusters(pinned_holders(9, ["a", "b", "c"]))
+    hist = site_histograms()
+    plans = [plan_epoch(job, hist, SLOTS, epoch=e, pinned=pinned) for e in range(3)]
+    for plan in plans:
+        assert plan.placement.strategy == "pinned"
+        assert plan.placement.client_cluster == pinned
+        # each group (a cluster) aggregates on its own cluster: no client update crosses
+        routing = plan.routing
+        for i in range(9):
+            parent = int(routing.parent[i])
+            assert routing.node_cluster[parent] == routing.node_cluster[i]
+    # communities still come from the histograms (three sites, three label skews)
+    assert plans[0].placement.communities == 3
+
+
+def test_histogram_routing_keeps_exchanges_on_site_where_random_does_not() -> None:
+    pinned = client_clusters(pinned_holders(9, ["a", "b", "c"]))
+    hist = site_histograms()
+    similar = plan_job(spec(topology={"kind": "k_connected", "client_k_neighbors": 2}),
+                       SLOTS, histograms=hist, pinned=pinned)
+    random = plan_job(spec(topology={"kind": "k_connected", "client_k_neighbors": 2,
+                                     "k_connected_mode": "random"}),
+                      SLOTS, histograms=hist, pinned=pinned)
+    assert similar.placement.client_cluster == random.placement.client_cluster == pinned
+    assert similar.routing.edge_counts()[1] < random.routing.edge_counts()[1]
+
+
+def test_a_lost_cluster_takes_its_pinned_clients_with_it() -> None:
+    pinned = client_clusters(pinned_holders(9, ["a", "b", "c"]))
+    survivors = [s for s in SLOTS if s.cluster_id != "b"]
+    with pytest.raises(PinnedClientsLost, match=r"data lives on b \(3 clients\).*submit --resume"):
+        plan_epoch(spec(), site_histograms(), survivors, epoch=1, pinned=pinned)
+    # a CapacityError: recovery reports it as "the survivors cannot hold the clients"
+    assert issubclass(PinnedClientsLost, CapacityError)
+
+
+def test_a_cluster_too_small_for_its_own_clients_is_named() -> None:
+    small = [ClusterSlot("a", 3), ClusterSlot("b", 2), ClusterSlot("c", 9)]
+    with pytest.raises(CapacityError, match="cluster b holds the data of 3 pinned clients"):
+        plan_job(spec(), small, histograms=site_histograms())
+
+
+def test_plan_without_histograms_says_the_data_is_on_the_clusters() -> None:
+    with pytest.raises(PlanError, match="pinned.*--synthetic-histograms"):
+        plan_job(spec(), SLOTS)
+
+
+def test_clusters_must_agree_on_classes_and_shape() -> None:
+    same = {"num_classes": 10, "input_shape": [1, 8, 8]}
+    check_pinned_data({"a": {"data": same}, "b": {"data": same}}, "site")
+    with pytest.raises(JobFailed, match=r"disagree \(a: 10 classes.*; b: 10 classes, samples "
+                                        r"of shape \[64\]"):
+        check_pinned_data({"a": {"data": same},
+                           "b": {"data": {"num_classes": 10, "input_shape": [64]}}}, "site")
+    with pytest.raises(JobFailed, match="did not say"):
+        check_pinned_data({"a": {}}, "site")
+
+
+@pytest.mark.parametrize(("data", "placement", "needles"), [
+    ({"dataset": "npz:/x.npz", "placement": "pinned"}, {},
+     ["data.dataset = 'npz:/x.npz'", "NAME of a dataset every cluster declares"]),
+    ({"dataset": "digits", "placement": "pinned"}, {}, ["data.dataset = 'digits'", "[datasets]"]),
+    ({"dataset": "site"}, {}, ["data.dataset = 'site'", "set data.placement = 'pinned'"]),
+    ({"dataset": "site", "placement": "pinned"}, {"strategy": "random"},
+     ["placement.strategy = 'random'", "stays on the cluster that holds its data"]),
+    ({"placement": "local"}, {}, ["data.placement = 'local'", "simulated, pinned"]),
+])
+def test_job_spec_rules(data: dict[str, Any], placement: dict[str, Any],
+                        needles: list[str]) -> None:
+    raw: dict[str, Any] = {"job": {"id": "p"}, "data": data}
+    if placement:
+        raw["placement"] = placement
+    with pytest.raises(JobSpecError) as err:
+        JobSpec.from_dict(raw, source="job.toml")
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_pinned_spec_round_trips_and_defaults_to_simulated() -> None:
+    job = spec()
+    assert JobSpec.from_dict(job.to_dict()) == job
+    assert JobSpec.from_dict({}).data.placement == "simulated"
