@@ -8,6 +8,11 @@ Every client first sends ``Hello(role, cluster_id, job_id)`` (no reply). Then:
 - A client with role ``executor`` (or ``scheduler``) and a ``job_id`` (``*`` = every job)
   receives ``Delivery`` + payload for that job's updates and ``ControlDelivery`` for
   control requests addressed to it, and answers the latter with ``ControlReply``.
+- A consumer whose Hello says ``answers_deliveries`` answers each ``Delivery`` with
+  ``DeliveryResult``; the update is acknowledged to its sender only when that answer
+  says ``ok`` (end to end: the executor accepted it). A rejection goes back to the
+  sender with the executor's reason; no answer within ``delivery_timeout`` is a
+  transient failure (the sender may retry under the same message id).
 
 Requests are served concurrently, so replies can come in a different order than the
 requests; match them by message_id / request_id. A malformed frame gets ``Error(reason)``
@@ -40,6 +45,7 @@ from proto.bridge import (
     ControlResult,
     ControlSend,
     Delivery,
+    DeliveryResult,
     Error,
     Hello,
     ProbeReply,
@@ -90,6 +96,10 @@ class BridgeClient:
     job_id: str = ""
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     pending: dict[str, trio.MemorySendChannel[ControlReply]] = field(default_factory=dict)
+    answers_deliveries: bool = False
+    #: Deliveries waiting for this client's DeliveryResult, by (source cluster, message id)
+    deliveries: dict[tuple[str, str], trio.MemorySendChannel[DeliveryResult]] = field(
+        default_factory=dict)
     connected_at: float = field(default_factory=time.time)
 
     async def send(self, msg: BridgeMessage, payload: bytes | bytearray | memoryview = b"") -> None:
@@ -105,6 +115,7 @@ class BridgeServer:
 
     def __init__(self, path: Path, backend: BridgeBackend, *, cluster_id: str,
                  max_payload: int, control_timeout: float = 30.0,
+                 delivery_timeout: float = 30.0,
                  launcher: ExecutorLauncher | None = None,
                  max_outgoing_bytes: int = 2 << 30) -> None:
         self.path = path
@@ -116,6 +127,7 @@ class BridgeServer:
         self.cluster_id = cluster_id
         self.max_payload = max_payload
         self.control_timeout = control_timeout
+        self.delivery_timeout = delivery_timeout
         self.clients: list[BridgeClient] = []
         self._numbers = 0
         self._deliveries = 0
@@ -178,6 +190,8 @@ class BridgeServer:
                     self.on_job_left(job)
             for channel in client.pending.values():
                 channel.close()
+            for waiting in client.deliveries.values():
+                waiting.close()
             await stream.aclose()
 
     async def _read_loop(self, client: BridgeClient, nursery: trio.Nursery) -> None:
@@ -206,6 +220,7 @@ class BridgeServer:
                     await client.send(Error(reason=reason))
                     return
                 client.role, client.cluster_id, client.job_id = msg.role, msg.cluster_id, msg.job_id
+                client.answers_deliveries = msg.answers_deliveries
                 self.clients.append(client)
                 log.info("bridge.client_joined", client=client.number, role=msg.role, job=msg.job_id or "-")
                 continue
@@ -217,6 +232,17 @@ class BridgeServer:
                                 reason=f"ControlReply for unknown request {msg.request_id!r}")
                     continue
                 channel.send_nowait(msg)
+                continue
+            if isinstance(msg, DeliveryResult):
+                release()
+                # Only the client the Delivery went to can answer it (per-client table).
+                waiting = client.deliveries.pop((msg.source_cluster, msg.message_id), None)
+                if waiting is None:
+                    log.warning("bridge.rejected", client=client.number,
+                                reason=f"DeliveryResult for unknown delivery {msg.message_id!r} "
+                                       f"from {msg.source_cluster!r} (answered too late?)")
+                    continue
+                waiting.send_nowait(msg)
                 continue
             if isinstance(msg, StatusRequest) and client.role not in CONSUMER_ROLES:
                 # Answered right here, not queued behind a new task: status must stay
@@ -326,17 +352,51 @@ class BridgeServer:
         return self._no_consumer(job_id)
 
     def _no_consumer(self, job_id: str) -> str:
-        return (f"no executor attached for job {job_id!r} on cluster {self.cluster_id!r} "
+        # transient: a restarting executor (or daemon) attaches again within seconds
+        return (f"unavailable: no executor attached for job {job_id!r} on cluster {self.cluster_id!r} "
                 "(nor a scheduler client for it)")
 
     async def deliver(self, header: UpdateHeader, payload: bytes | bytearray, source_cluster: str) -> None:
+        """Hand a verified update to the job's consumer; returns once it accepted it.
+
+        DeliveryError (its reason goes back to the sender) if there is no consumer, it went
+        away, refused the update, or (``answers_deliveries``) did not answer within
+        ``delivery_timeout``; reasons of failures that may pass on a retry start with
+        ``unavailable:``.
+        """
         client = self.update_consumer(header.job_id)
         if client is None:
             raise DeliveryError(self._no_consumer(header.job_id))
+        gone = f"unavailable: the {client.role} for job {header.job_id!r} went away"
+        if not client.answers_deliveries:
+            try:
+                await client.send(Delivery.from_header(header, source_cluster), payload)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise DeliveryError(f"{gone}: {exc}") from None
+            return
+        key = (source_cluster, header.message_id)
+        if key in client.deliveries:  # UpdateService lets one copy of an id through at a time
+            raise DeliveryError(f"busy: update {header.message_id!r} is being delivered; retry later")
+        send, receive = trio.open_memory_channel[DeliveryResult](1)
+        client.deliveries[key] = send
         try:
             await client.send(Delivery.from_header(header, source_cluster), payload)
+            with trio.move_on_after(self.delivery_timeout):
+                try:
+                    answer = await receive.receive()
+                except trio.EndOfChannel:
+                    raise DeliveryError(f"{gone} before it answered") from None
+                if answer.ok:
+                    return
+                prefix = "unavailable: " if answer.retry else ""
+                raise DeliveryError(f"{prefix}the {client.role} on cluster {self.cluster_id!r} "
+                                    f"refused it: {answer.reason}"[:1000])
+            raise DeliveryError(f"unavailable: the {client.role} for job {header.job_id!r} did "
+                                f"not answer the delivery within {self.delivery_timeout:.0f} s")
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise DeliveryError(f"the {client.role} for job {header.job_id!r} went away: {exc}") from None
+            raise DeliveryError(f"{gone}: {exc}") from None
+        finally:
+            client.deliveries.pop(key, None)
 
     async def control(self, request_id: str, from_cluster: str, from_peer: str, from_role: str,
                       body: dict[str, Any]) -> tuple[bool, dict[str, Any], str]:

@@ -38,7 +38,7 @@ from proto.bridge import ControlResult, ProbeReply, SendResult
 from proto.certs import RevocationList, load_ca_public, public_key_bytes, verify_certificate
 from proto.errors import NotAMember, ProtocolError
 from proto.ids import PROBE_JOB_ID
-from proto.messages import UpdateHeader
+from proto.messages import UpdateHeader, is_transient_rejection
 
 log = get_logger("fabricd.daemon")
 
@@ -151,6 +151,7 @@ class Daemon:
             self.bridge = BridgeServer(cfg.bridge_socket, self, cluster_id=cfg.cluster_id,
                                        max_payload=lim.max_update_bytes,
                                        control_timeout=lim.control_timeout,
+                                       delivery_timeout=lim.stream_timeout,
                                        launcher=self.launcher if cfg.role == "cluster" else None,
                                        max_outgoing_bytes=lim.max_inflight_bytes)
             self.bridge.on_job_left = self._job_left
@@ -408,14 +409,16 @@ class Daemon:
         try:
             peer_id = await self.resolve(target_cluster)
             ack = await self._send(peer_id, target_cluster, header, payload, gate)
-        except RequestFailed as exc:
-            return SendResult(message_id=header.message_id, ok=False, reason=str(exc), bytes=0)
+        except RequestFailed as exc:  # unreachable or silent: it may be back in a moment
+            return SendResult(message_id=header.message_id, ok=False, reason=str(exc), bytes=0,
+                              retry=True)
         except BodyRefused as exc:
             return self._refused(header, str(exc))
         ok = ack.status in ("ok", "duplicate")
         reason = "" if ack.status == "ok" else f"{ack.status}: {ack.reason}"
         return SendResult(message_id=header.message_id, ok=ok, reason=reason,
-                          bytes=header.byte_length if ack.status == "ok" else 0)
+                          bytes=header.byte_length if ack.status == "ok" else 0,
+                          retry=not ok and is_transient_rejection(ack.reason))
 
     async def send_control(self, target_cluster: str, request_id: str, body: dict[str, Any]) -> ControlResult:
         try:

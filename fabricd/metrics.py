@@ -52,6 +52,8 @@ _UPDATE_REASONS = (
     ("over the limit", "too_large"),
     ("no executor attached", "no_consumer"),
     ("went away", "delivery_failed"),
+    ("did not answer the delivery", "delivery_timeout"),
+    ("refused it", "delivery_refused"),
 )
 MEMBERSHIP_EVENTS = ("connected", "accepted", "rejected", "refused_by_peer", "disconnected")
 

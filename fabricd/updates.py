@@ -6,8 +6,12 @@ On /fedpilot/update/1.1.0 the stream then carries the next update (after an ``ok
 the sending mechanics - pool, retries, parallelism - are in ``fabricd._sender``).
 Receiver: checks the header (size limit, in-flight memory budget, a consumer for the
 job), reads the body into an ``UpdateReceiver`` (bounded), verifies length and sha256,
-drops repeated message ids, hands the payload to the local executor, and acks. Probe
-updates (job ``_probe``) are hashed and discarded, never stored.
+drops repeated message ids, hands the payload to the local executor, and acks ``ok``
+only once the executor accepted it (end to end; a refusal goes back as ``rejected`` with
+the executor's reason). An id counts as delivered only after that acceptance, and one
+copy of an id is delivered at a time (a second copy meanwhile is told ``busy:``, so it
+comes back later and is then a ``duplicate``). Probe updates (job ``_probe``) are hashed
+and discarded, never stored.
 """
 
 from __future__ import annotations
@@ -83,12 +87,16 @@ async def _feed_in_thread(chunks: trio.MemoryReceiveChannel[bytes], sink: Callab
                 await trio.to_thread.run_sync(sink, chunk)
 
 
+_BEING_DELIVERED = "busy: an update with this message id is being delivered; retry later"
+
+
 class _TooSlow(FabricdError):
     """A transfer fell below the minimum rate (the message is the reason)."""
 
 
 class DeliveryError(FabricdError):
-    """The local consumer could not take an update (the reason goes back to the sender)."""
+    """The local consumer could not take an update (the reason goes back to the sender;
+    it starts with ``unavailable:`` or ``busy:`` if a later retry may succeed)."""
 
 
 class Consumer(Protocol):
@@ -96,7 +104,8 @@ class Consumer(Protocol):
         """None if some local client takes updates for ``job_id``, else the reason why not."""
 
     async def deliver(self, header: UpdateHeader, payload: bytes | bytearray, source_cluster: str) -> None:
-        """Hand a verified update to the local client; DeliveryError if it cannot."""
+        """Hand a verified update to the local client; returns once it accepted it,
+        DeliveryError if it cannot or refused it."""
 
 
 @dataclass
@@ -133,6 +142,8 @@ class UpdateService:
         self.min_rate = min_rate
         self.placements = placements if placements is not None else Placements()
         self.delivered = DeliveredIds(100_000)
+        #: dedup keys of updates handed to the executor and not yet answered
+        self.delivering: set[str] = set()
         self.jobs: dict[str, JobCounters] = defaultdict(JobCounters)
         self.metrics: DaemonMetrics = UNWIRED
         self.pool = StreamPool(host)
@@ -239,6 +250,9 @@ class UpdateService:
                 await self._ack(stream, header, "duplicate", "already delivered", 0)
                 await close_quietly(stream)
                 return False
+            if dedup_key(source_cluster, header.message_id) in self.delivering:
+                await self._reject(stream, peer, header, _BEING_DELIVERED, drain=True)
+                return False
             why_not = self.consumer.consumer_for(header.job_id)
             if why_not is not None:
                 await self._reject(stream, peer, header, why_not, drain=True)
@@ -328,17 +342,25 @@ class UpdateService:
             await self._reject(stream, peer, header, f"{type(exc).__name__}: {exc}", received)
             return False
         if not probe:
-            if self.delivered.seen(dedup_key(source_cluster, header.message_id)):
+            key = dedup_key(source_cluster, header.message_id)
+            if key in self.delivered:
                 self.jobs[header.job_id].duplicates += 1
                 await self._ack(stream, header, "duplicate", "already delivered", received)
                 await close_quietly(stream)
                 return False
+            if key in self.delivering:
+                await self._reject(stream, peer, header, _BEING_DELIVERED, received)
+                return False
+            self.delivering.add(key)
             try:
                 await self.consumer.deliver(header, payload, source_cluster)
             except DeliveryError as exc:
-                self.delivered.discard(dedup_key(source_cluster, header.message_id))
                 await self._reject(stream, peer, header, str(exc), received)
                 return False
+            finally:
+                self.delivering.discard(key)
+            # remembered only now: an update the executor did not accept may come again
+            self.delivered.seen(key)
         self.jobs[header.job_id].received_updates += 1
         seconds = time.perf_counter() - started
         self.metrics.update_received(source_cluster, received, seconds)
@@ -376,7 +398,9 @@ class UpdateService:
 
     async def _send_retrying(self, peer_id: str, header: UpdateHeader, body: Body,
                              gate: Gate | None) -> UpdateAck:
-        ack_timeout = self.stream_timeout + header.byte_length / 50e6
+        # The receiver waits up to its stream timeout for its executor's answer before it
+        # acks (end-to-end delivery), so the ack may take that much longer than the body.
+        ack_timeout = 2 * self.stream_timeout + header.byte_length / 50e6
         # A busy receiver frees its budget as updates complete: keep asking for a while
         # (several stream timeouts), so a burst queues up instead of failing.
         busy_until = time.monotonic() + BUSY_RETRY_TIMEOUTS * self.stream_timeout

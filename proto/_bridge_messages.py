@@ -33,12 +33,18 @@ class BridgeMessage(Schema):
 
 @dataclass(frozen=True)
 class Hello(BridgeMessage):
-    """First frame from a bridge client: who it is (role e.g. "executor", "cli")."""
+    """First frame from a bridge client: who it is (role e.g. "executor", "cli").
+
+    ``answers_deliveries``: the client answers every Delivery with a DeliveryResult, and
+    the daemon acknowledges an update to its sender only after that answer (accepted); a
+    client without it is acknowledged as soon as the Delivery is written to it.
+    """
 
     TYPE: ClassVar[str] = "Hello"
     role: str = spec(ROLE)
     cluster_id: str = spec(OPTIONAL_CLUSTER_ID, default="")
     job_id: str = spec(Text(128), default="")
+    answers_deliveries: bool = spec(Bool(), default=False)
 
 
 @dataclass(frozen=True)
@@ -117,13 +123,19 @@ class SendUpdate(BridgeMessage):
 
 @dataclass(frozen=True)
 class SendResult(BridgeMessage):
-    """Daemon → executor: the outcome of one SendUpdate (`bytes` sent)."""
+    """Daemon → executor: the outcome of one SendUpdate (`bytes` sent).
+
+    ``ok``: the target cluster's executor accepted the update (or had already). ``retry``:
+    it was not delivered, but sending it again later under the same message id may
+    succeed (the target was unreachable, busy, or its executor absent or silent).
+    """
 
     TYPE: ClassVar[str] = "SendResult"
     message_id: str = spec(MESSAGE_ID)
     ok: bool = spec(Bool())
     reason: str = spec(REASON)
     bytes: int = spec(Int(0, I64_MAX))
+    retry: bool = spec(Bool(), default=False)
 
 
 @dataclass(frozen=True)
@@ -149,6 +161,23 @@ class Delivery(BridgeMessage):
     def from_header(cls, header: UpdateHeader, source_cluster: str = "") -> Delivery:
         return cls(source_cluster=source_cluster,
                    **{k: getattr(header, k) for k in _HEADER_FIELDS})
+
+
+@dataclass(frozen=True)
+class DeliveryResult(BridgeMessage):
+    """Executor → daemon: its answer to the Delivery of (`source_cluster`, `message_id`).
+
+    ``ok``: the update was applied, or had been already (``reason`` "duplicate"); the
+    daemon then acknowledges it to the sender. Otherwise ``reason`` goes back to the
+    sender as a rejection, a transient one if ``retry`` (e.g. the job is not planned yet).
+    """
+
+    TYPE: ClassVar[str] = "DeliveryResult"
+    message_id: str = spec(MESSAGE_ID)
+    ok: bool = spec(Bool())
+    reason: str = spec(REASON)
+    source_cluster: str = spec(OPTIONAL_CLUSTER_ID, default="")
+    retry: bool = spec(Bool(), default=False)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 Frame = u32 big-endian header length + msgpack header map (`v`, `type`, fields...,
 `payload_length`) + `payload_length` raw bytes. Only SendUpdate and Delivery carry a
 payload (the safetensors body, `payload_length == byte_length`); every other type has
-`payload_length == 0`. Blocking helpers serve a plain socket, async ones a trio stream.
+`payload_length == 0`. An executor that said `answers_deliveries` in its Hello answers
+each Delivery with a DeliveryResult. Blocking helpers serve a plain socket, async ones a
+trio stream.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from proto._bridge_messages import (
     ControlResult,
     ControlSend,
     Delivery,
+    DeliveryResult,
     Error,
     Hello,
     ProbeReply,
@@ -260,7 +263,8 @@ class BridgeClient:
     """
 
     def __init__(self, path: str, *, role: str, cluster_id: str = "", job_id: str = "",
-                 max_payload: int = 1 << 31, timeout: float | None = None) -> None:
+                 max_payload: int = 1 << 31, timeout: float | None = None,
+                 answers_deliveries: bool = False) -> None:
         self.max_payload = max_payload
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
@@ -273,7 +277,8 @@ class BridgeClient:
                 f"cannot connect to the fabricd bridge at {path}: {exc} (is fabricd running "
                 "with this config?)"
             ) from exc
-        send_bridge(self.sock, Hello(role=role, cluster_id=cluster_id, job_id=job_id))
+        send_bridge(self.sock, Hello(role=role, cluster_id=cluster_id, job_id=job_id,
+                                     answers_deliveries=answers_deliveries))
 
     def send(self, msg: BridgeMessage, payload: bytes = b"") -> None:
         send_bridge(self.sock, msg, payload)
@@ -305,6 +310,7 @@ __all__ = [
     "ControlResult",
     "ControlSend",
     "Delivery",
+    "DeliveryResult",
     "Error",
     "Hello",
     "ProbeReply",

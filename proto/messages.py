@@ -41,6 +41,16 @@ from proto.ids import MAX_CERTIFICATE_BYTES, MAX_MESSAGE_BYTES
 RECORD_DOMAIN = b"fedpilot-cluster-record-v1\x00"
 ENVELOPE_DOMAIN = b"fedpilot-envelope-v1\x00"
 UPDATE_STATUSES = ("ok", "duplicate", "rejected")
+#: A rejection whose reason starts with one of these may succeed if the same update (same
+#: message id) is sent again later: the receiver was busy, or its executor was not there
+#: or did not answer (e.g. its daemon just restarted). Any other rejection is final.
+TRANSIENT_REJECTIONS = ("busy:", "unavailable:")
+
+
+def is_transient_rejection(reason: str) -> bool:
+    """True if an UpdateAck/SendResult reason says "try again later" (see TRANSIENT_REJECTIONS)."""
+    return reason.startswith(TRANSIENT_REJECTIONS)
+
 
 # Reusable field schemas (also used by proto.bridge).
 CLUSTER_ID = Text(64, 1, pattern=CLUSTER_ID_PATTERN)

@@ -20,6 +20,7 @@ from proto.bridge import (
     ControlResult,
     ControlSend,
     Delivery,
+    DeliveryResult,
     Error,
     Hello,
     SendResult,
@@ -111,7 +112,8 @@ class BridgeChannel:
         except OSError as exc:
             self._sock.close()
             raise JobFailed(f"cannot reach fabricd's bridge at {socket_path}: {exc}") from exc
-        send_bridge(self._sock, Hello(role="scheduler", job_id=job_id))
+        # it answers each Delivery once stored, so a cluster hears its model arrived
+        send_bridge(self._sock, Hello(role="scheduler", job_id=job_id, answers_deliveries=True))
         self._write = threading.Lock()
         self._pending: dict[str, Future[ControlResult]] = {}
         self._sent: dict[str, Future[SendResult]] = {}
@@ -209,6 +211,14 @@ class BridgeChannel:
                 with self._arrived:
                     self._updates[(msg.job_id, msg.source_node)] = payload
                     self._arrived.notify_all()
+                try:
+                    with self._write:
+                        send_bridge(self._sock, DeliveryResult(
+                            message_id=msg.message_id, source_cluster=msg.source_cluster,
+                            ok=True, reason=""))
+                except OSError as exc:  # the daemon is gone: the next read says so
+                    log.error("event=delivery_answer_lost message=%s reason=%s",
+                              msg.message_id, exc)
             elif isinstance(msg, Error):
                 log.error("event=bridge_error reason=%s", msg.reason)
 

@@ -32,7 +32,7 @@ MESSAGES: list[m.Message] = [
 ]
 
 BRIDGE: list[tuple[b.BridgeMessage, bytes]] = [
-    (b.Hello(role="executor", cluster_id="lab-a", job_id="job-1"), b""),
+    (b.Hello(role="executor", cluster_id="lab-a", job_id="job-1", answers_deliveries=True), b""),
     (b.StatusRequest(), b""),
     (b.StatusReply(status={"cluster_id": "lab-a", "clusters": [{"connected": True}]}), b""),
     (b.ProbeRequest(cluster_id="lab-b", bytes=1 << 20), b""),
@@ -40,7 +40,10 @@ BRIDGE: list[tuple[b.BridgeMessage, bytes]] = [
      b""),
     (b.SendUpdate(target_cluster="lab-b", **HEADER), BODY),
     (b.SendResult(message_id="m", ok=True, reason="", bytes=len(BODY)), b""),
+    (b.SendResult(message_id="m", ok=False, reason="unavailable: x", bytes=0, retry=True), b""),
     (b.Delivery(source_cluster="lab-a", **HEADER), BODY),
+    (b.DeliveryResult(message_id="m", source_cluster="lab-a", ok=False,
+                      reason="round 9 is not accepted", retry=False), b""),
     (b.ControlSend(request_id="r", target_cluster="lab-b", body=NESTED), b""),
     (b.ControlDelivery(request_id="r", from_cluster="lab-a", from_peer=PEER,
                        from_role="scheduler", body={}), b""),

@@ -157,3 +157,30 @@ def test_decode_bridge_header_only_raises_protocol_errors(
         return
     assert bridge.decode_bridge_header(bridge.bridge_header(msg, length)[4:], LIMIT) == (
         msg, length)
+
+
+def test_delivery_result_refuses_bad_fields() -> None:
+    good = bridge.DeliveryResult(message_id="j/1/up/c0/s", source_cluster="lab-a", ok=False,
+                                 reason="round 1 is over", retry=True)
+    base = {**good.to_map(), "payload_length": 0}
+    assert _recv(_frame(base)) == (good, b"")
+    for field, value, match in (
+        ("ok", 1, "expected true/false"),
+        ("retry", "yes", "expected true/false"),
+        ("message_id", "", "length 0"),
+        ("message_id", 7, "expected a string"),
+        ("source_cluster", "lab a/../x", "does not match"),
+        ("reason", "x" * 1025, "length 1025"),
+    ):
+        with pytest.raises(InvalidMessage, match=match):
+            _recv(_frame({**base, field: value}))
+    for field in ("ok", "retry", "message_id"):
+        with pytest.raises(InvalidMessage, match=f"missing field.*{field}"):
+            _recv(_frame({k: v for k, v in base.items() if k != field}))
+    with pytest.raises(InvalidMessage, match="unexpected field"):
+        _recv(_frame({**base, "applied_twice": True}))
+    with pytest.raises(InvalidMessage, match="carries no payload"):
+        _recv(_frame({**base, "payload_length": 3}, b"abc"))
+    with pytest.raises(InvalidMessage, match="expected true/false"):
+        _recv(_frame({**bridge.Hello(role="executor").to_map(), "payload_length": 0,
+                      "answers_deliveries": "please"}))

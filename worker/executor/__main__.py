@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             finished.set()
 
     def on_delivery(msg, payload):  # type: ignore[no-untyped-def]
-        service.deliver(job_id=msg.job_id, round=msg.round, source_node=msg.source_node,
-                        target_node=msg.target_node, source_cluster=msg.source_cluster,
-                        payload=payload)
+        return service.deliver(job_id=msg.job_id, round=msg.round, source_node=msg.source_node,
+                               target_node=msg.target_node, source_cluster=msg.source_cluster,
+                               payload=payload, message_id=msg.message_id)
 
     link = BridgeLink(args.bridge, cluster_id=args.cluster_id, job_id=args.job,
                       on_delivery=on_delivery, on_control=on_control, on_replied=on_replied,

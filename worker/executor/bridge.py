@@ -1,9 +1,10 @@
 """The executor's side of fabricd's bridge: one Unix socket, a reader thread.
 
-Outgoing updates wait for the daemon's SendResult (the far daemon verified and handed
-the update to its executor); incoming deliveries go straight to the transport; control
-requests from the scheduler are answered on a separate thread so that deliveries keep
-flowing while a round runs.
+Outgoing updates wait for the daemon's SendResult (the far cluster's executor accepted
+the update: end-to-end delivery); incoming deliveries go straight to the transport and
+each is answered with a DeliveryResult (accepted, a duplicate, or refused and why), on
+which the daemon acks it to its sender; control requests from the scheduler are answered
+on a separate thread so that deliveries keep flowing while a round runs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from proto.bridge import (
     ControlDelivery,
     ControlReply,
     Delivery,
+    DeliveryResult,
     Error,
     Hello,
     SendResult,
@@ -28,16 +30,12 @@ from proto.bridge import (
     tune_socket,
 )
 from proto.errors import ProtocolError
-from worker.errors import WorkerError
+from worker.executor.transport import DeliveryNotReady, RemoteSendError
 
 log = logging.getLogger("fedpilot.executor")
 
 
 CONTROL_WORKERS = 4  # control messages answered at once (the rest queue in order)
-
-
-class RemoteSendError(WorkerError, RuntimeError):
-    """fabricd could not deliver an update to the target cluster (reason from the daemon)."""
 
 
 class BridgeLink:
@@ -49,7 +47,7 @@ class BridgeLink:
         *,
         cluster_id: str,
         job_id: str,
-        on_delivery: Callable[[Delivery, bytes], None],
+        on_delivery: Callable[[Delivery, bytes], bool],
         on_control: Callable[[ControlDelivery], tuple[bool, dict[str, Any], str]],
         on_replied: Callable[[ControlDelivery], None] | None = None,
         on_control_arrived: Callable[[ControlDelivery], None] | None = None,
@@ -79,7 +77,8 @@ class BridgeLink:
                                                 thread_name_prefix="control")
         self.bytes_sent = 0
         self.bytes_delivered = 0
-        send_bridge(self._sock, Hello(role="executor", cluster_id=cluster_id, job_id=job_id))
+        send_bridge(self._sock, Hello(role="executor", cluster_id=cluster_id, job_id=job_id,
+                                      answers_deliveries=True))
         self._reader = threading.Thread(target=self._read_loop, name="bridge-reader", daemon=True)
         self._reader.start()
 
@@ -96,12 +95,16 @@ class BridgeLink:
             with self._write:
                 send_bridge(self._sock, msg, payload)
             result = fut.result(timeout=self._send_timeout)
+        except TimeoutError:
+            raise RemoteSendError(f"update {message_id} to cluster {target_cluster}: fabricd "
+                                  f"did not answer within {self._send_timeout:.0f} s",
+                                  retry=True) from None
         finally:
             with self._pending_lock:
                 self._pending.pop(message_id, None)
         if not result.ok:
             raise RemoteSendError(f"update {message_id} to cluster {target_cluster} was not "
-                                  f"delivered: {result.reason}")
+                                  f"delivered: {result.reason}", retry=result.retry)
         self.bytes_sent += len(payload)
 
     # -- incoming ------------------------------------------------------------------------
@@ -117,10 +120,7 @@ class BridgeLink:
                 return
             if isinstance(msg, Delivery):
                 self.bytes_delivered += len(payload)
-                try:
-                    self._on_delivery(msg, payload)
-                except Exception as exc:  # a bad update must not stop the reader
-                    log.error("event=delivery_rejected message=%s reason=%s", msg.message_id, exc)
+                self._answer_delivery(msg, payload)
             elif isinstance(msg, SendResult):
                 with self._pending_lock:
                     fut = self._pending.get(msg.message_id)
@@ -135,6 +135,29 @@ class BridgeLink:
                 log.error("event=bridge_error cluster=%s reason=%s", self.cluster_id, msg.reason)
             else:
                 log.warning("event=bridge_unexpected type=%s", msg.TYPE)
+
+    def _answer_delivery(self, msg: Delivery, payload: bytes) -> None:
+        """Apply one delivery and tell the daemon: it acks the sender only on ``ok``."""
+        retry = False
+        try:
+            applied = self._on_delivery(msg, payload)
+            ok, reason = True, "" if applied is not False else "duplicate"
+        except DeliveryNotReady as exc:
+            ok, reason, retry = False, str(exc), True
+        except Exception as exc:  # a bad update must not stop the reader; its sender learns why
+            ok, reason = False, f"{type(exc).__name__}: {exc}"
+        if ok:
+            log.debug("event=delivery_accepted message=%s %s", msg.message_id, reason)
+        else:
+            log.error("event=delivery_rejected message=%s retry=%s reason=%s",
+                      msg.message_id, retry, reason)
+        answer = DeliveryResult(message_id=msg.message_id, source_cluster=msg.source_cluster,
+                                ok=ok, reason=reason[:1000], retry=retry)
+        try:
+            with self._write:
+                send_bridge(self._sock, answer)
+        except OSError as exc:  # the daemon is gone: the reader notices next
+            log.error("event=delivery_answer_lost message=%s reason=%s", msg.message_id, exc)
 
     def _answer(self, msg: ControlDelivery) -> None:
         try:

@@ -203,6 +203,7 @@ class ClusterEngine:
         deadline, adapted to measured round times); default the engine's."""
         if timeout is not None:
             self.timeout = timeout
+        self.transport.retry_seconds = self.timeout  # a send is retried until the deadline
         started = time.perf_counter()
         self.transport.begin_round(round_index)
         record = RoundRecord(round_index)

@@ -31,7 +31,10 @@ class Mailbox:
 
     A message is handed out once: `take` removes it, so memory is released as soon as
     its reader has it (object references are freed when the last holder drops them), and
-    a repeat of a key already stored or taken is ignored. Each waiter sleeps on its own
+    a repeat of a key already stored or taken is ignored. A message from another cluster
+    carries its message id, which is applied at most once: a second copy (fabricd
+    retries under the same id until the sender hears it arrived) is a duplicate even
+    after its round was reopened for a repeat. Each waiter sleeps on its own
     event, so a message wakes only the node waiting for it (a thousand clients of a round
     do not wake each other).
     """
@@ -43,13 +46,19 @@ class Mailbox:
         self._waiters: dict[Key, threading.Event] = {}
         self._closed: str | None = None
         self._aborted: dict[int, str] = {}  # round -> why its waits were cut short
+        self._applied: dict[str, Key] = {}  # message id -> the key it was stored under
 
-    def put(self, key: Key, envelope: Envelope) -> bool:
-        """Store a message; a repeat of a key already stored or taken is ignored (False)."""
+    def put(self, key: Key, envelope: Envelope, message_id: str = "") -> bool:
+        """Store a message; False (nothing changes) if it is a repeat: of a `message_id`
+        already applied, or of a key already stored or taken."""
         with self._lock:
+            if message_id and message_id in self._applied:
+                return False
             if key in self._items or key in self._taken:
                 return False
             self._items[key] = envelope
+            if message_id:
+                self._applied[message_id] = key
             waiter = self._waiters.get(key)
         if waiter is not None:
             waiter.set()
@@ -99,9 +108,15 @@ class Mailbox:
         for waiter in waiters:
             waiter.set()
 
+    def applied(self, message_id: str) -> bool:
+        """True if the message with this id was stored (it will not be stored again)."""
+        with self._lock:
+            return message_id in self._applied
+
     def reopen_round(self, round_index: int) -> None:
         """Let `round_index` be waited on again (before it is repeated): its waits are no
-        longer cut short and its messages may arrive anew."""
+        longer cut short and its messages may arrive anew (under new message ids: the ids
+        already applied stay refused)."""
         with self._lock:
             self._aborted.pop(round_index, None)
             self._taken = {k for k in self._taken if k[0] != round_index}
@@ -113,6 +128,14 @@ class Mailbox:
             for key in [k for k in self._items if k[0] < round_index and k[1] in kinds]:
                 del self._items[key]
             self._taken = {k for k in self._taken if k[0] >= round_index or k[1] not in kinds}
+            # the transport refuses those rounds outright now, so their ids need no memory
+            self._applied = {m: k for m, k in self._applied.items()
+                             if k[0] >= round_index or k[1] not in kinds}
+
+    def aborted(self, round_index: int) -> str | None:
+        """Why `round_index`'s waits were cut short (or the mailbox closed), else None."""
+        with self._lock:
+            return self._aborted.get(round_index, self._closed)
 
     def __len__(self) -> int:
         with self._lock:

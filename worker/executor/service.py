@@ -46,7 +46,14 @@ from worker.executor.engine import ClientPool, ClusterEngine, average
 from worker.executor.failures import explain_failure
 from worker.executor.graph import FINAL, STATE, RoundGraph
 from worker.executor.mailbox import Envelope, Mailbox
-from worker.executor.transport import AGGREGATOR, MODEL, HybridTransport, RemoteLink, Weights
+from worker.executor.transport import (
+    AGGREGATOR,
+    MODEL,
+    DeliveryNotReady,
+    HybridTransport,
+    RemoteLink,
+    Weights,
+)
 
 log = logging.getLogger("fedpilot.executor")
 
@@ -147,18 +154,19 @@ class ExecutorService:
         return handler(body)
 
     def deliver(self, *, job_id: str, round: int, source_node: str, target_node: str,
-                source_cluster: str, payload: bytes) -> bool:
-        """An update from another cluster (via fabricd, which names the sending cluster)."""
+                source_cluster: str, payload: bytes, message_id: str = "") -> bool:
+        """An update from another cluster (via fabricd, which names the sending cluster);
+        False if it repeats one already applied (it is not applied again)."""
         transport = self.transport
         if transport is None:
-            raise ControlError(f"update {source_node} -> {target_node} arrived before the job "
-                               "was planned")
+            raise DeliveryNotReady(f"update {source_node} -> {target_node} arrived before the "
+                                   "job was planned")
         if target_node == RESTORE:
             self._take_restore(job_id, round, source_node, source_cluster, payload)
             return True
         return transport.deliver_remote(job_id=job_id, round=round, source_node=source_node,
                                         target_node=target_node, source_cluster=source_cluster,
-                                        payload=payload)
+                                        payload=payload, message_id=message_id)
 
     # -- handlers --------------------------------------------------------------------------
     def _lease(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,10 @@ given to the bridge; intra-cluster bytes are the tensor bytes the reference stan
 
 from __future__ import annotations
 
+import logging
+import random
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -17,14 +20,32 @@ from typing import Any, Protocol
 import numpy as np
 
 from worker import payload as wire
+from worker.errors import WorkerError
 from worker.executor.graph import DOWN, FINAL, KINDS, PEER, STATE, UP
 from worker.executor.mailbox import Envelope, Mailbox
 
 Weights = dict[str, np.ndarray]
 
+log = logging.getLogger("fedpilot.executor")
+
+#: Backoff between attempts of one update (seconds; doubled per attempt, capped, jittered).
+RETRY_FIRST, RETRY_MAX = 0.2, 2.0
+
+
+class RemoteSendError(WorkerError, RuntimeError):
+    """fabricd could not deliver an update to the target cluster (reason from the daemon).
+
+    ``retry``: the failure may pass if the same update (same message id) is sent again
+    later (the target was unreachable, busy, or its executor absent or silent)."""
+
+    def __init__(self, reason: str, *, retry: bool = False) -> None:
+        super().__init__(reason)
+        self.retry = retry
+
 
 class RemoteLink(Protocol):
-    """What the transport needs from the bridge to fabricd."""
+    """What the transport needs from the bridge to fabricd: `send_update` returns once the
+    target cluster's executor accepted the update, else raises RemoteSendError."""
 
     def send_update(self, *, target_cluster: str, job_id: str, round: int, source_node: str,
                     target_node: str, message_id: str, payload: bytes) -> None: ...
@@ -40,7 +61,13 @@ class Codec(Protocol):
 
 
 class DeliveryRefused(ValueError):
-    """An update from another cluster does not fit this job's plan (the reason is logged)."""
+    """An update from another cluster does not fit this job's plan (the reason goes back to
+    its sender, which does not retry it)."""
+
+
+class DeliveryNotReady(WorkerError):
+    """An update from another cluster came before this executor can take it (e.g. before
+    the job's plan); the sender may retry it."""
 
 
 @dataclass
@@ -95,6 +122,8 @@ class HybridTransport:
         # a repeated round (after a lost cluster) sends under fresh message ids: daemons
         # remember the ids they delivered in its first attempt
         self.attempt = 0
+        #: how long one update is retried (the round's deadline; the engine sets it)
+        self.retry_seconds = 600.0
 
     def is_local(self, node: str) -> bool:
         return self._locate(node) == self.local_cluster
@@ -120,22 +149,53 @@ class HybridTransport:
 
     def send_to(self, target_cluster: str, round_index: int, kind: str, src: str, dst: str,
                 payload: bytes) -> int:
-        """Stream an encoded payload to `target_cluster`'s consumer; its size in bytes."""
-        if self._link is None:
+        """Stream an encoded payload to `target_cluster`'s consumer; its size in bytes.
+
+        Returns once that cluster's executor accepted it. A failure that may pass (see
+        RemoteSendError.retry) is retried with backoff under the same message id (the
+        receiver applies an id once) until `retry_seconds` have passed or the round was
+        aborted; then, or at once for a final refusal, RemoteSendError says why."""
+        link = self._link
+        if link is None:
             raise RuntimeError(f"node {dst} lives on cluster {target_cluster!r} but this "
                                "executor has no bridge to fabricd")
-        self._link.send_update(
-            target_cluster=target_cluster, job_id=self.job_id, round=round_index,
-            source_node=src, target_node=dst,
-            message_id=message_id(self.job_id, round_index, kind, src, dst)
-            + (f"~{self.attempt}" if self.attempt else ""), payload=payload)
-        return len(payload)
+        mid = (message_id(self.job_id, round_index, kind, src, dst)
+               + (f"~{self.attempt}" if self.attempt else ""))
+        started = time.monotonic()
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                link.send_update(target_cluster=target_cluster, job_id=self.job_id,
+                                 round=round_index, source_node=src, target_node=dst,
+                                 message_id=mid, payload=payload)
+                return len(payload)
+            except RemoteSendError as exc:
+                if not exc.retry:
+                    raise
+                wait = min(RETRY_MAX, RETRY_FIRST * 2 ** (attempts - 1)) * (0.5 + random.random())
+                spent = time.monotonic() - started
+                stop = self._mailbox.aborted(round_index) if kind in (UP, DOWN, PEER) else None
+                if stop is None and spent + wait > self.retry_seconds:
+                    stop = f"its deadline of {self.retry_seconds:.0f} s passed"
+                if stop is not None:
+                    raise RemoteSendError(f"{exc} (gave up after {attempts} attempts in "
+                                          f"{spent:.1f} s: {stop})") from exc
+                log.info("event=send_retry message=%s cluster=%s attempt=%d wait_s=%.2f "
+                         "reason=%s", mid, target_cluster, attempts, wait, exc)
+            time.sleep(wait)
 
     def deliver_remote(self, *, job_id: str, round: int, source_node: str, target_node: str,
-                       source_cluster: str, payload: bytes) -> bool:
-        """Called for every update fabricd delivers; False if it was a repeat. The fields
-        are the delivery's own (fabricd names the authenticated sending cluster)."""
+                       source_cluster: str, payload: bytes, message_id: str = "") -> bool:
+        """Called for every update fabricd delivers; False if it was a repeat (of its
+        `message_id`, or of its key), which is not applied again. The fields are the
+        delivery's own (fabricd names the authenticated sending cluster). DeliveryRefused
+        if it does not fit the plan."""
         src, dst = source_node, target_node
+        # by sending cluster too: a member cannot spend another's ids before it does
+        message_id = f"{source_cluster}/{message_id}" if message_id else ""
+        if message_id and self._mailbox.applied(message_id):
+            return False  # a retried copy of one applied already: accepted, not applied
         if job_id != self.job_id:
             raise DeliveryRefused(f"update for job {job_id!r} reached the executor of "
                                   f"{self.job_id!r}")
@@ -161,7 +221,7 @@ class HybridTransport:
                 raise DeliveryRefused(f"{what}: the aggregator state holds NaN or infinities")
             envelope = Envelope((self._conform(model, what), server), 0, len(payload),
                                 remote=True)
-            return self._mailbox.put((round, kind, src, dst), envelope)
+            return self._mailbox.put((round, kind, src, dst), envelope, message_id)
         if kind == FINAL:  # an exact copy of a cluster's share: never compressed
             if dst != "final":
                 raise DeliveryRefused(f"{what} is not addressed as one")
@@ -177,7 +237,7 @@ class HybridTransport:
                                              (src, dst, placed, self.local_cluster))
         weights = self._conform(weights, what)
         envelope = Envelope(weights, decoded.samples, len(payload), remote=True)
-        return self._mailbox.put((round, kind, src, dst), envelope)
+        return self._mailbox.put((round, kind, src, dst), envelope, message_id)
 
     def _conform(self, weights: Weights, what: str) -> Weights:
         """The model as this job's model: same tensor names and shapes, its dtypes, finite

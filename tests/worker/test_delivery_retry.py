@@ -1,0 +1,201 @@
+"""End-to-end delivery on the executor side: a message id is applied once however often it
+arrives, a send is retried under its id while the failure may pass, and only then."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.e2e.test_engine import Links, build, graph_of, run_round
+from worker.executor import transport as transport_module
+from worker.executor.mailbox import Envelope, Mailbox
+from worker.executor.transport import HybridTransport, RemoteSendError
+
+
+def test_the_mailbox_applies_a_message_id_once() -> None:
+    box = Mailbox()
+    key = (1, "up", "c0", "server")
+    assert box.put(key, Envelope({"w": 1}, 1, 4, remote=True), "b/j/1/up/c0/server")
+    assert not box.put(key, Envelope({"w": 2}, 2, 4, remote=True), "b/j/1/up/c0/server")
+    assert box.take(key, 1).samples == 1  # the first copy, not the second
+    assert not box.put(key, Envelope({"w": 3}, 3, 4, remote=True), "b/j/1/up/c0/server")
+    assert len(box) == 0
+    # The round is repeated (a cluster was lost): its keys may arrive anew, under the new
+    # attempt's ids, while a late copy of the first attempt's id is still a duplicate.
+    box.reopen_round(1)
+    assert not box.put(key, Envelope({"w": 4}, 4, 4, remote=True), "b/j/1/up/c0/server")
+    assert box.put(key, Envelope({"w": 5}, 5, 4, remote=True), "b/j/1/up/c0/server~1")
+    assert box.take(key, 1).samples == 5
+    assert box.applied("b/j/1/up/c0/server") and box.applied("b/j/1/up/c0/server~1")
+    # Rounds the transport no longer accepts are forgotten, ids included.
+    box.forget_before(2, ("up",))
+    assert not box.applied("b/j/1/up/c0/server")
+
+
+def test_a_delivered_copy_is_a_duplicate_even_after_its_message_was_taken() -> None:
+    graph, _ = graph_of("star", 2)
+    engines, _ = build(graph, {"server": "a", "c0": "a", "c1": "b"})
+    transport = engines["a"].transport
+    body = transport_module.wire.encode({"w": np.ones((2, 2), np.float32)}, kind="up", samples=2)
+    fields = dict(job_id="j", round=1, source_node="c1", target_node="server",
+                  source_cluster="b", payload=body, message_id="j/1/up/c1/server")
+    transport.begin_round(1)
+    assert transport.deliver_remote(**fields)
+    transport.receive(1, "up", "c1", "server", 1)
+    assert not transport.deliver_remote(**fields)  # a retry after it was applied and used
+    assert len(transport._mailbox) == 0
+
+
+class FlakyLinks(Links):
+    """Delivers every update, then loses the ack of its first attempt (the sender hears a
+    transient failure), so every update reaches its executor twice under one id."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+        self.applied = 0
+
+    def send_update(self, *, target_cluster: str, job_id: str, round: int, source_node: str,
+                    target_node: str, message_id: str, payload: bytes) -> None:
+        first = message_id not in self.calls
+        self.calls.append(message_id)
+        source = next(c for c, t in self.transports.items() if t.is_local(source_node))
+        self.applied += self.transports[target_cluster].deliver_remote(
+            job_id=job_id, round=round, source_node=source_node, target_node=target_node,
+            source_cluster=source, payload=payload, message_id=message_id)
+        if first:
+            raise RemoteSendError(f"update {message_id}: the ack was lost", retry=True)
+
+
+def test_a_round_with_lost_acks_retries_and_applies_each_update_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport_module, "RETRY_FIRST", 0.001)
+    graph, _ = graph_of("star", 4)
+    placement = {"server": "a", "c0": "a", "c1": "a", "c2": "b", "c3": "b"}
+    engines, _ = build(graph, placement)
+    clean = run_round(engines, 1)["a"].accuracy
+    engines, _ = build(graph, placement)
+    flaky = FlakyLinks()
+    for cluster, engine in engines.items():
+        flaky.transports[cluster] = engine.transport
+        engine.transport._link = flaky
+    assert run_round(engines, 1)["a"].accuracy == pytest.approx(clean)
+    # c2 and c3 send up to a, a sends down to both: four updates, each sent twice
+    assert len(flaky.calls) == 8 and len(set(flaky.calls)) == 4 and flaky.applied == 4
+
+
+class ScriptedLink:
+    def __init__(self, *failures: RemoteSendError) -> None:
+        self.failures = list(failures)
+        self.ids: list[str] = []
+
+    def send_update(self, **kw: Any) -> None:
+        self.ids.append(kw["message_id"])
+        if self.failures:
+            raise self.failures.pop(0)
+
+
+def _transport(link: ScriptedLink) -> HybridTransport:
+    return HybridTransport(job_id="j", local_cluster="a", locate=lambda n: "b", mailbox=Mailbox(),
+                           resolve=lambda h: h, codec=None, link=link)  # type: ignore[arg-type]
+
+
+def test_a_send_is_retried_under_one_id_only_while_it_may_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport_module, "RETRY_FIRST", 0.001)
+    transient = RemoteSendError("rejected: unavailable: no executor attached", retry=True)
+    link = ScriptedLink(transient, transient)
+    assert _transport(link).send_to("b", 3, "up", "c1", "server", b"x" * 10) == 10
+    assert link.ids == ["j/3/up/c1/server"] * 3
+
+    final = RemoteSendError("rejected: the executor on cluster 'b' refused it: round 3")
+    link = ScriptedLink(final)
+    with pytest.raises(RemoteSendError, match="refused it: round 3"):
+        _transport(link).send_to("b", 3, "up", "c1", "server", b"x")
+    assert len(link.ids) == 1
+
+    # the round was aborted (another cluster is gone): no more attempts
+    link = ScriptedLink(transient, transient)
+    sender = _transport(link)
+    sender.abort_round(3, "cluster c is gone")
+    with pytest.raises(RemoteSendError, match="gave up after 1 attempts.*cluster c is gone"):
+        sender.send_to("b", 3, "up", "c1", "server", b"x")
+
+    # past the round's deadline: the last reason, and that it was retried
+    link = ScriptedLink(transient, transient)
+    sender = _transport(link)
+    sender.retry_seconds = 0.0
+    with pytest.raises(RemoteSendError, match="no executor attached.*deadline of 0 s passed"):
+        sender.send_to("b", 3, "up", "c1", "server", b"x")
+    assert len(link.ids) == 1
+
+
+def test_the_executor_answers_each_delivery_and_hears_whether_a_retry_may_pass() -> None:
+    """BridgeLink against a stand-in daemon on a real Unix socket."""
+    import hashlib
+    import os
+    import socket
+    import tempfile
+    import threading
+
+    from proto import bridge
+    from worker.executor.bridge import BridgeLink
+    from worker.executor.transport import DeliveryNotReady, DeliveryRefused
+
+    outcomes: list[Any] = [True, False, DeliveryRefused("round 9 is not accepted"),
+                           DeliveryNotReady("arrived before the job was planned")]
+
+    def on_delivery(msg: bridge.Delivery, payload: bytes) -> bool:
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return bool(outcome)
+
+    body = b"body"
+    header = dict(job_id="j", round=1, source_node="c1", target_node="server",
+                  tensor_count=1, byte_length=len(body), sha256=hashlib.sha256(body).digest())
+    answers: list[bridge.BridgeMessage] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "b.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+
+        def daemon() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                hello, _ = bridge.recv_bridge(conn, 1 << 20)
+                answers.append(hello)
+                for i in range(4):
+                    bridge.send_bridge(conn, bridge.Delivery(
+                        message_id=f"m{i}", source_cluster="a", **header), body)
+                sends = []
+                for _ in range(5):  # four answers and the executor's own send, any order
+                    msg, _ = bridge.recv_bridge(conn, 1 << 20)
+                    (sends if isinstance(msg, bridge.SendUpdate) else answers).append(msg)
+                (send,) = sends
+                bridge.send_bridge(conn, bridge.SendResult(
+                    message_id=send.message_id, ok=False, bytes=0, retry=True,
+                    reason="rejected: unavailable: no executor attached for job 'j'"))
+
+        thread = threading.Thread(target=daemon, daemon=True)
+        thread.start()
+        link = BridgeLink(path, cluster_id="b", job_id="j", on_delivery=on_delivery,
+                          on_control=lambda msg: (True, {}, ""))
+        payload = transport_module.wire.encode({"w": np.ones(2, np.float32)}, kind="up", samples=1)
+        with pytest.raises(RemoteSendError, match="no executor attached") as failed:
+            link.send_update(target_cluster="a", job_id="j", round=1, source_node="s",
+                             target_node="c1", message_id="j/1/down/s/c1", payload=payload)
+        thread.join(10)
+        link.close()
+        listener.close()
+    assert failed.value.retry
+    hello, *results = answers
+    assert isinstance(hello, bridge.Hello) and hello.answers_deliveries
+    assert [(r.message_id, r.ok, r.retry) for r in results] == [  # type: ignore[attr-defined]
+        ("m0", True, False), ("m1", True, False), ("m2", False, False), ("m3", False, True)]
+    assert [r.reason for r in results] == [  # type: ignore[attr-defined]
+        "", "duplicate", "DeliveryRefused: round 9 is not accepted",
+        "arrived before the job was planned"]
