@@ -8,7 +8,10 @@ on 127.0.0.1; executors in-process threads, or an embedded Ray each with
 - `undisturbed`: the baseline, measured in the same run;
 - `kill_daemon`: `kill -9` of one cluster's fabricd (and its executor) after round
   `--kill-at`; the job must finish every round on the two survivors;
-- `kill_executor`: `kill -9` of that cluster's executor only;
+- `kill_executor`: `kill -9` of that cluster's executor only (its daemon stays: the
+  cluster is re-admitted at the next round boundary with a fresh executor);
+- `restart_daemon`: `kill -9` of that cluster's fabricd, restarted with the same config
+  2 s later: re-admitted once back in the mesh (return_seconds: restart to re-admission);
 - `kill_scheduler`: `kill -9` of `fedpilot-scheduler submit` (a subprocess) after round
   `--kill-at`; reported: seconds until every executor of the job has exited (lease
   `lease_seconds`), then `submit --resume` of the run directory to the end.
@@ -18,7 +21,7 @@ verdict, from summary.faults), recover_seconds (verdict to the round running aga
 rounds completed, final accuracy and its difference from the undisturbed run, wall
 seconds and their ratio to the undisturbed run's.
 
-    python bench/bench_faults.py                 # in-process executors, 10 rounds
+    python bench/bench_faults.py                 # in-process executors, 20 rounds
     python bench/bench_faults.py --backend local # embedded Ray per cluster
 """
 
@@ -31,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -81,12 +85,22 @@ def driver_case(args: argparse.Namespace, case: str, workdir: Path) -> dict[str,
     with LocalTestbed(3, backend=args.backend, workdir=str(workdir / case), capacity=3) as tb:
         clusters = tb.start(timeout=120)
         victim = tb.cluster_ids[0]
+        restarted: list[float] = []
+        readmitted: list[float] = []
 
         def progress(record: RoundRecord, total: int) -> None:
+            if restarted and not readmitted and victim in record.by_cluster:
+                readmitted.append(time.perf_counter() - record.seconds)
             if record.round != args.kill_at:
                 return
-            if case == "kill_daemon":
+            if case in ("kill_daemon", "restart_daemon"):
                 tb.kill(victim)
+            if case == "restart_daemon":
+                def restart() -> None:
+                    time.sleep(2)
+                    restarted.append(time.perf_counter())
+                    tb.restart(victim)
+                threading.Thread(target=restart, daemon=True).start()
             elif case == "kill_executor":
                 for pid, name in executor_pids(tb, spec.job_id).items():
                     if name == victim:
@@ -108,6 +122,12 @@ def driver_case(args: argparse.Namespace, case: str, workdir: Path) -> dict[str,
     if s.faults:
         row["detect_seconds"] = s.faults[0]["detect_seconds"]
         row["recover_seconds"] = s.faults[0]["recover_seconds"]
+    back = [f for f in s.faults if f["event"] == "returned"]
+    if back:
+        row["returned_in_round"] = back[0]["round"]
+        row["readmit_seconds"] = back[0]["recover_seconds"]
+    if restarted and readmitted:  # restart -> the first round it trained in again began
+        row["return_seconds"] = round(readmitted[0] - restarted[0], 2)
     return row
 
 
@@ -160,9 +180,9 @@ def _rounds(out: Path) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--backend", choices=("inprocess", "local"), default="inprocess")
-    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--kill-at", type=int, default=3)
-    p.add_argument("--cases", default="kill_daemon,kill_executor,kill_scheduler")
+    p.add_argument("--cases", default="kill_daemon,kill_executor,restart_daemon,kill_scheduler")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-faults-") as tmp:
         workdir = Path(tmp)

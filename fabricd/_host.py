@@ -68,7 +68,22 @@ def build_host(key_pair: KeyPair, announce: list[str] | None = None) -> IHost:
         **kwargs,
     )
     _disable_auto_connector(host)
+    _shorten_dial_blacklist(host)
     return host
+
+
+NEGATIVE_DIAL_TTL = 2.0  # seconds libp2p refuses to redial a peer whose addresses all failed
+
+
+def _shorten_dial_blacklist(host: IHost) -> None:
+    """libp2p 0.8.1 refuses every dial to a peer for 60 s after one dial to it failed (its
+    swarm's negative peer cache). A cluster restarted during a job would then stay
+    unreachable for a minute after its daemon is back (measured: 55 s for a restarted
+    bootstrap daemon). fabricd.discovery paces its own redials (one per peer in flight,
+    1 s apart after a failure), so the cache only needs to absorb bursts."""
+    cache = getattr(host.get_network(), "_negative_peer_cache", None)
+    if cache is not None and hasattr(cache, "_ttl"):
+        cache._ttl = NEGATIVE_DIAL_TTL
 
 
 def _disable_auto_connector(host: IHost) -> None:

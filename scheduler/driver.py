@@ -33,7 +33,7 @@ from scheduler.errors import JobFailed
 from scheduler.leases import ClusterLost, LeaseKeeper
 from scheduler.pinned import check_pinned_data, client_clusters, pinned_holders
 from scheduler.plan import Plan, plan_job
-from scheduler.recovery import Recovery, node_clusters
+from scheduler.recovery import Departed, Recovery, node_clusters
 from scheduler.results import ClusterRecordSummary, JobSummary
 
 log = logging.getLogger("fedpilot.scheduler")
@@ -88,6 +88,7 @@ class JobResult:
 
 
 Progress = Callable[[RoundRecord, int], None]
+STOP_TIMEOUT = 120.0  # seconds an executor gets to release its actors and answer job.stop
 
 
 class Driver(Recovery):
@@ -121,6 +122,7 @@ class Driver(Recovery):
         self._epoch = 0            # the newest placement epoch
         self._slots: list[ClusterSlot] = []
         self._last_models: dict[str, bytes] = dict(resume.models) if resume else {}
+        self._departed: dict[str, Departed] = {}  # lost clusters, until they return
         # requests to a lost cluster may linger until its daemon gives up on them: room
         # for a few rounds of them beside the live ones
         self._pool = ThreadPoolExecutor(max_workers=4 * len(clusters) + 4,
@@ -280,6 +282,8 @@ class Driver(Recovery):
             self._next_round = r if stage == "round" else r + 1
             try:
                 if stage == "round":
+                    if self._departed:  # lost clusters back in the mesh join again
+                        plan = self._readmit(r, plan, histograms, summary)
                     record = self._round(r)
                     summary.rounds.append(record)
                     if self.progress is not None:
@@ -309,7 +313,11 @@ class Driver(Recovery):
                 continue
             r, stage = r + 1, "round"
         model, info = self._fetch_model(plan.routing) if rounds else (None, {})
-        stopped = self._all({c.cluster_id: self._job_body("job.stop") for c in self.clusters})
+        # the job ends its leases itself: an executor that stopped must not count as lost
+        if self.leases is not None:
+            self.leases.stop()
+        stopped = self._all({c.cluster_id: self._job_body("job.stop") for c in self.clusters},
+                            timeout=min(self.timeout, STOP_TIMEOUT))
         per_cluster = plan.placement.clients_per_cluster()
         for c in self.clusters:
             reply = stopped[c.cluster_id]

@@ -10,7 +10,12 @@ A `Recovery` mixin of `Driver` (kept apart so the round loop stays readable):
   survivors (placement epoch + 1, within their capacity; survivors' nodes that move
   migrate with their state), the lost nodes are restored from the last checkpoint (from
   the initial model if there is none yet), and the round is run again with fresh message
-  ids. Survivors keep their own nodes' state. `summary.faults` records it.
+  ids. Survivors keep their own nodes' state. `summary.faults` records it;
+- `_readmit`: at a round boundary, a lost cluster whose daemon is back in the mesh (restarted
+  with the same config) gets a fresh executor (`job.start`), joins the placement again
+  (epoch + 1: nodes the plan gives back to it migrate there from the survivors with their
+  state) and trains from the next round on. Below `[faults] min_clusters` survivors,
+  `_recover` waits up to `return_wait` seconds for lost clusters to come back the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import logging
 import time
 from collections.abc import Mapping
 from concurrent.futures import wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +35,9 @@ from scheduler.checkpoint import Checkpoint, write_checkpoint
 from scheduler.clusters import ClusterSlot
 from scheduler.errors import CapacityError, JobFailed
 from scheduler.leases import ClusterLost, LeaseKeeper
+
+RETURN_START_TIMEOUT = 120.0  # seconds a returning cluster gets to start its executor
+MAX_RETURNS = 3  # a cluster lost again after this many returns is not re-admitted
 
 if TYPE_CHECKING:
     from proto.job import JobSpec
@@ -45,6 +54,15 @@ def node_clusters(routing: RoutingMatrix) -> dict[str, str]:
             for i, k in enumerate(routing.node_cluster.tolist())}
 
 
+@dataclass
+class Departed:
+    """A cluster lost during the job, until it returns."""
+
+    info: ClusterInfo
+    slot: ClusterSlot
+    lost_at: float          # monotonic time it was found lost
+
+
 class Recovery:
     # provided by Driver
     spec: JobSpec
@@ -58,6 +76,7 @@ class Recovery:
     _epoch: int
     _slots: list[ClusterSlot]
     _last_models: dict[str, bytes]
+    _departed: dict[str, Departed]
 
     def _all(self, bodies: Mapping[str, dict[str, Any]], timeout: float | None = None
              ) -> dict[str, dict[str, Any]]:
@@ -121,12 +140,10 @@ class Recovery:
         started = time.monotonic()
         gone = set(lost.lost)
         survivors = [c for c in self.clusters if c.cluster_id not in gone]
-        minimum = self.spec.faults.min_clusters
-        if len(survivors) < minimum:
-            raise JobFailed(f"{lost}; {len(survivors)} cluster(s) left "
-                            f"({', '.join(c.cluster_id for c in survivors) or 'none'}), "
-                            f"[faults] min_clusters = {minimum}: missing "
-                            f"{', '.join(sorted(gone))}")
+        for c in self.clusters:
+            if c.cluster_id in gone:
+                slot = next(s for s in self._slots if s.cluster_id == c.cluster_id)
+                self._departed[c.cluster_id] = Departed(c, slot, started)
         log.warning("event=recovering job=%s round=%d lost=%s", self.spec.job_id, r,
                     ",".join(sorted(gone)))
         # end the interrupted round on the survivors and wait until their engines stopped
@@ -139,14 +156,28 @@ class Recovery:
             for cid in gone:
                 self.leases.forget(cid)
         before = node_clusters(plan.routing)
+        minimum = self.spec.faults.min_clusters
+        returned: list[str] = []
+        if len(survivors) < minimum:
+            returned = self._await_returns(minimum - len(survivors), r, summary)
+            if len(survivors) + len(returned) < minimum:
+                left = [c.cluster_id for c in survivors]
+                raise JobFailed(
+                    f"{lost}; {len(left)} cluster(s) left ({', '.join(left) or 'none'}), "
+                    f"[faults] min_clusters = {minimum}: missing "
+                    f"{', '.join(sorted(self._departed))} (none came back within [faults] "
+                    f"return_wait = {self.spec.faults.return_wait:g} s)")
         self.clusters = survivors
         self._slots = [s for s in self._slots if s.cluster_id not in gone]
+        back = self._rejoin(returned)
         self._epoch += 1
         try:
             new_plan = self._replan(histograms, self._slots, self._epoch)
         except CapacityError as exc:
             raise JobFailed(f"{lost}; the surviving clusters cannot hold the job's clients: "
                             f"{exc}") from None
+        # nodes of a lost cluster start again from the checkpoint, wherever they go now
+        # (also onto the same cluster come back: its new executor holds nothing)
         kept = {n: c for n, c in before.items() if c not in gone}
         moved = self._migrate(kept, new_plan)
         orphans = sorted(n for n, c in before.items() if c in gone)
@@ -165,7 +196,97 @@ class Recovery:
                 "survivor_nodes_moved": moved,
                 "detect_seconds": round(loss.detect_seconds, 3),
                 "recover_seconds": round(time.monotonic() - started, 3)})
+        self._record_returns(back, r, after, summary, started)
         log.warning("event=recovered job=%s round=%d epoch=%d restored=%d seconds=%.2f",
                     self.spec.job_id, r, self._epoch, len(restored),
                     time.monotonic() - started)
         return new_plan
+
+    # -- a cluster that comes back -------------------------------------------------------
+    def _readmit(self, r: int, plan: Plan, histograms: np.ndarray, summary: JobSummary) -> Plan:
+        """Before round `r`: lost clusters whose daemons are back in the mesh join again
+        (a fresh executor, a new placement epoch; the nodes it gets migrate to it)."""
+        started = time.monotonic()
+        # a cluster that keeps failing (e.g. an executor killed for memory every round) is
+        # not taken back for ever: after MAX_RETURNS returns it stays out
+        candidates = [cid for cid in self._departed
+                      if sum(1 for f in summary.faults
+                             if f["cluster"] == cid and f["event"] == "returned") < MAX_RETURNS]
+        returned = [cid for cid in self._reachable(candidates) if self._start_again(cid, r)]
+        if not returned:
+            return plan
+        before = node_clusters(plan.routing)
+        back = self._rejoin(returned)
+        self._epoch += 1
+        try:
+            new_plan = self._replan(histograms, self._slots, self._epoch)
+        except CapacityError as exc:  # cannot happen with more room than before; be clear
+            raise JobFailed(f"re-admitting {', '.join(returned)}: {exc}") from None
+        self._migrate(before, new_plan)
+        summary.replans += 1
+        self._record_returns(back, r, node_clusters(new_plan.routing), summary, started)
+        log.warning("event=readmitted job=%s round=%d clusters=%s epoch=%d", self.spec.job_id,
+                    r, ",".join(returned), self._epoch)
+        return new_plan
+
+    def _reachable(self, candidates: list[str]) -> list[str]:
+        """Which of these clusters the scheduler's daemon sees connected to the mesh again."""
+        connected = getattr(self.channel, "connected", None)
+        if connected is None or not candidates:
+            return []
+        try:
+            now = connected()
+        except JobFailed as exc:
+            log.info("event=mesh_status_unavailable reason=%s", exc)
+            return []
+        return sorted(cid for cid in candidates if now.get(cid))
+
+    def _start_again(self, cid: str, r: int) -> bool:
+        """A fresh executor for the job on a returned cluster; False (try again later) if it
+        cannot start one yet. A leftover executor of this job there is stopped first."""
+        try:
+            self.channel.request(cid, self._job_body("job.stop"), 10.0)
+        except JobFailed:
+            pass  # the usual case: the restarted daemon runs no executor for the job
+        try:
+            self.channel.request(cid, self._job_body("job.start", job=self.spec.to_dict(),
+                                                     clients=[]),
+                                 min(self.timeout, RETURN_START_TIMEOUT))
+        except JobFailed as exc:
+            log.warning("event=return_refused job=%s round=%d cluster=%s reason=%s",
+                        self.spec.job_id, r, cid, exc)
+            return False
+        if self.leases is not None:
+            self.leases.watch(cid)
+        return True
+
+    def _await_returns(self, need: int, r: int, summary: JobSummary) -> list[str]:
+        """Below min_clusters: wait up to `return_wait` for `need` lost clusters to return
+        and start again; the ones that did."""
+        deadline = time.monotonic() + self.spec.faults.return_wait
+        log.warning("event=waiting_for_clusters job=%s round=%d need=%d seconds=%g",
+                    self.spec.job_id, r, need, self.spec.faults.return_wait)
+        back: list[str] = []
+        while True:
+            waiting = [cid for cid in self._departed if cid not in back]
+            back += [cid for cid in self._reachable(waiting) if self._start_again(cid, r)]
+            if len(back) >= need or time.monotonic() >= deadline:
+                return back
+            time.sleep(1.0)
+
+    def _rejoin(self, returned: list[str]) -> dict[str, Departed]:
+        """Returned clusters take part again (in the next plan)."""
+        back = {cid: self._departed.pop(cid) for cid in returned}
+        self.clusters = self.clusters + [d.info for d in back.values()]
+        self._slots = self._slots + [d.slot for d in back.values()]
+        return back
+
+    def _record_returns(self, back: Mapping[str, Departed], r: int, after: Mapping[str, str],
+                        summary: JobSummary, started: float) -> None:
+        for cid, departed in back.items():
+            summary.faults.append({
+                "round": r, "cluster": cid, "event": "returned",
+                "nodes_moved": sum(1 for c in after.values() if c == cid),
+                "moved_to": [cid],
+                "away_seconds": round(started - departed.lost_at, 3),
+                "recover_seconds": round(time.monotonic() - started, 3)})

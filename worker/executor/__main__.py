@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     finished = threading.Event()
 
     def on_replied(msg):  # type: ignore[no-untyped-def]
-        if service.stopped.is_set():
+        # exit once job.stop's own reply is written: another message's reply (a lease
+        # renewal answered meanwhile) must not end the process before it
+        if msg.body.get("kind") == "job.stop" and service.stopped.is_set():
             finished.set()
 
     def on_delivery(msg, payload):  # type: ignore[no-untyped-def]

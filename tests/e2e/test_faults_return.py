@@ -1,0 +1,104 @@
+"""A lost cluster that comes back is re-admitted: its daemon, restarted with the same
+config during the job, gets a fresh executor at the next round boundary, the placement
+gives it nodes again (they migrate back with their state) and its clients train; below
+`min_clusters` the job waits for it (`return_wait`). Real daemons, in-process executors."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from proto.rounds import RoundRecord
+from scheduler.driver import Driver
+from scheduler.mesh import BridgeChannel
+from scheduler.testbed import LocalTestbed
+from tests.e2e.test_faults_continue import ROUNDS, spec
+
+pytestmark = pytest.mark.slow
+
+
+def wait_connected(channel: BridgeChannel, cluster: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not channel.connected().get(cluster):
+        assert time.monotonic() < deadline, f"{cluster} did not rejoin the mesh"
+        time.sleep(0.25)
+
+
+@pytest.mark.parametrize("victim", ["cluster-2", "cluster-1"])
+def test_a_restarted_cluster_is_readmitted_and_trains_again(tmp_path: Path, victim: str) -> None:
+    job = spec(f"back-{victim}")
+    with LocalTestbed(3, backend="inprocess", workdir=str(tmp_path / "tb"), capacity=3) as tb:
+        clusters = tb.start(timeout=60)
+        channel = BridgeChannel(tb.bridge_socket("scheduler"), job_id=job.job_id)
+        events: list[str] = []
+
+        def chaos(record: RoundRecord, total: int) -> None:
+            if record.round == 2:
+                tb.kill(victim)
+                events.append("killed")
+            elif events == ["killed"] and victim not in record.by_cluster:
+                # the job went on without it; now the operator restarts it
+                tb.restart(victim)
+                wait_connected(channel, victim)
+                events.append("restarted")
+
+        driver = Driver(job, clusters, channel, backend="inprocess", timeout=300,
+                        progress=chaos, run_dir=tmp_path / "run")
+        try:
+            summary = driver.run().summary
+        finally:
+            driver.close()
+            channel.close()
+    assert events == ["killed", "restarted"]
+    assert [r.round for r in summary.rounds] == list(range(1, ROUNDS + 1))
+    assert [(f["event"], f["cluster"]) for f in summary.faults] == [("lost", victim),
+                                                                   ("returned", victim)]
+    lost, back = summary.faults
+    assert back["round"] > lost["round"] and back["nodes_moved"] >= 1
+    assert back["away_seconds"] > 0 and back["recover_seconds"] > 0
+    # from its return on, it trains its clients again, and every client takes part
+    returned = [r for r in summary.rounds if r.round >= back["round"]]
+    assert returned and all(victim in r.by_cluster for r in returned)
+    assert all(r.by_cluster[victim]["participants"] >= 1 for r in returned)
+    assert all(r.participants == 6 for r in summary.rounds)
+    assert {c.cluster_id for c in summary.clusters} == set(tb.cluster_ids)
+    assert not math.isnan(summary.rounds[-1].accuracy)
+
+
+def test_below_min_clusters_the_job_waits_for_the_cluster_to_return(tmp_path: Path) -> None:
+    job = spec("wait-back", min_clusters=3, return_wait=120)
+    victim = "cluster-3"
+    with LocalTestbed(3, backend="inprocess", workdir=str(tmp_path / "tb"), capacity=3) as tb:
+        clusters = tb.start(timeout=60)
+        channel = BridgeChannel(tb.bridge_socket("scheduler"), job_id=job.job_id)
+        restarter: list[threading.Thread] = []
+
+        def chaos(record: RoundRecord, total: int) -> None:
+            if record.round == 2:
+                tb.kill(victim)
+
+                def later() -> None:  # the operator needs a few seconds
+                    time.sleep(3)
+                    tb.restart(victim)
+                restarter.append(threading.Thread(target=later, daemon=True))
+                restarter[0].start()
+
+        driver = Driver(job, clusters, channel, backend="inprocess", timeout=300,
+                        progress=chaos, run_dir=tmp_path / "run")
+        try:
+            summary = driver.run().summary
+        finally:
+            driver.close()
+            channel.close()
+    assert [r.round for r in summary.rounds] == list(range(1, ROUNDS + 1))
+    assert [(f["event"], f["cluster"]) for f in summary.faults] == [("lost", victim),
+                                                                   ("returned", victim)]
+    lost, back = summary.faults
+    # the job never ran a round without it: it waited, and its nodes went back to it
+    assert back["round"] == lost["round"] and back["nodes_moved"] >= 1
+    assert lost["moved_to"] == [victim]
+    assert all(set(r.by_cluster) == set(tb.cluster_ids) for r in summary.rounds)
