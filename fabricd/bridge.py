@@ -57,7 +57,7 @@ from proto.bridge import (
     tune_socket,
 )
 from proto.errors import ProtocolError
-from proto.messages import UpdateHeader
+from proto.messages import NO_CONSUMER, UpdateHeader
 
 log = get_logger("fabricd.bridge")
 
@@ -353,7 +353,7 @@ class BridgeServer:
 
     def _no_consumer(self, job_id: str) -> str:
         # transient: a restarting executor (or daemon) attaches again within seconds
-        return (f"unavailable: no executor attached for job {job_id!r} on cluster {self.cluster_id!r} "
+        return (f"unavailable: {NO_CONSUMER} for job {job_id!r} on cluster {self.cluster_id!r} "
                 "(nor a scheduler client for it)")
 
     async def deliver(self, header: UpdateHeader, payload: bytes | bytearray, source_cluster: str) -> None:

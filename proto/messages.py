@@ -47,6 +47,11 @@ UPDATE_STATUSES = ("ok", "duplicate", "rejected")
 TRANSIENT_REJECTIONS = ("busy:", "unavailable:")
 
 
+#: How a daemon words "this job has no executor here" (a transient rejection, within
+#: limits: an executor that stays away is gone; see worker/executor/transport.py).
+NO_CONSUMER = "no executor attached"
+
+
 def is_transient_rejection(reason: str) -> bool:
     """True if an UpdateAck/SendResult reason says "try again later" (see TRANSIENT_REJECTIONS)."""
     return reason.startswith(TRANSIENT_REJECTIONS)

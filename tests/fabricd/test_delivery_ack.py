@@ -92,3 +92,55 @@ def test_the_sender_hears_the_executors_verdict(mesh) -> None:
     jobs_a, jobs_b = bridge_status(a)["jobs"][JOB], bridge_status(b)["jobs"][JOB]
     assert jobs_a["sent_updates"] == 2 and jobs_b["received_updates"] == 2
     assert jobs_b["rejected"] == 2 and jobs_b["duplicates"] == 1
+
+
+def test_an_update_in_flight_when_its_daemon_restarts_is_not_lost(mesh) -> None:
+    """b's daemon is killed while its executor holds an update it has not answered, and
+    restarted at once: the sender is not told ``ok`` (but that a retry may pass); after the
+    restart the same message id reaches b's (new) executor once and is acknowledged."""
+    a, b, c = mesh.nodes["a"], mesh.nodes["b"], mesh.nodes["c"]
+    wait_until(lambda: "b" in connected_fast(a), timeout=30)
+    job, payload = "j-restart", b"\x02" * 300_000
+    update = SendUpdate(target_cluster="b", job_id=job, round=1, source_node="node-a1",
+                        target_node="node-b7", message_id="m-r", tensor_count=1,
+                        byte_length=len(payload), sha256=hashlib.sha256(payload).digest())
+    held: list[Delivery] = []
+    replies: list[Any] = []
+    with _client(b, job, answers=True) as old, _client(a, job) as sender:
+        wait_until(lambda: any(c["job_id"] == job for c in bridge_status(b)["bridge_clients"]), 10)
+        holder = threading.Thread(target=lambda: held.append(old.recv()[0]), daemon=True)
+        holder.start()
+        send = threading.Thread(target=lambda: replies.append(sender.request(update, payload)[0]),
+                                daemon=True)
+        send.start()
+        holder.join(30)
+        assert held and isinstance(held[0], Delivery) and held[0].message_id == "m-r"
+        b.kill9()  # the update is in flight: delivered to b's executor, not answered
+        b.start()
+        send.join(120)
+        reply = replies[0]
+        assert isinstance(reply, SendResult) and not reply.ok and reply.retry, reply
+        b.wait_ready()
+        wait_until(lambda: "b" in connected_fast(a) and "a" in connected_fast(b), timeout=60)
+
+        with _client(b, job, answers=True) as new:
+            wait_until(lambda: any(c["job_id"] == job
+                                   for c in bridge_status(b)["bridge_clients"]), 10)
+            executor = Executor(new, (True, "", False), (True, "", False))
+            reply, _ = sender.request(update, payload)
+            assert isinstance(reply, SendResult) and reply.ok and reply.reason == "", reply
+            reply, _ = sender.request(update, payload)  # remembered by the restarted daemon
+            assert isinstance(reply, SendResult) and reply.ok and "duplicate" in reply.reason
+            reply, _ = sender.request(_next(update), payload)
+            assert isinstance(reply, SendResult) and reply.ok, reply
+            executor.thread.join(10)
+            assert executor.seen == ["m-r", "m-s"]
+    wait_until(lambda: "b" in connected_fast(c), timeout=60)
+
+
+def _next(update: SendUpdate) -> SendUpdate:
+    return SendUpdate(target_cluster=update.target_cluster, job_id=update.job_id,
+                      round=update.round, source_node=update.source_node,
+                      target_node=update.target_node, message_id="m-s",
+                      tensor_count=update.tensor_count, byte_length=update.byte_length,
+                      sha256=update.sha256)

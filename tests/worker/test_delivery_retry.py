@@ -123,6 +123,17 @@ def test_a_send_is_retried_under_one_id_only_while_it_may_pass(
     with pytest.raises(RemoteSendError, match="gave up after 1 attempts.*cluster c is gone"):
         sender.send_to("b", 3, "up", "c1", "server", b"x")
 
+    # the target cluster keeps saying it has no executor for the job (its daemon restarted
+    # without it): given up after the grace, naming that; other transient failures in
+    # between start the grace again
+    monkeypatch.setattr(transport_module, "ABSENT_GRACE_SECONDS", 0.05)
+    busy = RemoteSendError("rejected: busy: 2 GiB in flight", retry=True)
+    link = ScriptedLink(transient, busy, *[transient] * 1000)
+    with pytest.raises(RemoteSendError, match="has had no executor for job 'j' for 0 s: its "
+                                              "daemon restarted without it, or it exited"):
+        _transport(link).send_to("b", 3, "up", "c1", "server", b"x")
+    assert 3 <= len(link.ids) < 1000 and link.failures
+
     # past the round's deadline: the last reason, and that it was retried
     link = ScriptedLink(transient, transient)
     sender = _transport(link)

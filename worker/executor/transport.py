@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from proto.messages import NO_CONSUMER
 from worker import payload as wire
 from worker.errors import WorkerError
 from worker.executor.graph import DOWN, FINAL, KINDS, PEER, STATE, UP
@@ -30,6 +31,10 @@ log = logging.getLogger("fedpilot.executor")
 
 #: Backoff between attempts of one update (seconds; doubled per attempt, capped, jittered).
 RETRY_FIRST, RETRY_MAX = 0.2, 2.0
+#: A target cluster whose daemon says it has no executor for the job this long is taken
+#: as gone (its daemon restarted without it, or it exited): the send fails naming that,
+#: and the scheduler's fault path (lease, re-plan) takes over from there.
+ABSENT_GRACE_SECONDS = 10.0
 
 
 class RemoteSendError(WorkerError, RuntimeError):
@@ -162,6 +167,7 @@ class HybridTransport:
         mid = (message_id(self.job_id, round_index, kind, src, dst)
                + (f"~{self.attempt}" if self.attempt else ""))
         started = time.monotonic()
+        absent_since: float | None = None
         attempts = 0
         while True:
             attempts += 1
@@ -174,10 +180,17 @@ class HybridTransport:
                 if not exc.retry:
                     raise
                 wait = min(RETRY_MAX, RETRY_FIRST * 2 ** (attempts - 1)) * (0.5 + random.random())
-                spent = time.monotonic() - started
+                now = time.monotonic()
+                spent = now - started
+                absent_since = (absent_since or now) if NO_CONSUMER in str(exc) else None
                 stop = self._mailbox.aborted(round_index) if kind in (UP, DOWN, PEER) else None
                 if stop is None and spent + wait > self.retry_seconds:
                     stop = f"its deadline of {self.retry_seconds:.0f} s passed"
+                if (stop is None and absent_since is not None
+                        and now + wait - absent_since > ABSENT_GRACE_SECONDS):
+                    stop = (f"cluster {target_cluster!r} has had no executor for job "
+                            f"{self.job_id!r} for {now - absent_since:.0f} s: its daemon "
+                            "restarted without it, or it exited")
                 if stop is not None:
                     raise RemoteSendError(f"{exc} (gave up after {attempts} attempts in "
                                           f"{spent:.1f} s: {stop})") from exc
