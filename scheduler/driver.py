@@ -129,6 +129,8 @@ class Driver(Recovery):
                                         thread_name_prefix="driver")
         self.leases: LeaseKeeper | None = None
         self._slowest = 0.0  # seconds of the slowest round so far
+        #: the job's summary as it grows (rounds, faults), for whoever follows the run
+        self.summary: JobSummary | None = None
         self._pinned: list[str] | None = None  # data.placement = "pinned": each client's cluster
         self._client_samples: list[int] = []    # ... and its training samples (histogram sums)
 
@@ -263,6 +265,7 @@ class Driver(Recovery):
             job_id=spec.job_id, backend=self.backend, placement_strategy=spec.placement.strategy,
             topology=spec.topology.kind, aggregation=spec.aggregation.name,
             compression=spec.transfer.compression, communities=plan.placement.communities)
+        self.summary = summary
         first = 1
         if resume is not None:
             self._restore(plan, resume.models)

@@ -113,6 +113,15 @@ class RunRecorder:
             self.metrics.observe_round(self.summary.job_id, record)
         self._write("running")
 
+    def follow_faults(self, faults: Sequence[dict[str, Any]]) -> None:
+        """The driver's fault events so far (written with the next round; every new loss
+        is counted in the metrics)."""
+        if self.metrics is not None:
+            for event in faults[len(self.summary.faults):]:
+                if event.get("event") == "lost":
+                    self.metrics.cluster_lost(self.summary.job_id, str(event.get("cluster")))
+        self.summary.faults = [dict(f) for f in faults]
+
     def finished(self) -> None:
         self._write("finished")
 

@@ -152,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
         bar = None if args.quiet else ProgressBar(sys.stderr)
 
         def progress(record: RoundRecord, total: int) -> None:
+            if driver.summary is not None:  # losses and returns so far
+                recorder.follow_faults(driver.summary.faults)
             recorder(record, total)
             if bar is not None:
                 bar(record, total)
@@ -161,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             result = driver.run()
         except BaseException as exc:
+            if driver.summary is not None:
+                recorder.follow_faults(driver.summary.faults)
             recorder.failed(str(exc) or type(exc).__name__,
                             lost=sorted(getattr(exc, "lost", None) or ()))  # ClusterLost names them
             raise

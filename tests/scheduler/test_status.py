@@ -165,3 +165,24 @@ def test_run_recorder_feeds_job_metrics_and_counts_lost_clusters(tmp_path: Path)
     assert value("fedpilot_scheduler_bytes_total", {"job": "lossy", "scope": "inter"}) == 2_000_000
     assert value("fedpilot_scheduler_cluster_losses_total", {"job": "lossy", "cluster": "c"}) == 1
     assert read_run(tmp_path / "run").error.startswith("lost during round 2")
+
+
+def test_a_running_summary_has_the_faults_so_far_each_loss_counted_once(tmp_path: Path) -> None:
+    from fedpilot.metrics import RunMetrics
+    from proto.job import JobSpec
+    from scheduler.status import RunRecorder
+
+    spec = JobSpec.from_dict({"job": {"id": "bumpy"}, "training": {"federated_learning_rounds": 5}})
+    metrics = RunMetrics("scheduler")
+    recorder = RunRecorder.for_job(tmp_path / "run", spec, backend="ray", metrics=metrics)
+    lost = {"round": 2, "cluster": "b", "event": "lost", "nodes_moved": 3}
+    back = {"round": 3, "cluster": "b", "event": "returned", "nodes_moved": 2}
+    recorder.follow_faults([lost])
+    recorder(record(2), 5)
+    recorder.follow_faults([lost, back])
+    recorder(record(3), 5)
+    on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert on_disk["status"] == "running"
+    assert [(f["round"], f["event"]) for f in on_disk["faults"]] == [(2, "lost"), (3, "returned")]
+    value = metrics.registry.get_sample_value
+    assert value("fedpilot_scheduler_cluster_losses_total", {"job": "bumpy", "cluster": "b"}) == 1
