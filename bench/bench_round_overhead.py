@@ -22,6 +22,8 @@ clients), so both sides train the same number of clients at once.
     python bench/bench_round_overhead.py                   # in-process, loopback
     python bench/bench_round_overhead.py --backend ray     # 1 vs 3 embedded Rays
     python bench/bench_round_overhead.py --quick           # tiny job, for the smoke test
+    python bench/bench_round_overhead.py --backend ray --big   # ~64 MB model, 30 clients,
+                                                           # hybrid: peak RSS per role too
 
 Measured on a 2-core box shared with other jobs (24 clients, CNN, 6 rounds, 2 repeats;
 seconds per round one cluster -> three, wall ratio, CPU ratio):
@@ -49,6 +51,7 @@ from scheduler.driver import ClusterChannel, ClusterInfo, Driver, JobFailed
 from scheduler.results import RoundRecord
 
 GOAL_RATIO = 1.10
+BIG_GOAL_RATIO = 1.15  # issue 12: the ~64 MB model on Ray, when training dominates
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -60,20 +63,28 @@ class Setup:
     epochs: int
     seed: int
     compression: str = "none"
+    hidden: int = 0              # mlp hidden size (0: the model's default)
+    topology: str = "star"
+    slots: int = 0               # actor slots over all clusters (0: one per client)
 
 
-def job_spec(setup: Setup, job_id: str) -> JobSpec:
-    """The job both sides run; only the number of clusters differs."""
+def job_spec(setup: Setup, job_id: str, clusters: int = 1) -> JobSpec:
+    """The job both sides run; only the number of clusters differs (and with `slots`, the
+    actor slots per cluster, so that both sides train as many clients at once)."""
+    model: dict[str, Any] = {"name": setup.model}
+    if setup.hidden:
+        model["hidden"] = setup.hidden
+    slots = max(1, setup.slots // clusters) if setup.slots else setup.clients
     return JobSpec.from_dict({
         "job": {"id": job_id, "seed": setup.seed},
         "data": {"dataset": "digits", "number_of_clients": setup.clients,
                  "data_distribution_kind": "dirichlet", "dirichlet_beta": 0.5},
-        "model": {"name": setup.model},
+        "model": model,
         "training": {"federated_learning_rounds": setup.rounds,
                      "number_of_epochs": setup.epochs},
-        "topology": {"kind": "star"},
+        "topology": {"kind": setup.topology},
         "aggregation": {"name": "fedavg"},
-        "placement": {"strategy": "round_robin", "max_materialized": setup.clients},
+        "placement": {"strategy": "round_robin", "max_materialized": slots},
         "transfer": {"compression": setup.compression},
     }, source="bench_round_overhead")
 
@@ -122,6 +133,22 @@ def _role(pid: int, me: int, daemons: set[int]) -> str:
     return "ray_system"  # gcs_server, raylet, Ray's agents and monitors
 
 
+def tree_peak_rss_mb(me: int, daemons: list[int]) -> dict[str, float]:
+    """The largest peak RSS (VmHWM) of any live process of each role, in MB."""
+    out: dict[str, float] = {}
+    known = set(daemons)
+    for pid in _descendants([me, *daemons]):
+        try:
+            with open(f"/proc/{pid}/status") as fh:
+                line = next((x for x in fh if x.startswith("VmHWM:")), "")
+        except OSError:
+            continue
+        if line:
+            role = _role(pid, me, known)
+            out[role] = max(out.get(role, 0.0), int(line.split()[1]) / 1024)
+    return out
+
+
 def tree_cpu_seconds(me: int, daemons: list[int]) -> dict[str, float]:
     """User + system CPU of this process, the daemons and all their live descendants
     (reaped children count for their parent), booked by role."""
@@ -146,6 +173,8 @@ class RunResult:
     cpu_roles: list[dict[str, float]] = field(default_factory=list)  # the same, by role
     actors: int = 0
     final_accuracy: float = 0.0
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)  # per role, any process
+    model_bytes: int = 0
 
 
 class Side:
@@ -157,7 +186,7 @@ class Side:
         self.setup = setup
 
     def run(self, clusters: int, job_id: str) -> RunResult:
-        spec = job_spec(self.setup, job_id)
+        spec = job_spec(self.setup, job_id, clusters)
         if self.backend == "inprocess" and self.mesh == "loopback":
             from fedpilot.loopback import LoopbackMesh
             from worker.context import InProcessContext
@@ -192,6 +221,8 @@ class Side:
             result.cpu_roles.append(roles)
             result.cpu.append(sum(roles.values()))
             mark[0] = now
+            for role, mb in tree_peak_rss_mb(me, daemons).items():
+                result.peak_rss_mb[role] = round(max(result.peak_rss_mb.get(role, 0.0), mb), 1)
             print(f"  {clusters} cluster(s) round {record.round}/{total} "
                   f"{record.seconds:.2f}s cpu={result.cpu[-1]:.2f}s inter={record.bytes_inter}"
                   f" acc={record.accuracy:.3f}", file=sys.stderr, flush=True)
@@ -205,6 +236,7 @@ class Side:
         result.rounds = job.summary.rounds
         result.actors = sum(c.actors_materialized for c in job.summary.clusters)
         result.final_accuracy = job.summary.final_accuracy
+        result.model_bytes = len(job.model or b"")
         return result
 
 
@@ -226,6 +258,9 @@ def side_stats(runs: list[RunResult]) -> dict[str, Any]:
         "bytes_inter_per_round": round(statistics.fmean(inter)),
         "bytes_intra_per_round": round(statistics.fmean(intra)),
         "actors_materialized": runs[0].actors,
+        "peak_rss_mb_by_role": {k: max(run.peak_rss_mb.get(k, 0.0) for run in runs)
+                                for k in sorted({k for run in runs for k in run.peak_rss_mb})},
+        "model_bytes": runs[0].model_bytes,
         "final_accuracy": [round(run.final_accuracy, 4) for run in runs],
         "round_seconds": [[round(r.seconds, 3) for r in run.rounds] for run in runs],
         "round_cpu_seconds": [[round(c, 3) for c in run.cpu] for run in runs],
@@ -268,6 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=None,
                         help="local epochs per round: default 15 so training dominates (quick 1)")
     parser.add_argument("--model", default="cnn")
+    parser.add_argument("--hidden", type=int, default=0, help="mlp hidden size")
+    parser.add_argument("--topology", default="star")
+    parser.add_argument("--slots", type=int, default=0,
+                        help="actor slots over all clusters, split evenly (default: one per "
+                             "client on every cluster)")
+    parser.add_argument("--big", action="store_true",
+                        help="issue 12's real-size job: 30 clients, mlp with a ~64 MB model "
+                             "(hidden 220000), hybrid, 3 rounds, 3 epochs, 6 actor slots")
     parser.add_argument("--compression", choices=("none", "fp16", "int8", "topk"),
                         default="none", help="inter-cluster transfer compression")
     parser.add_argument("--repeats", type=int, default=None,
@@ -278,10 +321,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     mesh = "local" if args.backend == "ray" else args.mesh
+    if args.big:
+        args.clients, args.rounds, args.model = args.clients or 30, args.rounds or 3, "mlp"
+        args.hidden, args.topology = args.hidden or 220_000, "hybrid"
+        args.epochs, args.slots = args.epochs or 3, args.slots or 6
+        args.repeats = args.repeats or 1
     setup = Setup(clients=args.clients or (6 if args.quick else 24),
                   rounds=args.rounds or (3 if args.quick else 6), model=args.model,
                   epochs=args.epochs or (1 if args.quick else 15), seed=args.seed,
-                  compression=args.compression)
+                  compression=args.compression, hidden=args.hidden, topology=args.topology,
+                  slots=args.slots)
     if setup.rounds < 2:
         parser.error("--rounds must be at least 2 (round 1 is warm-up)")
     repeats = args.repeats or (1 if args.quick else 2)
@@ -299,15 +348,18 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     one, three = side_stats(runs[1]), side_stats(runs[3])
+    goal = BIG_GOAL_RATIO if args.big else GOAL_RATIO
     wall = three["seconds_per_round_mean"] / one["seconds_per_round_mean"]
     cpu = three["cpu_seconds_per_round_mean"] / max(one["cpu_seconds_per_round_mean"], 1e-9)
     report = {
         "benchmark": "round_overhead",
         "setup": {"dataset": "digits", "clients": setup.clients, "rounds": setup.rounds,
-                  "model": setup.model, "epochs": setup.epochs, "topology": "star",
+                  "model": setup.model, "hidden": setup.hidden, "epochs": setup.epochs,
+                  "topology": setup.topology, "slots": setup.slots,
                   "aggregation": "fedavg", "placement": "round_robin",
                   "compression": setup.compression,
-                  "max_materialized": setup.clients, "seed": setup.seed,
+                  "max_materialized": "slots / clusters" if setup.slots else setup.clients,
+                  "seed": setup.seed,
                   "backend": args.backend, "mesh": mesh, "repeats": repeats,
                   "quick": args.quick},
         "baseline": "one_cluster",
@@ -322,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         "overhead_cpu_seconds_per_round": round(
             three["cpu_seconds_per_round_mean"] - one["cpu_seconds_per_round_mean"], 4),
         "bytes_inter_per_round": three["bytes_inter_per_round"],
-        "goal": f"ratio_seconds_per_round <= {GOAL_RATIO}",
-        "goal_met": wall <= GOAL_RATIO,
+        "goal": f"ratio_seconds_per_round <= {goal}",
+        "goal_met": wall <= goal,
         "seconds_total": round(time.perf_counter() - started, 1),
         "notes": notes(args.backend, mesh),
     }
