@@ -15,6 +15,7 @@ of the group (or node) models, combined on one cluster, evaluated there and stre
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -69,6 +70,25 @@ def plan_epoch(spec: JobSpec, histograms: np.ndarray, slots: Sequence[ClusterSlo
     plan = plan_job(planned_spec, list(slots), histograms=histograms, epoch=epoch,
                     pinned=pinned)
     return plan
+
+
+def merge_failures(failures: Mapping[str, str]) -> str:
+    """One line per distinct failure: clusters that failed the same way (a bad model
+    path, a missing module) are named together instead of repeating the text."""
+    groups: dict[str, list[str]] = {}
+    for cid, text in sorted(failures.items()):
+        name = rf"(?<![\w.-]){re.escape(cid)}(?![\w-])"
+        # the cluster's name becomes a placeholder: NUL for "cluster ID", SOH elsewhere
+        shape = re.sub(name, "\x01", re.sub(rf"\bcluster {name}", "\x00", text))
+        groups.setdefault(shape, []).append(cid)
+    lines = []
+    for shape, cids in groups.items():
+        if len(cids) == 1:
+            lines.append(failures[cids[0]])
+            continue
+        named = ", ".join(cids)
+        lines.append(shape.replace("\x00", f"clusters {named}").replace("\x01", named))
+    return "; ".join(lines)
 
 
 @dataclass(frozen=True)
@@ -153,21 +173,21 @@ class Driver(Recovery):
             if any(f.exception() is not None for f in done):
                 break  # fail fast: the others are stopped by whoever handles the failure
         replies: dict[str, dict[str, Any]] = {}
-        failures: list[str] = []
+        failures: dict[str, str] = {}
         for cid, fut in futures.items():
             if not fut.done():
                 continue
             try:
                 replies[cid] = fut.result()
             except JobFailed as exc:
-                failures.append(str(exc))
+                failures[cid] = str(exc)
         if failures:
             # a failure is often the first sign of a lost cluster (the failing one, or one
             # its round needed): let the lease decide
             lost = self._lost_among(list(futures))
             if lost:
                 raise ClusterLost(lost, what, pending=futures)
-            raise JobFailed("; ".join(failures))
+            raise JobFailed(merge_failures(failures))
         return replies
 
     def _lost_among(self, failed: list[str]) -> dict[str, Any]:
