@@ -32,7 +32,12 @@ from scheduler.checkpoint import Checkpoint
 from scheduler.clusters import ClusterSlot
 from scheduler.errors import JobFailed
 from scheduler.leases import ClusterLost, LeaseKeeper
-from scheduler.pinned import check_pinned_data, client_clusters, pinned_holders
+from scheduler.pinned import (
+    check_pinned_data,
+    client_clusters,
+    pinned_holders,
+    pinned_plan_extra,
+)
 from scheduler.plan import Plan, plan_job
 from scheduler.recovery import Departed, Recovery, node_clusters
 from scheduler.results import ClusterRecordSummary, JobSummary
@@ -363,7 +368,7 @@ class Driver(Recovery):
         routing = plan.routing.to_bytes()
         # pinned data: a cluster cannot count another's clients' samples itself; the
         # weights of their updates are what their own clusters reported at start
-        extra = {} if self._pinned is None else {"client_samples": self._client_samples}
+        extra = {} if self._pinned is None else pinned_plan_extra(plan, self._client_samples)
         self._all({c.cluster_id: self._job_body("job.plan", routing=routing,
                                                 imports=imports.get(c.cluster_id, []),
                                                 next_round=self._next_round, **extra)

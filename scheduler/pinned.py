@@ -10,16 +10,23 @@ Placement then has nothing to decide about where a client goes: the assignment i
 (`plan_placement(..., pinned=...)`). The histograms still shape the routing matrix: the
 data communities it records, the similarity neighbours of `k_connected` (mode
 `similarity`), and where each aggregator sits (with most of the clients it serves). A
-re-plan never moves a pinned client; a cluster that is lost takes its clients with it
-(see `PinnedClientsLost`).
+re-plan never moves a pinned client. The clients of a lost cluster (`on_cluster_loss =
+"continue"`) sit out: the plan lists them, as `absent`, on a survivor where they never
+train and weigh nothing (`fixed_assignment`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import CapacityError, JobFailed
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+log = logging.getLogger("fedpilot.scheduler")
 
 
 class PinnedClientsLost(CapacityError):
@@ -78,27 +85,40 @@ def check_pinned_data(replies: Mapping[str, Mapping[str, Any]], dataset: str) ->
 
 
 def fixed_assignment(pinned: Sequence[str], cluster_ids: Sequence[str],
-                     capacities: Sequence[int]) -> list[int]:
-    """Cluster index of every pinned client among `cluster_ids`; PinnedClientsLost if a
-    client's cluster is not among them, CapacityError if a cluster cannot hold its own."""
+                     capacities: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(cluster index of every pinned client among `cluster_ids`, the clients that sit
+    out). A client whose cluster is not among them (lost, with `on_cluster_loss =
+    "continue"`) cannot move: it sits out, listed on the first cluster as a placeholder
+    that never trains, holds no data and weighs nothing. PinnedClientsLost if no client is
+    left; CapacityError if a cluster cannot hold its own clients."""
     index = {cid: k for k, cid in enumerate(cluster_ids)}
-    gone: dict[str, int] = {}
-    for cid in pinned:
-        if cid not in index:
-            gone[cid] = gone.get(cid, 0) + 1
-    if gone:
-        what = ", ".join(f"{cid} ({count} client{'s' if count != 1 else ''})"
-                         for cid, count in sorted(gone.items()))
+    out = [index.get(cid, 0) for cid in pinned]
+    absent = [i for i, cid in enumerate(pinned) if cid not in index]
+    if len(absent) == len(pinned):
         raise PinnedClientsLost(
-            f"pinned clients cannot move: their data lives on {what}, which is not among the "
-            f"clusters {', '.join(cluster_ids)} (data.placement = 'pinned'); the job stops "
-            "rather than go on without that data: resume it with `submit --resume RUN_DIR` "
-            "once the cluster is back")
-    out = [index[cid] for cid in pinned]
+            f"every pinned client's data is on clusters that are gone "
+            f"({', '.join(sorted(set(pinned)))}; data.placement = 'pinned'): no client is "
+            f"left to train on {', '.join(cluster_ids) or 'no cluster'}; resume the job with "
+            "`submit --resume RUN_DIR` once they are back")
+    gone = set(absent)
     for k, (cid, cap) in enumerate(zip(cluster_ids, capacities, strict=True)):
-        load = out.count(k)
+        load = sum(1 for i, c in enumerate(out) if c == k and i not in gone)
         if load > cap:
             raise CapacityError(f"cluster {cid} holds the data of {load} pinned clients but its "
                                 f"capacity is {cap}; raise [cluster] capacity in its cluster.toml "
                                 "or lower data.number_of_clients")
-    return out
+    return out, absent
+
+
+def pinned_plan_extra(plan: Plan, client_samples: Sequence[int]) -> dict[str, Any]:
+    """What a pinned job's `job.plan` carries besides the matrix: every client's training
+    samples as its own cluster reported them (another cluster cannot count them; they
+    weigh its updates), zero for clients that sit out, and those clients (`absent`)."""
+    absent = list(plan.placement.absent)
+    samples = [int(k) for k in client_samples]
+    for i in absent:
+        samples[i] = 0
+    if absent:
+        log.warning("event=pinned_clients_sit_out job=%s epoch=%d clients=%s", plan.spec.job_id,
+                    plan.routing.epoch, ",".join(f"c{i}" for i in absent))
+    return {"client_samples": samples, "absent": absent}

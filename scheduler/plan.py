@@ -48,6 +48,8 @@ class PlacementResult:
     cluster_index: np.ndarray
     client_community: np.ndarray
     communities: int
+    #: pinned data: clients that sit out (their cluster is gone); listed on a survivor
+    absent: tuple[int, ...] = ()
 
     @property
     def client_cluster(self) -> list[str]:
@@ -66,6 +68,7 @@ class PlacementResult:
             "client_cluster": {f"c{i}": c for i, c in enumerate(self.client_cluster)},
             "client_community": {f"c{i}": int(k)
                                  for i, k in enumerate(self.client_community.tolist())},
+            **({"sitting_out": [f"c{i}" for i in self.absent]} if self.absent else {}),
         }
 
 
@@ -124,13 +127,14 @@ def plan_placement(
     seed = spec.seed if seed is None else seed
     strategy = strategy or spec.placement.strategy
     if spec.data.placement == "pinned":
-        fixed = np.asarray(fixed_assignment(
+        fixed, absent = fixed_assignment(
             pinned if pinned is not None else client_clusters(pinned_holders(n, ids)), ids,
-            caps), dtype=np.int64)
+            caps)
         _check_histograms(histograms, n)
         if communities is None:
             communities = job_communities(spec, histograms, seed=seed)
-        return PlacementResult("pinned", ids, fixed, communities.labels, communities.count)
+        return PlacementResult("pinned", ids, np.asarray(fixed, dtype=np.int64),
+                               communities.labels, communities.count, tuple(absent))
     check_capacity(n, caps)
     _check_histograms(histograms, n)
     if communities is None:
@@ -205,8 +209,12 @@ def final_topology(spec: JobSpec, placement: PlacementResult, pre: LogicalTopolo
 
 def routing_matrix(spec: JobSpec, placement: PlacementResult, topology: LogicalTopology,
                    slots: Sequence[ClusterSlot], *, epoch: int = 0) -> RoutingMatrix:
-    """The routing matrix of a placement (aggregators placed with most of their edges)."""
-    node_cluster = place_aggregators(topology, placement.cluster_index, len(slots))
+    """The routing matrix of a placement (aggregators placed with most of their edges;
+    clients that sit out have no say)."""
+    voters = placement.cluster_index.copy()
+    voters[list(placement.absent)] = -1
+    node_cluster = place_aggregators(topology, voters, len(slots))
+    node_cluster[:topology.num_clients] = placement.cluster_index
     return RoutingMatrix.from_edges(
         job_id=spec.job_id, clusters=[s.cluster_id for s in slots], node_cluster=node_cluster,
         edges=topology.edges, num_clients=topology.num_clients,

@@ -3,6 +3,7 @@ the loopback link): each cluster builds its clients from its own file only."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +95,70 @@ def test_clusters_whose_files_disagree_on_classes_are_refused(
     declared = {**sites, "b": {"site": f"npz:{odd}"}}
     with pytest.raises(JobFailed, match=r"disagree \(a, c: 10 classes.*; b: 5 classes"):
         run(pinned_job(), declared)
+
+
+class Losing(LoopbackMesh):
+    """The loopback mesh with a cluster that can die: its executor aborts and every
+    request or update to it fails from then on, as across a dead daemon."""
+
+    dead: set[str]
+
+    def kill(self, cid: str) -> None:
+        self.dead = {*getattr(self, "dead", set()), cid}
+        self.services[cid].abort("killed by the test")
+
+    def connected(self) -> dict[str, bool]:
+        """What the scheduler's daemon would say of the mesh (the lease keeper asks)."""
+        return {cid: cid not in getattr(self, "dead", set()) for cid in self.services}
+
+    def request(self, cluster_id: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        if cluster_id in getattr(self, "dead", set()):
+            raise JobFailed(f"cluster {cluster_id} is unreachable")
+        return super().request(cluster_id, body, timeout)
+
+
+def test_a_lost_clusters_pinned_clients_sit_out_and_the_job_goes_on(
+        sites: dict[str, dict[str, str]], tmp_path: Path) -> None:
+    spec = pinned_job(topology={"kind": "star"}, training={"federated_learning_rounds": 4},
+                      faults={"on_cluster_loss": "continue", "lease_seconds": 6,
+                              "checkpoint_every": 1})
+    mesh = Losing(list(sites), lambda cid: runtime_factory(
+        InProcessContext(), cid, datasets=sites[cid]), capacity=4)
+    original = mesh.services["b"].deliver
+
+    def deliver(**kwargs: Any) -> bool:  # a dead cluster's daemon takes no update either
+        if "b" in getattr(mesh, "dead", set()):
+            raise JobFailed("cluster b is unreachable")
+        return original(**kwargs)
+
+    mesh.services["b"].deliver = deliver  # type: ignore[method-assign]
+
+    def kill_after_round_2(record: Any, total: int) -> None:
+        if record.round == 2:
+            # the lease keeper judges only a cluster that answered it once: let b answer
+            asked = time.monotonic()
+            leases = driver.leases
+            assert leases is not None
+            while leases.answered_at("b") <= asked and time.monotonic() < asked + 60:
+                time.sleep(0.05)
+            mesh.kill("b")
+
+    driver = Driver(spec, mesh.clusters(), mesh, backend="inprocess", timeout=120,
+                    progress=kill_after_round_2, run_dir=tmp_path / "run")
+    try:
+        result = driver.run()
+    finally:
+        driver.close()
+    summary = result.summary
+    assert [r.round for r in summary.rounds] == [1, 2, 3, 4]
+    assert [f["cluster"] for f in summary.faults] == ["b"]
+    # b's clients (c3..c5) never moved to another cluster's data: they sat out, and every
+    # round after the loss trained the six others, on their own clusters
+    placement = result.placement
+    assert placement["sitting_out"] == ["c3", "c4", "c5"]
+    for rec in summary.rounds[2:]:
+        assert set(rec.by_cluster) == {"a", "c"} and rec.participants == 6
+    for cid in ("a", "c"):
+        runtime: Any = mesh.services[cid].runtime
+        assert runtime.dataset_path == sites[cid]["site"]
+        assert set(runtime._local) <= set(runtime._own)  # only its own clients trained here

@@ -80,13 +80,35 @@ def test_histogram_routing_keeps_exchanges_on_site_where_random_does_not() -> No
     assert similar.routing.edge_counts()[1] < random.routing.edge_counts()[1]
 
 
-def test_a_lost_cluster_takes_its_pinned_clients_with_it() -> None:
+def test_a_lost_clusters_clients_sit_out_on_a_survivor_without_a_say() -> None:
     pinned = client_clusters(pinned_holders(9, ["a", "b", "c"]))
-    survivors = [s for s in SLOTS if s.cluster_id != "b"]
-    with pytest.raises(PinnedClientsLost, match=r"data lives on b \(3 clients\).*submit --resume"):
-        plan_epoch(spec(), site_histograms(), survivors, epoch=1, pinned=pinned)
+    survivors = [ClusterSlot("b", 4), ClusterSlot("c", 4)]  # a (c0..c2, 3 votes) is gone
+    plan = plan_epoch(spec(), site_histograms(), survivors, epoch=1, pinned=pinned)
+    placement = plan.placement
+    assert placement.absent == (0, 1, 2)
+    assert placement.to_dict()["sitting_out"] == ["c0", "c1", "c2"]
+    # listed on a survivor (the matrix needs a cluster for every node); the others stay put
+    assert placement.client_cluster == ["b"] * 6 + ["c"] * 3
+    # the star's server sits with most of the clients that take part: b and c hold three
+    # each (the absent three would have tipped it to b); ties go to the first cluster
+    routing = plan.routing
+    server = routing.num_clients
+    assert routing.clusters[int(routing.node_cluster[server])] == "b"
+    with pytest.raises(PinnedClientsLost, match=r"every pinned client.*submit --resume"):
+        plan_epoch(spec(), site_histograms(), [ClusterSlot("d", 9)], epoch=2, pinned=pinned)
     # a CapacityError: recovery reports it as "the survivors cannot hold the clients"
     assert issubclass(PinnedClientsLost, CapacityError)
+
+
+def test_sitting_out_clients_do_not_decide_where_aggregators_sit() -> None:
+    pinned = ["a"] * 5 + ["b"] + ["c"] * 3  # a (5 clients) is gone
+    slots = [ClusterSlot("b", 9), ClusterSlot("c", 9)]
+    plan = plan_epoch(spec(), site_histograms(), slots, epoch=1, pinned=pinned)
+    assert plan.placement.absent == (0, 1, 2, 3, 4)
+    assert plan.placement.client_cluster[:6] == ["b"] * 6  # 5 placeholders + b's own
+    # b lists six clients, but only one of them trains: the server goes to c's three
+    routing = plan.routing
+    assert routing.clusters[int(routing.node_cluster[routing.num_clients])] == "c"
 
 
 def test_a_cluster_too_small_for_its_own_clients_is_named() -> None:

@@ -95,6 +95,8 @@ class ClusterEngine:
         self._aggregators: dict[str, Aggregate] = {}
         self._local_clients: list[str] | None = None
         self._lock = threading.Lock()
+        #: clients that sit out every round of this plan (pinned data on a lost cluster)
+        self.absent: frozenset[str] = frozenset()
 
     # -- placement (fixed for the life of an engine: a new plan makes a new engine) -----
     def local_clients(self) -> list[str]:
@@ -106,9 +108,11 @@ class ClusterEngine:
         return [a for a in self.graph.aggregators if self.transport.is_local(a)]
 
     def participants(self, round_index: int) -> set[str]:
-        """Every client of the job that trains in `round_index` (wherever it lives)."""
+        """Every client of the job that trains in `round_index` (wherever it lives), less
+        the ones that sit out."""
         n = len(self.graph.clients)
-        return {f"c{i}" for i in participants(n, self.client_fraction, self.seed, round_index)}
+        drawn = {f"c{i}" for i in participants(n, self.client_fraction, self.seed, round_index)}
+        return drawn - self.absent
 
     def current_model(self, node: str) -> Any:
         with self._lock:

@@ -8,7 +8,8 @@ Messages (the `kind` of the body; the daemon only passes on bodies signed by a
   the round graph is a read-only view of it), materialize the local clients, and take the
   states of nodes that migrated here (`imports`: node names; the states arrive as update
   streams); a pinned-data job's plan also carries every client's training-sample count
-  (what its own cluster reported), the weight its updates get elsewhere;
+  (what its own cluster reported), the weight its updates get elsewhere, and the clients
+  that sit out (`absent`: their cluster is gone, their data with it);
 - `round.run` {round}: run this cluster's share of the round, reply with its RoundRecord;
 - `node.export` {nodes: {node: cluster}}: stream the state of nodes that move to
   another cluster straight to that cluster;
@@ -219,7 +220,9 @@ class ExecutorService:
                 locate=self._nodes_lookup, mailbox=self.mailbox, resolve=self.runtime.resolve,
                 codec=self.runtime.make_codec(), link=self.link,
                 template=self.runtime.initial_weights)
-        local_clients = [c for c in graph.clients if nodes[c] == self.cluster_id]
+        absent = self._absent(body, routing.num_clients)
+        local_clients = [c for c in graph.clients if nodes[c] == self.cluster_id
+                         and c not in absent]
         if "client_samples" in body:  # pinned data: other clusters' clients' sample counts
             counts = body["client_samples"]
             if (not isinstance(counts, list) or len(counts) != routing.num_clients
@@ -239,6 +242,7 @@ class ExecutorService:
             make_inner_aggregator=self.runtime.make_inner_aggregator,
             evaluate_global=self.runtime.evaluate_global, seed=self.spec.seed,
             client_fraction=self.spec.training.client_fraction, timeout=self.round_timeout)
+        self.engine.absent = absent
         if previous is not None:  # nodes that stay here keep their models (and the state)
             self.engine.adopt(previous, [n for n in graph.nodes if nodes[n] == self.cluster_id])
         # the plan names the round that runs next: its updates (and the next round's) are
@@ -260,6 +264,17 @@ class ExecutorService:
         self._epoch = routing.epoch
         return {"clients": len(local_clients),
                 "actors_materialized": self.runtime.actors_materialized()}
+
+    @staticmethod
+    def _absent(body: dict[str, Any], num_clients: int) -> frozenset[str]:
+        """Clients that sit out every round of this plan (a pinned-data job's clients whose
+        cluster is gone: the plan lists them on a survivor, where they never train)."""
+        absent = body.get("absent", [])
+        if not isinstance(absent, list) or not all(
+                isinstance(c, int) and not isinstance(c, bool) and 0 <= c < num_clients
+                for c in absent):
+            raise ControlError(f"job.plan absent must be client ids in 0..{num_clients - 1}")
+        return frozenset(f"c{c}" for c in absent)
 
     def _nodes_lookup(self, node: str) -> str:
         with self._lock:
