@@ -76,6 +76,7 @@ class Recovery:
     _epoch: int
     _slots: list[ClusterSlot]
     _last_models: dict[str, bytes]
+    _pinned: list[str] | None
     _departed: dict[str, Departed]
 
     def _all(self, bodies: Mapping[str, dict[str, Any]], timeout: float | None = None
@@ -249,8 +250,10 @@ class Recovery:
         except JobFailed:
             pass  # the usual case: the restarted daemon runs no executor for the job
         try:
+            # pinned data: the returning cluster builds its own clients (its block) again
+            mine = [i for i, c in enumerate(self._pinned or ()) if c == cid]
             self.channel.request(cid, self._job_body("job.start", job=self.spec.to_dict(),
-                                                     clients=[]),
+                                                     clients=mine),
                                  min(self.timeout, RETURN_START_TIMEOUT))
         except JobFailed as exc:
             log.warning("event=return_refused job=%s round=%d cluster=%s reason=%s",

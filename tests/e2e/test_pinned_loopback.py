@@ -99,13 +99,26 @@ def test_clusters_whose_files_disagree_on_classes_are_refused(
 
 class Losing(LoopbackMesh):
     """The loopback mesh with a cluster that can die: its executor aborts and every
-    request or update to it fails from then on, as across a dead daemon."""
+    request or update to it fails from then on, as across a dead daemon; `revive` brings
+    the cluster back with a fresh executor service, as a restarted daemon would."""
 
     dead: set[str]
+
+    def __init__(self, cluster_ids: list[str], make_runtime: Any, capacity: int = 0) -> None:
+        super().__init__(cluster_ids, make_runtime, capacity=capacity)
+        self.make_runtime = make_runtime
 
     def kill(self, cid: str) -> None:
         self.dead = {*getattr(self, "dead", set()), cid}
         self.services[cid].abort("killed by the test")
+
+    def revive(self, cid: str) -> None:
+        from fedpilot.loopback import _Link
+        from worker.executor.service import ExecutorService
+
+        self.services[cid] = ExecutorService(cluster_id=cid, make_runtime=self.make_runtime(cid),
+                                             link=_Link(self, cid), round_timeout=120)
+        self.dead = self.dead - {cid}
 
     def connected(self) -> dict[str, bool]:
         """What the scheduler's daemon would say of the mesh (the lease keeper asks)."""
@@ -117,9 +130,9 @@ class Losing(LoopbackMesh):
         return super().request(cluster_id, body, timeout)
 
 
-def test_a_lost_clusters_pinned_clients_sit_out_and_the_job_goes_on(
+def test_a_lost_clusters_pinned_clients_sit_out_until_it_returns(
         sites: dict[str, dict[str, str]], tmp_path: Path) -> None:
-    spec = pinned_job(topology={"kind": "star"}, training={"federated_learning_rounds": 4},
+    spec = pinned_job(topology={"kind": "star"}, training={"federated_learning_rounds": 6},
                       faults={"on_cluster_loss": "continue", "lease_seconds": 6,
                               "checkpoint_every": 1})
     mesh = Losing(list(sites), lambda cid: runtime_factory(
@@ -142,6 +155,8 @@ def test_a_lost_clusters_pinned_clients_sit_out_and_the_job_goes_on(
             while leases.answered_at("b") <= asked and time.monotonic() < asked + 60:
                 time.sleep(0.05)
             mesh.kill("b")
+        if record.round == 4:
+            mesh.revive("b")  # back in the mesh: re-admitted at the next round boundary
 
     driver = Driver(spec, mesh.clusters(), mesh, backend="inprocess", timeout=120,
                     progress=kill_after_round_2, run_dir=tmp_path / "run")
@@ -150,15 +165,24 @@ def test_a_lost_clusters_pinned_clients_sit_out_and_the_job_goes_on(
     finally:
         driver.close()
     summary = result.summary
-    assert [r.round for r in summary.rounds] == [1, 2, 3, 4]
-    assert [f["cluster"] for f in summary.faults] == ["b"]
-    # b's clients (c3..c5) never moved to another cluster's data: they sat out, and every
-    # round after the loss trained the six others, on their own clusters
-    placement = result.placement
-    assert placement["sitting_out"] == ["c3", "c4", "c5"]
-    for rec in summary.rounds[2:]:
+    assert [r.round for r in summary.rounds] == [1, 2, 3, 4, 5, 6]
+    assert [(f["cluster"], f["event"]) for f in summary.faults] == [("b", "lost"),
+                                                                    ("b", "returned")]
+    returned = summary.faults[1]["round"]
+    # while b was gone its clients (c3..c5) sat out instead of moving to another cluster's
+    # data: the rounds trained the six others, on their own clusters
+    lost_rounds = [rec for rec in summary.rounds if 2 < rec.round < returned]
+    assert lost_rounds
+    for rec in lost_rounds:
         assert set(rec.by_cluster) == {"a", "c"} and rec.participants == 6
-    for cid in ("a", "c"):
+    # back, b built its own three clients from its own file again, and they train there
+    for rec in summary.rounds:
+        if rec.round >= returned:
+            assert set(rec.by_cluster) == {"a", "b", "c"} and rec.participants == 9
+    assert "sitting_out" not in result.placement
+    assert result.placement["client_cluster"] == {f"c{i}": CLUSTERS[i // 3] for i in range(9)}
+    for cid in CLUSTERS:
         runtime: Any = mesh.services[cid].runtime
         assert runtime.dataset_path == sites[cid]["site"]
+        assert runtime._own == [i for i in range(9) if i // 3 == CLUSTERS.index(cid)]
         assert set(runtime._local) <= set(runtime._own)  # only its own clients trained here
