@@ -8,12 +8,16 @@ import logging
 import math
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from scheduler.driver import ClusterInfo, Driver, JobFailed
 from scheduler.results import RoundRecord, write_results
+
+if TYPE_CHECKING:
+    from proto.job import JobSpec
 
 log = logging.getLogger("fedpilot.scheduler")
 
@@ -94,13 +98,39 @@ def _terminate(signum: int, frame: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fedpilot.data.preflight import check_before_start
     from scheduler.jobfile import load_job
+
+    try:
+        summary = submit(load_job(args.job), str(args.job), args)
+    except KeyboardInterrupt:
+        print("interrupted: stopping the testbed", file=sys.stderr)
+        return 130
+    print(json.dumps(summary))
+    return 0
+
+
+def options(**values: Any) -> argparse.Namespace:
+    """`submit`'s options with the CLI's own defaults, then `values` (for `fedpilot.run`)."""
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["submit", "-", "--local", "1"])
+    args.local = None
+    unknown = sorted(set(values) - set(vars(args)))
+    if unknown:
+        raise TypeError(f"unknown submit option(s) {', '.join(unknown)}; known: "
+                        + ", ".join(sorted(k for k in vars(args) if k not in ("func", "job"))))
+    vars(args).update(values)
+    return args
+
+
+def submit(spec: JobSpec, source: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Run `spec` as `fedpilot-scheduler submit` does with `args` (see `options`); the
+    summary it prints. Raises KeyboardInterrupt after tearing down on Ctrl-C or SIGTERM."""
+    from fedpilot.data.preflight import check_before_start
     from scheduler.mesh import BridgeChannel, wait_for_clusters
     from scheduler.status import RunRecorder
 
-    spec = load_job(args.job)
-    check_before_start(spec, str(args.job))  # labels and model, before any daemon or Ray starts
+    check_before_start(spec, source)  # labels and model, before any daemon or Ray starts
     out = Path(args.resume or args.out or Path("runs") / spec.job_id)
     checkpoint = None
     if args.resume:
@@ -123,7 +153,10 @@ def run(args: argparse.Namespace) -> int:
 
         metrics = RunMetrics("scheduler")
         print(f"metrics: http://{metrics.serve(args.metrics)}/metrics", file=sys.stderr)
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    # SIGTERM tears down like Ctrl-C (only the main thread may set a handler: a notebook's
+    # fedpilot.run from another thread keeps the default)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     started = time.perf_counter()
     try:
         clusters: list[ClusterInfo]
@@ -172,18 +205,15 @@ def run(args: argparse.Namespace) -> int:
             driver.close()
         write_results(out, result.summary, placement=result.placement, model_bytes=result.model)
         s = result.summary
-        print(json.dumps({
+        return {
             "job_id": s.job_id, "out": str(out), "clusters": [c.cluster_id for c in clusters],
             "rounds": len(s.rounds), "final_accuracy": round(s.final_accuracy, 4),
             "personalized_accuracy": round(s.personalized_accuracy, 4),
             "bytes_inter_total": s.bytes_inter_total, "bytes_intra_total": s.bytes_intra_total,
-            "seconds": round(time.perf_counter() - started, 1)}))
-        return 0
-    except KeyboardInterrupt:
-        print("interrupted: stopping the testbed", file=sys.stderr)
-        return 130
+            "seconds": round(time.perf_counter() - started, 1)}
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         if channel is not None:
             channel.close()
         if testbed is not None:
