@@ -28,6 +28,7 @@ PLACEMENT_STRATEGIES = ("locality", "round_robin", "random", "precomputed")
 PLACEMENT_GROUP_STRATEGIES = ("SPREAD", "PACK")
 COMPRESSIONS = ("none", "fp16", "int8", "topk")
 OPTIMIZERS = ("sgd", "adam")
+DEVICES = ("cpu", "cuda", "auto")           # auto: cuda when the actor sees a GPU, else cpu
 DATASETS = ("digits",)                      # plus a file dataset PREFIX:PATH[#options]
 # file datasets (fedpilot/data reads them; docs/job.md says what each holds)
 DATASET_PREFIXES = ("npz:", "imagefolder:", "csv:", "parquet:")
@@ -75,6 +76,8 @@ class TrainingSpec:
     momentum: float = 0.0
     fedprox_mu: float = 0.0                 # > 0 adds the FedProx proximal term
     client_fraction: float = 1.0            # share of clients that train each round
+    device: str = "cpu"                     # cpu | cuda | auto (DEVICES)
+    num_gpus: float = 0.0                   # GPUs reserved per client actor (Ray), e.g. 0.25
 
 
 @dataclass(frozen=True)
@@ -367,6 +370,8 @@ _RULES: dict[str, Rule] = {
     "training.momentum": _rule_float(0.0, 1.0, high_open=True),
     "training.fedprox_mu": _rule_float(0.0),
     "training.client_fraction": _rule_float(0.0, 1.0, low_open=True),
+    "training.device": _rule_choice(DEVICES),
+    "training.num_gpus": _rule_float(0.0, 64.0),
     "topology.kind": _rule_choice(TOPOLOGIES),
     "topology.client_k_neighbors": _rule_int(1),
     "topology.k_connected_mode": _rule_choice(K_CONNECTED_MODES),
@@ -415,6 +420,15 @@ def _build_section(source: str, name: str, section_cls: type, table: Mapping[str
 def _check_cross(source: str, spec: JobSpec) -> None:
     """Rules that involve more than one key."""
     _check_data_placement(source, spec)
+    training = spec.training
+    if training.device == "cuda" and training.num_gpus <= 0:
+        raise _fail(source, "training.num_gpus", training.num_gpus,
+                    "a number > 0 with training.device = 'cuda': a Ray actor sees only the GPUs "
+                    "it reserves (e.g. 0.25 shares one GPU among four client actors)")
+    if training.device == "cpu" and training.num_gpus > 0:
+        raise _fail(source, "training.device", training.device,
+                    f"'cuda' or 'auto' with training.num_gpus = {training.num_gpus:g}: the "
+                    "reserved GPUs would go unused on 'cpu'")
     n = spec.data.number_of_clients
     topo = spec.topology
     if topo.kind == "k_connected" and topo.client_k_neighbors >= n:

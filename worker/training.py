@@ -50,13 +50,39 @@ class EvalResult:
     num_samples: int
 
 
-def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def _tensors(x: np.ndarray, y: np.ndarray, device: torch.device | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     x_arr, y_arr = np.asarray(x), np.asarray(y)
     if len(x_arr) != len(y_arr):
         raise TrainingError(f"x has {len(x_arr)} samples but y has {len(y_arr)}")
-    xt = torch.tensor(np.ascontiguousarray(x_arr, dtype=np.float32))
-    yt = torch.tensor(np.ascontiguousarray(y_arr, dtype=np.int64))
+    xt = torch.tensor(np.ascontiguousarray(x_arr, dtype=np.float32), device=device)
+    yt = torch.tensor(np.ascontiguousarray(y_arr, dtype=np.int64), device=device)
     return xt, yt
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model's parameters live (the data goes there too); cpu if it has none."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def choose_device(device: str) -> torch.device:
+    """`training.device` on this process: `cpu`; `cuda` (the first visible GPU; an error
+    naming the key when none is visible); `auto` (cuda when one is visible, else cpu)."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", 0)
+    if device == "auto":
+        return torch.device("cpu")
+    import os
+
+    raise TrainingError(
+        "training.device = 'cuda' but this actor sees no CUDA device (CUDA_VISIBLE_DEVICES="
+        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')!r}); a Ray actor sees the GPUs "
+        "of its training.num_gpus reservation only: check the cluster has GPUs with a CUDA "
+        "build of torch, or use device = 'auto'")
 
 
 def make_optimizer(model: nn.Module, training: TrainingSpec) -> torch.optim.Optimizer:
@@ -90,7 +116,7 @@ def train_local(
     `training.fedprox_mu > 0` the loss gains mu/2 * ||w - w_global||^2, where w_global is
     `global_weights` (by parameter name) or, if None, the model's weights on entry.
     """
-    xt, yt = _tensors(x, y)
+    xt, yt = _tensors(x, y, model_device(model))
     n = len(yt)
     epochs, batch_size = int(training.number_of_epochs), int(training.batch_size)
     if epochs < 0:
@@ -107,9 +133,10 @@ def train_local(
     anchors = _proximal_anchors(model, global_weights) if mu > 0 else []
     gen = torch.Generator().manual_seed(int(seed))
     model.train()
+    # the shuffle is drawn on the cpu (the same order on every device), then indexes there
     last_loss = 0.0
     for _ in range(epochs):
-        order = torch.randperm(n, generator=gen)
+        order = torch.randperm(n, generator=gen).to(xt.device)
         total = 0.0
         for start in range(0, n, batch_size):
             batch = order[start : start + batch_size]
@@ -139,7 +166,8 @@ def _proximal_anchors(
         if global_weights is None:
             anchor = param.detach().clone()
         elif name in global_weights:
-            anchor = torch.tensor(np.asarray(global_weights[name]), dtype=param.dtype)
+            anchor = torch.tensor(np.asarray(global_weights[name]), dtype=param.dtype,
+                                  device=param.device)
             if anchor.shape != param.shape:
                 raise TrainingError(
                     f"global_weights[{name!r}] has shape {tuple(anchor.shape)}, the model "
@@ -153,7 +181,7 @@ def _proximal_anchors(
 
 def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> EvalResult:
     """Accuracy and mean cross-entropy of `model` on (x, y), in eval mode, without gradients."""
-    xt, yt = _tensors(x, y)
+    xt, yt = _tensors(x, y, model_device(model))
     n = len(yt)
     if n == 0:
         return EvalResult(accuracy=0.0, loss=0.0, num_samples=0)

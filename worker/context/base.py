@@ -105,7 +105,8 @@ class ExecutionContext(ABC):
     ) -> ActorHandle:
         """Start `cls(*args, **kwargs)` as an actor, inside `placement` when given.
 
-        `num_cpus` defaults to the placement bundle's CPU share (or 0 without placement).
+        `num_cpus` defaults to the placement bundle's CPU share (or 0 without placement);
+        a bundle's GPU share is the actor's GPU reservation.
         """
 
     @abstractmethod

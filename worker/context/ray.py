@@ -90,6 +90,9 @@ class RayContext(ExecutionContext):
                 raise PlacementError(f"actor {name!r}: reservation was not made by a RayContext")
             cpus = float(placement.resources.get("CPU", 0.0))
             options["num_cpus"] = cpus if num_cpus is None else num_cpus
+            gpus = float(placement.resources.get("GPU", 0.0))
+            if gpus > 0:  # the actor gets the bundle's GPUs (Ray sets CUDA_VISIBLE_DEVICES)
+                options["num_gpus"] = gpus
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=placement.reservation.handle,
                 placement_group_bundle_index=placement.index,

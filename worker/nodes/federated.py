@@ -4,7 +4,9 @@ aggregator state), trains and evaluates it; and the node state that moves betwee
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +17,8 @@ from fedpilot.data import Dataset
 from worker.nodes.messages import LocalUpdate, Message, as_message
 
 from .virtual import NodeConfig
+
+log = logging.getLogger("fedpilot.node")
 
 
 @dataclass(frozen=True)
@@ -44,12 +48,17 @@ class FederatedNode:
 
         from worker.models import build_model
         from worker.serialization import model_weights
+        from worker.training import choose_device
 
         torch.set_num_threads(1)  # determinism and no oversubscription of the box
         self._config = config
         self._dataset = dataset
+        self._device = choose_device(config.training.device)
         self._model = build_model(config.model, config.input_shape, config.num_classes,
-                                  seed=config.seed)
+                                  seed=config.seed).to(self._device)
+        log.info("event=actor_device job=%s device=%s asked=%s cuda_visible_devices=%s",
+                 config.job_id, self._device, config.training.device,
+                 os.environ.get("CUDA_VISIBLE_DEVICES", ""))
         self._initial = model_weights(self._model)
         self._client: int | None = None
         self._train_idx = np.zeros(0, dtype=np.int64)
@@ -130,6 +139,18 @@ class FederatedNode:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def device_info(self) -> dict[str, Any]:
+        """Where this actor trains and which GPUs its reservation gave it (Ray's ids when
+        it runs on Ray; CUDA_VISIBLE_DEVICES is what torch sees)."""
+        gpu_ids: list[str] = []
+        if "ray" in sys.modules:
+            import ray
+
+            if ray.is_initialized():
+                gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        return {"device": str(self._device), "gpu_ids": gpu_ids,
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
 
     def _require_client(self) -> int:
         if self._client is None:

@@ -75,6 +75,8 @@ class NodeManager:
         self.capacity = min(max_materialized, len(self.virtual_nodes))
         self.strategy = strategy
         self.cpus_per_node = cpus_per_node
+        # [training] num_gpus: each actor slot's bundle reserves that share of a GPU
+        self.gpus_per_node = float(config.training.num_gpus)
         self.recycle = recycle
         # False when the caller hands every call the model to start from (the round engine
         # holds each node's model): an actor then only binds a client's data on a switch,
@@ -94,7 +96,10 @@ class NodeManager:
         when the cluster cannot hold it. No actor exists before this succeeds."""
         with self._lock:
             if self._reservation is None:
-                bundles = [{"CPU": self.cpus_per_node}] * self.capacity
+                bundle = {"CPU": self.cpus_per_node}
+                if self.gpus_per_node > 0:
+                    bundle["GPU"] = self.gpus_per_node
+                bundles = [bundle] * self.capacity
                 self._reservation = self.context.reserve(bundles, self.strategy)
                 is_ref = not isinstance(self._dataset, Dataset)
                 self._dataset_ref = self._dataset if is_ref else self.context.put(self._dataset)
@@ -208,8 +213,8 @@ class NodeManager:
         self.stats.created += 1
         self.stats.alive += 1
         self.stats.max_alive = max(self.stats.max_alive, self.stats.alive)
-        log.info("event=actor_created job=%s name=%s slot=%d cpus=%g", self.config.job_id, name,
-                 slot.index, self.cpus_per_node)
+        log.info("event=actor_created job=%s name=%s slot=%d cpus=%g gpus=%g", self.config.job_id,
+                 name, slot.index, self.cpus_per_node, self.gpus_per_node)
 
     def _kill(self, slot: _Slot) -> None:
         assert slot.handle is not None
