@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from proto.job import JobSpec
+from proto.rounds import RoundRecord
 from scheduler.driver import Driver
 from scheduler.mesh import BridgeChannel, daemon_status
 from scheduler.testbed import LocalTestbed
@@ -87,3 +89,67 @@ def test_pinned_clients_train_where_their_data_is(tmp_path: Path) -> None:
             assert sent_bytes(testbed, job_id) == (summary.bytes_inter_total
                                                    + summary.final_model["transfer_bytes"])
         assert similar.summary.bytes_inter_total < random.summary.bytes_inter_total
+
+
+def wait_connected(channel: BridgeChannel, cluster: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not channel.connected().get(cluster):
+        assert time.monotonic() < deadline, f"{cluster} did not rejoin the mesh"
+        time.sleep(0.25)
+
+
+def test_a_lost_sites_clients_sit_out_until_it_is_back(tmp_path: Path) -> None:
+    files = {}
+    for k, cid in enumerate(IDS):
+        files[cid] = tmp_path / cid / "data" / "site.npz"
+        write_site_npz(files[cid], k, train=TRAIN[cid])
+    victim, rounds = "cluster-2", 5
+    job = JobSpec.from_dict({
+        "job": {"id": "pinned-faults", "seed": 2},
+        "data": {"dataset": "site", "placement": "pinned", "number_of_clients": 9,
+                 "data_distribution_kind": "iid"},
+        "training": {"federated_learning_rounds": rounds, "number_of_epochs": 1},
+        "topology": {"kind": "star"},
+        "placement": {"max_materialized": 2},
+        "faults": {"lease_seconds": 6, "checkpoint_every": 1, "on_cluster_loss": "continue"}})
+    declared = {cid: {"site": "npz:data/site.npz"} for cid in IDS}
+    with LocalTestbed(3, backend="inprocess", workdir=str(tmp_path), capacity=4,
+                      datasets=declared) as tb:
+        clusters = tb.start(timeout=60)
+        channel = BridgeChannel(tb.bridge_socket("scheduler"), job_id=job.job_id)
+        events: list[str] = []
+
+        def chaos(record: RoundRecord, total: int) -> None:
+            if record.round == 2:
+                tb.kill(victim)
+                events.append("killed")
+            elif events == ["killed"] and victim not in record.by_cluster:
+                tb.restart(victim)  # the site is back (same cluster.toml, same file)
+                wait_connected(channel, victim)
+                events.append("restarted")
+
+        driver = Driver(job, clusters, channel, backend="inprocess", timeout=300,
+                        progress=chaos, run_dir=tmp_path / "run")
+        try:
+            result = driver.run()
+        finally:
+            driver.close()
+            channel.close()
+    summary = result.summary
+    assert events == ["killed", "restarted"]
+    assert [r.round for r in summary.rounds] == list(range(1, rounds + 1))
+    assert [(f["event"], f["cluster"]) for f in summary.faults] == [("lost", victim),
+                                                                   ("returned", victim)]
+    back = summary.faults[1]["round"]
+    away = [r for r in summary.rounds if victim not in r.by_cluster]
+    assert away  # rounds ran without the site: its three clients sat out, nobody else's moved
+    assert all(r.participants == 6 for r in away)
+    after = [r for r in summary.rounds if r.round >= back]
+    assert after and all(victim in r.by_cluster and r.participants == 9 for r in after)
+    assert "sitting_out" not in result.placement
+    assert result.placement["client_cluster"] == {f"c{i}": IDS[i // 3] for i in range(9)}
+    # the restarted site built its own clients from its own file again, and only that
+    log = (tmp_path / victim / "executor-pinned-faults.log").read_text()
+    mine = f"dataset=site path=npz:{files[victim]} clients=c3,c4,c5 samples={TRAIN[victim]}"
+    assert log.count(mine) == 2
+    assert all(str(files[other]) not in log for other in IDS if other != victim)
