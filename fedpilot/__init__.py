@@ -50,6 +50,8 @@ def run(job: str | os.PathLike[str] | JobSpec | Mapping[str, Any], *, local: int
     from scheduler.submit import options as submit_options
     from scheduler.submit import submit
 
+    if backend not in ("ray", "inprocess"):
+        raise ValueError(f"fedpilot.run: backend = {backend!r}; use 'ray' or 'inprocess'")
     if (local is None) == (mesh is None):
         raise ValueError("fedpilot.run needs exactly one of local=N (a testbed of N clusters "
                          "on this machine) or mesh='scheduler.toml' (a running mesh)")

@@ -287,7 +287,7 @@ class Driver(Recovery):
         self._next_round = resume.round + 1 if resume is not None else 1
         self._publish(plan, imports={})
         summary = JobSummary(
-            job_id=spec.job_id, backend=self.backend, placement_strategy=spec.placement.strategy,
+            job_id=spec.job_id, backend=self.backend, placement_strategy=plan.placement.strategy,
             topology=spec.topology.kind, aggregation=spec.aggregation.name,
             compression=spec.transfer.compression, communities=plan.placement.communities)
         self.summary = summary

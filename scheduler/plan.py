@@ -56,7 +56,9 @@ class PlacementResult:
         return [self.clusters[k] for k in self.cluster_index.tolist()]
 
     def clients_per_cluster(self) -> dict[str, int]:
-        counts = np.bincount(self.cluster_index, minlength=len(self.clusters))
+        """Clients each cluster hosts (clients that sit out are nobody's)."""
+        hosted = np.delete(self.cluster_index, list(self.absent))
+        counts = np.bincount(hosted, minlength=len(self.clusters))
         return {c: int(x) for c, x in zip(self.clusters, counts, strict=True)}
 
     def to_dict(self) -> dict[str, Any]:

@@ -66,6 +66,7 @@ def test_pinned_clients_train_where_their_data_is(tmp_path: Path) -> None:
             assert len(result.summary.rounds) == 2
             placement = result.placement
             assert placement["strategy"] == "pinned"
+            assert result.summary.placement_strategy == "pinned"
             assert placement["client_cluster"] == {c: cid for cid, cs in blocks.items()
                                                    for c in cs}
             assert {c.cluster_id: c.clients for c in result.summary.clusters} == \

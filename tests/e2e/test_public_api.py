@@ -24,6 +24,8 @@ def test_where_must_be_said_once_and_options_are_the_clis() -> None:
         fedpilot.run(JOB)
     with pytest.raises(ValueError, match="exactly one of local=N"):
         fedpilot.run(JOB, local=2, mesh="scheduler.toml")
+    with pytest.raises(ValueError, match="backend = 'local'; use 'ray' or 'inprocess'"):
+        fedpilot.run(JOB, local=2, backend="local")
     with pytest.raises(TypeError, match="unknown submit option.*round_timeout"):
         fedpilot.run(JOB, local=2, round_timout=5)
     with pytest.raises(JobSpecError, match="fedpilot.run: unknown table \\[trainig\\]"):

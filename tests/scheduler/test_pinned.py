@@ -87,6 +87,7 @@ def test_a_lost_clusters_clients_sit_out_on_a_survivor_without_a_say() -> None:
     placement = plan.placement
     assert placement.absent == (0, 1, 2)
     assert placement.to_dict()["sitting_out"] == ["c0", "c1", "c2"]
+    assert placement.clients_per_cluster() == {"b": 3, "c": 3}  # placeholders are nobody's
     # listed on a survivor (the matrix needs a cluster for every node); the others stay put
     assert placement.client_cluster == ["b"] * 6 + ["c"] * 3
     # the star's server sits with most of the clients that take part: b and c hold three
