@@ -23,7 +23,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from concurrent.futures import wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,6 +62,10 @@ class Departed:
     info: ClusterInfo
     slot: ClusterSlot
     lost_at: float          # monotonic time it was found lost
+    #: its new executor starting (job.start in the background: an embedded Ray takes
+    #: seconds to start, and the survivors' rounds go on meanwhile); when it began
+    starting: Future[bool] | None = None
+    start_began: float = 0.0
 
 
 class Recovery:
@@ -78,6 +83,7 @@ class Recovery:
     _last_models: dict[str, bytes]
     _pinned: list[str] | None
     _departed: dict[str, Departed]
+    _pool: ThreadPoolExecutor
 
     def _all(self, bodies: Mapping[str, dict[str, Any]], timeout: float | None = None
              ) -> dict[str, dict[str, Any]]:
@@ -206,16 +212,19 @@ class Recovery:
     # -- a cluster that comes back -------------------------------------------------------
     def _readmit(self, r: int, plan: Plan, histograms: np.ndarray, summary: JobSummary) -> Plan:
         """Before round `r`: lost clusters whose daemons are back in the mesh join again
-        (a fresh executor, a new placement epoch; the nodes it gets migrate to it)."""
-        started = time.monotonic()
+        (a fresh executor, a new placement epoch; the nodes it gets migrate to it). Their
+        executors start in the background; a cluster joins at the first round boundary
+        after its executor answered job.start."""
         # a cluster that keeps failing (e.g. an executor killed for memory every round) is
         # not taken back for ever: after MAX_RETURNS returns it stays out
-        candidates = [cid for cid in self._departed
-                      if sum(1 for f in summary.faults
-                             if f["cluster"] == cid and f["event"] == "returned") < MAX_RETURNS]
-        returned = [cid for cid in self._reachable(candidates) if self._start_again(cid, r)]
+        idle = [cid for cid, d in self._departed.items() if d.starting is None
+                and sum(1 for f in summary.faults
+                        if f["cluster"] == cid and f["event"] == "returned") < MAX_RETURNS]
+        self._start_returning(idle, r)
+        returned = [cid for cid in sorted(self._departed) if self._started(cid)]
         if not returned:
             return plan
+        started = min(self._departed[cid].start_began for cid in returned)
         before = node_clusters(plan.routing)
         back = self._rejoin(returned)
         self._epoch += 1
@@ -229,6 +238,32 @@ class Recovery:
         log.warning("event=readmitted job=%s round=%d clusters=%s epoch=%d", self.spec.job_id,
                     r, ",".join(returned), self._epoch)
         return new_plan
+
+    def _start_returning(self, idle: list[str], r: int) -> None:
+        """Start a fresh executor (in the background) on each of these lost clusters that
+        the mesh sees again."""
+        for cid in self._reachable(idle):
+            departed = self._departed[cid]
+            departed.start_began = time.monotonic()
+            departed.starting = self._pool.submit(self._start_again, cid, r)
+
+    def _started(self, cid: str, timeout: float = 0.0) -> bool:
+        """Whether the returning cluster's executor has started (waiting up to `timeout`);
+        a start that failed is forgotten, to be tried again."""
+        departed = self._departed[cid]
+        if departed.starting is None:
+            return False
+        try:
+            ok = departed.starting.result(timeout=timeout)
+        except FutureTimeout:
+            return False
+        except Exception as exc:  # noqa: BLE001 - a failed start is retried, not fatal
+            log.warning("event=return_failed job=%s cluster=%s reason=%s", self.spec.job_id,
+                        cid, exc)
+            ok = False
+        if not ok:
+            departed.starting = None
+        return ok
 
     def _reachable(self, candidates: list[str]) -> list[str]:
         """Which of these clusters the scheduler's daemon sees connected to the mesh again."""
@@ -271,11 +306,13 @@ class Recovery:
                     self.spec.job_id, r, need, self.spec.faults.return_wait)
         back: list[str] = []
         while True:
-            waiting = [cid for cid in self._departed if cid not in back]
-            back += [cid for cid in self._reachable(waiting) if self._start_again(cid, r)]
+            idle = [cid for cid, d in self._departed.items() if cid not in back and d.starting is None]
+            self._start_returning(idle, r)
+            back += [cid for cid in sorted(self._departed)
+                     if cid not in back and self._started(cid, timeout=0.5)]
             if len(back) >= need or time.monotonic() >= deadline:
                 return back
-            time.sleep(1.0)
+            time.sleep(0.5)
 
     def _rejoin(self, returned: list[str]) -> dict[str, Departed]:
         """Returned clusters take part again (in the next plan)."""

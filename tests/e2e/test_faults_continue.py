@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,17 @@ from tests.e2e.test_faults_detect import executor_pid
 
 pytestmark = pytest.mark.slow
 ROUNDS = 8
+
+
+def wait_for_executor(tb: LocalTestbed, cluster: str, job_id: str, timeout: float = 90) -> None:
+    """Until a second executor of `job_id` on `cluster` (the first was killed) has answered
+    job.start (its log says so)."""
+    log = tb.root / cluster / f"executor-{job_id}.log"
+    deadline = time.monotonic() + timeout
+    while log.read_text(errors="replace").count("event=job_started") < 2:
+        assert time.monotonic() < deadline, f"no new executor for {job_id} on {cluster}"
+        time.sleep(0.2)
+    time.sleep(0.5)  # its reply reaches the scheduler
 
 
 def spec(job_id: str, **faults: Any) -> JobSpec:
@@ -45,12 +57,20 @@ def testbed(tmp_path: Path) -> Any:
 def run(tb: LocalTestbed, clusters: Any, job: JobSpec, out: Path, what: str) -> Any:
     victim = tb.cluster_ids[0]
 
+    killed: list[int] = []
+
     def kill_at_round_3(record: RoundRecord, total: int) -> None:
         if record.round == 3:
             if what == "daemon":
                 tb.kill(victim)
             else:
                 os.kill(executor_pid(tb, victim), signal.SIGKILL)
+            killed.append(record.round)
+        elif what == "executor" and killed == [3] and victim not in record.by_cluster:
+            # a round without it: its daemon stayed, so a new executor is starting there;
+            # these rounds take milliseconds, real ones long enough for it to start
+            wait_for_executor(tb, victim, job.job_id)
+            killed.append(record.round)
 
     channel = BridgeChannel(tb.bridge_socket("scheduler"), job_id=job.job_id)
     driver = Driver(job, clusters, channel, backend="inprocess", timeout=300,
@@ -85,7 +105,7 @@ def test_the_job_goes_on_without_a_killed_cluster(testbed: Any, tmp_path: Path,
         # round boundary and trains again
         assert [f["event"] for f in summary.faults] == ["lost", "returned"]
         back = summary.faults[1]
-        assert back["cluster"] == victim and back["round"] == fault["round"] + 1
+        assert back["cluster"] == victim and back["round"] > fault["round"]
         for record in summary.rounds[back["round"] - 1:]:
             assert set(record.by_cluster) == set(tb.cluster_ids)
         assert {c.cluster_id for c in summary.clusters} == set(tb.cluster_ids)

@@ -16,7 +16,7 @@ from proto.rounds import RoundRecord
 from scheduler.driver import Driver
 from scheduler.mesh import BridgeChannel
 from scheduler.testbed import LocalTestbed
-from tests.e2e.test_faults_continue import ROUNDS, spec
+from tests.e2e.test_faults_continue import ROUNDS, spec, wait_for_executor
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +45,11 @@ def test_a_restarted_cluster_is_readmitted_and_trains_again(tmp_path: Path, vict
                 tb.restart(victim)
                 wait_connected(channel, victim)
                 events.append("restarted")
+            elif events == ["killed", "restarted"]:
+                # the next boundary starts its new executor in the background; these rounds
+                # take milliseconds, real ones long enough for it to start
+                wait_for_executor(tb, victim, job.job_id)
+                events.append("started")
 
         driver = Driver(job, clusters, channel, backend="inprocess", timeout=300,
                         progress=chaos, run_dir=tmp_path / "run")
@@ -53,7 +58,7 @@ def test_a_restarted_cluster_is_readmitted_and_trains_again(tmp_path: Path, vict
         finally:
             driver.close()
             channel.close()
-    assert events == ["killed", "restarted"]
+    assert events == ["killed", "restarted", "started"]
     assert [r.round for r in summary.rounds] == list(range(1, ROUNDS + 1))
     assert [(f["event"], f["cluster"]) for f in summary.faults] == [("lost", victim),
                                                                    ("returned", victim)]
