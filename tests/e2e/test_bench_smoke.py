@@ -75,3 +75,16 @@ def test_bench_round_overhead_quick_reports_both_sides_and_the_ratio() -> None:
     assert "ratio_cpu_seconds_per_round" in report
     assert isinstance(report["goal_met"], bool)
     assert report["notes"]
+
+
+@pytest.mark.slow
+def test_bench_faults_short_run_reports_detection_and_recovery() -> None:
+    report = run_bench("bench_faults.py", "--rounds", "3", "--kill-at", "1",
+                       "--cases", "kill_daemon")
+    assert report["benchmark"] == "faults" and report["undisturbed"]["rounds"] == 3
+    case = report["cases"]["kill_daemon"]
+    assert case["rounds"] == 3
+    assert [f["event"] for f in case["faults"]] == ["lost"]
+    assert case["detect_seconds"] >= 0 and case["recover_seconds"] > 0
+    assert case["accuracy_delta"] == pytest.approx(
+        case["final_accuracy"] - report["undisturbed"]["final_accuracy"], abs=1e-4)
