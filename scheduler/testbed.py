@@ -87,6 +87,7 @@ class LocalTestbed:
         self.backend = backend
         self.capacity = capacity
         self.metrics = metrics  # every daemon serves /metrics on a free port (status says where)
+        self.executor_endpoints: dict[str, str] = {}  # with metrics: each cluster's executor's
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="fedpilot-")
         self.root = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
         self.cluster_ids = [f"{cluster_prefix}{i + 1}" for i in range(clusters)]
@@ -122,6 +123,10 @@ class LocalTestbed:
                 set_toml_value(config, "ray", "address", self.backend)
             if self.metrics:
                 set_toml_value(config, "metrics", "endpoint", "127.0.0.1:0")
+                if name != "scheduler":  # a job's executor serves its own, on a known port
+                    self.executor_endpoints[name] = f"127.0.0.1:{free_port()}"
+                    set_toml_value(config, "metrics", "executor_endpoint",
+                                   self.executor_endpoints[name])
             for dataset, where in self.datasets.get(name, {}).items():
                 set_toml_value(config, "datasets", dataset, where)
             self.configs[name] = config

@@ -66,6 +66,7 @@ class Ran:
     run_dir: Path = Path()
     scheduler_metrics: Samples = field(default_factory=dict)  # fedpilot_scheduler_* at the end
     status_seen: list[tuple[str, int]] = field(default_factory=list)  # (state, round) while running
+    executors: dict[str, list[Samples]] = field(default_factory=dict)  # each one's scrapes
 
 
 def start_prometheus(root: Path, targets: list[str]) -> tuple[subprocess.Popen[bytes], str] | None:
@@ -138,10 +139,16 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ran]:
             thread.start()
             scrapes_during = 0
             status_seen = []
+            executors: dict[str, list[Samples]] = {n: [] for n in tb.executor_endpoints}
             while thread.is_alive():
                 for endpoint in [*endpoints.values(), job_endpoint]:
                     scrape(endpoint)  # parses while the job runs
                 scrapes_during += 1
+                for n, endpoint in tb.executor_endpoints.items():
+                    try:  # an executor serves from job.start to job.stop
+                        executors[n].append(scrape(endpoint))
+                    except OSError:
+                        pass
                 if (run_dir / "summary.json").exists():
                     out_text = io.StringIO()
                     with contextlib.redirect_stdout(out_text):
@@ -153,7 +160,7 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ran]:
             assert "error" not in result, result.get("error")
             out = Ran(tb, names, endpoints, result["summary"], scrapes_during,
                       prometheus=prometheus[1] if prometheus else "", run_dir=run_dir,
-                      status_seen=status_seen)
+                      status_seen=status_seen, executors=executors)
             out.after = {n: scrape(e) for n, e in endpoints.items()}
             out.scheduler_metrics = scrape(job_endpoint)
             job_metrics.close()
@@ -191,6 +198,21 @@ def test_three_cluster_job_metrics_match_summary(ran: Ran) -> None:
     # goes to the scheduler's daemon, excluded above)
     assert inter_between_clusters == (summary.bytes_inter_total
                                       + summary.final_model["share_bytes"])
+
+
+def test_every_executor_was_scraped_during_the_job(ran: Ran) -> None:
+    """`[metrics] executor_endpoint`: each cluster's executor serves its round figures."""
+    assert set(ran.executors) == set(ran.tb.cluster_ids)
+    job = frozenset({("job", "metrics-job")})
+    for cluster, scrapes in ran.executors.items():
+        assert scrapes, f"{cluster}'s executor was never scraped"
+        assert all(s[("fedpilot_executor_info", frozenset({("cluster", cluster)}))] == 1
+                   for s in scrapes)
+        rounds = [s.get(("fedpilot_executor_round", job), 0) for s in scrapes]
+        assert rounds == sorted(rounds) and max(rounds) <= 3, (cluster, rounds)
+    # the job's rounds took long enough to be seen finishing on some executor
+    assert max(s.get(("fedpilot_executor_round", job), 0)
+               for scrapes in ran.executors.values() for s in scrapes) >= 1
 
 
 def test_scheduler_job_metrics_match_summary(ran: Ran) -> None:
