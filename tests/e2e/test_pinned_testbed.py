@@ -15,6 +15,7 @@ from scheduler.driver import Driver
 from scheduler.mesh import BridgeChannel, daemon_status
 from scheduler.testbed import LocalTestbed
 from tests.e2e._pinned import write_site_npz
+from tests.e2e.test_faults_continue import wait_for_executor
 
 pytestmark = pytest.mark.slow
 
@@ -104,7 +105,7 @@ def test_a_lost_sites_clients_sit_out_until_it_is_back(tmp_path: Path) -> None:
     for k, cid in enumerate(IDS):
         files[cid] = tmp_path / cid / "data" / "site.npz"
         write_site_npz(files[cid], k, train=TRAIN[cid])
-    victim, rounds = "cluster-2", 5
+    victim, rounds = "cluster-2", 8
     job = JobSpec.from_dict({
         "job": {"id": "pinned-faults", "seed": 2},
         "data": {"dataset": "site", "placement": "pinned", "number_of_clients": 9,
@@ -128,6 +129,11 @@ def test_a_lost_sites_clients_sit_out_until_it_is_back(tmp_path: Path) -> None:
                 tb.restart(victim)  # the site is back (same cluster.toml, same file)
                 wait_connected(channel, victim)
                 events.append("restarted")
+            elif events == ["killed", "restarted"]:
+                # its new executor starts in the background; it joins at the first round
+                # boundary after it answered job.start
+                wait_for_executor(tb, victim, job.job_id)
+                events.append("started")
 
         driver = Driver(job, clusters, channel, backend="inprocess", timeout=300,
                         progress=chaos, run_dir=tmp_path / "run")
@@ -137,7 +143,7 @@ def test_a_lost_sites_clients_sit_out_until_it_is_back(tmp_path: Path) -> None:
             driver.close()
             channel.close()
     summary = result.summary
-    assert events == ["killed", "restarted"]
+    assert events == ["killed", "restarted", "started"]
     assert [r.round for r in summary.rounds] == list(range(1, rounds + 1))
     assert [(f["event"], f["cluster"]) for f in summary.faults] == [("lost", victim),
                                                                    ("returned", victim)]
