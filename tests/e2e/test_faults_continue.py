@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,24 +14,13 @@ import pytest
 
 from proto.job import JobSpec
 from proto.rounds import RoundRecord
-from scheduler.driver import Driver, JobFailed
-from scheduler.mesh import BridgeChannel
+from scheduler.driver import JobFailed
 from scheduler.testbed import LocalTestbed
+from tests.e2e._faults import drive, wait_for_executor
 from tests.e2e.test_faults_detect import executor_pid
 
 pytestmark = pytest.mark.slow
 ROUNDS = 8
-
-
-def wait_for_executor(tb: LocalTestbed, cluster: str, job_id: str, timeout: float = 90) -> None:
-    """Until a second executor of `job_id` on `cluster` (the first was killed) has answered
-    job.start (its log says so)."""
-    log = tb.root / cluster / f"executor-{job_id}.log"
-    deadline = time.monotonic() + timeout
-    while log.read_text(errors="replace").count("event=job_started") < 2:
-        assert time.monotonic() < deadline, f"no new executor for {job_id} on {cluster}"
-        time.sleep(0.2)
-    time.sleep(0.5)  # its reply reaches the scheduler
 
 
 def spec(job_id: str, **faults: Any) -> JobSpec:
@@ -67,19 +55,11 @@ def run(tb: LocalTestbed, clusters: Any, job: JobSpec, out: Path, what: str) -> 
                 os.kill(executor_pid(tb, victim), signal.SIGKILL)
             killed.append(record.round)
         elif what == "executor" and killed == [3] and victim not in record.by_cluster:
-            # a round without it: its daemon stayed, so a new executor is starting there;
-            # these rounds take milliseconds, real ones long enough for it to start
+            # a round without it: its daemon stayed, so a new executor is starting there
             wait_for_executor(tb, victim, job.job_id)
             killed.append(record.round)
 
-    channel = BridgeChannel(tb.bridge_socket("scheduler"), job_id=job.job_id)
-    driver = Driver(job, clusters, channel, backend="inprocess", timeout=300,
-                    progress=kill_at_round_3, run_dir=out)
-    try:
-        return driver.run(), victim
-    finally:
-        driver.close()
-        channel.close()
+    return drive(tb, clusters, job, kill_at_round_3, out), victim
 
 
 @pytest.mark.parametrize("what", ["daemon", "executor"])

@@ -16,9 +16,8 @@ import pytest
 
 from proto.job import JobSpec
 from proto.rounds import RoundRecord
-from scheduler.driver import Driver
-from scheduler.mesh import BridgeChannel
 from scheduler.testbed import LocalTestbed
+from tests.e2e._faults import drive
 from tests.e2e.test_faults_detect import executor_pid
 from tests.fabricd._harness import wait_until
 
@@ -70,14 +69,9 @@ def test_a_daemon_restarted_while_updates_flow_to_it_loses_no_round(tmp_path: Pa
             if record.round == 2:
                 killer.start()
 
-        channel = BridgeChannel(tb.bridge_socket("scheduler"), job_id=job.job_id)
-        driver = Driver(job, clusters, channel, backend="inprocess", timeout=300,
-                        progress=progress, run_dir=tmp_path / "run")
         try:
-            result = driver.run()
+            result = drive(tb, clusters, job, progress, tmp_path / "run")
         finally:
-            driver.close()
-            channel.close()
             killer.join(30)
         try:
             assert restarted.is_set()

@@ -13,19 +13,11 @@ from pathlib import Path
 import pytest
 
 from proto.rounds import RoundRecord
-from scheduler.driver import Driver
-from scheduler.mesh import BridgeChannel
 from scheduler.testbed import LocalTestbed
-from tests.e2e.test_faults_continue import ROUNDS, spec, wait_for_executor
+from tests.e2e._faults import drive, wait_connected, wait_for_executor
+from tests.e2e.test_faults_continue import ROUNDS, spec
 
 pytestmark = pytest.mark.slow
-
-
-def wait_connected(channel: BridgeChannel, cluster: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not channel.connected().get(cluster):
-        assert time.monotonic() < deadline, f"{cluster} did not rejoin the mesh"
-        time.sleep(0.25)
 
 
 @pytest.mark.parametrize("victim", ["cluster-2", "cluster-1"])
@@ -33,7 +25,6 @@ def test_a_restarted_cluster_is_readmitted_and_trains_again(tmp_path: Path, vict
     job = spec(f"back-{victim}")
     with LocalTestbed(3, backend="inprocess", workdir=str(tmp_path / "tb"), capacity=3) as tb:
         clusters = tb.start(timeout=60)
-        channel = BridgeChannel(tb.bridge_socket("scheduler"), job_id=job.job_id)
         events: list[str] = []
 
         def chaos(record: RoundRecord, total: int) -> None:
@@ -43,21 +34,13 @@ def test_a_restarted_cluster_is_readmitted_and_trains_again(tmp_path: Path, vict
             elif events == ["killed"] and victim not in record.by_cluster:
                 # the job went on without it; now the operator restarts it
                 tb.restart(victim)
-                wait_connected(channel, victim)
+                wait_connected(tb, victim)
                 events.append("restarted")
             elif events == ["killed", "restarted"]:
-                # the next boundary starts its new executor in the background; these rounds
-                # take milliseconds, real ones long enough for it to start
                 wait_for_executor(tb, victim, job.job_id)
                 events.append("started")
 
-        driver = Driver(job, clusters, channel, backend="inprocess", timeout=300,
-                        progress=chaos, run_dir=tmp_path / "run")
-        try:
-            summary = driver.run().summary
-        finally:
-            driver.close()
-            channel.close()
+        summary = drive(tb, clusters, job, chaos, tmp_path / "run").summary
     assert events == ["killed", "restarted", "started"]
     assert [r.round for r in summary.rounds] == list(range(1, ROUNDS + 1))
     assert [(f["event"], f["cluster"]) for f in summary.faults] == [("lost", victim),
@@ -79,7 +62,6 @@ def test_below_min_clusters_the_job_waits_for_the_cluster_to_return(tmp_path: Pa
     victim = "cluster-3"
     with LocalTestbed(3, backend="inprocess", workdir=str(tmp_path / "tb"), capacity=3) as tb:
         clusters = tb.start(timeout=60)
-        channel = BridgeChannel(tb.bridge_socket("scheduler"), job_id=job.job_id)
         restarter: list[threading.Thread] = []
 
         def chaos(record: RoundRecord, total: int) -> None:
@@ -92,13 +74,7 @@ def test_below_min_clusters_the_job_waits_for_the_cluster_to_return(tmp_path: Pa
                 restarter.append(threading.Thread(target=later, daemon=True))
                 restarter[0].start()
 
-        driver = Driver(job, clusters, channel, backend="inprocess", timeout=300,
-                        progress=chaos, run_dir=tmp_path / "run")
-        try:
-            summary = driver.run().summary
-        finally:
-            driver.close()
-            channel.close()
+        summary = drive(tb, clusters, job, chaos, tmp_path / "run").summary
     assert [r.round for r in summary.rounds] == list(range(1, ROUNDS + 1))
     assert [(f["event"], f["cluster"]) for f in summary.faults] == [("lost", victim),
                                                                    ("returned", victim)]

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +13,8 @@ from proto.rounds import RoundRecord
 from scheduler.driver import Driver
 from scheduler.mesh import BridgeChannel, daemon_status
 from scheduler.testbed import LocalTestbed
+from tests.e2e._faults import drive, wait_connected, wait_for_executor
 from tests.e2e._pinned import write_site_npz
-from tests.e2e.test_faults_continue import wait_for_executor
 
 pytestmark = pytest.mark.slow
 
@@ -93,13 +92,6 @@ def test_pinned_clients_train_where_their_data_is(tmp_path: Path) -> None:
         assert similar.summary.bytes_inter_total < random.summary.bytes_inter_total
 
 
-def wait_connected(channel: BridgeChannel, cluster: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not channel.connected().get(cluster):
-        assert time.monotonic() < deadline, f"{cluster} did not rejoin the mesh"
-        time.sleep(0.25)
-
-
 def test_a_lost_sites_clients_sit_out_until_it_is_back(tmp_path: Path) -> None:
     files = {}
     for k, cid in enumerate(IDS):
@@ -118,7 +110,6 @@ def test_a_lost_sites_clients_sit_out_until_it_is_back(tmp_path: Path) -> None:
     with LocalTestbed(3, backend="inprocess", workdir=str(tmp_path), capacity=4,
                       datasets=declared) as tb:
         clusters = tb.start(timeout=60)
-        channel = BridgeChannel(tb.bridge_socket("scheduler"), job_id=job.job_id)
         events: list[str] = []
 
         def chaos(record: RoundRecord, total: int) -> None:
@@ -127,7 +118,7 @@ def test_a_lost_sites_clients_sit_out_until_it_is_back(tmp_path: Path) -> None:
                 events.append("killed")
             elif events == ["killed"] and victim not in record.by_cluster:
                 tb.restart(victim)  # the site is back (same cluster.toml, same file)
-                wait_connected(channel, victim)
+                wait_connected(tb, victim)
                 events.append("restarted")
             elif events == ["killed", "restarted"]:
                 # its new executor starts in the background; it joins at the first round
@@ -135,13 +126,7 @@ def test_a_lost_sites_clients_sit_out_until_it_is_back(tmp_path: Path) -> None:
                 wait_for_executor(tb, victim, job.job_id)
                 events.append("started")
 
-        driver = Driver(job, clusters, channel, backend="inprocess", timeout=300,
-                        progress=chaos, run_dir=tmp_path / "run")
-        try:
-            result = driver.run()
-        finally:
-            driver.close()
-            channel.close()
+        result = drive(tb, clusters, job, chaos, tmp_path / "run")
     summary = result.summary
     assert events == ["killed", "restarted", "started"]
     assert [r.round for r in summary.rounds] == list(range(1, rounds + 1))

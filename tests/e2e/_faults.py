@@ -1,0 +1,49 @@
+"""What the fault tests share: drive a job over a testbed, wait for a cluster to be back."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from proto.job import JobSpec
+from scheduler.driver import Driver, JobResult, Progress
+from scheduler.mesh import BridgeChannel
+from scheduler.testbed import LocalTestbed
+
+
+def drive(tb: LocalTestbed, clusters: Any, job: JobSpec, progress: Progress,
+          run_dir: Path) -> JobResult:
+    """Run `job` from the testbed's scheduler daemon, calling `progress` after each round."""
+    channel = BridgeChannel(tb.bridge_socket("scheduler"), job_id=job.job_id)
+    driver = Driver(job, clusters, channel, backend="inprocess", timeout=300,
+                    progress=progress, run_dir=run_dir)
+    try:
+        return driver.run()
+    finally:
+        driver.close()
+        channel.close()
+
+
+def wait_connected(tb: LocalTestbed, cluster: str, timeout: float = 90.0) -> None:
+    """Until the scheduler's daemon sees `cluster` in the mesh (after a restart)."""
+    from scheduler.mesh import daemon_status
+
+    deadline = time.monotonic() + timeout
+    while not any(c["cluster_id"] == cluster and c.get("connected")
+                  for c in daemon_status(tb.bridge_socket("scheduler")).get("clusters", [])):
+        assert time.monotonic() < deadline, f"{cluster} did not rejoin the mesh"
+        time.sleep(0.25)
+
+
+def wait_for_executor(tb: LocalTestbed, cluster: str, job_id: str, timeout: float = 90) -> None:
+    """Until a second executor of `job_id` on `cluster` (the first was killed) has answered
+    job.start (its log says so). A returning cluster's executor starts in the background
+    and joins at the next round boundary; rounds here take milliseconds, real ones long
+    enough for it to start."""
+    log = tb.root / cluster / f"executor-{job_id}.log"
+    deadline = time.monotonic() + timeout
+    while log.read_text(errors="replace").count("event=job_started") < 2:
+        assert time.monotonic() < deadline, f"no new executor for {job_id} on {cluster}"
+        time.sleep(0.2)
+    time.sleep(0.5)  # its reply reaches the scheduler
