@@ -248,6 +248,7 @@ class Driver(Recovery):
         futures = {c.cluster_id: self._pool.submit(self.channel.request, c.cluster_id,
                                                    self._job_body("job.stop"), 30.0)
                    for c in self.clusters if c.cluster_id not in lost}
+        futures.update(self._stop_returning())
         for cid, fut in futures.items():
             try:
                 fut.result()
@@ -344,6 +345,7 @@ class Driver(Recovery):
         # the job ends its leases itself: an executor that stopped must not count as lost
         if self.leases is not None:
             self.leases.stop()
+        self._stop_returning()  # a returning cluster's executor that never joined
         stopped = self._all({c.cluster_id: self._job_body("job.stop") for c in self.clusters},
                             timeout=min(self.timeout, STOP_TIMEOUT))
         per_cluster = plan.placement.clients_per_cluster()

@@ -247,6 +247,12 @@ class Recovery:
             departed.start_began = time.monotonic()
             departed.starting = self._pool.submit(self._start_again, cid, r)
 
+    def _stop_returning(self) -> dict[str, Future[dict[str, Any]]]:
+        """The job ends: stop the executors that lost clusters started to come back (best
+        effort, not waited for; one still starting exits when its lease runs out)."""
+        return {cid: self._pool.submit(self.channel.request, cid, self._job_body("job.stop"), 10.0)
+                for cid, d in self._departed.items() if d.starting is not None}
+
     def _started(self, cid: str, timeout: float = 0.0) -> bool:
         """Whether the returning cluster's executor has started (waiting up to `timeout`);
         a start that failed is forgotten, to be tried again."""
