@@ -6,7 +6,7 @@ py-libp2p 0.8.1 defaults we change, and why:
 - ``max_connections_per_peer=1``: otherwise ``connect()`` waits 250 ms for more.
 - Gossipsub heartbeat 120 s -> ``heartbeat_interval`` (1 s), so meshes form quickly.
 - ``max_connections`` 300 -> 1024 and pruning above 768: unauthenticated peers are
-  bounded by fabricd.membership (MAX_PENDING_PEERS, auth_timeout), so a flood of
+  bounded by fabricd._preauth (MAX_PENDING_PEERS, auth_timeout), so a flood of
   strangers can neither fill the connection table nor trigger pruning of members
   (members are also protected from pruning once verified).
 - The auto-connector is off (see ``_disable_auto_connector``).

@@ -9,19 +9,18 @@ protocol is refused by ``Membership.guard``; non-members are disconnected. Revoc
 checked every second, and members whose certificate was revoked or expired are dropped
 without a restart.
 
-Pre-authentication limits (see docs/security.md): a peer that has not proved membership
-within ``auth_timeout`` seconds of connecting is disconnected; at most
-``MAX_PENDING_PEERS`` peers may be unauthenticated at once (the oldest is dropped for a
-newcomer); streams waiting for a verdict are bounded per peer and in total. A claim
-made with a certificate that does not verify (foreign CA, wrong peer) is kept in a small
-table of its own and can never mark a real cluster "not a member".
+A claim made with a certificate that does not verify (foreign CA, wrong peer) is kept in
+a small table of its own and can never mark a real cluster "not a member".
+
+Parts: the exchange itself is fabricd._member_exchange, the pre-authentication limits
+(deadline, pending peers, waiting streams; see docs/security.md) fabricd._preauth, the
+table entries fabricd._member_tables; this module owns the verdicts and the guard.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -29,77 +28,51 @@ from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.peer.id import ID
 
 from fabricd._bounded import BoundedDict, Throttle
-from fabricd._streams import (
-    Handler,
-    close_quietly,
-    read_message,
-    remote_peer,
-    reset_quietly,
-    safe_handler,
-    stream_reader,
-    write_message,
+from fabricd._member_exchange import (
+    EXCHANGE_RETRY_PAUSES,
+    EXCHANGE_TIMEOUT,
+    MAX_MEMBER_STREAMS_PER_PEER,
+    MEMBER_FRAME_LIMIT,
+    CertificateExchange,
 )
+from fabricd._member_tables import (
+    MAX_REFUSALS,
+    MAX_REFUSED_BY,
+    MAX_UNVERIFIED_CLAIMS,
+    PeerVerdict,
+    Refusal,
+    claimed_cluster,
+    is_connected,
+    peer_addrs,
+    protect,
+)
+from fabricd._preauth import (
+    AUTH_TIMEOUT,
+    MAX_PENDING_PEERS,
+    MAX_WAITING_STREAMS,
+    MAX_WAITING_STREAMS_PER_PEER,
+    PreAuth,
+    TooManyWaiting,
+)
+from fabricd._streams import Handler, close_quietly, remote_peer, reset_quietly, safe_handler
 from fabricd.logs import get_logger
 from fabricd.metrics import UNWIRED, DaemonMetrics
 from fabricd.revocation import Revocations
 from proto.certs import Certificate, RevocationList, parse_certificate, verify_certificate
-from proto.errors import NotAMember, ProtocolError
-from proto.ids import MAX_CERTIFICATE_BYTES, PROTOCOL_MEMBER
-from proto.messages import MemberAck, MemberHello
+from proto.errors import NotAMember
+from proto.ids import PROTOCOL_MEMBER
+
+__all__ = [
+    "AUTH_TIMEOUT", "EXCHANGE_RETRY_PAUSES", "EXCHANGE_TIMEOUT", "MAX_MEMBER_STREAMS_PER_PEER",
+    "MAX_PENDING_PEERS", "MAX_REFUSALS", "MAX_REFUSED_BY", "MAX_UNVERIFIED_CLAIMS",
+    "MAX_WAITING_STREAMS", "MAX_WAITING_STREAMS_PER_PEER", "MEMBER_FRAME_LIMIT",
+    "VERDICT_TIMEOUT", "Membership", "PeerVerdict", "Refusal",
+]
 
 log = get_logger("fabricd.membership")
 
-MEMBER_FRAME_LIMIT = MAX_CERTIFICATE_BYTES + 2048
 VERDICT_TIMEOUT = 15.0
-EXCHANGE_TIMEOUT = 20.0
-#: pauses before retrying our exchange after a stream failed to open (bounded: a stranger
-#: that never answers costs at most this many attempts)
-EXCHANGE_RETRY_PAUSES = (1.0, 2.0, 0.0)
-#: seconds a connected peer has to prove membership before it is disconnected
-AUTH_TIMEOUT = 10.0
-#: unauthenticated peers held at once; a newcomer beyond this drops the oldest
-MAX_PENDING_PEERS = 128
-#: guarded streams of unauthenticated peers waiting for a verdict (per peer, in total)
-MAX_WAITING_STREAMS_PER_PEER = 4
-MAX_WAITING_STREAMS = 128
-#: concurrent /fedpilot/member streams served per peer
-MAX_MEMBER_STREAMS_PER_PEER = 2
-#: refusals of CA-signed (revoked, expired, refusing) certificates, by cluster id
-MAX_REFUSALS = 1024
-#: claims made with certificates that did not verify, by peer id (status display only)
-MAX_UNVERIFIED_CLAIMS = 64
-MAX_REFUSED_BY = 1024
 RevocationCallback = Callable[[str, str], Awaitable[None]]
-
-
-@dataclass
-class PeerVerdict:
-    """What we know about one connected peer's membership."""
-
-    decided: trio.Event = field(default_factory=trio.Event)
-    #: set once OUR certificate was presented and answered (or the attempt ended)
-    answered: trio.Event = field(default_factory=trio.Event)
-    exchanging: bool = False
-    certificate: Certificate | None = None
-    reason: str = ""
-    since: float = field(default_factory=time.time)
-
-    @property
-    def member(self) -> bool:
-        return self.decided.is_set() and self.certificate is not None
-
-
-@dataclass
-class Refusal:
-    """A cluster id we saw claimed (or asked for) that is not a member, and why."""
-
-    cluster_id: str
-    peer_id: str
-    reason: str
-    addrs: tuple[str, ...] = ()
-    at: float = field(default_factory=time.time)
-    #: the CA signed this certificate for this peer (False: anyone could have made the claim)
-    verified: bool = True
 
 
 class _Notifee(INotifee):
@@ -144,13 +117,11 @@ class Membership:
         #: claims whose certificate did not verify, by peer id: shown, never trusted
         self.unverified: BoundedDict[str, Refusal] = BoundedDict(MAX_UNVERIFIED_CLAIMS)
         self.refused_by: BoundedDict[str, str] = BoundedDict(MAX_REFUSED_BY)  # peer id -> their reason
-        #: connected peers that have not proved membership yet, oldest first
-        self.pending: BoundedDict[str, float] = BoundedDict(MAX_PENDING_PEERS + 1)
-        self._waiting: dict[str, int] = {}
-        self._waiting_total = 0
-        self._member_streams: dict[str, int] = {}
-        self.preauth_dropped = 0
         self._throttle = Throttle(log)
+        self.preauth = PreAuth(host, auth_timeout=auth_timeout, throttle=self._throttle,
+                               verdict_of=self.verdicts.get,
+                               on_stream_refused=lambda: self.metrics.stream_refused())
+        self.hello = CertificateExchange(self, self._throttle)
         self.on_member: Callable[[str, Certificate], None] | None = None
         self.on_leave: Callable[[str], None] | None = None
         self._spawn: trio.Nursery | None = None
@@ -161,8 +132,8 @@ class Membership:
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Register the member protocol, guard every other handler, watch revocations."""
         async with trio.open_nursery() as nursery:
-            self._spawn = nursery
-            self.host.set_stream_handler(PROTOCOL_MEMBER, safe_handler("member", self._handle))  # type: ignore[arg-type]
+            self._spawn = self.preauth.spawn = nursery
+            self.host.set_stream_handler(PROTOCOL_MEMBER, safe_handler("member", self.hello.handle))  # type: ignore[arg-type]
             self.host.get_network().register_notifee(_Notifee(self))
             for peer in self.host.get_connected_peers():
                 self.on_connected(str(peer))
@@ -185,57 +156,21 @@ class Membership:
         self.metrics.member_event("connected")
         if peer_id not in self.verdicts:
             self.verdicts[peer_id] = PeerVerdict()
-        if self.member_certificate(peer_id) is None and peer_id not in self.pending:
-            self.pending[peer_id] = time.monotonic()
-            if len(self.pending) > MAX_PENDING_PEERS:
-                oldest, _ = next(iter(self.pending.items()))
-                self.pending.pop(oldest, None)
-                self._drop_unauthenticated(oldest, f"more than {MAX_PENDING_PEERS} peers were "
-                                                   "waiting to authenticate; the oldest is dropped")
-            if self._spawn is not None:
-                self._spawn.start_soon(self._auth_deadline, peer_id)
+        if self.member_certificate(peer_id) is None:
+            self.preauth.arrived(peer_id)
         if self._spawn is not None:
-            self._spawn.start_soon(self._exchange, peer_id)
-
-    async def _auth_deadline(self, peer_id: str) -> None:
-        # Loops because a hang-up can fail under load: the peer is dropped until it is gone.
-        await trio.sleep(self.auth_timeout)
-        while self._connected(peer_id):
-            verdict = self.verdicts.get(peer_id)
-            if verdict is not None and verdict.certificate is not None:
-                return
-            self.pending.pop(peer_id, None)
-            reason = (verdict.reason if verdict is not None and verdict.reason else
-                      f"did not complete the membership exchange within {self.auth_timeout:g} s")
-            self._drop_unauthenticated(peer_id, reason)
-            await trio.sleep(self.auth_timeout)
-
-    def _connected(self, peer_id: str) -> bool:
-        return bool(self.host.get_network().connections.get(ID.from_base58(peer_id)))
-
-    def _drop_unauthenticated(self, peer_id: str, reason: str) -> None:
-        self.preauth_dropped += 1
-        self._throttle.warning("member.preauth_dropped", peer=peer_id, reason=reason,
-                               dropped_total=self.preauth_dropped)
-        if self._spawn is not None:
-            self._spawn.start_soon(self._hang_up, peer_id)
-
-    async def _hang_up(self, peer_id: str) -> None:
-        try:
-            await self.host.disconnect(ID.from_base58(peer_id))
-        except Exception as exc:  # noqa: BLE001 - best effort; the peer may be gone already
-            log.debug("member.disconnect_failed", peer=peer_id, reason=str(exc))
+            self._spawn.start_soon(self.hello.exchange, peer_id)
 
     def on_disconnected(self, peer_id: str) -> None:
-        if self.host.get_network().connections.get(ID.from_base58(peer_id)):
+        if is_connected(self.host, peer_id):
             return
-        self.pending.pop(peer_id, None)
+        self.preauth.settled(peer_id)
         verdict = self.verdicts.pop(peer_id, None)
         if verdict is not None:
             verdict.decided.set()
             verdict.answered.set()
             if verdict.certificate is not None:
-                _protect(self.host, peer_id, False)
+                protect(self.host, peer_id, False)
                 log.info("member.disconnected", peer=peer_id, cluster=verdict.certificate.cluster_id)
                 self.metrics.member_event("disconnected")
                 if self.on_leave is not None:
@@ -250,19 +185,28 @@ class Membership:
         verdict = self.verdicts.get(peer_id)
         return verdict.certificate if verdict is not None and verdict.member else None
 
+    @property
+    def pending(self) -> BoundedDict[str, float]:
+        """Connected peers that have not proved membership yet, oldest first."""
+        return self.preauth.pending
+
+    @property
+    def preauth_dropped(self) -> int:
+        return self.preauth.dropped
+
     async def wait_verdict(self, peer_id: str, timeout: float = VERDICT_TIMEOUT) -> Certificate:
         """The peer's certificate once verified; NotAMember with the reason otherwise."""
         verdict = self.verdicts.get(peer_id)
         if verdict is None:
             verdict = self.verdicts[peer_id] = PeerVerdict()
             if self._spawn is not None:
-                self._spawn.start_soon(self._exchange, peer_id)
+                self._spawn.start_soon(self.hello.exchange, peer_id)
         with trio.move_on_after(timeout):
             await verdict.decided.wait()
             # Their certificate may be verified before they answered ours: wait for that too.
             if verdict.certificate is not None and not verdict.answered.is_set():
                 if not verdict.exchanging and self._spawn is not None:
-                    self._spawn.start_soon(self._exchange, peer_id)
+                    self._spawn.start_soon(self.hello.exchange, peer_id)
                 await verdict.answered.wait()
         if peer_id in self.refused_by:
             raise NotAMember(f"peer {peer_id} refused us: {self.refused_by[peer_id]}")
@@ -283,8 +227,9 @@ class Membership:
             peer = remote_peer(stream)
             try:
                 if self.member_certificate(peer) is None:
-                    await self._wait_bounded(name, peer, stream)
-            except _TooManyWaiting:
+                    await self.preauth.wait_bounded(
+                        name, peer, stream, lambda: self.wait_verdict(peer, timeout=self.auth_timeout))
+            except TooManyWaiting:
                 return
             except NotAMember as exc:
                 log.warning("stream.refused", protocol=name, peer=peer, reason=f"not a member: {exc}")
@@ -302,62 +247,40 @@ class Membership:
         wrapped._fabricd_guarded = True  # type: ignore[attr-defined]
         return wrapped
 
-    async def _wait_bounded(self, name: str, peer: str, stream: INetStream) -> None:
-        """Wait for ``peer``'s verdict, unless too many streams already wait (then reset)."""
-        per_peer = self._waiting.get(peer, 0)
-        if per_peer >= MAX_WAITING_STREAMS_PER_PEER or self._waiting_total >= MAX_WAITING_STREAMS:
-            self._throttle.warning(
-                "stream.refused", protocol=name, peer=peer,
-                reason=f"too many streams waiting for membership ({per_peer} from this peer, "
-                       f"{self._waiting_total} in total; limits {MAX_WAITING_STREAMS_PER_PEER} "
-                       f"and {MAX_WAITING_STREAMS})")
-            self.metrics.stream_refused()
-            await reset_quietly(stream)
-            raise _TooManyWaiting
-        self._waiting[peer] = per_peer + 1
-        self._waiting_total += 1
-        try:
-            await self.wait_verdict(peer, timeout=self.auth_timeout)
-        finally:
-            self._waiting_total -= 1
-            left = self._waiting.get(peer, 1) - 1
-            if left > 0:
-                self._waiting[peer] = left
-            else:
-                self._waiting.pop(peer, None)
+    # ---- verdicts ----------------------------------------------------------------------
 
-    # ---- the exchange ------------------------------------------------------------------
-
-    def _verify(self, cert_bytes: bytes, peer_id: str) -> Certificate:
+    def verify(self, cert_bytes: bytes, peer_id: str) -> Certificate:
+        """The certificate if the CA signed it for ``peer_id`` and it is valid now; else
+        NotAMember saying why."""
         return verify_certificate(
             cert_bytes, self.ca_public, now=time.time(), revoked=self.revoked,
             expected_peer_id=peer_id,
         )
 
-    def _accept(self, peer_id: str, cert: Certificate) -> None:
+    def accept(self, peer_id: str, cert: Certificate) -> None:
         verdict = self.verdicts.setdefault(peer_id, PeerVerdict())
         first = verdict.certificate is None
         verdict.certificate, verdict.reason = cert, ""
         verdict.decided.set()
-        self.pending.pop(peer_id, None)
+        self.preauth.settled(peer_id)
         if peer_id not in self.refused_by:
             self.refusals.pop(cert.cluster_id, None)
         if first:
-            _protect(self.host, peer_id, True)
+            protect(self.host, peer_id, True)
             log.info("member.accepted", peer=peer_id, cluster=cert.cluster_id, role=cert.role,
                      serial=cert.serial)
             self.metrics.member_event("accepted")
             if self.on_member is not None:
                 self.on_member(peer_id, cert)
 
-    def _reject(self, peer_id: str, reason: str, cert_bytes: bytes | None) -> None:
+    def reject(self, peer_id: str, reason: str, cert_bytes: bytes | None) -> None:
         verdict = self.verdicts.setdefault(peer_id, PeerVerdict())
         verdict.certificate, verdict.reason = None, reason
         verdict.decided.set()
-        claimed = _claimed_cluster(cert_bytes)
+        claimed = claimed_cluster(cert_bytes)
         authentic = bool(claimed) and self._ca_signed_for(cert_bytes, peer_id)
         if claimed:
-            refusal = Refusal(claimed, peer_id, reason, _peer_addrs(self.host, peer_id), verified=authentic)
+            refusal = Refusal(claimed, peer_id, reason, peer_addrs(self.host, peer_id), verified=authentic)
             # Only a certificate the CA signed for this very peer may say "cluster X is not
             # a member"; anyone can write any cluster id into a forged one.
             if authentic:
@@ -392,125 +315,6 @@ class Membership:
             except Exception as exc:  # noqa: BLE001 - best effort
                 log.debug("member.disconnect_failed", peer=peer_id, reason=str(exc))
 
-    async def _handle(self, stream: INetStream) -> None:
-        peer = remote_peer(stream)
-        open_streams = self._member_streams.get(peer, 0)
-        if open_streams >= MAX_MEMBER_STREAMS_PER_PEER:
-            self._throttle.warning("member.bad_frame", peer=peer,
-                                   reason=f"more than {MAX_MEMBER_STREAMS_PER_PEER} membership streams at once")
-            await reset_quietly(stream)
-            return
-        self._member_streams[peer] = open_streams + 1
-        try:
-            await self._handle_hello(stream, peer)
-        finally:
-            left = self._member_streams.get(peer, 1) - 1
-            if left > 0:
-                self._member_streams[peer] = left
-            else:
-                self._member_streams.pop(peer, None)
-
-    async def _handle_hello(self, stream: INetStream, peer: str) -> None:
-        reader = stream_reader(stream)
-        try:
-            with trio.fail_after(self.auth_timeout):
-                hello = await read_message(reader, MEMBER_FRAME_LIMIT)
-        except (ProtocolError, EOFError, trio.TooSlowError) as exc:
-            log.warning("member.bad_frame", peer=peer, reason=f"{type(exc).__name__}: {exc}")
-            await write_message(stream, MemberAck(accepted=False, reason=f"bad frame: {exc}",
-                                                  certificate=self.certificate))
-            await close_quietly(stream)
-            return
-        if not isinstance(hello, MemberHello):
-            reason = f"expected MemberHello on {PROTOCOL_MEMBER}, got {hello.TYPE}"
-            log.warning("member.bad_frame", peer=peer, reason=reason)
-            await write_message(stream, MemberAck(accepted=False, reason=reason, certificate=self.certificate))
-            await close_quietly(stream)
-            return
-        try:
-            cert = self._verify(hello.certificate, peer)
-        except NotAMember as exc:
-            self._reject(peer, f"{type(exc).__name__}: {exc}", hello.certificate)
-            await write_message(stream, MemberAck(
-                accepted=False, reason=f"not a member: {exc}", certificate=self.certificate))
-            await close_quietly(stream)
-            return
-        self._accept(peer, cert)
-        await write_message(stream, MemberAck(accepted=True, reason="", certificate=self.certificate))
-        await close_quietly(stream)
-
-    async def _exchange(self, peer_id: str) -> None:
-        """Present our certificate to ``peer_id`` and verify theirs from the reply."""
-        verdict = self.verdicts.setdefault(peer_id, PeerVerdict())
-        if verdict.answered.is_set() or verdict.exchanging:
-            return
-        verdict.exchanging = True
-        try:
-            # Opening a stream can fail on a loaded daemon: retry while the peer is still
-            # connected and has not proved membership either way, so a member is not
-            # mistaken for a staller by the auth deadline.
-            for pause in EXCHANGE_RETRY_PAUSES:
-                if await self._present(peer_id):
-                    break
-                await trio.sleep(pause)
-                current = self.verdicts.get(peer_id)
-                if not self._connected(peer_id) or current is None or current.decided.is_set():
-                    break
-        finally:
-            verdict.exchanging = False
-            verdict.answered.set()
-
-    async def _present(self, peer_id: str) -> bool:
-        """One attempt; False only if it failed in a way worth retrying (no answer at all)."""
-        try:
-            with trio.fail_after(EXCHANGE_TIMEOUT):
-                stream = await self.host.new_stream(ID.from_base58(peer_id), [PROTOCOL_MEMBER])  # type: ignore[list-item]
-                await write_message(stream, MemberHello(certificate=self.certificate))
-                ack = await read_message(stream_reader(stream), MEMBER_FRAME_LIMIT)
-                await close_quietly(stream)
-        except trio.TooSlowError:
-            # Slow is not the same as foreign: forget the attempt; the next connection retries.
-            log.warning("member.exchange_timeout", peer=peer_id, seconds=EXCHANGE_TIMEOUT)
-            verdict = self.verdicts.get(peer_id)
-            if verdict is not None and not verdict.decided.is_set():
-                verdict.reason = f"peer {peer_id} did not answer the membership exchange within {EXCHANGE_TIMEOUT:.0f} s"
-                verdict.decided.set()
-                self.verdicts.pop(peer_id, None)
-            return True
-        except (ProtocolError, EOFError) as exc:
-            self._reject(peer_id, f"bad membership reply: {type(exc).__name__}: {exc}", None)
-            return True
-        except Exception as exc:  # noqa: BLE001 - libp2p raises many kinds on dial/negotiate
-            # A peer that vanished mid-exchange is neither member nor rejected; forget it.
-            log.info("member.exchange_failed", peer=peer_id, reason=f"{type(exc).__name__}: {exc}")
-            return False
-        if not isinstance(ack, MemberAck):
-            self._reject(peer_id, f"expected MemberAck, got {ack.TYPE}", None)
-            return True
-        try:
-            cert = self._verify(ack.certificate, peer_id)
-        except NotAMember as exc:
-            self._reject(peer_id, f"{type(exc).__name__}: {exc}", ack.certificate)
-            return True
-        # Recorded only for verified peers, so strangers cannot grow this table.
-        if not ack.accepted:
-            self.refused_by[peer_id] = ack.reason
-            log.warning("member.refused_by_peer", peer=peer_id, reason=ack.reason)
-            self.metrics.member_event("refused_by_peer")
-        else:
-            self.refused_by.pop(peer_id, None)
-        if not ack.accepted:
-            # They are a member to us, but they refuse us: we cannot talk to them either.
-            self.refusals[cert.cluster_id] = Refusal(
-                cert.cluster_id, peer_id, f"peer refused us: {ack.reason}", _peer_addrs(self.host, peer_id))
-            verdict = self.verdicts.setdefault(peer_id, PeerVerdict())
-            verdict.reason = f"peer {peer_id} (cluster {cert.cluster_id}) refused us: {ack.reason}"
-            verdict.decided.set()
-            return True
-        self._accept(peer_id, cert)
-        return True
-
-
     # ---- revocation --------------------------------------------------------------------
 
     async def _watch_revocations(self) -> None:
@@ -539,36 +343,8 @@ class Membership:
                 reason = f"certificate serial {cert.serial} for peer {peer_id} expired"
             else:
                 continue
-            self._reject(peer_id, reason, None)
+            self.reject(peer_id, reason, None)
             self.refusals[cert.cluster_id] = Refusal(cert.cluster_id, peer_id, reason,
-                                                     _peer_addrs(self.host, peer_id))
+                                                     peer_addrs(self.host, peer_id))
             if self.on_leave is not None:
                 self.on_leave(peer_id)
-
-
-class _TooManyWaiting(Exception):
-    """The stream was reset because too many streams already wait for a verdict."""
-
-
-def _protect(host: IHost, peer_id: str, on: bool) -> None:
-    """Keep a verified member's connection out of libp2p's connection pruning."""
-    network: Any = host.get_network()
-    method = getattr(network, "protect" if on else "unprotect", None)
-    if method is not None:
-        method(ID.from_base58(peer_id), "fedpilot-member")
-
-
-def _claimed_cluster(cert_bytes: bytes | None) -> str:
-    if not cert_bytes:
-        return ""
-    try:
-        return parse_certificate(cert_bytes).cluster_id
-    except ProtocolError:
-        return ""
-
-
-def _peer_addrs(host: IHost, peer_id: str) -> tuple[str, ...]:
-    try:
-        return tuple(str(a) for a in host.get_peerstore().addrs(ID.from_base58(peer_id)))
-    except Exception:  # noqa: BLE001 - unknown peer
-        return ()

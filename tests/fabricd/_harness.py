@@ -163,3 +163,31 @@ def bridge_status(node: Node) -> dict[str, Any]:
 
 def connected_fast(node: Node) -> set[str]:
     return {c["cluster_id"] for c in bridge_status(node)["clusters"] if c["connected"]}
+
+
+def join_and_probe(via: Node, new: Node, nbytes: int = 65536) -> tuple[float, subprocess.CompletedProcess[str]]:
+    """Seconds from now (``new`` is ready) until ``via`` sees ``new`` connected and a probe
+    from ``via`` to it ended, and that probe (not checked)."""
+    started = time.monotonic()
+    wait_until(lambda: new.name in connected_fast(via), timeout=120)
+    probe = via.probe(new.name, nbytes, check=False)
+    return time.monotonic() - started, probe
+
+
+def revocation_seconds(members: list[Node], revoked: str, since: float, timeout: float = 180) -> dict[str, float]:
+    """Seconds from ``since`` until each member applied a revocation list and no longer
+    sees cluster ``revoked`` connected (AssertionError after ``timeout``)."""
+    took: dict[str, float] = {}
+
+    def everywhere() -> bool:
+        for node in members:
+            if node.name in took:
+                continue
+            status = bridge_status(node)
+            connected = {c["cluster_id"] for c in status["clusters"] if c["connected"]}
+            if status["revoked_serials"] >= 1 and revoked not in connected:
+                took[node.name] = time.monotonic() - since
+        return len(took) == len(members)
+
+    wait_until(everywhere, timeout=timeout, interval=0.05)
+    return took

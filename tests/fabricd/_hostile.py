@@ -76,3 +76,41 @@ async def stall(host: IHost, peer: ID, protocols: list[str], hold: trio.Event) -
 
 def is_connected(host: IHost, peer: ID) -> bool:
     return bool(host.get_network().connections.get(peer))
+
+
+@asynccontextmanager
+async def stalled_strangers(target: PeerInfo, count: int, protocols: list[str], *,
+                            concurrency: int = 25, timeout: float = 300,
+                            ) -> AsyncIterator[tuple[list[IHost], list[str]]]:
+    """``count`` strangers (fresh keys, no certificate) connect to ``target`` and each holds
+    one stream per protocol open without a byte, until the block ends.
+
+    Yields the hosts that connected and why the others could not (the target may drop a
+    connection while it is still being set up)."""
+    hold = trio.Event()
+    hosts: list[IHost] = []
+    refused: list[str] = []
+
+    async def stranger(limiter: trio.CapacityLimiter) -> None:
+        async with raw_host() as host:
+            async with limiter:
+                try:
+                    with trio.fail_after(30):
+                        await host.connect(target)
+                except Exception as exc:  # noqa: BLE001 - e.g. dropped by the target while connecting
+                    refused.append(type(exc).__name__)
+                    return
+                hosts.append(host)
+            await stall(host, target.peer_id, protocols, hold)
+
+    async with trio.open_nursery() as nursery:
+        limiter = trio.CapacityLimiter(concurrency)
+        for _ in range(count):
+            nursery.start_soon(stranger, limiter)
+        with trio.fail_after(timeout):
+            while len(hosts) + len(refused) < count:
+                await trio.sleep(0.1)
+        try:
+            yield hosts, refused
+        finally:
+            hold.set()

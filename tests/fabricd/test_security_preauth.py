@@ -24,12 +24,19 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import PUBSUB_SIGNING_PREFIX
 
 from fabricd._host import open_host_stack
-from fabricd.membership import MAX_PENDING_PEERS, MAX_UNVERIFIED_CLAIMS
+from fabricd._member_tables import MAX_UNVERIFIED_CLAIMS
+from fabricd._preauth import MAX_PENDING_PEERS
 from proto.codec import encode
 from proto.ids import PROTOCOL_CONTROL, PROTOCOL_MEMBER, PROTOCOL_UPDATE, TOPIC_HEARTBEAT
 from proto.messages import Heartbeat
-from tests.fabricd._harness import bridge_status, connected_fast, init_ca, wait_until
-from tests.fabricd._hostile import certificate_for, hello, peer_info, raw_host, stall
+from tests.fabricd._harness import (
+    bridge_status,
+    connected_fast,
+    init_ca,
+    join_and_probe,
+    wait_until,
+)
+from tests.fabricd._hostile import certificate_for, hello, peer_info, raw_host, stalled_strangers
 
 pytestmark = pytest.mark.slow
 
@@ -42,39 +49,15 @@ async def test_stalled_strangers_are_dropped_and_a_new_member_still_joins(mesh) 
     a = mesh.nodes["a"]
     t = await trio.to_thread.run_sync(lambda: mesh.add("t1", [a.addr()]))
     target = peer_info(t.addr())
-    hold = trio.Event()
-    hosts: list = []
-    refused: list[str] = []
-
-    async def stranger(limiter: trio.CapacityLimiter) -> None:
-        async with raw_host() as host:
-            async with limiter:
-                try:
-                    with trio.fail_after(30):
-                        await host.connect(target)
-                except Exception as exc:  # noqa: BLE001 - e.g. dropped by t while connecting
-                    refused.append(type(exc).__name__)
-                    return
-                hosts.append(host)
-            await stall(host, target.peer_id, [PROTOCOL_MEMBER, PROTOCOL_UPDATE, PROTOCOL_CONTROL], hold)
-
-    async with trio.open_nursery() as nursery:
-        limiter = trio.CapacityLimiter(25)
-        for _ in range(STRANGERS):
-            nursery.start_soon(stranger, limiter)
-        with trio.fail_after(300):
-            while len(hosts) + len(refused) < STRANGERS:
-                await trio.sleep(0.1)
+    async with stalled_strangers(target, STRANGERS, [PROTOCOL_MEMBER, PROTOCOL_UPDATE, PROTOCOL_CONTROL]) \
+            as (hosts, refused):
         # Connections t dropped while their connect was still finishing count as refused;
         # at least the pending bound's worth got through and stalled.
         assert len(hosts) >= MAX_PENDING_PEERS, (len(hosts), refused[:5])
 
         # While they hold their connections and streams, a new member joins t.
         n = await trio.to_thread.run_sync(lambda: mesh.add("n1", [t.addr()]))
-        started = time.monotonic()  # from the new daemon's readiness
-        await trio.to_thread.run_sync(lambda: wait_until(lambda: "n1" in connected_fast(t), timeout=120))
-        probe = await trio.to_thread.run_sync(lambda: t.probe("n1", 65536, check=False))
-        joined_and_probed = time.monotonic() - started
+        joined_and_probed, probe = await trio.to_thread.run_sync(lambda: join_and_probe(t, n))
         assert probe.returncode == 0, probe.stderr
         print(f"strangers_connected={len(hosts)} strangers_refused={len(refused)} "
               f"member_ready_to_joined_and_probed_s={joined_and_probed:.2f}")
@@ -83,7 +66,6 @@ async def test_stalled_strangers_are_dropped_and_a_new_member_still_joins(mesh) 
         members = len(mesh.nodes)
         await trio.to_thread.run_sync(lambda: wait_until(
             lambda: bridge_status(t)["connections"] <= members, timeout=180, interval=0.5))
-        hold.set()
 
     status = await trio.to_thread.run_sync(lambda: bridge_status(t))
     # Most are dropped by the deadline or the pending bound; on a loaded machine libp2p

@@ -11,7 +11,13 @@ import time
 import pytest
 
 from proto.certs import generate_ca, parse_certificate, sign_revocations
-from tests.fabricd._harness import bridge_status, cli_json, connected_fast, wait_until
+from tests.fabricd._harness import (
+    bridge_status,
+    cli_json,
+    connected_fast,
+    revocation_seconds,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -40,19 +46,7 @@ def test_a_signed_revocation_reaches_every_member_without_restarts(mesh) -> None
     assert out["revoked_serial"] == serial
     started = time.monotonic()
     shutil.copyfile(signed, r1.dir / "revocations.signed")
-    took: dict[str, float] = {}
-
-    def everywhere() -> bool:
-        for node in members:
-            if node.name in took:
-                continue
-            status = bridge_status(node)
-            connected = {c["cluster_id"] for c in status["clusters"] if c["connected"]}
-            if status["revoked_serials"] >= 1 and "r3" not in connected:
-                took[node.name] = time.monotonic() - started
-        return len(took) == len(members)
-
-    wait_until(everywhere, timeout=180, interval=0.05)
+    took = revocation_seconds(members, "r3", started)
     print("revocation applied after (s):", {k: round(v, 2) for k, v in sorted(took.items())})
     for node in members:
         assert re.search(r"event=revocations\.applied ", node.log()), node.name
