@@ -7,6 +7,9 @@
   to its executor (owner-checked, see fabricd.control) and refuses an update whose
   source node the matrix does not place on the authenticated sending cluster, or whose
   message id names another source than its header.
+- Scheduler: the scheduler's daemon records the clusters of every ``job.plan`` it sent
+  and takes the job's final model and checkpointed states only from them, so a member
+  outside the job cannot slip its own model in under the root aggregator's name.
 - Rate: a transfer must keep above ``min_rate`` bytes/s (after a short grace), so
   slow-loris senders cannot hold the in-flight budget; and one peer may hold at most
   half of that budget.
@@ -47,6 +50,8 @@ class Placements:
     def __init__(self, limit: int = MAX_PLACED_JOBS) -> None:
         self._jobs: BoundedDict[str, tuple[RoutingMatrix, ...]] = BoundedDict(limit)
         self._owners: BoundedDict[str, str] = BoundedDict(limit)
+        #: job -> the clusters of every plan this daemon sent for it (as the job's scheduler)
+        self._sent: BoundedDict[str, frozenset[str]] = BoundedDict(limit)
 
     def __contains__(self, job_id: object) -> bool:
         return job_id in self._jobs
@@ -71,13 +76,31 @@ class Placements:
         self._jobs[job_id] = (matrix, *previous[:1])
         log.info("placement.learned", job=job_id, clusters=len(matrix.clusters), nodes=matrix.num_nodes)
 
+    def sent(self, job_id: str, routing: Any) -> None:
+        """Record the clusters of a ``job.plan`` this daemon sent and a cluster accepted:
+        only they may stream the job's updates (final model, checkpoints) back here."""
+        try:
+            matrix = RoutingMatrix.from_bytes(bytes(routing))
+        except (ProtocolError, ValueError, TypeError) as exc:
+            log.warning("placement.unreadable", job=job_id, reason=f"{type(exc).__name__}: {exc}")
+            return
+        self._sent[job_id] = self._sent.get(job_id, frozenset()) | frozenset(matrix.clusters)
+
     def forget(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
         self._owners.pop(job_id, None)
+        self._sent.pop(job_id, None)
 
     def refusal(self, header: UpdateHeader, source_cluster: str) -> str | None:
         """Why ``source_cluster`` may not send ``header`` (None if it may)."""
-        if header.job_id == PROBE_JOB_ID or header.target_node in SPECIAL_TARGETS:
+        if header.job_id == PROBE_JOB_ID:
+            return None
+        planned = self._sent.get(header.job_id)
+        if planned is not None and source_cluster not in planned:
+            return (f"cluster {source_cluster!r} is not one of the clusters of job {header.job_id!r} "
+                    f"({', '.join(sorted(planned))}, as this daemon planned it): only they may send "
+                    f"its models to the job's scheduler")
+        if header.target_node in SPECIAL_TARGETS:
             return None
         if source_cluster and self._owners.get(header.job_id) == source_cluster:
             return None

@@ -175,6 +175,7 @@ class ControlService:
     async def send(self, peer_id: str, request_id: str, body: dict[str, Any], *,
                    audience: str) -> ControlResponse:
         """Send one control request to the daemon of cluster ``audience`` and return its response."""
+        plan = body if body.get("kind") == "job.plan" else None
         if self.seal is not None:
             body = self.seal(body, audience)
         await self.m.wait_verdict(peer_id)
@@ -187,4 +188,7 @@ class ControlService:
             await close_quietly(stream)
         if not isinstance(msg, ControlResponse):
             raise ProtocolError(f"expected ControlResponse from {peer_id}, got {msg.TYPE}")
+        if plan is not None and msg.ok and isinstance(plan.get("routing"), bytes):
+            # this daemon is the job's scheduler: the plan's clusters may stream models back
+            self.placements.sent(str(plan.get("job_id")), plan["routing"])
         return msg

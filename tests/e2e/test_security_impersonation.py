@@ -38,12 +38,13 @@ from scheduler.testbed import LocalTestbed
 from tests.fabricd._harness import cli_inprocess
 from tests.fabricd._hostile import certificate_for, hello, peer_info, raw_host
 from worker import payload as wire
-from worker.executor.graph import DOWN, UP
+from worker.executor.graph import DOWN, FINAL, UP
 from worker.executor.transport import message_id
 
 pytestmark = pytest.mark.slow
 ROUNDS = 3
 INTRUDER = "intruder"
+SCHEDULER = "scheduler"
 
 
 def spec(job_id: str) -> JobSpec:
@@ -83,6 +84,11 @@ class Forger:
                         forged.append((target, r, kind, src, dst))
         trio.from_thread.run(self._send_all, job_id, forged, trio_token=self.token)
 
+    def forge_final(self, job_id: str, node: str) -> None:
+        """From a driver thread: a final model from ``node`` for the scheduler's daemon."""
+        trio.from_thread.run(self._send_all, job_id, [(SCHEDULER, 0, FINAL, node, SCHEDULER)],
+                             trio_token=self.token)
+
     async def _send_all(self, job_id: str, forged: list[tuple[str, int, str, str, str]]) -> None:
         async with trio.open_nursery() as nursery:
             for item in forged:
@@ -107,7 +113,8 @@ class Forger:
 
 class WatchedChannel(BridgeChannel):
     """The scheduler's channel, keeping the routing matrix of every plan it publishes and
-    letting the forger strike right after a cluster accepted one."""
+    letting the forger strike right after a cluster accepted one, and right after the
+    genuine final model reached the scheduler's daemon (before the driver takes it)."""
 
     def __init__(self, socket_path: str, job_id: str, forger: Forger | None) -> None:
         super().__init__(socket_path, job_id=job_id)
@@ -122,6 +129,8 @@ class WatchedChannel(BridgeChannel):
                 nxt = int(body.get("next_round", 1))
                 self.forger.forge_rounds(str(body["job_id"]), self.routing, [nxt],
                                          only_to=cluster_id)
+        if body.get("kind") == "job.model" and "node" in reply and self.forger is not None:
+            self.forger.forge_final(str(body["job_id"]), str(reply["node"]))
         return reply
 
 
@@ -160,7 +169,7 @@ async def test_forged_updates_are_refused_and_the_model_is_the_undisturbed_one(t
     cert = certificate_for(intruder, tb.root / "ca", INTRUDER, "cluster")
     targets = {cid: peer_info(await trio.to_thread.run_sync(
         lambda c=cid: cli_inprocess("id", "--config", str(tb.configs[c]))["addrs"][0]))
-        for cid in tb.cluster_ids}
+        for cid in [*tb.cluster_ids, SCHEDULER]}
     async with raw_host(intruder) as host:
         for info in targets.values():
             await host.connect(info)
@@ -179,14 +188,20 @@ async def test_forged_updates_are_refused_and_the_model_is_the_undisturbed_one(t
     for name in expected:
         assert expected[name].dtype == got[name].dtype and np.array_equal(expected[name], got[name]), name
     # every forgery of every round was refused, each naming the genuine placement
-    forged_rounds = {int(mid.split("/")[1]) for _, mid, _ in forger.acks}
-    assert forged_rounds == set(range(1, ROUNDS + 1))
-    assert len({(t, mid) for t, mid, _ in forger.acks}) >= ROUNDS * 12  # 6 up + 6 down a round
-    for target, mid, ack in forger.acks:
+    to_nodes = [(t, mid, ack) for t, mid, ack in forger.acks if t != SCHEDULER]
+    assert {int(mid.split("/")[1]) for _, mid, _ in to_nodes} == set(range(1, ROUNDS + 1))
+    assert len({(t, mid) for t, mid, _ in to_nodes}) >= ROUNDS * 12  # 6 up + 6 down a round
+    for target, mid, ack in to_nodes:
         assert ack.status == "rejected", (target, mid, ack)
         assert f"update from cluster {INTRUDER!r} claims source node" in ack.reason, ack.reason
         assert "places it on cluster" in ack.reason, ack.reason
-    logs = {cid: (tb.root / f"{cid}.log").read_text(errors="replace") for cid in tb.cluster_ids}
+    # and so was the final model it sent the scheduler's daemon in place of the genuine one
+    final = [(mid, ack) for t, mid, ack in forger.acks if t == SCHEDULER]
+    assert [mid for mid, _ in final] == [f"{job.job_id}/0/final/server/scheduler"], final
+    assert final[0][1].status == "rejected", final
+    assert f"cluster {INTRUDER!r} is not one of the clusters of job {job.job_id!r}" in final[0][1].reason
+    logs = {cid: (tb.root / f"{cid}.log").read_text(errors="replace")
+            for cid in [*tb.cluster_ids, SCHEDULER]}
     for target, mid, _ in forger.acks:
         assert re.search(rf"event=update\.rejected .*message_id={re.escape(mid)} .*"
-                         rf"claims source node", logs[target]), (target, mid)
+                         rf"(claims source node|is not one of the clusters)", logs[target]), (target, mid)

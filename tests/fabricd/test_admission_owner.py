@@ -47,3 +47,23 @@ def test_a_repeated_rounds_attempt_suffix_still_names_source_and_target() -> Non
     assert placements.refusal(again, "b") is None
     forged = replace(header("server", "c0"), message_id="j/4/down/server/c1~1")
     assert "does not name" in (placements.refusal(forged, "b") or "")
+
+
+def test_a_schedulers_daemon_takes_a_jobs_models_only_from_the_clusters_it_planned() -> None:
+    placements = Placements()
+    final = UpdateHeader(job_id="j", round=0, source_node="server", target_node="scheduler",
+                         message_id="j/0/final/server/scheduler", tensor_count=1, byte_length=8,
+                         sha256=b"\0" * 32)
+    assert placements.refusal(final, "intruder") is None  # no plan sent from here: not its scheduler
+    placements.sent("j", star_ab().to_bytes())
+    assert placements.refusal(final, "b") is None  # the root aggregator's cluster
+    assert placements.refusal(replace(final, source_node="consensus"), "a") is None  # a collector
+    refused = placements.refusal(final, "intruder")
+    assert refused is not None and "not one of the clusters of job 'j' (a, b" in refused
+    state = replace(final, source_node="c0", target_node="checkpoint",
+                    message_id="j/2/state/c0/checkpoint")
+    assert placements.refusal(state, "intruder") is not None
+    placements.sent("j", b"not a routing matrix")  # unreadable: the clusters already known stay
+    assert placements.refusal(final, "intruder") is not None
+    placements.forget("j")
+    assert placements.refusal(final, "intruder") is None
