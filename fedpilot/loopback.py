@@ -40,7 +40,7 @@ class _Link:
             counter[self.source] = counter.get(self.source, 0) + len(payload)
         service.deliver(job_id=job_id, round=round, source_node=source_node,
                         target_node=target_node, source_cluster=self.source,
-                        payload=bytes(payload))
+                        payload=bytes(payload), message_id=message_id)
 
 
 class LoopbackMesh:
