@@ -88,3 +88,18 @@ def test_bench_faults_short_run_reports_detection_and_recovery() -> None:
     assert case["detect_seconds"] >= 0 and case["recover_seconds"] > 0
     assert case["accuracy_delta"] == pytest.approx(
         case["final_accuracy"] - report["undisturbed"]["final_accuracy"], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_bench_security_quick_reports_the_join_ratio_and_the_revocation_spread() -> None:
+    report = run_bench("bench_security.py", "--quick")
+    assert report["benchmark"] == "security" and report["quick"] is True
+    join = report["join"]
+    assert join["strangers"] == 30 and set(join["runs"]) == {"0", "30"}
+    assert [r["strangers_connected"] for r in join["runs"]["0"]] == [0]
+    stalled = join["runs"]["30"][0]
+    assert stalled["strangers_connected"] + stalled["strangers_refused_while_connecting"] == 30
+    assert join["ratio"] == pytest.approx(join["median_s"]["30"] / join["median_s"]["0"], abs=1e-3)
+    revocation = report["revocation"]
+    assert revocation["daemons"] == 5 and set(revocation["per_member_s"]) == {"a", "r1", "r2", "r3"}
+    assert revocation["max_s"] == max(revocation["per_member_s"].values())
