@@ -5,8 +5,10 @@ to every daemon of a 3-cluster testbed (in-process executors). After each plan i
 published and after every round it sends forged, well-formed updates under the
 predictable message ids (job/round/kind/src/dst) of the round about to run and of the one
 just run, for every edge of the job's routing matrix, each to the cluster holding its
-target, before the genuine senders. Every forgery is refused with a logged reason, every
-round runs, and the job ends with exactly the model of the same job run undisturbed.
+target, before the genuine senders; and a final model to the scheduler's daemon right
+after the genuine one reached it (before the driver takes it). Every forgery is refused
+with a logged reason, every round runs, and the job ends with exactly the model of the
+same job run undisturbed.
 """
 
 from __future__ import annotations
