@@ -7,9 +7,10 @@
   to its executor (owner-checked, see fabricd.control) and refuses an update whose
   source node the matrix does not place on the authenticated sending cluster, or whose
   message id names another source than its header.
-- Scheduler: the scheduler's daemon records the clusters of every ``job.plan`` it sent
-  and takes the job's final model and checkpointed states only from them, so a member
-  outside the job cannot slip its own model in under the root aggregator's name.
+- Scheduler: the scheduler's daemon records every ``job.plan`` it sent and takes the
+  job's final model and checkpointed states only from the plans' clusters, each node's
+  only from the cluster a recent plan places it on, so a member (in the job or not)
+  cannot slip its own model in under the root aggregator's name.
 - Rate: a transfer must keep above ``min_rate`` bytes/s (after a short grace), so
   slow-loris senders cannot hold the in-flight budget; and one peer may hold at most
   half of that budget.
@@ -33,6 +34,11 @@ log = get_logger("fabricd.admission")
 MAX_PLACED_JOBS = 64
 #: target nodes that are not placed by the routing matrix
 SPECIAL_TARGETS = frozenset({"scheduler"})
+#: plans a scheduler's daemon keeps per job to check where a node's model may come from
+SENT_PLANS_KEPT = 4
+#: the source of a combined final model (worker.executor.service: the collector's mean of
+#: every cluster's share): no node of the matrix, any of the job's clusters may collect
+CONSENSUS = "consensus"
 #: seconds a transfer may run before the minimum rate applies (connection warm-up)
 RATE_GRACE = 5.0
 
@@ -52,6 +58,8 @@ class Placements:
         self._owners: BoundedDict[str, str] = BoundedDict(limit)
         #: job -> the clusters of every plan this daemon sent for it (as the job's scheduler)
         self._sent: BoundedDict[str, frozenset[str]] = BoundedDict(limit)
+        #: job -> the last plans this daemon sent for it, newest first
+        self._sent_plans: BoundedDict[str, tuple[RoutingMatrix, ...]] = BoundedDict(limit)
 
     def __contains__(self, job_id: object) -> bool:
         return job_id in self._jobs
@@ -84,12 +92,20 @@ class Placements:
         except (ProtocolError, ValueError, TypeError) as exc:
             log.warning("placement.unreadable", job=job_id, reason=f"{type(exc).__name__}: {exc}")
             return
+        if matrix.job_id != job_id:
+            log.warning("placement.unreadable", job=job_id,
+                        reason=f"routing matrix is for job {matrix.job_id!r}")
+            return
         self._sent[job_id] = self._sent.get(job_id, frozenset()) | frozenset(matrix.clusters)
+        previous = self._sent_plans.get(job_id, ())
+        if not previous or previous[0].to_bytes() != matrix.to_bytes():  # sent to every cluster
+            self._sent_plans[job_id] = (matrix, *previous[:SENT_PLANS_KEPT - 1])
 
     def forget(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
         self._owners.pop(job_id, None)
         self._sent.pop(job_id, None)
+        self._sent_plans.pop(job_id, None)
 
     def refusal(self, header: UpdateHeader, source_cluster: str) -> str | None:
         """Why ``source_cluster`` may not send ``header`` (None if it may)."""
@@ -100,6 +116,17 @@ class Placements:
             return (f"cluster {source_cluster!r} is not one of the clusters of job {header.job_id!r} "
                     f"({', '.join(sorted(planned))}, as this daemon planned it): only they may send "
                     f"its models to the job's scheduler")
+        if planned is not None and header.source_node != CONSENSUS:
+            homes: list[str] = []
+            for matrix in self._sent_plans.get(header.job_id, ()):
+                try:
+                    homes.append(matrix.cluster_of(header.source_node))
+                except (KeyError, ValueError, IndexError):
+                    continue
+            if source_cluster not in homes:
+                where = f"place it on {', '.join(sorted(set(homes)))}" if homes else "do not name it"
+                return (f"update from cluster {source_cluster!r} claims node {header.source_node!r} of job "
+                        f"{header.job_id!r}; the plans this daemon sent {where}")
         if header.target_node in SPECIAL_TARGETS:
             return None
         if source_cluster and self._owners.get(header.job_id) == source_cluster:

@@ -60,9 +60,22 @@ def test_a_schedulers_daemon_takes_a_jobs_models_only_from_the_clusters_it_plann
     assert placements.refusal(replace(final, source_node="consensus"), "a") is None  # a collector
     refused = placements.refusal(final, "intruder")
     assert refused is not None and "not one of the clusters of job 'j' (a, b" in refused
+    # a cluster of the job may send only its own nodes' models
+    refused = placements.refusal(final, "a")
+    assert refused is not None and "claims node 'server'" in refused and "place it on b" in refused
     state = replace(final, source_node="c0", target_node="checkpoint",
                     message_id="j/2/state/c0/checkpoint")
+    assert placements.refusal(state, "a") is None
+    assert placements.refusal(state, "b") is not None
     assert placements.refusal(state, "intruder") is not None
+    assert "do not name it" in (placements.refusal(replace(state, source_node="c9"), "a") or "")
+    # after a re-plan that moves c0 to b, a checkpoint of either placement is taken
+    moved = RoutingMatrix.from_edges(
+        job_id="j", clusters=["a", "b"], node_cluster=np.array([1, 1, 1]),
+        edges=np.array([[0, 2], [1, 2]]), num_clients=2, aggregators=["server"], kind="star",
+        parent=np.array([2, 2, -1]), epoch=1)
+    placements.sent("j", moved.to_bytes())
+    assert placements.refusal(state, "b") is None and placements.refusal(state, "a") is None
     placements.sent("j", b"not a routing matrix")  # unreadable: the clusters already known stay
     assert placements.refusal(final, "intruder") is not None
     placements.forget("j")
