@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 import shutil
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,11 +20,27 @@ from tests.fabricd._harness import (
     revocation_seconds,
     wait_until,
 )
+from tests.fabricd.conftest import Mesh
 
 pytestmark = pytest.mark.slow
 
 
-def test_a_signed_revocation_reaches_every_member_without_restarts(mesh) -> None:
+@pytest.fixture()
+def five(tmp_path: Path) -> Iterator[Mesh]:
+    """A mesh of its own (a, b; the test adds r1, r2, r3): the session mesh carries every
+    earlier test's daemons and disturbances (300 stalled strangers, slow-loris senders), and
+    on a loaded 2-core runner its gossip then took minutes to settle."""
+    m = Mesh(tmp_path)
+    try:
+        a = m.add("a")
+        m.add("b", [a.addr()])
+        yield m
+    finally:
+        m.stop_all()
+
+
+def test_a_signed_revocation_reaches_every_member_without_restarts(five: Mesh) -> None:
+    mesh = five
     a, b = mesh.nodes["a"], mesh.nodes["b"]
     extra = [mesh.add(name, [a.addr()]) for name in ("r1", "r2", "r3")]
     r1, r2, victim = extra
