@@ -78,19 +78,6 @@ def test_bench_round_overhead_quick_reports_both_sides_and_the_ratio() -> None:
 
 
 @pytest.mark.slow
-def test_bench_faults_short_run_reports_detection_and_recovery() -> None:
-    report = run_bench("bench_faults.py", "--rounds", "3", "--kill-at", "1",
-                       "--cases", "kill_daemon")
-    assert report["benchmark"] == "faults" and report["undisturbed"]["rounds"] == 3
-    case = report["cases"]["kill_daemon"]
-    assert case["rounds"] == 3
-    assert [f["event"] for f in case["faults"]] == ["lost"]
-    assert case["detect_seconds"] >= 0 and case["recover_seconds"] > 0
-    assert case["accuracy_delta"] == pytest.approx(
-        case["final_accuracy"] - report["undisturbed"]["final_accuracy"], abs=1e-4)
-
-
-@pytest.mark.slow
 def test_bench_security_quick_reports_the_join_ratio_and_the_revocation_spread() -> None:
     report = run_bench("bench_security.py", "--quick")
     assert report["benchmark"] == "security" and report["quick"] is True

@@ -20,8 +20,10 @@ from tests.e2e.test_faults_continue import ROUNDS, spec
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("victim", ["cluster-2", "cluster-1"])
-def test_a_restarted_cluster_is_readmitted_and_trains_again(tmp_path: Path, victim: str) -> None:
+def test_a_restarted_cluster_is_readmitted_and_trains_again(tmp_path: Path) -> None:
+    # cluster-1 is every other daemon's bootstrap peer: it has none to dial itself, so the
+    # others must find it again (the harder case; a restarted cluster-2 dials cluster-1)
+    victim = "cluster-1"
     job = spec(f"back-{victim}")
     with LocalTestbed(3, backend="inprocess", workdir=str(tmp_path / "tb"), capacity=3) as tb:
         clusters = tb.start(timeout=60)
