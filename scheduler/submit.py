@@ -157,6 +157,9 @@ def submit(spec: JobSpec, source: str, args: argparse.Namespace) -> dict[str, An
     # fedpilot.run from another thread keeps the default)
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    # Ctrl-C (SIGINT) tears the job down even when submit was started with SIGINT ignored,
+    # as a shell does for a command it runs in the background (`... &`, nohup)
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler) if main_thread else None
     started = time.perf_counter()
     try:
         clusters: list[ClusterInfo]
@@ -214,6 +217,7 @@ def submit(spec: JobSpec, source: str, args: argparse.Namespace) -> dict[str, An
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, previous_int)
         if channel is not None:
             channel.close()
         if testbed is not None:
