@@ -70,15 +70,8 @@ class Placements:
         back on a resume or a recovery, as no node of the matrix)."""
         if owner:
             self._owners[job_id] = owner
-        try:
-            matrix = RoutingMatrix.from_bytes(bytes(routing))
-        except (ProtocolError, ValueError, TypeError) as exc:
-            # Without a readable matrix this job's updates are admitted unchecked.
-            log.warning("placement.unreadable", job=job_id, reason=f"{type(exc).__name__}: {exc}")
-            return
-        if matrix.job_id != job_id:
-            log.warning("placement.unreadable", job=job_id,
-                        reason=f"routing matrix is for job {matrix.job_id!r}")
+        matrix = _read_matrix(job_id, routing)
+        if matrix is None:  # without a readable matrix this job's updates are admitted unchecked
             return
         previous = self._jobs.get(job_id, ())
         self._jobs[job_id] = (matrix, *previous[:1])
@@ -87,14 +80,8 @@ class Placements:
     def sent(self, job_id: str, routing: Any) -> None:
         """Record the clusters of a ``job.plan`` this daemon sent and a cluster accepted:
         only they may stream the job's updates (final model, checkpoints) back here."""
-        try:
-            matrix = RoutingMatrix.from_bytes(bytes(routing))
-        except (ProtocolError, ValueError, TypeError) as exc:
-            log.warning("placement.unreadable", job=job_id, reason=f"{type(exc).__name__}: {exc}")
-            return
-        if matrix.job_id != job_id:
-            log.warning("placement.unreadable", job=job_id,
-                        reason=f"routing matrix is for job {matrix.job_id!r}")
+        matrix = _read_matrix(job_id, routing)
+        if matrix is None:
             return
         self._sent[job_id] = self._sent.get(job_id, frozenset()) | frozenset(matrix.clusters)
         previous = self._sent_plans.get(job_id, ())
@@ -175,3 +162,18 @@ class RateFloor:
             return None
         return (f"too slow: {received} bytes in {elapsed:.1f} s, below the minimum rate of "
                 f"{self.min_rate:.0f} bytes/s (limits.min_transfer_rate) after a {self.grace:g} s grace")
+
+
+def _read_matrix(job_id: str, routing: Any) -> RoutingMatrix | None:
+    """The routing matrix of a job.plan for `job_id`, or None (logged) if it is unreadable
+    or names another job."""
+    try:
+        matrix = RoutingMatrix.from_bytes(bytes(routing))
+    except (ProtocolError, ValueError, TypeError) as exc:
+        log.warning("placement.unreadable", job=job_id, reason=f"{type(exc).__name__}: {exc}")
+        return None
+    if matrix.job_id != job_id:
+        log.warning("placement.unreadable", job=job_id,
+                    reason=f"routing matrix is for job {matrix.job_id!r}")
+        return None
+    return matrix
