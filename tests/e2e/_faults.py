@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from proto.job import JobSpec
+from proto.rounds import RoundRecord
 from scheduler.driver import Driver, JobResult, Progress
 from scheduler.mesh import BridgeChannel
 from scheduler.testbed import LocalTestbed
@@ -47,3 +48,24 @@ def wait_for_executor(tb: LocalTestbed, cluster: str, job_id: str, timeout: floa
         assert time.monotonic() < deadline, f"no new executor for {job_id} on {cluster}"
         time.sleep(0.2)
     time.sleep(0.5)  # its reply reaches the scheduler
+
+
+def kill_and_restart(tb: LocalTestbed, victim: str, job_id: str,
+                     events: list[str]) -> Progress:
+    """A progress callback: kill `victim`'s daemon after round 2; once a round ran without
+    it, restart it (same cluster.toml) and wait until the mesh sees it; after the next
+    round, wait until its new executor answered job.start. `events` records each step."""
+
+    def chaos(record: RoundRecord, total: int) -> None:
+        if record.round == 2:
+            tb.kill(victim)
+            events.append("killed")
+        elif events == ["killed"] and victim not in record.by_cluster:
+            tb.restart(victim)
+            wait_connected(tb, victim)
+            events.append("restarted")
+        elif events == ["killed", "restarted"]:
+            wait_for_executor(tb, victim, job_id)
+            events.append("started")
+
+    return chaos

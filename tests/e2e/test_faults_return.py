@@ -14,7 +14,7 @@ import pytest
 
 from proto.rounds import RoundRecord
 from scheduler.testbed import LocalTestbed
-from tests.e2e._faults import drive, wait_connected, wait_for_executor
+from tests.e2e._faults import drive, kill_and_restart
 from tests.e2e.test_faults_continue import ROUNDS, spec
 
 pytestmark = pytest.mark.slow
@@ -28,19 +28,7 @@ def test_a_restarted_cluster_is_readmitted_and_trains_again(tmp_path: Path) -> N
     with LocalTestbed(3, backend="inprocess", workdir=str(tmp_path / "tb"), capacity=3) as tb:
         clusters = tb.start(timeout=60)
         events: list[str] = []
-
-        def chaos(record: RoundRecord, total: int) -> None:
-            if record.round == 2:
-                tb.kill(victim)
-                events.append("killed")
-            elif events == ["killed"] and victim not in record.by_cluster:
-                # the job went on without it; now the operator restarts it
-                tb.restart(victim)
-                wait_connected(tb, victim)
-                events.append("restarted")
-            elif events == ["killed", "restarted"]:
-                wait_for_executor(tb, victim, job.job_id)
-                events.append("started")
+        chaos = kill_and_restart(tb, victim, job.job_id, events)
 
         summary = drive(tb, clusters, job, chaos, tmp_path / "run").summary
     assert events == ["killed", "restarted", "started"]

@@ -9,11 +9,10 @@ from typing import Any
 import pytest
 
 from proto.job import JobSpec
-from proto.rounds import RoundRecord
 from scheduler.driver import Driver
 from scheduler.mesh import BridgeChannel, daemon_status
 from scheduler.testbed import LocalTestbed
-from tests.e2e._faults import drive, wait_connected, wait_for_executor
+from tests.e2e._faults import drive, kill_and_restart
 from tests.e2e._pinned import write_site_npz
 
 pytestmark = pytest.mark.slow
@@ -111,20 +110,7 @@ def test_a_lost_sites_clients_sit_out_until_it_is_back(tmp_path: Path) -> None:
                       datasets=declared) as tb:
         clusters = tb.start(timeout=60)
         events: list[str] = []
-
-        def chaos(record: RoundRecord, total: int) -> None:
-            if record.round == 2:
-                tb.kill(victim)
-                events.append("killed")
-            elif events == ["killed"] and victim not in record.by_cluster:
-                tb.restart(victim)  # the site is back (same cluster.toml, same file)
-                wait_connected(tb, victim)
-                events.append("restarted")
-            elif events == ["killed", "restarted"]:
-                # its new executor starts in the background; it joins at the first round
-                # boundary after it answered job.start
-                wait_for_executor(tb, victim, job.job_id)
-                events.append("started")
+        chaos = kill_and_restart(tb, victim, job.job_id, events)
 
         result = drive(tb, clusters, job, chaos, tmp_path / "run")
     summary = result.summary
