@@ -46,6 +46,10 @@ class Limits:
     min_transfer_rate: float = 256 * 1024
     # a control request (e.g. a training round on a big cluster) may take this long
     control_timeout: float = 900.0
+    # delivered update ids kept per (sending cluster, job); older rounds close first
+    dedup_ids_per_member: int = 65_536
+    # rounds behind a sender's newest delivered round that stay open (older: refused)
+    dedup_round_window: int = 64
 
 
 @dataclass(frozen=True)
@@ -254,6 +258,10 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         auth_timeout=_num(cfg_path, lim, "limits", "auth_timeout", defaults.auth_timeout, 0.5, 600, False),
         min_transfer_rate=_num(cfg_path, lim, "limits", "min_transfer_rate", defaults.min_transfer_rate,
                                1, 1 << 40, False),
+        dedup_ids_per_member=_num(cfg_path, lim, "limits", "dedup_ids_per_member",
+                                  defaults.dedup_ids_per_member, 16, 1 << 24, True),
+        dedup_round_window=_num(cfg_path, lim, "limits", "dedup_round_window", defaults.dedup_round_window,
+                                1, 1 << 20, True),
     )
     if limits.heartbeat_timeout <= limits.heartbeat_interval:
         raise _err(cfg_path, "limits.heartbeat_timeout", limits.heartbeat_timeout,

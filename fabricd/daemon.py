@@ -159,7 +159,9 @@ class Daemon:
                                          max_update_bytes=lim.max_update_bytes,
                                          max_inflight_bytes=lim.max_inflight_bytes,
                                          chunk_bytes=lim.chunk_bytes, stream_timeout=lim.stream_timeout,
-                                         min_rate=lim.min_transfer_rate)
+                                         min_rate=lim.min_transfer_rate,
+                                         dedup_ids_per_member=lim.dedup_ids_per_member,
+                                         dedup_round_window=lim.dedup_round_window)
             signing_key = Ed25519PrivateKey.from_private_bytes(raw_private_key(self.creds.key_pair))
             replay = ReplayWindow()
             self.control_service = ControlService(

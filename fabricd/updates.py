@@ -27,6 +27,7 @@ from typing import Protocol
 import trio
 from libp2p.abc import IHost, INetStream
 
+from fabricd._dedup import DUPLICATE, IDS_PER_SCOPE, ROUND_WINDOW, DeliveredWindows
 from fabricd._sender import (
     SEND_ATTEMPTS,
     Body,
@@ -53,7 +54,7 @@ from fabricd.metrics import UNWIRED, DaemonMetrics
 from proto.errors import DigestMismatch, LengthMismatch, MessageTooLarge, ProtocolError
 from proto.ids import DEFAULT_CHUNK_BYTES, PROBE_JOB_ID, PROTOCOL_UPDATE, PROTOCOL_UPDATE_POOLED
 from proto.messages import UpdateAck, UpdateHeader
-from proto.stream import DeliveredIds, UpdateReceiver
+from proto.stream import UpdateReceiver
 
 log = get_logger("fabricd.updates")
 
@@ -125,7 +126,8 @@ class UpdateService:
         self, host: IHost, membership: Membership, consumer: Consumer, *, cluster_id: str,
         max_update_bytes: int, max_inflight_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         stream_timeout: float = 30.0, min_rate: float = 256 * 1024,
-        placements: Placements | None = None,
+        placements: Placements | None = None, dedup_ids_per_member: int = IDS_PER_SCOPE,
+        dedup_round_window: int = ROUND_WINDOW,
     ) -> None:
         self.host = host
         self.m = membership
@@ -141,7 +143,8 @@ class UpdateService:
         self.peer_inflight: dict[str, int] = {}
         self.min_rate = min_rate
         self.placements = placements if placements is not None else Placements()
-        self.delivered = DeliveredIds(100_000)
+        #: delivered ids per (sender cluster, job) and round: see fabricd._dedup
+        self.delivered = DeliveredWindows(dedup_ids_per_member, dedup_round_window)
         #: dedup keys of updates handed to the executor and not yet answered
         self.delivering: set[str] = set()
         self.jobs: dict[str, JobCounters] = defaultdict(JobCounters)
@@ -151,7 +154,7 @@ class UpdateService:
 
     def forget_job(self, job_id: str) -> None:
         """The job's last consumer left: its message ids may be used again by a new run."""
-        forgotten = self.delivered.forget_prefix(f"{job_id}/")
+        forgotten = self.delivered.forget_job(job_id)
         self.placements.forget(job_id)
         log.info("update.job_forgotten", job=job_id, message_ids=forgotten)
 
@@ -163,7 +166,8 @@ class UpdateService:
     def transfer_status(self) -> dict[str, int]:
         return {"streams_opened": self.pool.opened, "streams_reused": self.pool.reused,
                 "send_retries": self.send_retries, "inflight_in_bytes": self.inflight,
-                "inflight_in_peak_bytes": self.inflight_peak}
+                "inflight_in_peak_bytes": self.inflight_peak, "dedup_ids": len(self.delivered),
+                "dedup_refused": self.delivered.refused}
 
     def counters(self) -> dict[str, dict[str, int]]:
         return {job: asdict(c) for job, c in sorted(self.jobs.items())}
@@ -244,11 +248,15 @@ class UpdateService:
             if misplaced is not None:
                 await self._reject(stream, peer, header, misplaced, drain=True)
                 return False
-            if dedup_key(source_cluster, header.message_id) in self.delivered:
+            seen = self.delivered.verdict(source_cluster, header)
+            if seen == DUPLICATE:
                 self.jobs[header.job_id].duplicates += 1
                 log.info("update.duplicate", peer=peer, job=header.job_id, message_id=header.message_id)
                 await self._ack(stream, header, "duplicate", "already delivered", 0)
                 await close_quietly(stream)
+                return False
+            if seen is not None:
+                await self._reject(stream, peer, header, seen, drain=True)
                 return False
             if dedup_key(source_cluster, header.message_id) in self.delivering:
                 await self._reject(stream, peer, header, _BEING_DELIVERED, drain=True)
@@ -343,10 +351,14 @@ class UpdateService:
             return False
         if not probe:
             key = dedup_key(source_cluster, header.message_id)
-            if key in self.delivered:
+            seen = self.delivered.verdict(source_cluster, header)
+            if seen == DUPLICATE:
                 self.jobs[header.job_id].duplicates += 1
                 await self._ack(stream, header, "duplicate", "already delivered", received)
                 await close_quietly(stream)
+                return False
+            if seen is not None:
+                await self._reject(stream, peer, header, seen, received)
                 return False
             if key in self.delivering:
                 await self._reject(stream, peer, header, _BEING_DELIVERED, received)
@@ -360,7 +372,7 @@ class UpdateService:
             finally:
                 self.delivering.discard(key)
             # remembered only now: an update the executor did not accept may come again
-            self.delivered.seen(key)
+            self.delivered.record(source_cluster, header)
         self.jobs[header.job_id].received_updates += 1
         seconds = time.perf_counter() - started
         self.metrics.update_received(source_cluster, received, seconds)
