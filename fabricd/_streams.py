@@ -14,8 +14,10 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.network.stream.exceptions import StreamEOF, StreamError, StreamReset
 
+from fabricd.admission import RateFloor
 from fabricd.logs import get_logger
 from proto.codec import ExactReader, frame, read_frame
+from proto.errors import ProtocolError
 from proto.messages import Message
 
 log = get_logger("fabricd.streams")
@@ -65,6 +67,51 @@ async def read_message_exact(stream: INetStream, max_size: int) -> Message:
 
     async def exact(n: int) -> bytes:
         return await read_exactly(stream, n)
+
+    return await read_frame(exact, max_size)
+
+
+class FrameTooSlow(ProtocolError):
+    """A frame did not keep the minimum rate (or did not start in time); says which."""
+
+
+async def read_message_floored(stream: INetStream, max_size: int, floor: RateFloor,
+                               first_byte_wait: float | None = None) -> Message:
+    """One length-prefixed message that must arrive at ``floor``'s minimum rate after its
+    grace - so its whole deadline follows from its declared length - reading nothing
+    beyond it. With ``first_byte_wait`` (an idle pooled stream), the floor's clock starts
+    at the frame's first byte, which may take that long to come.
+
+    FrameTooSlow names the rate, the bytes and the seconds; EOFError if the stream ends
+    before a frame starts."""
+    got = 0
+
+    async def exact(n: int) -> bytes:
+        nonlocal got
+        parts: list[bytes] = []
+        have = 0
+        while have < n:
+            waiting_first = got == 0 and first_byte_wait is not None
+            wait = first_byte_wait if waiting_first else floor.wait_budget(got, 3600.0)
+            with trio.move_on_after(wait) as scope:  # type: ignore[arg-type]
+                try:
+                    data = await stream.read(n - have)
+                except StreamEOF:
+                    break
+            if scope.cancelled_caught:
+                if waiting_first:
+                    floor.idle = True
+                    raise FrameTooSlow(f"no frame started within {first_byte_wait:g} s")
+                raise FrameTooSlow(floor.too_slow(got) or f"{got} bytes of a frame in {wait:.1f} s")
+            if waiting_first:
+                floor.restart()
+            parts.append(data)
+            have += len(data)
+            got += len(data)
+            too_slow = floor.too_slow(got)
+            if too_slow is not None:
+                raise FrameTooSlow(too_slow)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     return await read_frame(exact, max_size)
 

@@ -150,6 +150,16 @@ class RateFloor:
         self.min_rate = min_rate
         self.grace = grace
         self.started = time.monotonic()
+        #: set when a stream waited for a frame that never started (not too slow: idle)
+        self.idle = False
+
+    def restart(self) -> None:
+        """Start the clock now (the first byte of a frame on an idle stream came)."""
+        self.started = time.monotonic()
+
+    def deadline(self, nbytes: int) -> float:
+        """Seconds ``nbytes`` may take in all under this floor (grace included)."""
+        return self.grace + nbytes / self.min_rate
 
     def wait_budget(self, received: int, cap: float) -> float:
         """Seconds the next read may take before ``received`` falls below the floor."""

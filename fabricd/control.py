@@ -23,8 +23,14 @@ from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
 from fabricd._bounded import BoundedDict
-from fabricd._streams import close_quietly, read_message_exact, remote_peer, write_message
-from fabricd.admission import Placements
+from fabricd._streams import (
+    close_quietly,
+    read_message_exact,
+    read_message_floored,
+    remote_peer,
+    write_message,
+)
+from fabricd.admission import Placements, RateFloor
 from fabricd.logs import get_logger
 from fabricd.membership import Membership
 from fabricd.signing import is_job_message
@@ -38,8 +44,6 @@ log = get_logger("fabricd.control")
 CONTROL_LIMIT = MAX_MESSAGE_BYTES + 1024
 #: jobs whose owner is remembered (oldest forgotten first)
 MAX_OWNED_JOBS = 4096
-#: a control request frame must arrive within this long of the stream opening
-CONTROL_READ_TIMEOUT = 30.0
 
 
 class ControlSink(Protocol):
@@ -92,8 +96,9 @@ class ControlService:
     def __init__(self, host: IHost, membership: Membership, sink: ControlSink, *,
                  timeout: float = 30.0, seal: Seal | None = None,
                  unseal: Unseal | None = None, cluster_id: str = "",
-                 placements: Placements | None = None) -> None:
+                 placements: Placements | None = None, min_rate: float = 256 * 1024) -> None:
         self.host = host
+        self.min_rate = min_rate
         self.m = membership
         self.sink = sink
         self.timeout = timeout
@@ -124,8 +129,8 @@ class ControlService:
         peer = remote_peer(stream)
         cert = self.m.member_certificate(peer)
         try:
-            with trio.fail_after(min(self.timeout, CONTROL_READ_TIMEOUT)):
-                msg = await read_message_exact(stream, CONTROL_LIMIT)
+            # the request must keep the minimum rate after a short grace (no slow-loris)
+            msg = await read_message_floored(stream, CONTROL_LIMIT, RateFloor(self.min_rate))
         except (ProtocolError, EOFError, trio.TooSlowError) as exc:
             await self._reply_error(stream, peer, "unknown", f"bad control frame: {type(exc).__name__}: {exc}")
             return

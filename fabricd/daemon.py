@@ -167,6 +167,7 @@ class Daemon:
             self.control_service = ControlService(
                 host, self.membership, self.bridge, timeout=lim.control_timeout,
                 cluster_id=cfg.cluster_id, placements=self.updates.placements,
+                min_rate=lim.min_transfer_rate,
                 seal=lambda body, audience: seal(body, self.creds.certificate, signing_key,
                                                  audience=audience),
                 unseal=lambda body, peer: unseal(body, sender_peer=peer, audience=cfg.cluster_id,

@@ -40,9 +40,10 @@ from fabricd._sender import (
 )
 from fabricd._streams import (
     STREAM_ERRORS,
+    FrameTooSlow,
     close_quietly,
     read_exactly,
-    read_message_exact,
+    read_message_floored,
     remote_peer,
     write_message,
 )
@@ -64,6 +65,8 @@ DRAIN_SECONDS = 2.0
 #: IDLE_SECONDS, so the sender stops reusing a stream before we close it).
 IDLE_WAIT_SECONDS = 60.0
 BUSY_RETRY_TIMEOUTS = 4
+#: update streams one peer may have open here at once (its sender keeps at most 8)
+MAX_STREAMS_PER_MEMBER = 32
 _HEADER_ENDED: tuple[type[BaseException], ...] = (EOFError, trio.TooSlowError, *STREAM_ERRORS)
 
 
@@ -139,8 +142,10 @@ class UpdateService:
         self.stream_timeout = stream_timeout
         self.inflight = 0
         self.inflight_peak = 0
-        #: in-flight bytes per sending peer: one peer may hold at most half the budget
+        #: in-flight bytes per sending peer, shared fairly between members (see _busy)
         self.peer_inflight: dict[str, int] = {}
+        #: open update streams per peer (bounded by MAX_STREAMS_PER_MEMBER)
+        self.peer_streams: dict[str, int] = {}
         self.min_rate = min_rate
         self.placements = placements if placements is not None else Placements()
         #: delivered ids per (sender cluster, job) and round: see fabricd._dedup
@@ -205,22 +210,44 @@ class UpdateService:
 
     async def _serve(self, stream: INetStream) -> None:
         """Serve updates on ``stream`` until one is not acked ``ok`` or the sender closes it."""
+        peer = remote_peer(stream)
+        held = self.peer_streams.get(peer, 0)
+        if held >= MAX_STREAMS_PER_MEMBER:
+            await self._reject(stream, peer, None, f"busy: {held} update streams from this peer are open "
+                                                   f"here, at most {MAX_STREAMS_PER_MEMBER}; retry later")
+            return
+        self.peer_streams[peer] = held + 1
         first = True
         try:
             while await self._handle(stream, first):
                 first = False
         finally:
+            left = self.peer_streams.get(peer, 1) - 1
+            if left > 0:
+                self.peer_streams[peer] = left
+            else:
+                self.peer_streams.pop(peer, None)
             await close_quietly(stream)
 
     async def _handle(self, stream: INetStream, first: bool = True) -> bool:
         """One update; True if it was acked ``ok`` and the stream may carry the next."""
         peer = remote_peer(stream)
+        # One clock for header and body: the whole update must keep the minimum rate after
+        # one grace, so its deadline follows from its declared size (slow-loris senders
+        # cannot hold a stream or the budget). An idle pooled stream's clock starts at the
+        # next header's first byte.
+        floor = RateFloor(self.min_rate)
         try:
-            with trio.fail_after(self.stream_timeout if first else IDLE_WAIT_SECONDS):
-                header = await read_message_exact(stream, HEADER_LIMIT)
+            header = await read_message_floored(stream, HEADER_LIMIT, floor,
+                                                None if first else IDLE_WAIT_SECONDS)
+        except FrameTooSlow as exc:
+            if not first and floor.idle:
+                return False  # an idle pooled stream left idle by its sender
+            await self._reject(stream, peer, None, f"bad update header: {exc}")
+            return False
         except _HEADER_ENDED as exc:
             if not first and not isinstance(exc, ProtocolError):
-                return False  # an idle pooled stream closed (or left idle) by its sender
+                return False  # an idle pooled stream closed by its sender
             await self._reject(stream, peer, None, f"bad update header: {type(exc).__name__}: {exc}")
             return False
         except ProtocolError as exc:
@@ -265,16 +292,9 @@ class UpdateService:
             if why_not is not None:
                 await self._reject(stream, peer, header, why_not, drain=True)
                 return False
-            if self.inflight + header.byte_length > self.max_inflight_bytes:
-                await self._reject(stream, peer, header,
-                                   f"busy: {self.inflight} bytes of updates in flight, limit "
-                                   f"{self.max_inflight_bytes}; retry later", drain=True)
-                return False
-            held = self.peer_inflight.get(peer, 0)
-            if held and held + header.byte_length > self.max_inflight_bytes // 2:
-                await self._reject(stream, peer, header,
-                                   f"busy: this peer already has {held} bytes of updates in flight "
-                                   f"(at most half of limits.max_inflight_bytes); retry later", drain=True)
+            busy = self._busy(peer, source_cluster, header.byte_length)
+            if busy is not None:
+                await self._reject(stream, peer, header, busy, drain=True)
                 return False
         reserved = 0 if probe else header.byte_length
         self.inflight += reserved
@@ -282,7 +302,7 @@ class UpdateService:
         self.peer_inflight[peer] = self.peer_inflight.get(peer, 0) + reserved
         self.metrics.stream_opened("received")
         try:
-            return await self._receive_body(stream, peer, header, receiver, probe, source_cluster)
+            return await self._receive_body(stream, peer, header, receiver, probe, source_cluster, floor)
         finally:
             self.inflight -= reserved
             left = self.peer_inflight.get(peer, reserved) - reserved
@@ -292,14 +312,37 @@ class UpdateService:
                 self.peer_inflight.pop(peer, None)
             self.metrics.stream_closed("received")
 
+    def _busy(self, peer: str, cluster: str, nbytes: int) -> str | None:
+        """Why an update of ``nbytes`` from ``peer`` cannot be taken now (None if it can).
+
+        The in-flight budget is shared per sending member: with k other members holding
+        some, a member may hold up to budget/(k+2) - so there is always room left for one
+        more member - except that its first update may take up to half the budget (all
+        of it while nobody else sends), so any update within limits can go at some point.
+        """
+        budget = self.max_inflight_bytes
+        if self.inflight + nbytes > budget:
+            return (f"busy: {self.inflight} bytes of updates in flight on cluster {self.cluster_id!r}, "
+                    f"limits.max_inflight_bytes {budget}; retry later")
+        held = self.peer_inflight.get(peer, 0)
+        others = sum(1 for p, n in self.peer_inflight.items() if n and p != peer)
+        share = budget // (others + 2)
+        if held == 0:
+            share = max(share, budget if others == 0 else budget // 2)
+        if held + nbytes > share:
+            return (f"busy: cluster {cluster!r} already has {held} bytes of updates in flight here; its "
+                    f"share of limits.max_inflight_bytes is {share} with {others} other sending "
+                    f"member(s); retry later")
+        return None
+
     async def _receive_body(self, stream: INetStream, peer: str, header: UpdateHeader,
-                            receiver: UpdateReceiver, probe: bool, source_cluster: str) -> bool:
+                            receiver: UpdateReceiver, probe: bool, source_cluster: str,
+                            floor: RateFloor) -> bool:
         started = time.perf_counter()
         cpu_started = time.process_time()
         digest = hashlib.sha256()
         sink = digest.update if probe else receiver.feed
         received = 0
-        floor = RateFloor(self.min_rate)
         try:
             # Hashing runs in a worker thread (hashlib releases the GIL) while the next
             # chunk is read; at most two chunks wait for it, so memory stays bounded.
