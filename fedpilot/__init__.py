@@ -39,9 +39,13 @@ def run(job: str | os.PathLike[str] | JobSpec | Mapping[str, Any], *, local: int
     Any other `submit` option by its flag's name: `out`, `capacity`, `clusters`, `resume`,
     `wait`, `round_timeout`, `workdir`, `metrics`.
 
+    With `local`, the caller is every testbed cluster's operator: the job's own model and
+    aggregator modules and its dataset's directory are allowed; `allow_module=[...]` and
+    `data_root=[...]` (lists, like the repeatable flags) allow more.
+
     Errors are the CLI's: `proto.job.JobSpecError` for a bad job (naming the key), and
     `scheduler.errors.SchedulerError` subclasses (`JobFailed`, ...) naming the cluster.
-    The cluster operators' allow-lists apply as to any submitted job.
+    On a `mesh`, the cluster operators' allow-lists apply as to any submitted job.
     """
     from pathlib import Path
 
@@ -63,6 +67,9 @@ def run(job: str | os.PathLike[str] | JobSpec | Mapping[str, Any], *, local: int
         source = "fedpilot.run"
     else:
         spec, source = load_job(Path(job)), str(job)
+    for key in ("allow_module", "data_root"):  # one name or path is a list of one
+        if isinstance(options.get(key), str | os.PathLike):
+            options[key] = [options[key]]
     args = submit_options(local=local, mesh=None if mesh is None else str(Path(mesh)),
                           backend=backend, quiet=quiet, **options)
     return submit(spec, source, args)

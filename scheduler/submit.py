@@ -51,6 +51,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--capacity", metavar="N", type=int,
                    help="with --local: clients each cluster may host (default: 1.2 x an even "
                         "share, so placement has room to keep communities together)")
+    p.add_argument("--allow-module", metavar="MODULE", action="append", default=[],
+                   help="with --local: the testbed's clusters also allow job classes from "
+                        "MODULE (repeatable; the job's own model and aggregator modules are "
+                        "allowed already)")
+    p.add_argument("--data-root", metavar="DIR", action="append", default=[],
+                   help="with --local: the testbed's clusters also allow reading data under "
+                        "DIR (repeatable; the job's dataset directory is allowed already)")
     p.add_argument("--workdir", metavar="DIR",
                    help="with --local: keep the testbed's configs and logs here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -164,14 +171,18 @@ def submit(spec: JobSpec, source: str, args: argparse.Namespace) -> dict[str, An
     try:
         clusters: list[ClusterInfo]
         if args.local is not None:
-            from scheduler.testbed import LocalTestbed
+            from scheduler.testbed import LocalTestbed, job_allowances
 
             backend = "local" if args.backend == "ray" else "inprocess"
             capacity = args.capacity or math.ceil(1.2 * spec.data.number_of_clients / args.local)
+            # whoever starts --local is every cluster's operator: the job's own classes and
+            # data are allowed (on a --mesh, real operators decide in their cluster.toml)
+            allow = job_allowances(spec, modules=args.allow_module, data_roots=args.data_root)
             testbed = LocalTestbed(args.local, backend=backend, workdir=args.workdir,
-                                   capacity=capacity)
+                                   capacity=capacity, allow=allow)
             print(f"starting a local testbed: {args.local} cluster daemon(s) + scheduler "
                   f"({args.backend} executors) in {testbed.root}", file=sys.stderr)
+            print(allow.describe(), file=sys.stderr)
             clusters = testbed.start(timeout=args.wait)
             socket_path = testbed.bridge_socket("scheduler")
         else:

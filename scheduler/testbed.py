@@ -18,12 +18,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from scheduler.driver import ClusterInfo, JobFailed
 from scheduler.mesh import wait_for_clusters
+
+if TYPE_CHECKING:
+    from proto.job import JobSpec
 
 log = logging.getLogger("fedpilot.scheduler")
 
@@ -59,12 +63,14 @@ def config_socket(config: Path | str) -> str:
         raise JobFailed(str(exc)) from None
 
 
-def set_toml_value(path: Path, section: str, key: str, value: str) -> None:
-    """Set `key = "value"` in `[section]` of a generated config (adds it if absent)."""
+def set_toml_value(path: Path, section: str, key: str, value: str | Sequence[str]) -> None:
+    """Set `key = "value"` (or a list of strings) in `[section]` of a generated config
+    (adds it if absent)."""
     text = path.read_text()
     pattern = re.compile(rf"(^\[{re.escape(section)}\][^\[]*?^){re.escape(key)}\s*=.*$",
                          re.MULTILINE | re.DOTALL)
-    line = f'{key} = "{value}"'
+    # JSON strings and lists of them are TOML basic strings and arrays
+    line = f"{key} = {json.dumps(value if isinstance(value, str) else list(value))}"
     if pattern.search(text):
         text = pattern.sub(lambda m: m.group(1) + line, text, count=1)
     elif re.search(rf"^\[{re.escape(section)}\]\s*$", text, re.MULTILINE):
@@ -75,10 +81,74 @@ def set_toml_value(path: Path, section: str, key: str, value: str) -> None:
     path.write_text(text)
 
 
+@dataclass(frozen=True)
+class Allowances:
+    """What every testbed cluster allows beyond its defaults (built-in classes, its own
+    data/ directory): the person who starts `--local` is every cluster's operator."""
+
+    modules: tuple[str, ...] = ()      # [allow] models: modules job classes may come from
+    data_roots: tuple[str, ...] = ()   # [allow] data_roots: absolute directories
+    #: sys.path entries the modules were found under here, so the clusters' executors
+    #: import what this process imports
+    import_paths: tuple[str, ...] = field(default=(), compare=False)
+
+    def describe(self) -> str:
+        """One line for the start of a run."""
+        modules = ", ".join(self.modules) or "built-in only"
+        roots = ", ".join(self.data_roots) or "each cluster's own data/"
+        return (f"testbed clusters allow: classes from {modules}; data under {roots} "
+                "(--allow-module / --data-root add more)")
+
+
+def _import_root(module: str) -> str | None:
+    """The sys.path entry `module`'s top-level package is found under, if importable."""
+    import importlib.util
+
+    top = module.partition(".")[0]
+    try:
+        found = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if found is None:
+        return None
+    if found.submodule_search_locations:
+        locations = list(found.submodule_search_locations)
+        return str(Path(locations[0]).parent) if locations else None
+    if found.origin and found.has_location:
+        return str(Path(found.origin).parent)
+    return None
+
+
+def job_allowances(spec: JobSpec, *, modules: Iterable[str] = (),
+                   data_roots: Iterable[str | os.PathLike[str]] = ()) -> Allowances:
+    """The job's own model and aggregator modules and its dataset file's directory (an
+    image folder: the folder), plus `modules` and `data_roots` from the flags."""
+    from proto.job import AGGREGATORS, DATASET_PREFIXES, MODELS
+
+    wanted = list(modules)
+    for name, builtin in ((spec.model.name, MODELS), (spec.aggregation.name, AGGREGATORS)):
+        if name not in builtin and ":" in name:
+            wanted.append(name.partition(":")[0])
+    roots = [os.path.realpath(r) for r in data_roots]
+    dataset = spec.data.dataset
+    prefix = next((p for p in DATASET_PREFIXES if dataset.startswith(p)), None)
+    if prefix is not None and spec.data.placement != "pinned":
+        path = Path(os.path.realpath(dataset[len(prefix):].partition("#")[0]))
+        roots.append(str(path if prefix == "imagefolder:" else path.parent))
+    unique_modules = tuple(dict.fromkeys(m.strip() for m in wanted if m.strip()))
+    # an installed package is found by the daemons' interpreter anyway (it is this one)
+    installed = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}
+    paths = [p for p in (_import_root(m) for m in unique_modules)
+             if p and not any(os.path.realpath(p).startswith(i + os.sep) for i in installed)]
+    return Allowances(modules=unique_modules, data_roots=tuple(dict.fromkeys(roots)),
+                      import_paths=tuple(dict.fromkeys(paths)))
+
+
 class LocalTestbed:
     def __init__(self, clusters: int, *, backend: str = "local", workdir: str | None = None,
                  capacity: int = 0, cluster_prefix: str = "cluster-", metrics: bool = False,
-                 datasets: Mapping[str, Mapping[str, str]] | None = None) -> None:
+                 datasets: Mapping[str, Mapping[str, str]] | None = None,
+                 allow: Allowances | None = None) -> None:
         if clusters < 1:
             raise JobFailed("--local needs at least one cluster")
         if backend not in ("local", "inprocess"):
@@ -92,6 +162,7 @@ class LocalTestbed:
         self.root = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
         self.cluster_ids = [f"{cluster_prefix}{i + 1}" for i in range(clusters)]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.allow = allow or Allowances()
         self._logs: list[IO[bytes]] = []
         self.configs: dict[str, Path] = {}
         # cluster id -> its cluster.toml [datasets] (NAME -> KIND:PATH; relative paths start
@@ -104,6 +175,15 @@ class LocalTestbed:
 
     # -- set-up ------------------------------------------------------------------------------
     def start(self, timeout: float = 60.0) -> list[ClusterInfo]:
+        """Write every daemon's config (`prepare`), start them, and wait for the clusters."""
+        self.prepare()
+        for name, config in self.configs.items():
+            self._spawn(name, config)
+        return wait_for_clusters(self.bridge_socket("scheduler"), expected=self.cluster_ids,
+                                 timeout=timeout)
+
+    def prepare(self) -> dict[str, Path]:
+        """A fresh CA and every daemon's identity and cluster.toml under `root`; nothing runs."""
         ca = self.root / "ca"
         _run(["certs", "init-ca", "--out", str(ca)], "creating the testbed CA")
         first_addr: str | None = None
@@ -127,6 +207,11 @@ class LocalTestbed:
                     self.executor_endpoints[name] = f"127.0.0.1:{free_port()}"
                     set_toml_value(config, "metrics", "executor_endpoint",
                                    self.executor_endpoints[name])
+            if name != "scheduler":
+                if self.allow.modules:
+                    set_toml_value(config, "allow", "models", self.allow.modules)
+                # "data" (the cluster's own directory) stays: pinned datasets live there
+                set_toml_value(config, "allow", "data_roots", ["data", *self.allow.data_roots])
             for dataset, where in self.datasets.get(name, {}).items():
                 set_toml_value(config, "datasets", dataset, where)
             self.configs[name] = config
@@ -134,17 +219,19 @@ class LocalTestbed:
                 ids = json.loads(_run(["id", "--config", str(config)], f"reading {name}'s id"))
                 addrs = ids["addrs"] if isinstance(ids, dict) else ids
                 first_addr = addrs[0]
-        for name, config in self.configs.items():
-            self._spawn(name, config)
-        return wait_for_clusters(self.bridge_socket("scheduler"), expected=self.cluster_ids,
-                                 timeout=timeout)
+        return self.configs
 
     def _spawn(self, name: str, config: Path) -> None:
         log_file = (self.root / f"{name}.log").open("ab")
         self._logs.append(log_file)
+        env = None
+        if self.allow.import_paths:  # executors import the job's classes as this process does
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(
+                [*self.allow.import_paths, *filter(None, [env.get("PYTHONPATH")])])
         self.procs[name] = subprocess.Popen(
             [*fabricd_command(), "--config", str(config)], stdout=log_file,
-            stderr=subprocess.STDOUT, start_new_session=True)
+            stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
     def bridge_socket(self, name: str) -> str:
         return config_socket(self.configs[name])
