@@ -85,15 +85,19 @@ def write_dataset(kind: str, where: Path) -> str:
         path = where / "digits.npz"
         np.savez(path, x_train=x[:180], y_train=y[:180], x_test=x[180:], y_test=y[180:])
     elif kind in ("csv", "parquet"):
-        import pandas as pd
+        import pyarrow as pa
 
-        frame = pd.DataFrame(x, columns=[f"f{i}" for i in range(x.shape[1])])
-        frame["label"] = y
+        columns = {f"f{i}": x[:, i] for i in range(x.shape[1])}
+        table = pa.table({**columns, "label": y})
         path = where / f"digits.{kind}"
         if kind == "csv":
-            frame.to_csv(path, index=False)
+            import pyarrow.csv as pacsv
+
+            pacsv.write_csv(table, path)
         else:
-            frame.to_parquet(path, index=False)
+            import pyarrow.parquet as pq
+
+            pq.write_table(table, path)
     else:
         from PIL import Image
 
