@@ -28,12 +28,15 @@ PLACEMENT_STRATEGIES = ("locality", "round_robin", "random", "precomputed")
 PLACEMENT_GROUP_STRATEGIES = ("SPREAD", "PACK")
 COMPRESSIONS = ("none", "fp16", "int8", "topk")
 OPTIMIZERS = ("sgd", "adam")
+#: the client learning rate over the job's rounds: constant, or a cosine from
+#: learning_rate at round 1 to near 0 at the last round
+LR_SCHEDULES = ("constant", "cosine")
 DEVICES = ("cpu", "cuda", "auto")           # auto: cuda when the actor sees a GPU, else cpu
 DATASETS = ("digits",)                      # plus a file dataset PREFIX:PATH[#options]
 # file datasets (fedpilot/data reads them; docs/job.md says what each holds)
 DATASET_PREFIXES = ("npz:", "imagefolder:", "csv:", "parquet:")
 MODELS = ("mlp", "cnn", "lenet")            # plus "package.module:Class"
-K_CONNECTED_MODES = ("random", "similarity")
+K_CONNECTED_MODES = ("random", "similarity", "complementary")
 
 
 class JobSpecError(ValueError):
@@ -73,7 +76,8 @@ class TrainingSpec:
     optimizer: str = "sgd"
     learning_rate: float = 0.05
     weight_decay: float = 0.0
-    momentum: float = 0.0
+    momentum: float = 0.9                   # sgd's; restarts every round (no client state)
+    lr_schedule: str = "cosine"             # constant | cosine (over the job's rounds)
     fedprox_mu: float = 0.0                 # > 0 adds the FedProx proximal term
     client_fraction: float = 1.0            # share of clients that train each round
     device: str = "cpu"                     # cpu | cuda | auto (DEVICES)
@@ -84,7 +88,7 @@ class TrainingSpec:
 class TopologySpec:
     kind: str = "star"
     client_k_neighbors: int = 3             # k for k_connected
-    k_connected_mode: str = "similarity"    # "random" (random regular) | "similarity"
+    k_connected_mode: str = "complementary"  # random (k-regular) | similarity | complementary
     hierarchy_levels: int = 2               # for hierarchical: levels of aggregators
     hierarchy_branching: int = 5            # children per aggregator
     adjacency_file: str = ""                # for custom: CSV adjacency
@@ -368,6 +372,7 @@ _RULES: dict[str, Rule] = {
     "training.learning_rate": _rule_float(0.0, low_open=True),
     "training.weight_decay": _rule_float(0.0),
     "training.momentum": _rule_float(0.0, 1.0, high_open=True),
+    "training.lr_schedule": _rule_choice(LR_SCHEDULES),
     "training.fedprox_mu": _rule_float(0.0),
     "training.client_fraction": _rule_float(0.0, 1.0, low_open=True),
     "training.device": _rule_choice(DEVICES),
@@ -445,6 +450,10 @@ def _check_cross(source: str, spec: JobSpec) -> None:
     if spec.aggregation.name == "krum" and n <= 2 * spec.aggregation.krum_byzantine + 2:
         raise _fail(source, "aggregation.krum_byzantine", spec.aggregation.krum_byzantine,
                     f"an integer f with data.number_of_clients ({n}) > 2f + 2 for krum")
+    if spec.aggregation.name == "fedprox" and training.fedprox_mu <= 0:
+        raise _fail(source, "training.fedprox_mu", training.fedprox_mu,
+                    "a number > 0 with aggregation.name = 'fedprox' (with 0 it is FedAvg; "
+                    "0.01 to 0.1 is the usual range)")
 
 
 def _check_data_placement(source: str, spec: JobSpec) -> None:

@@ -31,6 +31,7 @@ from proto.routing import RoutingMatrix
 from scheduler.checkpoint import Checkpoint
 from scheduler.clusters import ClusterSlot
 from scheduler.errors import JobFailed
+from scheduler.health import LearningWatch
 from scheduler.leases import ClusterLost, LeaseKeeper
 from scheduler.pinned import (
     check_pinned_data,
@@ -136,6 +137,7 @@ class Driver(Recovery):
         self.channel = channel
         self.backend = backend
         self.progress = progress
+        self.health = LearningWatch(spec, 2)   # the job's classes are known at job.start
         self.timeout = timeout
         # checkpoints go to run_dir/checkpoints every [faults] checkpoint_every rounds;
         # `resume` continues from one (its rounds are not run again)
@@ -277,6 +279,8 @@ class Driver(Recovery):
             for i, row in rows.items():
                 histograms[i] = row
         self._client_samples = [int(x) for x in histograms.sum(axis=1)]
+        # says when accuracy sits at chance or the loss explodes, naming the key to change
+        self.health = LearningWatch(spec, histograms.shape[1])
         slots = [ClusterSlot(c.cluster_id, c.capacity or int(started[c.cluster_id].get("capacity") or n),
                              c.peer_id) for c in self.clusters]
         resume = self.resume
@@ -315,6 +319,7 @@ class Driver(Recovery):
                         plan = self._readmit(r, plan, histograms, summary)
                     record = self._round(r)
                     summary.rounds.append(record)
+                    self.health.observe(record)
                     if self.progress is not None:
                         self.progress(record, rounds)
                     stage = "replan"

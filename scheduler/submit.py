@@ -77,7 +77,7 @@ class ProgressBar:
         self.inter = 0
         self.intra = 0
 
-    def __call__(self, record: RoundRecord, total: int) -> None:
+    def __call__(self, record: RoundRecord, total: int, note: str = "") -> None:
         self.inter += record.bytes_inter
         self.intra += record.bytes_intra
         done = int(self.width * record.round / max(1, total))
@@ -85,6 +85,8 @@ class ProgressBar:
         line = (f"[{bar}] round {record.round}/{total}  acc {record.accuracy:.3f}  "
                 f"pers {record.personalized_accuracy:.3f}  inter {self.inter / 1e6:.2f} MB  "
                 f"intra {self.intra / 1e6:.2f} MB  {record.seconds:.1f}s/round")
+        if note:  # not learning: the line says so and names the key (scheduler/health.py)
+            line += f"  ! {note}"
         if self.tty:
             end = "\n" if record.round >= total else ""
             self.stream.write("\r" + line + end)
@@ -203,7 +205,7 @@ def submit(spec: JobSpec, source: str, args: argparse.Namespace) -> dict[str, An
                 recorder.follow_faults(driver.summary.faults)
             recorder(record, total)
             if bar is not None:
-                bar(record, total)
+                bar(record, total, driver.health.note)
 
         driver = Driver(spec, clusters, channel, backend=args.backend, progress=progress,
                         timeout=args.round_timeout, run_dir=out, resume=checkpoint)

@@ -88,10 +88,12 @@ def build_topology(
         weights = np.ones(len(edges))
     elif kind == "k_connected":
         k = min(spec.client_k_neighbors, n - 1)
-        if spec.k_connected_mode == "similarity":
+        if spec.k_connected_mode in ("similarity", "complementary"):
             if histograms is None:
-                raise PlanError("k_connected similarity topology needs label histograms")
-            edges = similarity_edges(histograms, k)
+                raise PlanError(f"k_connected {spec.k_connected_mode} topology needs label "
+                                "histograms")
+            edges = (similarity_edges(histograms, k) if spec.k_connected_mode == "similarity"
+                     else complementary_edges(histograms, k, seed))
         else:
             edges = random_k_edges(n, k, seed)
         weights = np.ones(len(edges))
@@ -217,6 +219,36 @@ def similarity_edges(histograms: np.ndarray, k: int) -> np.ndarray:
                 block = order[max(0, start - KNN_BLOCK):start + KNN_BLOCK]
             parts.append(_knn_block(u, block, min(k, len(block) - 1)))
     return np.concatenate(parts)
+
+
+def complementary_edges(histograms: np.ndarray, k: int, seed: int,
+                        candidates: int = 2048, chunk: int = 512) -> np.ndarray:
+    """Each client ↔ k clients that complete its label mix (union of both directions): the
+    k most cosine-similar to its deficit, max(0, global share - own share), per class. A
+    neighbourhood then holds every class, so gossip averaging mixes what each client lacks
+    (the idea of D-Cliques, Bellet et al. 2022) - where `similarity` links clients that
+    lack the same classes and the graph splits along the labels. Exact up to `candidates`
+    clients; above, each chunk of clients chooses among a seeded random pool of them."""
+    n = histograms.shape[0]
+    if k <= 0 or n < 2:
+        return np.zeros((0, 2), dtype=np.int64)
+    h = np.asarray(histograms, dtype=np.float64)
+    own = h / np.maximum(h.sum(axis=1, keepdims=True), 1.0)
+    total = h.sum(axis=0)
+    share = total / max(float(total.sum()), 1.0)
+    deficit = unit_rows(np.maximum(share[None, :] - own, 0.0))
+    u = unit_rows(h)
+    rng = np.random.default_rng(seed)
+    out = []
+    for start in range(0, n, chunk):
+        rows = np.arange(start, min(n, start + chunk))
+        pool = np.arange(n) if n <= candidates else rng.choice(n, candidates, replace=False)
+        sims = deficit[rows] @ u[pool].T
+        sims[pool[None, :] == rows[:, None]] = -np.inf   # not itself
+        kk = min(k, len(pool) - 1)
+        top = np.argpartition(-sims, kk - 1, axis=1)[:, :kk]
+        out.append(np.stack([np.repeat(rows, kk), pool[top.ravel()]], axis=1))
+    return np.concatenate(out)
 
 
 def _knn_block(u: np.ndarray, members: np.ndarray, k: int, chunk: int = 512) -> np.ndarray:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 
 OPTIMIZERS = ("sgd", "adam")
 EVAL_BATCH_SIZE = 1024
+#: the cosine schedule ends at this share of training.learning_rate, not at 0: the last
+#: rounds still fine-tune each client (personalized accuracy is its model after them).
+#: Measured (bench_learning): floor 0 / 0.1 / 0.3 give the digits demo 0.916 / 0.922 /
+#: 0.936 global and 0.913 / 0.965 / 0.965 personalized, MNIST's CNN 0.904 / 0.907 / 0.913
+COSINE_FLOOR = 0.3
 
 
 class TrainingError(WorkerError, ValueError):
@@ -83,6 +88,21 @@ def choose_device(device: str) -> torch.device:
         f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')!r}); a Ray actor sees the GPUs "
         "of its training.num_gpus reservation only: check the cluster has GPUs with a CUDA "
         "build of torch, or use device = 'auto'")
+
+
+def round_training(training: TrainingSpec, round_index: int) -> TrainingSpec:
+    """`training` with the learning rate of round `round_index` (1-based) under
+    `training.lr_schedule`: constant, or a cosine over the job's rounds (round 1 trains at
+    `learning_rate`, the last near COSINE_FLOOR of it)."""
+    schedule = getattr(training, "lr_schedule", "constant")
+    if schedule == "constant":
+        return training
+    if schedule != "cosine":
+        raise TrainingError(f"training.lr_schedule {schedule!r} is unknown; use constant or cosine")
+    rounds = max(1, int(training.federated_learning_rounds))
+    progress = min(max(round_index - 1, 0), rounds) / rounds
+    factor = COSINE_FLOOR + (1.0 - COSINE_FLOOR) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return replace(training, learning_rate=float(training.learning_rate) * factor)
 
 
 def make_optimizer(model: nn.Module, training: TrainingSpec) -> torch.optim.Optimizer:

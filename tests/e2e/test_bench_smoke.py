@@ -90,3 +90,21 @@ def test_bench_security_quick_reports_the_join_ratio_and_the_revocation_spread()
     revocation = report["revocation"]
     assert revocation["daemons"] == 5 and set(revocation["per_member_s"]) == {"a", "r1", "r2", "r3"}
     assert revocation["max_s"] == max(revocation["per_member_s"].values())
+
+
+def test_bench_learning_quick_reports_the_baselines_and_every_job(tmp_path: Path) -> None:
+    report = run_bench("bench_learning.py", "--quick", "--workers", "1", "--out", str(tmp_path))
+    assert report["benchmark"] == "learning"
+    digits = report["datasets"]["digits"]
+    assert len(digits["centralized"]["curve"]) == len(digits["reference_fedavg"]["curve"]) == 4
+    assert set(digits["jobs"]) == {"star+fedavg+none+locality", "hybrid+fedadam+none+locality",
+                                   "k_connected+fedavg+none+locality"}
+    for row in digits["jobs"].values():
+        assert "error" not in row, row
+        for key in ("curve", "final", "personalized", "bytes_inter", "bytes_intra",
+                    "rounds_to_0.9_centralized", "final_over_centralized", "at_chance"):
+            assert key in row
+    # the engine's star FedAvg is the reference loop (test_learning checks it per round too)
+    assert digits["jobs"]["star+fedavg+none+locality"]["curve"] == \
+        pytest.approx(digits["reference_fedavg"]["curve"], abs=0.01)
+    assert (tmp_path / "learning.json").exists() and (tmp_path / "learning.png").exists()

@@ -73,7 +73,7 @@ def test_every_client_trains_on_the_cluster_that_holds_its_data(
 
 def test_histograms_choose_neighbours_on_the_same_site(
         sites: dict[str, dict[str, str]]) -> None:
-    similar, _ = run(pinned_job(), sites)
+    similar, _ = run(pinned_job(topology={"k_connected_mode": "similarity"}), sites)
     random, _ = run(pinned_job(job={"id": "pinned-rand"},
                                topology={"k_connected_mode": "random"}), sites)
     assert similar.placement["client_cluster"] == random.placement["client_cluster"]

@@ -37,7 +37,8 @@ def test_plan_does_not_import_torch_ray_or_libp2p(tmp_path: Path) -> None:
 def test_plan_json_digits_k_connected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     job = tmp_path / "job.toml"
     job.write_text("[data]\nnumber_of_clients = 300\ndirichlet_beta = 0.1\n"
-                   "[topology]\nkind = 'k_connected'\nclient_k_neighbors = 3\n")
+                   "[topology]\nkind = 'k_connected'\nclient_k_neighbors = 3\n"
+                   "k_connected_mode = 'similarity'\n")
     assert main(["plan", str(job), "--clusters", "a:100,b:100,c:100", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     inter = summary["compare"]["inter_edges"]

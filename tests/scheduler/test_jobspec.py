@@ -63,6 +63,8 @@ BAD = [
     ("[model]\nname = 'resnet'\n", ["model.name = 'resnet'", "mlp, cnn, lenet"]),
     ("[topology]\nkind = 'starr'\n", ["topology.kind = 'starr'", "did you mean 'star'"]),
     ("[topology]\nk_connected_mode = 'nearest'\n", ["topology.k_connected_mode", "similarity"]),
+    ("[aggregation]\nname = 'fedprox'\n", ["training.fedprox_mu", "it is FedAvg"]),
+    ("[training]\nlr_schedule = 'step'\n", ["training.lr_schedule", "cosine"]),
     ("[aggregation]\nname = 'fedavgg'\n", ["aggregation.name = 'fedavgg'", "'fedavg'"]),
     ("[aggregation]\ntrim_ratio = 0.5\n", ["aggregation.trim_ratio = 0.5", "< 0.5"]),
     ("[placement]\nstrategy = 'nearest'\n", ["placement.strategy = 'nearest'", "locality"]),

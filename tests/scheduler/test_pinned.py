@@ -71,7 +71,8 @@ def test_no_plan_or_replan_moves_a_pinned_client() -> None:
 def test_histogram_routing_keeps_exchanges_on_site_where_random_does_not() -> None:
     pinned = client_clusters(pinned_holders(9, ["a", "b", "c"]))
     hist = site_histograms()
-    similar = plan_job(spec(topology={"kind": "k_connected", "client_k_neighbors": 2}),
+    similar = plan_job(spec(topology={"kind": "k_connected", "client_k_neighbors": 2,
+                                      "k_connected_mode": "similarity"}),
                        SLOTS, histograms=hist, pinned=pinned)
     random = plan_job(spec(topology={"kind": "k_connected", "client_k_neighbors": 2,
                                      "k_connected_mode": "random"}),

@@ -50,8 +50,30 @@ def test_k_connected_random_is_regular_and_seeded() -> None:
 
 def test_k_connected_similarity_links_most_similar() -> None:
     h = np.array([[10, 0, 0], [9, 1, 0], [0, 10, 0], [0, 9, 1], [0, 0, 10], [1, 0, 9]])
-    t = build_topology(TopologySpec(kind="k_connected", client_k_neighbors=1), 6, histograms=h)
+    t = build_topology(TopologySpec(kind="k_connected", client_k_neighbors=1,
+                                    k_connected_mode="similarity"), 6, histograms=h)
     assert pairs(t.edges) == {(0, 1), (2, 3), (4, 5)}
+
+
+def test_k_connected_complementary_neighbourhoods_hold_the_classes_a_client_lacks() -> None:
+    """Label-skewed clients (Dirichlet 0.1): a complementary neighbourhood (a client and its
+    neighbours) holds a far more even label mix than a similarity one; the degrees hold."""
+    h = synthetic_histograms(200, beta=0.1, seed=4)
+    share = h.sum(axis=0) / h.sum()
+
+    def mix_gap(mode: str) -> float:
+        t = build_topology(TopologySpec(kind="k_connected", client_k_neighbors=3,
+                                        k_connected_mode=mode), 200, histograms=h, seed=0)
+        hood = h.astype(float).copy()
+        for a, b in t.edges:
+            hood[a] += h[b]
+            hood[b] += h[a]
+        assert np.bincount(t.edges.ravel(), minlength=200).min() >= 3
+        mix = hood / hood.sum(axis=1, keepdims=True)
+        return float(np.abs(mix - share).sum(axis=1).mean())   # total variation x 2
+
+    complementary, similarity = mix_gap("complementary"), mix_gap("similarity")
+    assert complementary < 0.6 * similarity, (complementary, similarity)
 
 
 def test_scalable_similarity_neighbours_close_to_exact(monkeypatch: pytest.MonkeyPatch) -> None:

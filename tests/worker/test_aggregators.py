@@ -70,19 +70,23 @@ def _adaptive_two_rounds(name: str) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize(
-    ("name", "v2"),
+    ("name", "v2", "v_correction"),
     [
-        ("fedadam", 0.99 * 0.01 + 0.01 * 4.0),   # beta2 v + (1 - beta2) d^2
-        ("fedyogi", 0.01 + 0.01 * 4.0),          # v - (1 - beta2) d^2 sign(v - d^2)
-        ("fedadagrad", 1.0 + 4.0),               # v + d^2
+        ("fedadam", 0.99 * 0.01 + 0.01 * 4.0, True),   # beta2 v + (1 - beta2) d^2
+        ("fedyogi", 0.01 + 0.01 * 4.0, True),          # v - (1 - beta2) d^2 sign(v - d^2)
+        ("fedadagrad", 1.0 + 4.0, False),              # v + d^2 (a sum: not corrected)
     ],
 )
-def test_adaptive_optimizers_by_hand(name: str, v2: float) -> None:
+def test_adaptive_optimizers_by_hand(name: str, v2: float, v_correction: bool) -> None:
+    """Reddi et al.'s Algorithm 2 with Adam's bias correction: m_hat = m / (1 - beta1^t),
+    v_hat = v / (1 - beta2^t) for the exponential averages."""
     v1 = {"fedadagrad": 1.0}.get(name, 0.01)  # first round: delta = 1
     m1 = 0.1
-    w1_expected = 0.0 + m1 / (math.sqrt(v1) + 0.1)
+    v1_hat = v1 / (1 - 0.99) if v_correction else v1
+    w1_expected = 0.0 + (m1 / (1 - 0.9)) / (math.sqrt(v1_hat) + 0.1)
     m2 = 0.9 * m1 + 0.1 * 2.0
-    w2_expected = w1_expected + m2 / (math.sqrt(v2) + 0.1)
+    v2_hat = v2 / (1 - 0.99**2) if v_correction else v2
+    w2_expected = w1_expected + (m2 / (1 - 0.9**2)) / (math.sqrt(v2_hat) + 0.1)
     w1, w2 = _adaptive_two_rounds(name)
     assert w1 == pytest.approx(w1_expected, rel=1e-6)
     assert w2 == pytest.approx(w2_expected, rel=1e-6)
@@ -92,7 +96,7 @@ def test_adaptive_state_moves_between_instances() -> None:
     a, b = _agg("fedadam", server_learning_rate=0.1), _agg("fedadam", server_learning_rate=0.1)
     w1 = a.aggregate(_w([0, 0]), [(_w([1, -1]), 1)])
     b.load_state_dict(a.state_dict())
-    assert set(a.state_dict()) == {"m/w", "v/w"}
+    assert set(a.state_dict()) == {"m/w", "v/w", "t/w"}
     step = [(_w([3, 1]), 1)]
     np.testing.assert_array_equal(a.aggregate(w1, step)["w"], b.aggregate(w1, step)["w"])
     a.reset()
@@ -175,9 +179,9 @@ def test_weighted_aggregators_need_some_samples() -> None:
 def test_server_learning_rate_none_means_the_algorithm_default(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    assert _agg("fedadam", server_learning_rate=None).server_lr == 0.1
-    assert _agg("fedyogi", server_learning_rate=None).server_lr == 0.1
-    assert _agg("fedadagrad", server_learning_rate=None).server_lr == 0.3
+    assert _agg("fedadam", server_learning_rate=None).server_lr == 0.05
+    assert _agg("fedyogi", server_learning_rate=None).server_lr == 0.05
+    assert _agg("fedadagrad", server_learning_rate=None).server_lr == 0.03
     assert _agg("fedavgm", server_learning_rate=None).server_lr == 1.0
     with caplog.at_level("WARNING"):
         _agg("fedadam", server_learning_rate=1.0)

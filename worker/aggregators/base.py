@@ -35,6 +35,10 @@ class Aggregator(ABC):
     name: ClassVar[str]
     # Used when `spec.server_learning_rate` is None (per-algorithm default).
     default_server_learning_rate: ClassVar[float] = 1.0
+    #: a server optimizer acts on the round's pseudo-gradient (the mean update), not on
+    #: the individual client updates: where clients are first averaged in groups (hybrid),
+    #: it is applied once to the mean of the groups, so the job follows one trajectory
+    server_optimizer: ClassVar[bool] = False
 
     def __init__(self, spec: AggregationSpec) -> None:
         self.spec = spec

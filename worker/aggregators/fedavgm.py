@@ -31,6 +31,7 @@ class FedAvgM(Aggregator):
     """
 
     name = "fedavgm"
+    server_optimizer = True
 
     def __init__(self, spec: AggregationSpec) -> None:
         super().__init__(spec)

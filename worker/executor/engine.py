@@ -14,8 +14,12 @@ Where each number comes from:
   on the client's own held-out split (by the actor that trained it);
 - accuracy/loss: the root's new model (star, hierarchical), each group's model after the
   exchange (hybrid), each participating node's model after mixing (decentralized).
-Decentralized mixing and hybrid group aggregation use the job's aggregator; inner
-hierarchy levels and the hybrid exchange use FedAvg (a sample-weighted mean).
+Decentralized mixing uses the job's aggregator at every node, with the node's model
+before training as the reference (so a server optimizer sees the round's pseudo-gradient).
+Hybrid groups aggregate their clients with the job's aggregator and exchange by FedAvg,
+except under a server optimizer (fedavgm, fedadam, ...): then groups average their clients
+and the optimizer steps once on the mean of all groups, from the last exchange's model, so
+every group follows the same trajectory a star would. Inner hierarchy levels use FedAvg.
 """
 
 from __future__ import annotations
@@ -93,6 +97,10 @@ class ClusterEngine:
         self._model_nbytes = model_nbytes(initial_weights)
         self._models: dict[str, Any] = {}       # node -> handle of its current model
         self._aggregators: dict[str, Aggregate] = {}
+        # hybrid groups under a server optimizer: the common model of the last exchange,
+        # from which the optimizer's step is taken (the round's start when every round
+        # exchanges)
+        self._anchors: dict[str, Weights] = {}
         self._local_clients: list[str] | None = None
         self._lock = threading.Lock()
         #: clients that sit out every round of this plan (pinned data on a lost cluster)
@@ -297,7 +305,10 @@ class ClusterEngine:
                     env = self.transport.receive(r, PEER, peer, node, self.timeout)
                     received.append((self.pool.resolve(env.weights),
                                      self._trusted_samples(peer, env.samples, trained)))
-            mixed = self._aggregator(node).aggregate(own, received)
+            # the node's model before it trained is the reference: the mix minus it is the
+            # round's pseudo-gradient, which a server optimizer (fedavgm, fedadam...) needs
+            before = self.pool.resolve(self.current_model(node))
+            mixed = self._aggregator(node).aggregate(before, received)
             accuracy, loss = self._evaluate_global(mixed)
             handle = self.pool.put(mixed)
             with self._lock:
@@ -308,6 +319,9 @@ class ClusterEngine:
         correct, total = self.pool.personal_score(update)
         with self._lock:
             record.add_personal(correct, total)
+
+    def _is_server_optimizer(self, node: str) -> bool:
+        return bool(getattr(self._aggregator(node), "server_optimizer", False))
 
     def _aggregator(self, node: str) -> Aggregate:
         """The node's own aggregator (its state persists across rounds): the job's for
@@ -340,19 +354,32 @@ class ClusterEngine:
                             self._trusted_samples(child, env.samples, active)))
         samples = sum(n for _, n in updates)
         current = self.pool.resolve(start)
-        model = self._aggregator(node).aggregate(current, updates) if updates else current
+        # a hybrid group under a server optimizer averages its clients, and the optimizer
+        # steps once on the mean of all groups at the exchange (see Aggregator.server_optimizer)
+        group_optimizer = graph.kind == "hybrid" and self._is_server_optimizer(node)
+        inner = self._make_inner() if group_optimizer else self._aggregator(node)
+        model = inner.aggregate(current, updates) if updates else current
         if graph.exchanges(r):
             # groups weigh by the samples behind them, not by who trained this round
             behind = self._samples_behind(node)
             handle = self.pool.put(model)
             for peer in graph.peers.get(node, ()):
                 self.transport.send(r, PEER, node, peer, handle, behind, nbytes)
-            group_models = [(model, behind)]
+            group_models = {node: (model, behind)}
             for peer in graph.peers.get(node, ()):
                 env = self.transport.receive(r, PEER, peer, node, self.timeout)
-                group_models.append((self.pool.resolve(env.weights),
-                                     self._trusted_samples(peer, env.samples, None)))
-            model = average(group_models, self._make_inner())
+                group_models[peer] = (self.pool.resolve(env.weights),
+                                      self._trusted_samples(peer, env.samples, None))
+            # every group sums in the same order, so all of them reach the same model
+            ordered = [group_models[g] for g in sorted(group_models)]
+            if group_optimizer:
+                with self._lock:
+                    anchor = self._anchors.get(node, current)
+                model = self._aggregator(node).aggregate(anchor, ordered)
+                with self._lock:
+                    self._anchors[node] = model
+            else:
+                model = average(ordered, self._make_inner())
         handle = self.pool.put(model)
         if node in graph.parent:  # an inner level of a hierarchy: pass the merge up
             self.transport.send(r, UP, node, graph.parent[node], handle, samples, nbytes)

@@ -111,7 +111,7 @@ class FederatedNode:
         """Start from the model in `incoming` (if any), train locally, evaluate on the
         client's own test split; returns the trained weights and what was measured."""
         from worker.serialization import load_weights, model_weights
-        from worker.training import evaluate, train_local
+        from worker.training import evaluate, round_training, train_local
 
         client = self._require_client()
         anchor = None
@@ -121,9 +121,9 @@ class FederatedNode:
             anchor = as_message(incoming[0]).weights
             load_weights(self._model, anchor)
         d = self._dataset
+        training = round_training(self._config.training, round_index)
         result = train_local(self._model, d.x_train[self._train_idx], d.y_train[self._train_idx],
-                             self._config.training, seed=client_seed(self._config.seed, client,
-                                                                     round_index),
+                             training, seed=client_seed(self._config.seed, client, round_index),
                              global_weights=anchor)
         self._rounds += 1
         local = evaluate(self._model, d.x_train[self._test_idx], d.y_train[self._test_idx])

