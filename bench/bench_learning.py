@@ -233,7 +233,8 @@ def grid(quick: bool, only: list[str]) -> list[dict[str, str]]:
             parts = item.split(":")
             rows.append({"topology": parts[0], "aggregation": parts[1] if len(parts) > 1
                          else "fedavg", "compression": parts[2] if len(parts) > 2 else "none",
-                         "placement": parts[3] if len(parts) > 3 else "locality"})
+                         "placement": parts[3] if len(parts) > 3 else "locality",
+                         **({"personal": parts[4]} if len(parts) > 4 else {})})
         return rows
     if quick:
         return [{"topology": t, "aggregation": a, "compression": "none",
@@ -247,11 +248,14 @@ def grid(quick: bool, only: list[str]) -> list[dict[str, str]]:
              for t in ("star", "hybrid") for c in ("fp16", "int8", "topk")]
     rows += [{"topology": t, "aggregation": "fedavg", "compression": "none",
               "placement": "random"} for t in ("hybrid", "k_connected")]
+    rows += [{"topology": "star", "aggregation": "fedavg", "compression": "none",
+              "placement": "locality", "personal": "1"}]
     return rows
 
 
 def label(row: dict[str, str]) -> str:
-    return "+".join([row["topology"], row["aggregation"], row["compression"], row["placement"]])
+    name = "+".join([row["topology"], row["aggregation"], row["compression"], row["placement"]])
+    return name + (f"+personal{row['personal']}" if "personal" in row else "")
 
 
 def _task(kind: str, job: dict[str, Any], clusters: int) -> dict[str, Any]:
@@ -280,7 +284,9 @@ def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: i
                                                row["aggregation"],
                                                compression=row["compression"],
                                                placement=row["placement"], seed=seed,
-                                               label=name.replace("+", "-"))))
+                                               label=name.replace("+", "-"),
+                                               training={"personal_epochs":
+                                                         int(row.get("personal", 0))})))
     results: dict[str, dict[str, Any]] = {}
     with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
         futures = {name: pool.submit(_task, kind, job, ds.clusters)
@@ -344,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", action="append", choices=sorted(DATASETS),
                         help="repeat for several (default: all)")
     parser.add_argument("--jobs", default="",
-                        help="comma-separated topology[:aggregator[:compression[:placement]]]")
+                        help="comma-separated topology[:aggregator[:compression[:placement"
+                             "[:personal_epochs]]]]")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),

@@ -78,6 +78,7 @@ class TrainingSpec:
     weight_decay: float = 0.0
     momentum: float = 0.9                   # sgd's; restarts every round (no client state)
     lr_schedule: str = "cosine"             # constant | cosine (over the job's rounds)
+    personal_epochs: int = 0                # > 0: personalized accuracy after a fine-tune
     fedprox_mu: float = 0.0                 # > 0 adds the FedProx proximal term
     client_fraction: float = 1.0            # share of clients that train each round
     device: str = "cpu"                     # cpu | cuda | auto (DEVICES)
@@ -373,6 +374,7 @@ _RULES: dict[str, Rule] = {
     "training.weight_decay": _rule_float(0.0),
     "training.momentum": _rule_float(0.0, 1.0, high_open=True),
     "training.lr_schedule": _rule_choice(LR_SCHEDULES),
+    "training.personal_epochs": _rule_int(0, 100),
     "training.fedprox_mu": _rule_float(0.0),
     "training.client_fraction": _rule_float(0.0, 1.0, low_open=True),
     "training.device": _rule_choice(DEVICES),
@@ -450,6 +452,15 @@ def _check_cross(source: str, spec: JobSpec) -> None:
     if spec.aggregation.name == "krum" and n <= 2 * spec.aggregation.krum_byzantine + 2:
         raise _fail(source, "aggregation.krum_byzantine", spec.aggregation.krum_byzantine,
                     f"an integer f with data.number_of_clients ({n}) > 2f + 2 for krum")
+    if spec.aggregation.name == "krum" and topo.kind in ("ring", "k_connected"):
+        # a decentralized node mixes its own model and its neighbours' with the aggregator
+        least = 3 if topo.kind == "ring" else topo.client_k_neighbors + 1
+        f = spec.aggregation.krum_byzantine
+        if least < f + 3:
+            raise _fail(source, "aggregation.krum_byzantine", f,
+                        f"at most {least - 3} on {topo.kind}: a node mixes as few as {least} "
+                        f"models and krum needs krum_byzantine + 3 (use more "
+                        "topology.client_k_neighbors, or median)")
     if spec.aggregation.name == "fedprox" and training.fedprox_mu <= 0:
         raise _fail(source, "training.fedprox_mu", training.fedprox_mu,
                     "a number > 0 with aggregation.name = 'fedprox' (with 0 it is FedAvg; "

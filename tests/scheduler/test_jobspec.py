@@ -64,6 +64,8 @@ BAD = [
     ("[topology]\nkind = 'starr'\n", ["topology.kind = 'starr'", "did you mean 'star'"]),
     ("[topology]\nk_connected_mode = 'nearest'\n", ["topology.k_connected_mode", "similarity"]),
     ("[aggregation]\nname = 'fedprox'\n", ["training.fedprox_mu", "it is FedAvg"]),
+    ("[aggregation]\nname = 'krum'\n[topology]\nkind = 'ring'\n",
+     ["aggregation.krum_byzantine = 1", "at most 0 on ring", "median"]),
     ("[training]\nlr_schedule = 'step'\n", ["training.lr_schedule", "cosine"]),
     ("[aggregation]\nname = 'fedavgg'\n", ["aggregation.name = 'fedavgg'", "'fedavg'"]),
     ("[aggregation]\ntrim_ratio = 0.5\n", ["aggregation.trim_ratio = 0.5", "< 0.5"]),

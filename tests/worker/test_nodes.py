@@ -136,3 +136,26 @@ def test_without_kept_state_a_switch_only_binds_data_and_training_uses_the_given
                     np.testing.assert_array_equal(a.weights[name], b.weights[name])
             assert stateless._states == {} and len(stateful._states) == 4
             assert stateless.stats.dematerializations == stateful.stats.dematerializations == 4
+
+
+def test_personal_epochs_score_a_fine_tuned_copy_and_send_the_trained_model() -> None:
+    """training.personal_epochs: the personalized figure comes from a fine-tuned copy; the
+    update (what is aggregated) is the same as without it."""
+    from dataclasses import replace
+
+    ds = load_dataset("digits")
+    parts = client_data(ds, SPEC.data, SPEC.seed)
+    tuned = replace(SPEC, training=replace(SPEC.training, personal_epochs=3))
+    with InProcessContext(num_cpus=2) as ctx:
+        plain = NodeManager(ctx, config(SPEC), ds, parts, [0], max_materialized=1,
+                            cpus_per_node=0.25, keep_state=False)
+        personal = NodeManager(ctx, config(tuned), ds, parts, [0], max_materialized=1,
+                               cpus_per_node=0.25, keep_state=False)
+        with plain, personal:
+            model = ctx.get(plain.call(0, "weights")).weights
+            a = ctx.get(plain.call(0, "train", 1, dict(model)))
+            b = ctx.get(personal.call(0, "train", 1, dict(model)))
+    for name in a.weights:
+        np.testing.assert_array_equal(a.weights[name], b.weights[name])
+    assert a.local_samples == b.local_samples > 0
+    assert a.local_accuracy != b.local_accuracy  # three more epochs moved the scored model

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -126,8 +126,19 @@ class FederatedNode:
                              training, seed=client_seed(self._config.seed, client, round_index),
                              global_weights=anchor)
         self._rounds += 1
+        trained = model_weights(self._model)
+        personal = int(getattr(self._config.training, "personal_epochs", 0))
+        if personal > 0 and len(self._train_idx):
+            # personalization: fine-tune a copy at the base rate on the client's own data;
+            # it is scored, the update sent is the trained model above
+            train_local(self._model, d.x_train[self._train_idx], d.y_train[self._train_idx],
+                        replace(self._config.training, number_of_epochs=personal,
+                                fedprox_mu=0.0),
+                        seed=client_seed(self._config.seed, client, round_index) + 1)
         local = evaluate(self._model, d.x_train[self._test_idx], d.y_train[self._test_idx])
-        return LocalUpdate(weights=model_weights(self._model), num_samples=result.num_samples,
+        if personal > 0:
+            load_weights(self._model, trained)
+        return LocalUpdate(weights=trained, num_samples=result.num_samples,
                            client_id=client, round=round_index, loss=result.loss,
                            local_accuracy=local.accuracy, local_samples=local.num_samples)
 
