@@ -24,6 +24,8 @@ AGGREGATORS = (
     "fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad",
     "median", "trimmed_mean", "krum",
 )
+#: server optimizers with a per-coordinate adaptive step (Reddi et al.)
+ADAPTIVE_AGGREGATORS = ("fedadam", "fedyogi", "fedadagrad")
 PLACEMENT_STRATEGIES = ("locality", "round_robin", "random", "precomputed")
 PLACEMENT_GROUP_STRATEGIES = ("SPREAD", "PACK")
 COMPRESSIONS = ("none", "fp16", "int8", "topk")
@@ -452,6 +454,13 @@ def _check_cross(source: str, spec: JobSpec) -> None:
     if spec.aggregation.name == "krum" and n <= 2 * spec.aggregation.krum_byzantine + 2:
         raise _fail(source, "aggregation.krum_byzantine", spec.aggregation.krum_byzantine,
                     f"an integer f with data.number_of_clients ({n}) > 2f + 2 for krum")
+    if spec.aggregation.name in ADAPTIVE_AGGREGATORS and topo.kind in ("ring", "k_connected",
+                                                                       "custom"):
+        raise _fail(source, "aggregation.name", spec.aggregation.name,
+                    f"fedavg or fedavgm on {topo.kind}: with no server, every node would take "
+                    "its own adaptive (sign-like) steps from its own neighbourhood and the "
+                    "nodes drift apart (bench_learning, MNIST k_connected: fedadam 0.70, "
+                    "fedavgm 0.91); adaptive optimizers suit star, hierarchical, hybrid, full")
     if spec.aggregation.name == "krum" and topo.kind in ("ring", "k_connected"):
         # a decentralized node mixes its own model and its neighbours' with the aggregator
         least = 3 if topo.kind == "ring" else topo.client_k_neighbors + 1

@@ -64,6 +64,8 @@ BAD = [
     ("[topology]\nkind = 'starr'\n", ["topology.kind = 'starr'", "did you mean 'star'"]),
     ("[topology]\nk_connected_mode = 'nearest'\n", ["topology.k_connected_mode", "similarity"]),
     ("[aggregation]\nname = 'fedprox'\n", ["training.fedprox_mu", "it is FedAvg"]),
+    ("[aggregation]\nname = 'fedadam'\n[topology]\nkind = 'k_connected'\n",
+     ["aggregation.name = 'fedadam'", "fedavg or fedavgm on k_connected", "drift apart"]),
     ("[aggregation]\nname = 'krum'\n[topology]\nkind = 'ring'\n",
      ["aggregation.krum_byzantine = 1", "at most 0 on ring", "median"]),
     ("[training]\nlr_schedule = 'step'\n", ["training.lr_schedule", "cosine"]),
