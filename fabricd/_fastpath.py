@@ -29,6 +29,8 @@ from libp2p.security.noise import io as noise_io
 from libp2p.security.secure_session import SecureSession
 from libp2p.stream_muxer.yamux import yamux as _yamux
 
+from fabricd import _muxguard
+
 READ_AHEAD = 1024 * 1024
 _applied = False
 
@@ -176,4 +178,5 @@ def apply() -> None:
     TrioTCPStream.read = _buffered_read  # type: ignore[method-assign]
     for module in (_io_utils, _msgio, _yamux):
         module.read_exactly = _read_exactly  # type: ignore[attr-defined]
+    _muxguard.apply()  # not a speed-up: bounds what yamux buffers for a peer
     _applied = True

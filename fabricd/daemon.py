@@ -19,6 +19,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from libp2p.crypto.keys import KeyPair
 
+from fabricd import _muxguard
 from fabricd._host import HostStack, open_host_stack
 from fabricd._sender import Body, BodyRefused, DigestGate, FillingBuffer, Gate, RepeatedBody
 from fabricd.bridge import BridgeServer, RequestFailed
@@ -137,6 +138,8 @@ class Daemon:
                                          ca_public=self.creds.ca_public,
                                          revocations=revocations,
                                          auth_timeout=lim.auth_timeout)
+            membership = self.membership
+            _muxguard.trust(lambda peer: membership.member_certificate(peer) is not None)
             stack.dht.register_validator(ClusterRecordValidator.namespace,
                                          ClusterRecordValidator(self.membership))
             # Strict: every stored key is validated; keys outside a registered namespace are refused.
