@@ -127,7 +127,7 @@ def test_a_migrated_node_arrives_with_the_model_it_had() -> None:
     # a ring: decentralized nodes hold their own models (a star's clients start each round
     # from the server's, so only the server's state would be worth moving)
     spec = job(topology={"kind": "ring"}, placement={"strategy": "round_robin"},
-               aggregation={"name": "fedadam"})  # each node mixes with its own moments
+               aggregation={"name": "fedavgm"})  # each node mixes with its own momentum
     mesh = LoopbackMesh(["a", "b"], lambda cid: runtime_factory(InProcessContext(), cid),
                         capacity=9)
     hist: dict[int, list[int]] = {}
@@ -152,7 +152,7 @@ def test_a_migrated_node_arrives_with_the_model_it_had() -> None:
     target = "a" if source == "b" else "b"
     before = mesh.services[source].runtime.resolve(mesh.services[source].engine.current_model("c1"))
     moments = mesh.services[source].engine.aggregator_state("c1")
-    assert moments  # FedAdam keeps server state after a round
+    assert moments  # FedAvgM keeps its momentum after a round
     sent = mesh.request(source, {"kind": "node.export", "job_id": spec.job_id,
                                  "nodes": {"c1": target}, "epoch": 1}, 60)["sent"]
     assert sent == ["c1"]
