@@ -26,7 +26,7 @@ $(STAMP): $(PY) pyproject.toml
 install: $(STAMP)
 
 lint: install
-	$(VENV)/bin/ruff check proto fabricd worker scheduler fedpilot tests bench
+	$(VENV)/bin/ruff check proto fabricd worker scheduler fedpilot fedcore tests bench
 	$(VENV)/bin/mypy
 
 test: install lint

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fedpilot.data import client_data, load_dataset
+from fedcore.data import client_data, load_dataset
 from proto.job import AggregationSpec, DataSpec, ModelSpec, TrainingSpec
 from worker.aggregators import get_aggregator
 from worker.models import build_model

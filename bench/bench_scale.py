@@ -93,7 +93,7 @@ def baseline_seconds(spec: JobSpec) -> list[float]:
     loaded and the model built before the clock starts)."""
     import torch
 
-    from fedpilot.data import client_data, load_dataset
+    from fedcore.data import client_data, load_dataset
     from worker.executor.graph import participants
     from worker.models import build_model
     from worker.nodes.federated import client_seed

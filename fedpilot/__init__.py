@@ -1,14 +1,11 @@
-"""What both sides of the fabric share, the pieces that join them in one process, and a
-small public API.
+"""The public API: run a federated job from Python, or join every cluster in one process.
 
 - `fedpilot.run(job, local=3)`: run a job from Python (a notebook) and get back the same
   summary `fedpilot-scheduler submit` prints.
-- `fedpilot.data`: datasets, partitioners and label histograms (numpy/scikit-learn; no
-  torch or ray on import). The clusters build their clients from it and the scheduler
-  profiles a job from it, so `scheduler` never imports `worker`.
-- `fedpilot.metrics`: Prometheus metrics of a job as an executor or the scheduler sees it.
 - `fedpilot.loopback`: every cluster's executor in this process, joined to the scheduler's
   driver without daemons (fast tests and benchmarks).
+
+The data library and the job metrics both sides share live one tier down, in `fedcore`.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "cosine")
 DEVICES = ("cpu", "cuda", "auto")           # auto: cuda when the actor sees a GPU, else cpu
 DATASETS = ("digits",)                      # plus a file dataset PREFIX:PATH[#options]
-# file datasets (fedpilot/data reads them; docs/job.md says what each holds)
+# file datasets (fedcore/data reads them; docs/job.md says what each holds)
 DATASET_PREFIXES = ("npz:", "imagefolder:", "csv:", "parquet:")
 MODELS = ("mlp", "cnn", "lenet")            # plus "package.module:Class"
 K_CONNECTED_MODES = ("random", "similarity", "complementary")

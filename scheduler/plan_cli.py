@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         histograms = synthetic_histograms(n, beta=spec.data.dirichlet_beta, seed=spec.seed)
     else:
         # Labels 0..C-1 here; a user model's output size in a child (plan never imports torch).
-        from fedpilot.data.preflight import check_before_start
+        from fedcore.data.preflight import check_before_start
 
         check_before_start(spec, str(args.job))
     plan = plan_job(spec, slots, strategy=args.strategy, histograms=histograms,

@@ -80,7 +80,7 @@ class RunRecorder:
     Call it as the driver's progress callback, ``recorder(record, rounds_total)`` after each
     round; ``failed(reason)`` if the job fails. `write_results` at the end replaces
     summary.json with the final one (status then reads as finished). Optional ``metrics``
-    (a `fedpilot.metrics.RunMetrics`) gets every round too.
+    (a `fedcore.metrics.RunMetrics`) gets every round too.
     """
 
     def __init__(self, out_dir: str | os.PathLike[str], summary: JobSummary, *,

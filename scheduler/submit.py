@@ -135,7 +135,7 @@ def options(**values: Any) -> argparse.Namespace:
 def submit(spec: JobSpec, source: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run `spec` as `fedpilot-scheduler submit` does with `args` (see `options`); the
     summary it prints. Raises KeyboardInterrupt after tearing down on Ctrl-C or SIGTERM."""
-    from fedpilot.data.preflight import check_before_start
+    from fedcore.data.preflight import check_before_start
     from scheduler.mesh import BridgeChannel, wait_for_clusters
     from scheduler.status import RunRecorder
 
@@ -158,7 +158,7 @@ def submit(spec: JobSpec, source: str, args: argparse.Namespace) -> dict[str, An
     channel = None
     metrics = None
     if args.metrics:
-        from fedpilot.metrics import RunMetrics
+        from fedcore.metrics import RunMetrics
 
         metrics = RunMetrics("scheduler")
         print(f"metrics: http://{metrics.serve(args.metrics)}/metrics", file=sys.stderr)

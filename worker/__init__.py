@@ -1,7 +1,7 @@
 """The Ray side of one cluster.
 
 Import what you need from the subpackages; this module imports nothing. Datasets and
-partitions live in `fedpilot.data` (shared with the scheduler, which imports nothing
+partitions live in `fedcore.data` (shared with the scheduler, which imports nothing
 from here).
 
 - `worker.context`: `ExecutionContext`, `InProcessContext`, `RayContext`, `PlacementError`

@@ -1,6 +1,6 @@
 """Stage 1: one label histogram per client. No sample leaves the partitioner.
 
-`job_histograms` asks the shared pure-numpy partitioner (`fedpilot.data`, the same
+`job_histograms` asks the shared pure-numpy partitioner (`fedcore.data`, the same
 deterministic split the clusters will build); the synthetic generators serve tests and
 scale benchmarks.
 """
@@ -15,7 +15,7 @@ from proto.job import JobSpec
 def job_histograms(spec: JobSpec) -> np.ndarray:
     """Label histograms `[number_of_clients, num_classes]` (int64) of every client's training
     part, exactly as the clusters' executors will partition the job's dataset."""
-    from fedpilot.data import client_data, load_dataset  # numpy/sklearn only (see contracts)
+    from fedcore.data import client_data, load_dataset  # numpy/sklearn only (see contracts)
 
     dataset = load_dataset(spec.data.dataset)
     return np.asarray(client_data(dataset, spec.data, spec.seed).histograms, dtype=np.int64)

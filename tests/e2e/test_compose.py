@@ -133,7 +133,7 @@ def test_dockerfile_builds_from_repo_root_and_runs_the_entrypoint() -> None:
     assert "FROM python:3.11-slim" in text
     assert "torch==2.13.0" in text
     assert 'ENTRYPOINT ["/opt/fedpilot/deploy/entrypoint.sh"]' in text
-    for copied in ("proto", "fabricd", "worker", "scheduler", "fedpilot", "deploy/entrypoint.sh"):
+    for copied in ("proto", "fabricd", "worker", "scheduler", "fedpilot", "fedcore", "deploy/entrypoint.sh"):
         assert copied in text
     ignored = (REPO / ".dockerignore").read_text().split()
     for path in (".venv", ".git"):

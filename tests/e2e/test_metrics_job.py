@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fedpilot.metrics import RunMetrics
+from fedcore.metrics import RunMetrics
 from proto.job import JobSpec
 from scheduler.cli import main as cli_main
 from scheduler.driver import Driver

@@ -193,7 +193,7 @@ def test_a_60_mb_model_is_written_and_is_the_one_whose_accuracy_is_reported(
     """Over the 4 MiB control limit by 15x: the model travels as an update stream."""
     from safetensors.torch import load_file
 
-    from fedpilot.data import load_dataset
+    from fedcore.data import load_dataset
     from scheduler.results import write_results
     from worker.models import build_model
     from worker.serialization import load_weights

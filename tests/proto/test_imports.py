@@ -21,8 +21,8 @@ def test_proto_imports_none_of_the_other_packages() -> None:
 
 def test_scheduler_imports_nothing_from_worker() -> None:
     """Neither by import statement nor by what a plan or a submit loads (the round graph,
-    histograms and metrics come from the routing matrix, fedpilot.data and
-    fedpilot.metrics)."""
+    histograms and metrics come from the routing matrix, fedcore.data and
+    fedcore.metrics)."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[2] / "scheduler"

@@ -151,7 +151,7 @@ def test_run_recorder_keeps_the_run_dir_current(tmp_path: Path, capsys: pytest.C
 
 
 def test_run_recorder_feeds_job_metrics_and_counts_lost_clusters(tmp_path: Path) -> None:
-    from fedpilot.metrics import RunMetrics
+    from fedcore.metrics import RunMetrics
     from proto.job import JobSpec
     from scheduler.status import RunRecorder
 
@@ -168,7 +168,7 @@ def test_run_recorder_feeds_job_metrics_and_counts_lost_clusters(tmp_path: Path)
 
 
 def test_a_running_summary_has_the_faults_so_far_each_loss_counted_once(tmp_path: Path) -> None:
-    from fedpilot.metrics import RunMetrics
+    from fedcore.metrics import RunMetrics
     from proto.job import JobSpec
     from scheduler.status import RunRecorder
 

@@ -13,7 +13,7 @@ def main() -> None:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
-    from fedpilot.data import client_data, load_dataset
+    from fedcore.data import client_data, load_dataset
     from proto.job import JobSpec
     from worker.context import RayContext
     from worker.nodes import NodeConfig, NodeManager

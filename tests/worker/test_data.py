@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpilot.data import Dataset, DatasetError, clear_cache, load_dataset
+from fedcore.data import Dataset, DatasetError, clear_cache, load_dataset
 
 
 def test_data_imports_pull_neither_torch_nor_ray() -> None:
     code = (
         "import sys\n"
-        "import worker, fedpilot.data, fedpilot.data.partition, fedpilot.data.datasets\n"
+        "import worker, fedcore.data, fedcore.data.partition, fedcore.data.datasets\n"
         "heavy = sorted(m for m in ('torch', 'ray', 'sklearn', 'libp2p') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import fedpilot.data.partition as partition_module
-from fedpilot.data import PartitionError, client_data, label_histograms, load_dataset
-from fedpilot.data.partition import DISTRIBUTIONS, partition
+import fedcore.data.partition as partition_module
+from fedcore.data import PartitionError, client_data, label_histograms, load_dataset
+from fedcore.data.partition import DISTRIBUTIONS, partition
 from proto.job import DataSpec
 
 Y = np.repeat(np.arange(10), 100)  # 1,000 samples, 10 balanced classes
@@ -195,7 +195,7 @@ def test_any_request_either_fails_clearly_or_partitions_validly(
 
 
 def test_pinned_data_partitions_only_this_clusters_clients() -> None:
-    from fedpilot.data import load_dataset, pinned_data
+    from fedcore.data import load_dataset, pinned_data
     from proto.job import DataSpec
 
     dataset = load_dataset("digits")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpilot.data import DatasetError, clear_cache, load_dataset
+from fedcore.data import DatasetError, clear_cache, load_dataset
 from proto.job import DataSpec, JobSpec, TrainingSpec
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpilot.data.preflight import check_job_inputs
+from fedcore.data.preflight import check_job_inputs
 from proto.job import JobSpecError
 from scheduler.jobfile import load_job
 

@@ -1,4 +1,4 @@
-"""fedpilot.metrics: a real in-process job feeds RunMetrics round by round; its /metrics
+"""fedcore.metrics: a real in-process job feeds RunMetrics round by round; its /metrics
 endpoint is scraped after every round and parsed with prometheus_client.parser."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fedpilot.metrics import RunMetrics, parse_endpoint
+from fedcore.metrics import RunMetrics, parse_endpoint
 from proto.job import DataSpec, JobSpec, TrainingSpec
 from worker.context import InProcessContext
 

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from fedpilot.data import client_data, load_dataset
+from fedcore.data import client_data, load_dataset
 from proto.job import JobSpec
 from worker.context import InProcessContext, PlacementError
 from worker.nodes import NodeConfig, NodeManager, VirtualNode, client_seed

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedpilot.data import client_data, load_dataset
+from fedcore.data import client_data, load_dataset
 from proto.job import JobSpec
 from worker.nodes import NodeConfig, NodeManager
 

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                       on_control_arrived=lambda msg: service.renew())
     service.link = link
     if args.metrics:
-        from fedpilot.metrics import RunMetrics
+        from fedcore.metrics import RunMetrics
 
         metrics = RunMetrics("executor", cluster=args.cluster_id)
         try:

@@ -25,7 +25,7 @@ from worker.executor.graph import client_index
 from worker.nodes.messages import LocalUpdate, Message
 
 if TYPE_CHECKING:
-    from fedpilot.data import ClientPartition
+    from fedcore.data import ClientPartition
 
 log = logging.getLogger("fedpilot.executor")
 
@@ -79,7 +79,7 @@ class NodeRuntime:
                  datasets: Mapping[str, str] | None = None) -> None:
         import torch
 
-        from fedpilot.data import client_data, load_dataset
+        from fedcore.data import client_data, load_dataset
         from worker.models import build_model
         from worker.nodes import NodeConfig
         from worker.serialization import model_weights
@@ -135,7 +135,7 @@ class NodeRuntime:
         if bad:
             raise ValueError(f"clients {bad[:5]} are outside 0..{n - 1}")
         if self.pinned and self._partition is None:
-            from fedpilot.data import pinned_data
+            from fedcore.data import pinned_data
 
             self._partition = pinned_data(self.dataset, self.spec.data, self.spec.seed, clients)
             self._own = [int(c) for c in clients]

@@ -107,7 +107,7 @@ class ExecutorService:
         self.stopped = threading.Event()
         self._nodes: dict[str, str] = {}
         self._epoch = 0
-        #: a fedpilot.metrics.RunMetrics to report every round to (or None)
+        #: a fedcore.metrics.RunMetrics to report every round to (or None)
         self.metrics: Any = None
         self._lock = threading.Lock()
         self.lease_seconds = FIRST_LEASE

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from fedpilot.data import Dataset
+from fedcore.data import Dataset
 from worker.nodes.messages import LocalUpdate, Message, as_message
 
 from .virtual import NodeConfig

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
-from fedpilot.data import ClientPartition, Dataset
+from fedcore.data import ClientPartition, Dataset
 from worker.context import ActorHandle, ExecutionContext, Ref, Reservation
 
 from .federated import FederatedNode, NodeState

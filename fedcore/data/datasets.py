@@ -222,7 +222,7 @@ def _readonly(*arrays: np.ndarray) -> None:
 
 
 def _load_digits() -> Dataset:
-    from sklearn.datasets import load_digits  # lazy: keeps `import fedpilot.data` numpy-only
+    from sklearn.datasets import load_digits  # lazy: keeps `import fedcore.data` numpy-only
 
     bunch = load_digits()
     x = (np.asarray(bunch.data, dtype=np.float32) / 16.0).reshape(-1, 1, 8, 8)

@@ -1,7 +1,7 @@
 """Datasets and client partitioning, numpy only (the scheduler imports this; no torch, no ray).
 
-The partition function lives at `fedpilot.data.partition.partition`; it is not re-exported
-here so that `fedpilot.data.partition` stays the module.
+The partition function lives at `fedcore.data.partition.partition`; it is not re-exported
+here so that `fedcore.data.partition` stays the module.
 """
 
 from .datasets import Dataset, DatasetError, clear_cache, load_dataset

@@ -4,7 +4,7 @@
 for (input shape, C) and runs one forward pass on two samples, so a stray label, a missing
 user module or a model with the wrong number of outputs is one line naming the key and the
 fix, in seconds, instead of tracebacks from every cluster. Imports torch lazily:
-`import fedpilot.data` stays numpy-only, and `plan` (which must not import torch) checks the
+`import fedcore.data` stays numpy-only, and `plan` (which must not import torch) checks the
 data in-process and a user model in a child Python (`check_model_in_child`); built-in
 models take num_classes and cannot get the output size wrong.
 """
@@ -52,7 +52,7 @@ def check_before_start(spec: JobSpec, source: str) -> None:
 
 def check_model_in_child(spec: JobSpec, source: str, timeout: float = 600) -> None:
     """`check_job_inputs` in a fresh Python (same environment), for callers without torch."""
-    proc = subprocess.run([sys.executable, "-m", "fedpilot.data.preflight", source],
+    proc = subprocess.run([sys.executable, "-m", "fedcore.data.preflight", source],
                           input=json.dumps(spec.to_dict()), capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode == 0:

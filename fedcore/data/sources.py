@@ -2,7 +2,7 @@
 
 Each returns plain numpy arrays and raises `DatasetError` with one line naming the file,
 folder or column and what to do. Pillow and pyarrow are imported lazily so that
-`import fedpilot.data` stays numpy-only (the scheduler imports it).
+`import fedcore.data` stays numpy-only (the scheduler imports it).
 """
 
 from __future__ import annotations

@@ -1,0 +1,10 @@
+"""The bottom tier the cluster side and the scheduler both build on, importing neither.
+
+- `fedcore.data`: datasets, partitioners, file sources and the pre-start data check
+  (numpy/scikit-learn; no torch or ray on import). The clusters build their clients from it
+  and the scheduler profiles a job from it, so `scheduler` never imports `worker`.
+- `fedcore.metrics`: Prometheus metrics of a job as an executor or the scheduler sees it.
+
+Named for what it is, the core of the federation that every side shares (`fed` as in
+`fedpilot`); it sits above `proto` and below `worker`, `scheduler` and `fedpilot`.
+"""
