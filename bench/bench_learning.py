@@ -170,7 +170,7 @@ def run_engine(job: dict[str, Any], clusters: int) -> dict[str, Any]:
 def _setup(job: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     import torch
 
-    from fedpilot.data import client_data, load_dataset
+    from fedcore.data import client_data, load_dataset
     from proto.job import JobSpec
     from worker.models import build_model
 
