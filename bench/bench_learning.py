@@ -32,6 +32,7 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -288,32 +289,44 @@ def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: i
                                                training={"personal_epochs":
                                                          int(row.get("personal", 0))})))
     results: dict[str, dict[str, Any]] = {}
-    with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
-        futures = {name: pool.submit(_task, kind, job, ds.clusters)
-                   for kind, name, job in tasks}
-        for name, future in futures.items():
-            try:
-                results[name] = future.result()
-            except Exception as exc:  # one failed job is a result, not the end of the bench
-                results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-            print(f"bench_learning: {ds.name} {name}: "
-                  f"{results[name].get('final', results[name].get('error'))}",
-                  file=sys.stderr, flush=True)
+    pending = tasks
+    for _attempt in range(2):   # a worker killed from outside (OOM) costs a retry, not the run
+        broken = []
+        with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
+            futures = {name: (pool.submit(_task, kind, job, ds.clusters), (kind, name, job))
+                       for kind, name, job in pending}
+            for name, (future, task) in futures.items():
+                try:
+                    results[name] = future.result()
+                except BrokenProcessPool:
+                    broken.append(task)
+                    continue
+                except Exception as exc:  # one failed or refused job is a result
+                    results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"bench_learning: {ds.name} {name}: "
+                      f"{results[name].get('final', results[name].get('error'))}",
+                      file=sys.stderr, flush=True)
+        pending = broken
+        if not pending:
+            break
+    for _kind, name, _job in pending:
+        results[name] = {"error": "its worker process died twice"}
     central = results.pop("centralized")
     reference = results.pop("reference_fedavg")
-    target = 0.9 * central.get("best", 0.0)
+    best = central.get("best") or float("nan")   # nan: no baseline, no ratios (said below)
+    target = 0.9 * best
     classes = {"digits": 10, "mnist": 10, "table": 2}[ds.name]
     chance = 1.0 / classes
     for res in results.values():
         if "curve" not in res:
             continue
         res["rounds_to_0.9_centralized"] = rounds_to(res["curve"], target)
-        res["final_over_centralized"] = round(res["final"] / central["best"], 4)
+        res["final_over_centralized"] = round(res["final"] / best, 4)
         res["at_chance"] = res["final"] <= chance + CHANCE_MARGIN
     return {"dataset": dataset, "model": ds.model, "clients": ds.clients, "beta": ds.beta,
             "clusters": ds.clusters, "rounds": ds.rounds, "epochs": ds.epochs,
             "centralized": central, "reference_fedavg": reference,
-            "reference_over_centralized": round(reference["final"] / central["best"], 4),
+            "reference_over_centralized": round(reference.get("final", float("nan")) / best, 4),
             "jobs": results}
 
 
