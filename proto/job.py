@@ -100,7 +100,7 @@ class TopologySpec:
 
 @dataclass(frozen=True)
 class AggregationSpec:
-    name: str = "fedavg"
+    name: str = "fedavgm"
     server_learning_rate: float | None = None  # None = the algorithm's own default
     server_momentum: float = 0.9            # fedavgm
     beta1: float = 0.9                      # fedadam / fedyogi
