@@ -298,7 +298,7 @@ class Driver(Recovery):
         self.summary = summary
         first = 1
         if resume is not None:
-            self._restore(plan, resume.models)
+            self._restore(plan, resume.models, whole=True)
             summary.rounds = [RoundRecord.from_dict(d, source="checkpoint")
                               for d in resume.rounds]
             summary.replans, summary.migrations = resume.replans, resume.migrations

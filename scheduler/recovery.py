@@ -117,9 +117,11 @@ class Recovery:
         log.info("event=checkpoint job=%s round=%d nodes=%d path=%s", self.spec.job_id, r,
                  len(models), path)
 
-    def _restore(self, plan: Plan, models: Mapping[str, bytes]) -> None:
+    def _restore(self, plan: Plan, models: Mapping[str, bytes], *, whole: bool = False) -> None:
         """Stream checkpointed node states to the clusters the plan places them on (as
-        update streams, like migrating nodes) and have them adopted."""
+        update streams, like migrating nodes) and have them adopted. `whole`: every node of
+        the job resumes from this checkpoint, so the compression references its nodes
+        hold (both ends of every edge) are taken back too."""
         send = getattr(self.channel, "send_update", None)
         if send is None:
             raise JobFailed("this channel cannot stream checkpoints to clusters")
@@ -139,7 +141,8 @@ class Recovery:
                  source_node=node, target_node="restore",
                  message_id=f"{self.spec.job_id}/0/restore-{self._restores}/{node}/restore",
                  payload=payload, timeout=self.timeout)
-        self._all({cid: self._job_body("job.restore", phase="apply") for cid in by_cluster})
+        self._all({cid: self._job_body("job.restore", phase="apply", codec=whole)
+                   for cid in by_cluster})
 
     # -- a lost cluster ------------------------------------------------------------------
     def _recover(self, lost: ClusterLost, r: int, plan: Plan, histograms: np.ndarray,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from urllib.parse import quote, unquote
 
 import numpy as np
 
@@ -61,6 +62,46 @@ class EdgeCodec:
             for k, v in decompress_tensors(tensors, meta).items():
                 reference[k] += v
             return {k: v.astype(self._dtypes[k]) for k, v in reference.items()}
+
+
+    # -- checkpoints: the references are training state (they decide what a receiver gets) --
+    def nodes(self) -> set[str]:
+        """This cluster's nodes that hold references (as sender or receiver of an edge)."""
+        with self._lock:
+            return {e[0] for e in self._sent} | {e[1] for e in self._received}
+
+    def export(self, node: str) -> Weights:
+        """`node`'s references as flat tensors: "codec/out/<dst>/<from>/<to>/<tensor>" for
+        the edges it sends on, "codec/in/<src>/<from>/<to>/<tensor>" for those it receives
+        on (names and clusters percent-encoded)."""
+        out: Weights = {}
+        with self._lock:
+            for direction, table, own, peer in (("out", self._sent, 0, 1),
+                                                ("in", self._received, 1, 0)):
+                for edge, reference in table.items():
+                    if edge[own] != node:
+                        continue
+                    prefix = "/".join([CODEC, direction, *(quote(x, safe="") for x in
+                                                           (edge[peer], edge[2], edge[3]))])
+                    out.update({f"{prefix}/{k}": v.copy() for k, v in reference.items()})
+        return out
+
+    def load(self, node: str, state: Mapping[str, np.ndarray]) -> None:
+        """Take back what `export(node)` gave (other keys are ignored)."""
+        tables: dict[str, dict[Edge, Weights]] = {"out": {}, "in": {}}
+        for key, value in state.items():
+            parts = key.split("/", 5)
+            if len(parts) != 6 or parts[0] != CODEC or parts[1] not in tables:
+                continue
+            peer, a, b = (unquote(x) for x in parts[2:5])
+            edge = (node, peer, a, b) if parts[1] == "out" else (peer, node, a, b)
+            tables[parts[1]].setdefault(edge, {})[parts[5]] = np.array(value, dtype=np.float64)
+        with self._lock:
+            self._sent.update(tables["out"])
+            self._received.update(tables["in"])
+
+
+CODEC = "codec"
 
 
 def _copy(weights: Mapping[str, np.ndarray]) -> Weights:

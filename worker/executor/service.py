@@ -17,9 +17,11 @@ Messages (the `kind` of the body; the daemon only passes on bodies signed by a
   cluster's share of it) as an update; never inside a control reply, so any size works;
 - `job.stop`: release actors and reply with how many were materialized;
 - `job.checkpoint` {round, to_cluster}: stream the state of this cluster's checkpoint
-  nodes (model + aggregator server state, one payload per node) to the scheduler;
-- `job.restore` {phase: expect, source_cluster, nodes} then {phase: apply}: take those
-  nodes' states, streamed by the scheduler from a checkpoint, and adopt them;
+  nodes (model + aggregator server state + the compression references of the edges the
+  node sends and receives on, one payload per node) to the scheduler;
+- `job.restore` {phase: expect, source_cluster, nodes} then {phase: apply, codec?}: take
+  those nodes' states, streamed by the scheduler from a checkpoint, and adopt them (with
+  `codec`, a resume of the whole job, their compression references too);
 - `round.abort` {round, reason}: end that round's waits at once (a cluster was lost; the
   round is run again, `round.run` with a new `attempt`, on the survivors);
 - `job.lease` {lease}: the scheduler is alive; renews this executor's lease for `lease`
@@ -103,6 +105,9 @@ class ExecutorService:
         self.runtime: JobRuntime | None = None
         self.engine: ClusterEngine | None = None
         self.transport: HybridTransport | None = None
+        #: the transport's compression codec (worker.executor.codec.EdgeCodec; a test's
+        #: runtime may give one without checkpoint state)
+        self.codec: Any = None
         self.mailbox = Mailbox()
         self.stopped = threading.Event()
         self._nodes: dict[str, str] = {}
@@ -215,10 +220,11 @@ class ExecutorService:
         with self._lock:
             self._nodes = nodes
         if self.transport is None:
+            self.codec = self.runtime.make_codec()
             self.transport = HybridTransport(
                 job_id=self.spec.job_id, local_cluster=self.cluster_id,
                 locate=self._nodes_lookup, mailbox=self.mailbox, resolve=self.runtime.resolve,
-                codec=self.runtime.make_codec(), link=self.link,
+                codec=self.codec, link=self.link,
                 template=self.runtime.initial_weights)
         absent = self._absent(body, routing.num_clients)
         local_clients = [c for c in graph.clients if nodes[c] == self.cluster_id
@@ -382,11 +388,22 @@ class ExecutorService:
             raise ControlError("job.checkpoint before job.plan")
         r, to_cluster = int(body["round"]), str(body["to_cluster"])
         sent: dict[str, int] = {}
-        for node in self.engine.checkpoint_nodes():
-            tensors = {MODEL + k: v for k, v in
-                       self.runtime.resolve(self.engine.current_model(node)).items()}
-            tensors.update({AGGREGATOR + k: v
-                            for k, v in self.engine.aggregator_state(node).items()})
+        with_model = set(self.engine.checkpoint_nodes())
+        # topk's per-edge references decide what every later message decodes to: a node
+        # that sends or receives across clusters is checkpointed for them (a tree's client
+        # with them alone)
+        codec = self.codec if hasattr(self.codec, "export") else None
+        with_codec: set[str] = codec.nodes() if codec is not None else set()
+        for node in sorted(with_model | {n for n in with_codec if self._nodes.get(n)
+                                         == self.cluster_id}):
+            tensors: dict[str, np.ndarray] = {}
+            if node in with_model:
+                tensors.update({MODEL + k: v for k, v in
+                                self.runtime.resolve(self.engine.current_model(node)).items()})
+                tensors.update({AGGREGATOR + k: v
+                                for k, v in self.engine.aggregator_state(node).items()})
+            if codec is not None:
+                tensors.update(codec.export(node))
             sent[node] = self.transport.send_to(to_cluster, r, STATE, node, CHECKPOINT,
                                                 wire.encode(tensors, kind=STATE, samples=0))
         return {"nodes": sent}
@@ -405,12 +422,19 @@ class ExecutorService:
         if self._restoring is None:
             raise ControlError("job.restore apply without expect")
         _, nodes = self._restoring
+        # the compression references only when every node resumes from one checkpoint: a
+        # single lost cluster's nodes must not take back references its peers moved past
+        codec = self.codec if body.get("codec") is True and hasattr(self.codec, "load") else None
         for node in sorted(nodes):
             env = self.mailbox.take((0, RESTORE, node, RESTORE), self.round_timeout,
                                     " (from the checkpoint)")
             weights = dict(env.weights)
-            self.engine.import_node(node, {k[len(MODEL):]: v for k, v in weights.items()
-                                           if k.startswith(MODEL)})
+            model = {k[len(MODEL):]: v for k, v in weights.items() if k.startswith(MODEL)}
+            if codec is not None:
+                codec.load(node, weights)
+            if not model:  # a node checkpointed for its compression references only
+                continue
+            self.engine.import_node(node, model)
             self.engine.restore_aggregator(node, {k[len(AGGREGATOR):]: v
                                                   for k, v in weights.items()
                                                   if k.startswith(AGGREGATOR)})
