@@ -139,7 +139,7 @@ class FaultsSpec:
 
     lease_seconds: float = 15.0             # an executor not renewed this long exits
     checkpoint_every: int = 0               # rounds between checkpoints (0 = none)
-    on_cluster_loss: str = "fail"           # continue | fail
+    on_cluster_loss: str = "continue"       # continue (ride through a lost site) | fail
     min_clusters: int = 1                   # below this, wait for a cluster to return
     return_wait: float = 300.0              # ... this many seconds, then fail
     round_deadline_floor: float = 60.0      # a round's deadline is never shorter

@@ -49,8 +49,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--round-timeout", metavar="SECONDS", type=float, default=900.0,
                    help="fail a round that takes longer than this (default 900)")
     p.add_argument("--capacity", metavar="N", type=int,
-                   help="with --local: clients each cluster may host (default: 1.2 x an even "
-                        "share, so placement has room to keep communities together)")
+                   help="with --local: clients each cluster may host (default: enough for the "
+                        "others to hold every client when one cluster is lost, and at least "
+                        "1.2 x an even share, so placement has room to keep communities "
+                        "together)")
     p.add_argument("--allow-module", metavar="MODULE", action="append", default=[],
                    help="with --local: the testbed's clusters also allow job classes from "
                         "MODULE (repeatable; the job's own model and aggregator modules are "
@@ -93,6 +95,14 @@ class ProgressBar:
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
+
+
+def local_capacity(clients: int, clusters: int) -> int:
+    """The testbed's default capacity per cluster: the survivors of one lost cluster hold
+    every client (the job rides through a lost site, as `on_cluster_loss = "continue"`
+    promises), and never less than 1.2 x an even share."""
+    share = math.ceil(1.2 * clients / clusters)
+    return max(share, math.ceil(clients / (clusters - 1))) if clusters > 1 else share
 
 
 def mesh_socket(config_path: str) -> str:
@@ -176,7 +186,7 @@ def submit(spec: JobSpec, source: str, args: argparse.Namespace) -> dict[str, An
             from scheduler.testbed import LocalTestbed, job_allowances
 
             backend = "local" if args.backend == "ray" else "inprocess"
-            capacity = args.capacity or math.ceil(1.2 * spec.data.number_of_clients / args.local)
+            capacity = args.capacity or local_capacity(spec.data.number_of_clients, args.local)
             # whoever starts --local is every cluster's operator: the job's own classes and
             # data are allowed (on a --mesh, real operators decide in their cluster.toml)
             allow = job_allowances(spec, modules=args.allow_module, data_roots=args.data_root)

@@ -134,3 +134,15 @@ def test_docs_list_every_key() -> None:
         assert f"## `[{name}]`" in doc
         for f in fields(cls):
             assert f"`{f.name}`" in doc, f"docs/job.md does not document {name}.{f.name}"
+
+
+def test_a_job_rides_through_a_lost_site_by_default() -> None:
+    """on_cluster_loss defaults to continue, and --local's default capacity lets the
+    survivors of one lost cluster hold every client (3 clusters, 30 clients: 15 each)."""
+    from scheduler.submit import local_capacity
+
+    assert JobSpec().faults.on_cluster_loss == "continue"
+    assert local_capacity(30, 3) == 15 and local_capacity(30, 1) == 36
+    for clients in (7, 30, 101):
+        for clusters in (2, 3, 4, 7):
+            assert (clusters - 1) * local_capacity(clients, clusters) >= clients
