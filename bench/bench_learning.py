@@ -260,11 +260,14 @@ def label(row: dict[str, str]) -> str:
 
 
 def _task(kind: str, job: dict[str, Any], clusters: int) -> dict[str, Any]:
-    if kind == "centralized":
-        return run_centralized(job)
-    if kind == "reference":
-        return run_reference_fedavg(job)
-    return run_engine(job, clusters)
+    try:
+        if kind == "centralized":
+            return run_centralized(job)
+        if kind == "reference":
+            return run_reference_fedavg(job)
+        return run_engine(job, clusters)
+    except Exception as exc:  # as text: not every exception survives the trip back
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def rounds_to(curve: list[float], target: float) -> int | None:
