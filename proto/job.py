@@ -48,7 +48,12 @@ class JobSpecError(ValueError):
     def __init__(self, source: str, key: str, message: str) -> None:
         self.source = source
         self.key = key
+        self.detail = message
         super().__init__(f"{source}: {message}")
+
+    def __reduce__(self) -> tuple[type[JobSpecError], tuple[str, str, str]]:
+        # rebuilt from its own arguments when it crosses a process (a pool, a Ray task)
+        return (type(self), (self.source, self.key, self.detail))
 
 
 @dataclass(frozen=True)

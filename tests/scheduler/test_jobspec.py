@@ -146,3 +146,15 @@ def test_a_job_rides_through_a_lost_site_by_default() -> None:
     for clients in (7, 30, 101):
         for clusters in (2, 3, 4, 7):
             assert (clusters - 1) * local_capacity(clients, clusters) >= clients
+
+
+def test_a_job_spec_error_survives_a_trip_to_another_process() -> None:
+    import pickle
+
+    try:
+        JobSpec.from_dict({"aggregation": {"name": "fedadam"}, "topology": {"kind": "ring"}})
+    except JobSpecError as exc:
+        back = pickle.loads(pickle.dumps(exc))  # what a process pool or Ray does with it
+        assert (type(back), str(back), back.key) == (JobSpecError, str(exc), exc.key)
+    else:
+        raise AssertionError("fedadam on a ring was accepted")
