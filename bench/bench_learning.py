@@ -45,8 +45,6 @@ if str(HERE) not in sys.path:   # usercnn, for the in-process clusters and the w
 if str(HERE.parent) not in sys.path:
     sys.path.insert(0, str(HERE.parent))
 
-#: accuracy at or below chance + this margin counts as "at chance"
-CHANCE_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -314,6 +312,8 @@ def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: i
             break
     for _kind, name, _job in pending:
         results[name] = {"error": "its worker process died twice"}
+    from scheduler.health import CHANCE_MARGIN  # the progress line's own rule
+
     central = results.pop("centralized")
     reference = results.pop("reference_fedavg")
     best = central.get("best") or float("nan")   # nan: no baseline, no ratios (said below)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 
-from proto.job import JobSpec
+from proto.job import ADAPTIVE_AGGREGATORS, JobSpec
 from proto.rounds import RoundRecord
 
 log = logging.getLogger("fedpilot.scheduler")
@@ -24,7 +24,7 @@ CHANCE_MARGIN = 0.05
 CHANCE_ROUNDS = 5
 EXPLODE_FACTOR = 3.0
 #: the aggregators that take a server step of their own size (aggregation.server_learning_rate)
-SERVER_STEP = frozenset({"fedadam", "fedyogi", "fedadagrad", "fedavgm"})
+SERVER_STEP = frozenset({*ADAPTIVE_AGGREGATORS, "fedavgm"})
 
 
 class LearningWatch:
