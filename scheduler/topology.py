@@ -33,7 +33,7 @@ import networkx as nx
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from proto.job import JobSpec, TopologySpec
+from proto.job import JobSpec, TopologySpec, k_neighbors
 
 from .errors import PlanError
 from .placement.similarity import quantise, unit_rows
@@ -87,7 +87,7 @@ def build_topology(
         edges = ring_edges(n)
         weights = np.ones(len(edges))
     elif kind == "k_connected":
-        k = min(spec.client_k_neighbors, n - 1)
+        k = k_neighbors(spec, n)
         if spec.k_connected_mode in ("similarity", "complementary"):
             if histograms is None:
                 raise PlanError(f"k_connected {spec.k_connected_mode} topology needs label "

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from proto.job import JobSpec, TopologySpec
+from proto.job import JobSpec, TopologySpec, k_neighbors
 from scheduler.errors import PlanError
 from scheduler.placement.histograms import synthetic_histograms
 from scheduler.topology import build_topology, logical_edges, similarity_edges
@@ -46,6 +46,18 @@ def test_k_connected_random_is_regular_and_seeded() -> None:
     assert (degree == 3).all()
     assert pairs(t.edges) == pairs(build_topology(spec, 20, seed=1).edges)
     assert pairs(t.edges) != pairs(build_topology(spec, 20, seed=2).edges)
+
+
+def test_k_connected_default_k_grows_with_the_federation() -> None:
+    """client_k_neighbors = 0 (the default): k = ceil(log2 n) + 1, at least 3, at most n - 1;
+    an explicit k is kept."""
+    for n, k in ((40, 7), (1000, 11), (8, 4), (5, 4), (3, 2)):
+        t = build_topology(TopologySpec(kind="k_connected", k_connected_mode="random"), n,
+                           seed=0)
+        assert np.bincount(t.edges.ravel(), minlength=n).min() == k, (n, k)
+        assert k_neighbors(TopologySpec(), n) == k
+    explicit = TopologySpec(kind="k_connected", k_connected_mode="random", client_k_neighbors=2)
+    assert (np.bincount(build_topology(explicit, 40).edges.ravel(), minlength=40) == 2).all()
 
 
 def test_k_connected_similarity_links_most_similar() -> None:
