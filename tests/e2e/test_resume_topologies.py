@@ -96,6 +96,33 @@ def test_interrupted_and_resumed_gives_the_uninterrupted_model_bytes(tmp_path: P
     assert tensor_bytes(resumed.model) == tensor_bytes(whole.model)
 
 
+def test_a_hybrid_job_exchanging_every_few_rounds_resumes_from_its_anchors(
+        tmp_path: Path) -> None:
+    """Hybrid groups under a server optimizer, exchanging every 2nd round, checkpointed at
+    round 3: between exchanges each group trains alone and its optimizer's next step is
+    taken from the last exchange's model (its anchor), which the checkpoint must hold."""
+    base = job("hybrid", tmp_path, compression="none").to_dict()
+    base["topology"]["inter_cluster_period"] = 2
+    base["training"]["federated_learning_rounds"] = 6
+    base["faults"]["checkpoint_every"] = 3
+    spec = JobSpec.from_dict(base)
+    whole = run(spec, tmp_path / "whole")
+    out = tmp_path / "broken"
+    with pytest.raises(Interrupted):
+        run(spec, out, stop_after=4)
+    checkpoint = load_checkpoint(out)
+    assert checkpoint.round == 3
+    from worker.executor.engine import ANCHOR
+    from worker.executor.transport import AGGREGATOR
+    from worker.payload import decode
+
+    groups = [n for n in checkpoint.models if n.startswith("g:")]
+    assert groups and all(any(k.startswith(AGGREGATOR + ANCHOR)
+                              for k in decode(checkpoint.models[g]).tensors) for g in groups)
+    resumed = run(spec, out, resume=True)
+    assert tensor_bytes(resumed.model) == tensor_bytes(whole.model)
+
+
 def test_without_the_compression_references_a_resume_would_differ(tmp_path: Path) -> None:
     """The test above can fail: drop the references from the checkpoint and the resumed
     star job's model is another one."""

@@ -38,6 +38,10 @@ from worker.executor.graph import DOWN, PEER, UP, RoundGraph, participants
 from worker.executor.transport import HybridTransport, Weights
 
 log = logging.getLogger("fedpilot.executor")
+#: key prefix of a hybrid group's anchor in its aggregator state (checkpoints, migration);
+#: an aggregator's own keys are "slot/tensor"
+ANCHOR = "anchor:"
+
 
 class ClientPool(Protocol):
     """The cluster's clients (FederatedNode actors behind VirtualNodes)."""
@@ -135,6 +139,7 @@ class ClusterEngine:
         with self._lock:
             handle = self._models.pop(node, None)
             self._aggregators.pop(node, None)
+            self._anchors.pop(node, None)
         return None if handle is None else (self.pool.resolve(handle), state)
 
     def adopt(self, previous: ClusterEngine, nodes: Iterable[str]) -> None:
@@ -143,9 +148,11 @@ class ClusterEngine:
             models = {n: previous._models[n] for n in nodes if n in previous._models}
             aggregators = {n: previous._aggregators[n] for n in models
                            if n in previous._aggregators}
+            anchors = {n: previous._anchors[n] for n in models if n in previous._anchors}
         with self._lock:
             self._models.update(models)
             self._aggregators.update(aggregators)
+            self._anchors.update(anchors)
 
     def import_node(self, node: str, weights: Weights) -> None:
         with self._lock:
@@ -161,16 +168,26 @@ class ClusterEngine:
         return [a for a in self.local_aggregators() if self.graph.root(a)]
 
     def aggregator_state(self, node: str) -> Weights:
-        """The server state of the node's aggregator (empty if it has none yet)."""
+        """The server state of the node's aggregator (empty if it has none yet), with a
+        hybrid group's anchor (the model of its last exchange) under ANCHOR keys."""
         with self._lock:
             aggregator = self._aggregators.get(node)
+            anchor = self._anchors.get(node)
         state = getattr(aggregator, "state_dict", None)
-        return dict(state()) if callable(state) else {}
+        out = dict(state()) if callable(state) else {}
+        if anchor is not None:
+            out.update({ANCHOR + k: v for k, v in anchor.items()})
+        return out
 
     def restore_aggregator(self, node: str, state: Weights) -> None:
+        anchor = {k[len(ANCHOR):]: v for k, v in state.items() if k.startswith(ANCHOR)}
+        rest = {k: v for k, v in state.items() if not k.startswith(ANCHOR)}
+        if anchor:
+            with self._lock:
+                self._anchors[node] = anchor
         load = getattr(self._aggregator(node), "load_state_dict", None)
-        if state and callable(load):
-            load(state)
+        if rest and callable(load):
+            load(rest)
 
     def local_share(self) -> tuple[Weights, int] | None:
         """The sample-weighted mean of the models this cluster evaluates (group models for
