@@ -121,6 +121,7 @@ class PlacementSpec:
     placement_group_strategy: str = "SPREAD"
     clustering_period: int = 0              # 0 = never re-plan
     max_materialized: int = 8               # live FederatedNode actors per cluster
+    clients_per_call: int = 0               # 0 = auto (light clients batched), 1 = one each
     ap_damping: float = 0.7
     ap_preference: float | None = None      # None = median similarity
     ap_max_exemplar_candidates: int = 800   # above this, AP runs on distinct/sampled histograms
@@ -419,6 +420,7 @@ _RULES: dict[str, Rule] = {
     "placement.placement_group_strategy": _rule_choice(PLACEMENT_GROUP_STRATEGIES),
     "placement.clustering_period": _rule_int(0),
     "placement.max_materialized": _rule_int(1),
+    "placement.clients_per_call": _rule_int(0, 1024),
     "placement.ap_damping": _rule_float(0.5, 1.0, high_open=True),
     "placement.ap_preference": _rule_optional_float,
     "placement.ap_max_exemplar_candidates": _rule_int(2, 20_000),

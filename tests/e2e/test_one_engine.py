@@ -163,7 +163,9 @@ def test_digits_star_fedavg_30_clients_reaches_080() -> None:
                               "placement": {"max_materialized": 8}})
     result, _ = run(spec, ("solo",))
     assert result.summary.rounds[-1].accuracy >= 0.80
-    assert result.summary.clusters[0].actors_materialized == 8  # recycled for 30 clients
+    # 30 clients on recycled actors: at most max_materialized; light clients batched per
+    # call keep only as many busy as the cluster has CPUs
+    assert 1 <= result.summary.clusters[0].actors_materialized <= 8
 
 
 def test_bad_jobs_fail_before_any_actor(tmp_path: Any) -> None:

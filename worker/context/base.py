@@ -75,6 +75,12 @@ class ActorHandle(ABC):
     def call(self, method: str, *args: Any, **kwargs: Any) -> Ref:
         """Schedule `method(*args, **kwargs)` on the actor; returns a reference to its result."""
 
+    @abstractmethod
+    def call_many(self, method: str, n: int, *args: Any) -> list[Ref]:
+        """Schedule `method(*args)`, which returns a sequence of `n` values; one reference
+        per value, each ready when the call ends (Ray's `num_returns`), so one call can
+        stand for many."""
+
     def __getattr__(self, method: str) -> Callable[..., Ref]:
         if method.startswith("_"):
             raise AttributeError(method)

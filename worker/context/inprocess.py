@@ -21,6 +21,7 @@ from typing import Any
 from .base import (
     ActorDiedError,
     ActorHandle,
+    ContextError,
     ExecutionContext,
     Placement,
     PlacementError,
@@ -72,6 +73,31 @@ class InProcessActorHandle(ActorHandle):
             return self._executor.submit(run)
         except RuntimeError as exc:  # executor shut down between the check and submit
             raise ActorDiedError(f"actor {self.name!r} was killed; cannot call {method}()") from exc
+
+    def call_many(self, method: str, n: int, *args: Any) -> list[Ref]:
+        whole = self.call(method, *args)
+        parts: list[Future[Any]] = [Future() for _ in range(n)]
+
+        def split(done: Future[Any]) -> None:
+            if done.cancelled():
+                error: BaseException | None = ActorDiedError(
+                    f"actor {self.name!r} was killed before {method}() ran")
+            else:
+                error = done.exception()
+            values: Any = None
+            if error is None:
+                values = done.result()
+                if len(values) != n:
+                    error = ContextError(f"actor {self.name!r}: {method}() returned "
+                                         f"{len(values)} values, {n} were expected")
+            for i, part in enumerate(parts):
+                if error is not None:
+                    part.set_exception(error)
+                else:
+                    part.set_result(values[i])
+
+        whole.add_done_callback(split)
+        return list(parts)
 
     def _kill(self) -> None:
         self._dead = True

@@ -44,6 +44,10 @@ class RayActorHandle(ActorHandle):
     def call(self, method: str, *args: Any, **kwargs: Any) -> Ref:
         return getattr(self.ray_actor, method).remote(*args, **kwargs)
 
+    def call_many(self, method: str, n: int, *args: Any) -> list[Ref]:
+        refs = getattr(self.ray_actor, method).options(num_returns=n).remote(*args)
+        return [refs] if n == 1 else list(refs)
+
 
 class RayContext(ExecutionContext):
     """Runs on the Ray cluster this process is connected to.

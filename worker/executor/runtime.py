@@ -10,6 +10,7 @@ test splits and of aggregated models on the global test set happens in this proc
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -22,6 +23,7 @@ from proto.job import JobSpec
 from worker.context import ExecutionContext, InProcessContext
 from worker.executor.codec import EdgeCodec
 from worker.executor.graph import client_index
+from worker.nodes.batching import TrainBatcher
 from worker.nodes.messages import LocalUpdate, Message
 
 if TYPE_CHECKING:
@@ -110,6 +112,7 @@ class NodeRuntime:
                                   num_classes=self.dataset.num_classes)
         self.manager: Any = None
         self._local: list[int] = []
+        self.batcher: TrainBatcher | None = None
 
     def _check(self, spec: JobSpec) -> None:
         """Everything else the job names, before any actor starts (the error names the key)."""
@@ -191,6 +194,18 @@ class NodeRuntime:
             keep_state=False)
         # the placement group is reserved before any actor starts, and fails at once
         self.manager.start()
+        parallel = max(1, min(slots, int(total_cpus)))
+        per_call = self.spec.placement.clients_per_call
+        if per_call != 1:
+            manager = self.manager
+            self.batcher = TrainBatcher(
+                lambda c, model, r: manager.call(c, "train", r, model),
+                lambda cs, model, r: manager.train_batch(cs, r, model), slots=parallel,
+                max_chunk=per_call or 64)
+        self.manager.batch_slots = parallel
+        # the actors a round keeps busy start together now, not one by one in round 1
+        per_round = math.ceil(len(self._local) * self.spec.training.client_fraction)
+        self.manager.warm(min(parallel, per_round))
 
     def actors_materialized(self) -> int:
         return 0 if self.manager is None else int(self.manager.stats.created)
@@ -223,12 +238,16 @@ class NodeRuntime:
         if self.manager is None:
             raise RuntimeError(f"client {node} trains on cluster {self.cluster_id}, which was "
                                "given no clients at plan time")
+        if self.batcher is not None:
+            return self.batcher.submit(client_index(node), model, round_index)
         return self.manager.call(client_index(node), "train", round_index, model)
 
     def personal_score(self, trained: Any) -> tuple[int, int]:
         update = trained if isinstance(trained, LocalUpdate) else self.context.get(trained)
         if not isinstance(update, LocalUpdate):
             raise TypeError(f"expected a LocalUpdate from training, got {type(update).__name__}")
+        if self.batcher is not None and "seconds" in update.extra:
+            self.batcher.observe(float(update.extra["seconds"]))
         return int(round(update.local_accuracy * update.local_samples)), int(update.local_samples)
 
     def evaluate_global(self, weights: Weights) -> tuple[float, float]:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -114,6 +115,7 @@ class FederatedNode:
         from worker.training import evaluate, round_training, train_local
 
         client = self._require_client()
+        started = time.perf_counter()
         anchor = None
         if incoming:
             if len(incoming) != 1:
@@ -140,7 +142,20 @@ class FederatedNode:
             load_weights(self._model, trained)
         return LocalUpdate(weights=trained, num_samples=result.num_samples,
                            client_id=client, round=round_index, loss=result.loss,
-                           local_accuracy=local.accuracy, local_samples=local.num_samples)
+                           local_accuracy=local.accuracy, local_samples=local.num_samples,
+                           extra={"seconds": time.perf_counter() - started})
+
+    def train_batch(self, round_index: int, model: Message | Mapping[str, np.ndarray],
+                    clients: Sequence[tuple[int, np.ndarray, np.ndarray]]
+                    ) -> tuple[LocalUpdate, ...]:
+        """Train several light clients in one call, each from `model`: (client, train
+        indices, test indices) each; one update per client, in order. The same training as
+        `train` (same seeds), so a batched round equals an unbatched one bit for bit."""
+        updates = []
+        for client, train_indices, test_indices in clients:
+            self.bind(client, train_indices, test_indices)
+            updates.append(self.train(round_index, model))
+        return tuple(updates)
 
     def weights(self) -> Message:
         """The bound client's current model as a message."""
@@ -149,6 +164,22 @@ class FederatedNode:
         return Message(model_weights(self._model), len(self._train_idx))
 
     def ping(self) -> int:
+        return os.getpid()
+
+    def warm(self) -> int:
+        """One training step on two samples, the weights restored after: the process's
+        first backward pass and first touch of the shared dataset happen before round 1,
+        not inside it. Returns the process id."""
+        from worker.serialization import load_weights, model_weights
+        from worker.training import train_local
+
+        d = self._dataset
+        if len(d.y_train):
+            saved = model_weights(self._model)
+            train_local(self._model, d.x_train[:2], d.y_train[:2],
+                        replace(self._config.training, number_of_epochs=1, fedprox_mu=0.0),
+                        seed=0)
+            load_weights(self._model, saved)
         return os.getpid()
 
     def device_info(self) -> dict[str, Any]:

@@ -86,6 +86,10 @@ class NodeManager:
         self.stats = NodeStats()
         self._slots = [_Slot(i) for i in range(self.capacity)]
         self._lru: OrderedDict[int, _Slot] = OrderedDict()
+        self._next_slot = 0  # train_batch's round robin
+        #: how many slots train_batch spreads over: as many actors as can train at once
+        #: (a batch already pays for its call; more actors only take memory and CPU)
+        self.batch_slots = self.capacity
         self._states: dict[int, Ref] = {}
         self._reservation: Reservation | None = None
         self._dataset_ref: Ref | None = None
@@ -111,6 +115,53 @@ class NodeManager:
             slot = self._materialize(int(client))
             assert slot.handle is not None
             return slot.handle.call(method, *args)
+
+    def train_batch(self, clients: Sequence[int], round_index: int, model: Any) -> list[Ref]:
+        """Train `clients` in one call on the next actor slot (round robin), each from
+        `model`; one reference per client's update. Only for a manager whose callers bring
+        the model (keep_state=False): the slot's actor binds each client in turn, so it no
+        longer holds the client the LRU thought it did."""
+        if self.keep_state:
+            raise RuntimeError("train_batch needs keep_state=False (the caller brings every "
+                               "model); clients that keep state train one call each")
+        with self._lock:
+            missing = [c for c in clients if int(c) not in self.virtual_nodes]
+            if missing:
+                raise KeyError(f"clients {missing[:5]} are not this manager's clients")
+            if self._reservation is None:
+                raise RuntimeError("NodeManager.start() must reserve the placement group first")
+            slot = self._slots[self._next_slot % max(1, min(self.batch_slots,
+                                                            len(self._slots)))]
+            self._next_slot += 1
+            if slot.client is not None:
+                self._lru.pop(slot.client, None)
+                slot.client = None
+            if slot.handle is None:
+                self._start_actor(slot)
+            assert slot.handle is not None
+            batch = [(int(c), self._partition.train_indices[int(c)],
+                      self._partition.test_indices[int(c)]) for c in clients]
+            self.stats.materializations += len(batch)
+            if len(batch) == 1:  # (Ray would hand back a one-value call's tuple whole)
+                slot.handle.bind(*batch[0])
+                return [slot.handle.call("train", round_index, model)]
+            return slot.handle.call_many("train_batch", len(batch), round_index, model, batch)
+
+    def warm(self, slots: int, timeout: float = 600.0) -> None:
+        """Start the actors of the first `slots` slots together and wait until each one
+        has taken a training step (`FederatedNode.warm`): a cluster's actors start in
+        parallel before its first round, not inside it, one by one."""
+        with self._lock:
+            if self._reservation is None:
+                raise RuntimeError("NodeManager.start() must reserve the placement group first")
+            started: list[Ref] = []
+            for slot in self._slots[:max(0, slots)]:
+                if slot.handle is None:
+                    self._start_actor(slot)
+                    assert slot.handle is not None
+                    started.append(slot.handle.warm())
+        if started:
+            self.context.get(started, timeout=timeout)
 
     def state(self, client: int) -> Ref:
         """A reference to `client`'s current state (saving it if it is materialized)."""
