@@ -23,7 +23,7 @@ from proto.job import TOPOLOGIES, JobSpec
 from proto.rounds import RoundRecord
 from scheduler.checkpoint import Checkpoint, load_checkpoint, node_files, write_checkpoint
 from scheduler.driver import Driver, JobResult
-from worker.context import InProcessContext
+from worker.context import ExecutionContext, InProcessContext
 from worker.executor.runtime import runtime_factory
 
 ROUNDS = 4
@@ -57,9 +57,11 @@ def job(kind: str, tmp_path: Path, compression: str = "topk") -> JobSpec:
         "faults": {"checkpoint_every": 2}})
 
 
-def run(spec: JobSpec, out: Path, *, stop_after: int = 0, resume: bool = False) -> JobResult:
+def run(spec: JobSpec, out: Path, *, stop_after: int = 0, resume: bool = False,
+        context: ExecutionContext | None = None) -> JobResult:
     mesh = LoopbackMesh(["cluster-1", "cluster-2", "cluster-3"],
-                        lambda cid: runtime_factory(InProcessContext(), cid), capacity=4)
+                        lambda cid: runtime_factory(context or InProcessContext(), cid),
+                        capacity=4)
 
     def progress(record: RoundRecord, total: int) -> None:
         if record.round == stop_after:
@@ -121,6 +123,37 @@ def test_a_hybrid_job_exchanging_every_few_rounds_resumes_from_its_anchors(
                               for k in decode(checkpoint.models[g]).tensors) for g in groups)
     resumed = run(spec, out, resume=True)
     assert tensor_bytes(resumed.model) == tensor_bytes(whole.model)
+
+
+@pytest.mark.slow
+def test_a_hybrid_job_on_ray_resumes_to_the_uninterrupted_model_bytes(tmp_path: Path) -> None:
+    """The same on the production backend: clients are Ray actors (batched calls), the
+    models travel through Ray's object store."""
+    import os
+
+    ray = pytest.importorskip("ray")
+    from worker.context import RayContext
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2,
+                 log_to_driver=False)
+    context = RayContext()
+    try:
+        spec = job("hybrid", tmp_path)
+        whole = run(spec, tmp_path / "whole", context=context)
+        out = tmp_path / "broken"
+        with pytest.raises(Interrupted):
+            run(spec, out, stop_after=3, context=context)
+        assert load_checkpoint(out).round == 2
+        resumed = run(spec, out, resume=True, context=context)
+        assert [r.round for r in resumed.summary.rounds] == list(range(1, ROUNDS + 1))
+        assert tensor_bytes(resumed.model) == tensor_bytes(whole.model)
+    finally:
+        context.shutdown()
+        if started:
+            ray.shutdown()
 
 
 def test_without_the_compression_references_a_resume_would_differ(tmp_path: Path) -> None:
