@@ -105,6 +105,7 @@ class ClusterEngine:
         # from which the optimizer's step is taken (the round's start when every round
         # exchanges)
         self._anchors: dict[str, Weights] = {}
+        self._behind: dict[str, int] = {}      # aggregator -> samples of its clients
         self._local_clients: list[str] | None = None
         self._lock = threading.Lock()
         #: clients that sit out every round of this plan (pinned data on a lost cluster)
@@ -223,7 +224,13 @@ class ClusterEngine:
     def _samples_behind(self, node: str) -> int:
         if self.graph.is_client(node):
             return self.pool.samples(node)
-        return sum(self._samples_behind(c) for c in self.graph.children(node))
+        # fixed for the engine's life (a new plan makes a new engine): a hybrid group of
+        # 300,000 clients is summed once, not in every round
+        cached = self._behind.get(node)
+        if cached is None:
+            cached = self._behind[node] = sum(self._samples_behind(c)
+                                              for c in self.graph.children(node))
+        return cached
 
     # -- one round ----------------------------------------------------------------------
     def run_round(self, round_index: int, timeout: float | None = None) -> RoundRecord:
