@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from proto.job import JobSpec
-from scheduler.driver import ClusterChannel, ClusterInfo, Driver, JobFailed, JobResult
-from scheduler.results import RoundRecord, plot_accuracy, plot_traffic
+from scheduler.run.driver import ClusterChannel, ClusterInfo, Driver, JobFailed, JobResult
+from scheduler.rundir.results import RoundRecord, plot_accuracy, plot_traffic
 
 CLUSTERS = 3
 CAPACITY = 12
@@ -155,7 +155,7 @@ class DaemonBench:
                 for c in self._clusters]
 
     def channel_for(self, job_id: str) -> ClusterChannel:
-        from scheduler.mesh import BridgeChannel
+        from scheduler.run.mesh import BridgeChannel
 
         # one bridge client per job: the job's final model is delivered to it
         if job_id not in self._channels:
@@ -164,7 +164,7 @@ class DaemonBench:
         return self._channels[job_id]  # type: ignore[no-any-return]
 
     def daemon_bytes_sent(self, job_id: str) -> int | None:
-        from scheduler.mesh import daemon_status
+        from scheduler.run.mesh import daemon_status
 
         total = 0
         for c in self._clusters:

@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from proto.job import JobSpec  # noqa: E402
 from proto.rounds import RoundRecord  # noqa: E402
-from scheduler.driver import Driver  # noqa: E402
-from scheduler.mesh import BridgeChannel  # noqa: E402
+from scheduler.run.driver import Driver  # noqa: E402
+from scheduler.run.mesh import BridgeChannel  # noqa: E402
 from scheduler.testbed import LocalTestbed  # noqa: E402
 
 LEASE = 6

@@ -139,7 +139,7 @@ def run_engine(job: dict[str, Any], clusters: int) -> dict[str, Any]:
 
     from fedpilot.loopback import LoopbackMesh
     from proto.job import JobSpec
-    from scheduler.driver import Driver
+    from scheduler.run.driver import Driver
     from worker.context import InProcessContext
     from worker.executor.runtime import runtime_factory
 
@@ -312,7 +312,7 @@ def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: i
             break
     for _kind, name, _job in pending:
         results[name] = {"error": "its worker process died twice"}
-    from scheduler.health import CHANCE_MARGIN  # the progress line's own rule
+    from scheduler.run.health import CHANCE_MARGIN  # the progress line's own rule
 
     central = results.pop("centralized")
     reference = results.pop("reference_fedavg")

@@ -47,9 +47,9 @@ def plan_size(n: int) -> dict[str, Any]:
     import numpy as np
 
     from proto.job import JobSpec
-    from scheduler.clusters import ClusterSlot
-    from scheduler.placement.histograms import synthetic_histograms
-    from scheduler.plan import (
+    from scheduler.planning.clusters import ClusterSlot
+    from scheduler.planning.placement.histograms import synthetic_histograms
+    from scheduler.planning.plan import (
         final_topology,
         job_communities,
         plan_placement,
@@ -105,9 +105,9 @@ def plan_size(n: int) -> dict[str, Any]:
 
 def naive_full_ap(n: int) -> dict[str, Any]:
     """Baseline: cosine matrix of all n clients and sklearn AP over it."""
-    from scheduler.placement.communities import affinity_propagation
-    from scheduler.placement.histograms import synthetic_histograms
-    from scheduler.placement.similarity import cosine_similarity
+    from scheduler.planning.placement.communities import affinity_propagation
+    from scheduler.planning.placement.histograms import synthetic_histograms
+    from scheduler.planning.placement.similarity import cosine_similarity
 
     hist = synthetic_histograms(n, beta=0.1, seed=0)
     t = time.perf_counter()
@@ -117,8 +117,8 @@ def naive_full_ap(n: int) -> dict[str, Any]:
 
 
 def ours_at(n: int) -> dict[str, Any]:
-    from scheduler.placement.communities import find_communities
-    from scheduler.placement.histograms import synthetic_histograms
+    from scheduler.planning.placement.communities import find_communities
+    from scheduler.planning.placement.histograms import synthetic_histograms
 
     hist = synthetic_histograms(n, beta=0.1, seed=0)
     t = time.perf_counter()
@@ -133,10 +133,10 @@ def approximation_quality(n: int, max_candidates: int) -> dict[str, Any]:
     from sklearn.metrics import adjusted_rand_score
 
     from proto.job import TopologySpec
-    from scheduler.placement.communities import find_communities
-    from scheduler.placement.histograms import synthetic_histograms
-    from scheduler.placement.mapping import assign_communities, cut_traffic
-    from scheduler.topology import build_topology
+    from scheduler.planning.placement.communities import find_communities
+    from scheduler.planning.placement.histograms import synthetic_histograms
+    from scheduler.planning.placement.mapping import assign_communities, cut_traffic
+    from scheduler.planning.topology import build_topology
 
     hist = synthetic_histograms(n, beta=0.1, seed=1)
     full = find_communities(hist, seed=0, max_candidates=n)
@@ -168,8 +168,8 @@ def ap_stability(n: int) -> dict[str, Any]:
     histograms (ARI). An approximation cannot be judged closer to AP than AP is to itself."""
     from sklearn.metrics import adjusted_rand_score
 
-    from scheduler.placement.communities import find_communities
-    from scheduler.placement.histograms import synthetic_histograms
+    from scheduler.planning.placement.communities import find_communities
+    from scheduler.planning.placement.histograms import synthetic_histograms
 
     hist = synthetic_histograms(n, beta=0.1, seed=1)
     a = find_communities(hist, seed=0, max_candidates=n)
@@ -183,8 +183,8 @@ def neighbour_quality(n: int) -> dict[str, Any]:
     """Block-wise k-similar neighbours vs exact ones: recall and mean similarity."""
     import numpy as np
 
-    import scheduler.topology as topology
-    from scheduler.placement.histograms import synthetic_histograms
+    import scheduler.planning.topology as topology
+    from scheduler.planning.placement.histograms import synthetic_histograms
 
     hist = synthetic_histograms(n, beta=0.1, seed=2)
     u = hist / np.linalg.norm(hist, axis=1, keepdims=True)

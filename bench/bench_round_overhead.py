@@ -53,8 +53,8 @@ from pathlib import Path
 from typing import Any
 
 from proto.job import JobSpec
-from scheduler.driver import ClusterChannel, ClusterInfo, Driver, JobFailed
-from scheduler.results import RoundRecord
+from scheduler.run.driver import ClusterChannel, ClusterInfo, Driver, JobFailed
+from scheduler.rundir.results import RoundRecord
 
 GOAL_RATIO = 1.10
 BIG_GOAL_RATIO = 1.15  # issue 12: the ~64 MB model on Ray, when training dominates
@@ -202,7 +202,7 @@ class Side:
                                 lambda cid: runtime_factory(InProcessContext(), cid),
                                 capacity=self.setup.clients)
             return self._drive(spec, mesh.clusters(), mesh, [], clusters)
-        from scheduler.mesh import BridgeChannel
+        from scheduler.run.mesh import BridgeChannel
         from scheduler.testbed import LocalTestbed
 
         address = "local" if self.backend == "ray" else "inprocess"

@@ -53,8 +53,8 @@ from typing import Any
 import numpy as np
 
 from proto.job import JobSpec
-from scheduler.driver import Driver
-from scheduler.mesh import BridgeChannel
+from scheduler.run.driver import Driver
+from scheduler.run.mesh import BridgeChannel
 from scheduler.testbed import LocalTestbed, job_allowances
 
 GOAL_RATIO = 1.5

@@ -13,8 +13,8 @@ from typing import Any
 
 import msgpack
 
-from scheduler.driver import ClusterInfo
 from scheduler.errors import JobFailed
+from scheduler.run.driver import ClusterInfo
 
 SCHEDULER = "scheduler"
 

@@ -13,10 +13,9 @@ import sys
 from collections.abc import Sequence
 
 from proto.errors import ProtocolError
+from scheduler.errors import JobSpecError, SchedulerError
 
-from .errors import JobSpecError, SchedulerError
-
-SUBCOMMANDS = ("scheduler.plan_cli", "scheduler.submit", "scheduler.status")
+SUBCOMMANDS = ("scheduler.plan_cli", "scheduler.submit", "scheduler.rundir.status")
 PROG = "fedpilot-scheduler"
 
 

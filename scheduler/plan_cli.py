@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from proto.job import PLACEMENT_STRATEGIES
-
-from .clusters import ClusterSlot, parse_clusters
-from .jobfile import load_job
-from .placement.histograms import synthetic_histograms
-from .plan import Plan, plan_job
+from scheduler.jobfile import load_job
+from scheduler.planning.clusters import ClusterSlot, parse_clusters
+from scheduler.planning.placement.histograms import synthetic_histograms
+from scheduler.planning.plan import Plan, plan_job
 
 COMPARE = ("random", "round_robin")
 

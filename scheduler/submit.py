@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from scheduler.driver import ClusterInfo, Driver, JobFailed
-from scheduler.results import RoundRecord, write_results
+from scheduler.run.driver import ClusterInfo, Driver, JobFailed
+from scheduler.rundir.results import RoundRecord, write_results
 
 if TYPE_CHECKING:
     from proto.job import JobSpec
@@ -87,7 +87,7 @@ class ProgressBar:
         line = (f"[{bar}] round {record.round}/{total}  acc {record.accuracy:.3f}  "
                 f"pers {record.personalized_accuracy:.3f}  inter {self.inter / 1e6:.2f} MB  "
                 f"intra {self.intra / 1e6:.2f} MB  {record.seconds:.1f}s/round")
-        if note:  # not learning: the line says so and names the key (scheduler/health.py)
+        if note:  # not learning: the line says so and names the key (scheduler/run/health.py)
             line += f"  ! {note}"
         if self.tty:
             end = "\n" if record.round >= total else ""
@@ -146,14 +146,14 @@ def submit(spec: JobSpec, source: str, args: argparse.Namespace) -> dict[str, An
     """Run `spec` as `fedpilot-scheduler submit` does with `args` (see `options`); the
     summary it prints. Raises KeyboardInterrupt after tearing down on Ctrl-C or SIGTERM."""
     from fedcore.data.preflight import check_before_start
-    from scheduler.mesh import BridgeChannel, wait_for_clusters
-    from scheduler.status import RunRecorder
+    from scheduler.run.mesh import BridgeChannel, wait_for_clusters
+    from scheduler.rundir.status import RunRecorder
 
     check_before_start(spec, source)  # labels and model, before any daemon or Ray starts
     out = Path(args.resume or args.out or Path("runs") / spec.job_id)
     checkpoint = None
     if args.resume:
-        from scheduler.checkpoint import load_checkpoint
+        from scheduler.run.checkpoint import load_checkpoint
 
         checkpoint = load_checkpoint(out)
         if checkpoint.spec.get("job", {}).get("id") != spec.job_id:

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from scheduler.driver import ClusterInfo, JobFailed
-from scheduler.mesh import wait_for_clusters
+from scheduler.run.driver import ClusterInfo, JobFailed
+from scheduler.run.mesh import wait_for_clusters
 
 if TYPE_CHECKING:
     from proto.job import JobSpec

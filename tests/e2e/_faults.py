@@ -8,8 +8,8 @@ from typing import Any
 
 from proto.job import JobSpec
 from proto.rounds import RoundRecord
-from scheduler.driver import Driver, JobResult, Progress
-from scheduler.mesh import BridgeChannel
+from scheduler.run.driver import Driver, JobResult, Progress
+from scheduler.run.mesh import BridgeChannel
 from scheduler.testbed import LocalTestbed
 
 
@@ -28,7 +28,7 @@ def drive(tb: LocalTestbed, clusters: Any, job: JobSpec, progress: Progress,
 
 def wait_connected(tb: LocalTestbed, cluster: str, timeout: float = 90.0) -> None:
     """Until the scheduler's daemon sees `cluster` in the mesh (after a restart)."""
-    from scheduler.mesh import daemon_status
+    from scheduler.run.mesh import daemon_status
 
     deadline = time.monotonic() + timeout
     while not any(c["cluster_id"] == cluster and c.get("connected")

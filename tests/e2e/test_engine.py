@@ -14,7 +14,7 @@ import pytest
 
 from proto.job import AggregationSpec, TopologySpec
 from proto.routing import RoutingMatrix
-from scheduler.topology import build_topology
+from scheduler.planning.topology import build_topology
 from worker.aggregators import get_aggregator
 from worker.executor import graph as g
 from worker.executor.engine import ClusterEngine

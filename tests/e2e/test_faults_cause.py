@@ -9,7 +9,7 @@ import pytest
 
 from fedpilot.loopback import LoopbackMesh
 from proto.job import JobSpec
-from scheduler.driver import Driver, JobFailed
+from scheduler.run.driver import Driver, JobFailed
 from worker.context import InProcessContext
 from worker.executor.failures import explain_failure
 from worker.executor.runtime import NodeRuntime

@@ -14,7 +14,7 @@ import pytest
 
 from proto.job import JobSpec
 from proto.rounds import RoundRecord
-from scheduler.driver import JobFailed
+from scheduler.run.driver import JobFailed
 from scheduler.testbed import LocalTestbed
 from tests.e2e._faults import drive, wait_for_executor
 from tests.e2e.test_faults_detect import executor_pid

@@ -14,8 +14,8 @@ import pytest
 from fedpilot.loopback import LoopbackMesh
 from proto.job import JobSpec
 from proto.rounds import RoundRecord
-from scheduler.driver import Driver, JobFailed
-from scheduler.mesh import BridgeChannel
+from scheduler.run.driver import Driver, JobFailed
+from scheduler.run.mesh import BridgeChannel
 from scheduler.testbed import LocalTestbed
 from worker.context import InProcessContext
 from worker.executor.runtime import runtime_factory

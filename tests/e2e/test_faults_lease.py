@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from scheduler.mesh import daemon_status
+from scheduler.run.mesh import daemon_status
 from scheduler.testbed import LocalTestbed
 
 pytestmark = pytest.mark.slow

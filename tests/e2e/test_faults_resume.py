@@ -14,10 +14,10 @@ from safetensors.numpy import load as st_load
 from fedpilot.loopback import LoopbackMesh
 from proto.job import JobSpec
 from proto.rounds import RoundRecord
-from scheduler.checkpoint import load_checkpoint
-from scheduler.driver import Driver, JobResult
-from scheduler.results import write_results
-from scheduler.status import RunRecorder
+from scheduler.run.checkpoint import load_checkpoint
+from scheduler.run.driver import Driver, JobResult
+from scheduler.rundir.results import write_results
+from scheduler.rundir.status import RunRecorder
 from worker.context import InProcessContext
 from worker.executor.runtime import runtime_factory
 
@@ -91,7 +91,7 @@ def test_resumed_job_ends_with_the_uninterrupted_model(tmp_path: Path, kind: str
 
 
 def test_a_checkpoint_is_replaced_atomically(tmp_path: Path) -> None:
-    from scheduler.checkpoint import Checkpoint, write_checkpoint
+    from scheduler.run.checkpoint import Checkpoint, write_checkpoint
 
     def ckpt(r: int) -> Checkpoint:
         return Checkpoint(round=r, epoch=0, spec={}, rounds=[], models={"s0": bytes([r])})
@@ -107,7 +107,7 @@ def test_a_checkpoint_is_replaced_atomically(tmp_path: Path) -> None:
 
 
 def test_resume_without_a_checkpoint_says_how_to_get_one(tmp_path: Path) -> None:
-    from scheduler.driver import JobFailed
+    from scheduler.run.driver import JobFailed
 
     with pytest.raises(JobFailed, match="checkpoint_every"):
         load_checkpoint(tmp_path)

@@ -74,7 +74,7 @@ def test_a_job_at_chance_says_so_naming_the_key(mnist: str) -> None:
     the watch behind the progress line names aggregation.server_learning_rate."""
     from proto.job import JobSpec
     from proto.rounds import RoundRecord
-    from scheduler.health import LearningWatch
+    from scheduler.run.health import LearningWatch
 
     job = bl.job_dict(bl.replace(SMALL, rounds=7), mnist, "star", "fedadam")
     job["aggregation"]["server_learning_rate"] = 1.0

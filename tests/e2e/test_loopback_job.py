@@ -12,7 +12,7 @@ from safetensors.numpy import load as st_load
 from fedpilot.loopback import LoopbackMesh
 from proto.job import JobSpec
 from proto.routing import RoutingMatrix
-from scheduler.driver import Driver, JobFailed
+from scheduler.run.driver import Driver, JobFailed
 from worker.context import InProcessContext
 from worker.executor.runtime import runtime_factory
 
@@ -121,8 +121,8 @@ def test_a_migrated_node_arrives_with_the_model_it_had() -> None:
 
     import numpy as np
 
-    from scheduler.clusters import ClusterSlot
-    from scheduler.driver import plan_epoch
+    from scheduler.planning.clusters import ClusterSlot
+    from scheduler.run.driver import plan_epoch
 
     # a ring: decentralized nodes hold their own models (a star's clients start each round
     # from the server's, so only the server's state would be worth moving)

@@ -28,10 +28,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from fedcore.metrics import RunMetrics
 from proto.job import JobSpec
 from scheduler.cli import main as cli_main
-from scheduler.driver import Driver
-from scheduler.mesh import BridgeChannel, daemon_status
-from scheduler.results import write_results
-from scheduler.status import RunRecorder
+from scheduler.run.driver import Driver
+from scheduler.run.mesh import BridgeChannel, daemon_status
+from scheduler.rundir.results import write_results
+from scheduler.rundir.status import RunRecorder
 from scheduler.testbed import LocalTestbed, fabricd_command, free_port, set_toml_value
 
 pytestmark = pytest.mark.slow

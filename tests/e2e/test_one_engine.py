@@ -17,7 +17,7 @@ from safetensors.numpy import load as st_load
 
 from fedpilot.loopback import LoopbackMesh
 from proto.job import JobSpec, JobSpecError
-from scheduler.driver import Driver, JobFailed
+from scheduler.run.driver import Driver, JobFailed
 from worker.context import InProcessContext
 from worker.executor.graph import participants
 from worker.executor.runtime import NodeRuntime, runtime_factory
@@ -199,7 +199,7 @@ def test_a_60_mb_model_is_written_and_is_the_one_whose_accuracy_is_reported(
     from safetensors.torch import load_file
 
     from fedcore.data import load_dataset
-    from scheduler.results import write_results
+    from scheduler.rundir.results import write_results
     from worker.models import build_model
     from worker.serialization import load_weights
     from worker.training import evaluate

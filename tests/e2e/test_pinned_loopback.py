@@ -12,7 +12,7 @@ import pytest
 
 from fedpilot.loopback import LoopbackMesh
 from proto.job import JobSpec
-from scheduler.driver import Driver, JobFailed
+from scheduler.run.driver import Driver, JobFailed
 from tests.e2e._pinned import site_classes, write_site_npz
 from worker.context import InProcessContext
 from worker.executor.runtime import runtime_factory

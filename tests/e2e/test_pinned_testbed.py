@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from proto.job import JobSpec
-from scheduler.driver import Driver
-from scheduler.mesh import BridgeChannel, daemon_status
+from scheduler.run.driver import Driver
+from scheduler.run.mesh import BridgeChannel, daemon_status
 from scheduler.testbed import LocalTestbed
 from tests.e2e._faults import drive, kill_and_restart
 from tests.e2e._pinned import write_site_npz

@@ -21,8 +21,8 @@ from safetensors.numpy import load as st_load
 from fedpilot.loopback import LoopbackMesh
 from proto.job import TOPOLOGIES, JobSpec
 from proto.rounds import RoundRecord
-from scheduler.checkpoint import Checkpoint, load_checkpoint, node_files, write_checkpoint
-from scheduler.driver import Driver, JobResult
+from scheduler.run.checkpoint import Checkpoint, load_checkpoint, node_files, write_checkpoint
+from scheduler.run.driver import Driver, JobResult
 from worker.context import ExecutionContext, InProcessContext
 from worker.executor.runtime import runtime_factory
 

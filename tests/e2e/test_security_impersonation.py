@@ -34,8 +34,8 @@ from proto.job import JobSpec
 from proto.messages import UpdateAck, UpdateHeader
 from proto.rounds import RoundRecord
 from proto.routing import RoutingMatrix
-from scheduler.driver import Driver, JobResult
-from scheduler.mesh import BridgeChannel
+from scheduler.run.driver import Driver, JobResult
+from scheduler.run.mesh import BridgeChannel
 from scheduler.testbed import LocalTestbed
 from tests.fabricd._harness import cli_inprocess
 from tests.fabricd._hostile import certificate_for, hello, peer_info, raw_host

@@ -14,8 +14,8 @@ import pytest
 
 from proto.bridge import ControlResult, ControlSend, Hello, recv_bridge, send_bridge
 from proto.job import JobSpec
-from scheduler.driver import Driver, JobFailed
-from scheduler.mesh import BridgeChannel, daemon_status
+from scheduler.run.driver import Driver, JobFailed
+from scheduler.run.mesh import BridgeChannel, daemon_status
 from scheduler.testbed import LocalTestbed
 
 pytestmark = pytest.mark.slow

@@ -33,8 +33,8 @@ def test_scheduler_imports_nothing_from_worker() -> None:
     assert not offending, offending
     code = (
         "import sys\n"
-        "import scheduler.cli, scheduler.plan_cli, scheduler.submit, scheduler.driver, "
-        "scheduler.mesh, scheduler.status, scheduler.results, scheduler.testbed\n"
+        "import scheduler.cli, scheduler.plan_cli, scheduler.submit, scheduler.run.driver, "
+        "scheduler.run.mesh, scheduler.rundir.status, scheduler.rundir.results, scheduler.testbed\n"
         "bad = [m for m in sys.modules if m == 'worker' or m.startswith('worker.')]\n"
         "assert not bad, bad\n"
     )

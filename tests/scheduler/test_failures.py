@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler.driver import merge_failures
+from scheduler.run.driver import merge_failures
 
 
 def test_identical_refusals_are_one_line_naming_every_cluster() -> None:

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from scheduler.errors import JobFailed
-from scheduler.leases import LeaseKeeper
+from scheduler.run.leases import LeaseKeeper
 
 
 class Channel:

@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 
 from proto.job import JobSpec, JobSpecError
-from scheduler.clusters import ClusterSlot
-from scheduler.driver import plan_epoch
 from scheduler.errors import CapacityError, JobFailed, PlanError
-from scheduler.pinned import (
+from scheduler.planning.clusters import ClusterSlot
+from scheduler.planning.pinned import (
     PinnedClientsLost,
     check_pinned_data,
     client_clusters,
     pinned_holders,
 )
-from scheduler.plan import plan_job
+from scheduler.planning.plan import plan_job
+from scheduler.run.driver import plan_epoch
 
 
 def spec(**sections: Any) -> JobSpec:

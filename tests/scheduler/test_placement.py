@@ -12,17 +12,17 @@ from hypothesis import strategies as st
 
 from proto.job import JobSpec
 from scheduler.errors import AssignmentFileError, CapacityError
-from scheduler.placement.communities import Communities, find_communities
-from scheduler.placement.histograms import planted_histograms, synthetic_histograms
-from scheduler.placement.mapping import (
+from scheduler.planning.placement.communities import Communities, find_communities
+from scheduler.planning.placement.histograms import planted_histograms, synthetic_histograms
+from scheduler.planning.placement.mapping import (
     assign_communities,
     contiguous_assignment,
     cut_traffic,
 )
-from scheduler.placement.refine import refine_assignment
-from scheduler.placement.strategies import random_assignment, round_robin
-from scheduler.plan import plan_job, plan_placement
-from scheduler.topology import LogicalTopology, build_topology
+from scheduler.planning.placement.refine import refine_assignment
+from scheduler.planning.placement.strategies import random_assignment, round_robin
+from scheduler.planning.plan import plan_job, plan_placement
+from scheduler.planning.topology import LogicalTopology, build_topology
 
 
 def job(**sections: dict) -> JobSpec:

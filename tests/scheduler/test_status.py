@@ -1,4 +1,4 @@
-"""`fedpilot-scheduler status`: a finished run written by scheduler.results, a run in
+"""`fedpilot-scheduler status`: a finished run written by scheduler.rundir.results, a run in
 progress (status field, half-written files), --follow until the job finishes, bad dirs."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from scheduler.cli import main
-from scheduler.results import (
+from scheduler.rundir.results import (
     ClusterRecordSummary,
     JobSummary,
     RoundRecord,
     write_metrics_csv,
     write_results,
 )
-from scheduler.status import read_run
+from scheduler.rundir.status import read_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -133,7 +133,7 @@ def test_follow_prints_each_round_once_until_finished(tmp_path: Path) -> None:
 
 def test_run_recorder_keeps_the_run_dir_current(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from proto.job import JobSpec
-    from scheduler.status import RunRecorder
+    from scheduler.rundir.status import RunRecorder
 
     spec = JobSpec.from_dict({"job": {"id": "rec"}, "training": {"federated_learning_rounds": 3}})
     run = tmp_path / "runs" / "rec"
@@ -153,7 +153,7 @@ def test_run_recorder_keeps_the_run_dir_current(tmp_path: Path, capsys: pytest.C
 def test_run_recorder_feeds_job_metrics_and_counts_lost_clusters(tmp_path: Path) -> None:
     from fedcore.metrics import RunMetrics
     from proto.job import JobSpec
-    from scheduler.status import RunRecorder
+    from scheduler.rundir.status import RunRecorder
 
     spec = JobSpec.from_dict({"job": {"id": "lossy"}, "training": {"federated_learning_rounds": 4}})
     metrics = RunMetrics("scheduler")
@@ -170,7 +170,7 @@ def test_run_recorder_feeds_job_metrics_and_counts_lost_clusters(tmp_path: Path)
 def test_a_running_summary_has_the_faults_so_far_each_loss_counted_once(tmp_path: Path) -> None:
     from fedcore.metrics import RunMetrics
     from proto.job import JobSpec
-    from scheduler.status import RunRecorder
+    from scheduler.rundir.status import RunRecorder
 
     spec = JobSpec.from_dict({"job": {"id": "bumpy"}, "training": {"federated_learning_rounds": 5}})
     metrics = RunMetrics("scheduler")

@@ -9,8 +9,8 @@ import pytest
 
 from proto.job import JobSpec, TopologySpec, k_neighbors
 from scheduler.errors import PlanError
-from scheduler.placement.histograms import synthetic_histograms
-from scheduler.topology import build_topology, logical_edges, similarity_edges
+from scheduler.planning.placement.histograms import synthetic_histograms
+from scheduler.planning.topology import build_topology, logical_edges, similarity_edges
 
 
 def pairs(edges: np.ndarray) -> set[tuple[int, int]]:
@@ -91,7 +91,7 @@ def test_k_connected_complementary_neighbourhoods_hold_the_classes_a_client_lack
 def test_scalable_similarity_neighbours_close_to_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     h = synthetic_histograms(3000, beta=0.1, seed=3)
     exact = pairs(similarity_edges(h, 3))
-    monkeypatch.setattr("scheduler.topology.EXACT_KNN_LIMIT", 100)
+    monkeypatch.setattr("scheduler.planning.topology.EXACT_KNN_LIMIT", 100)
     approx = pairs(similarity_edges(h, 3))
     u = h / np.linalg.norm(h, axis=1, keepdims=True)
     sim = lambda es: np.mean([u[a] @ u[b] for a, b in es])  # noqa: E731

@@ -14,7 +14,7 @@ from safetensors.numpy import load as st_load
 
 from fedpilot.loopback import LoopbackMesh
 from proto.job import JobSpec
-from scheduler.driver import Driver
+from scheduler.run.driver import Driver
 from worker.context import ExecutionContext, InProcessContext
 from worker.executor.runtime import runtime_factory
 from worker.nodes.batching import TrainBatcher

@@ -28,7 +28,7 @@ def test_executor_metrics_follow_a_real_job() -> None:
                    training=TrainingSpec(federated_learning_rounds=3, number_of_epochs=1))
     job = {("job", "m")}
     from fedpilot.loopback import LoopbackMesh
-    from scheduler.driver import Driver
+    from scheduler.run.driver import Driver
     from worker.executor.runtime import runtime_factory
 
     mesh = LoopbackMesh(["a"], lambda cid: runtime_factory(InProcessContext(), cid), capacity=4)
@@ -98,7 +98,7 @@ def test_each_executor_serves_its_own_rounds_and_fabricd_passes_the_endpoint(
 
     from fabricd.executors import ExecutorLauncher
     from fedpilot.loopback import LoopbackMesh
-    from scheduler.driver import Driver
+    from scheduler.run.driver import Driver
     from worker.executor.runtime import runtime_factory
 
     launcher = ExecutorLauncher(cluster_id="a", bridge_socket=Path("/x.sock"), ray_address="local",

@@ -17,7 +17,7 @@ the cosine client schedule (bench_learning): FedAdam reaches 0.928 with a two-co
 MNIST (FedAvg 0.913) and 0.967 on the digits demo (hybrid, mlp); the former 0.1 without
 bias correction (tuned on the digits mlp) held the CNN at chance from round 1, and 0.02
 gave the demo 0.936. A job that sits at chance says so on its progress line
-(scheduler/health.py).
+(scheduler/run/health.py).
 Non-float tensors (counters) take the plain weighted average.
 """
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from scheduler.errors import JobFailed
 
 if TYPE_CHECKING:
-    from scheduler.driver import ClusterChannel
+    from scheduler.run.channel import ClusterChannel
 
 log = logging.getLogger("fedpilot.scheduler")
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import AssignmentFileError
-from .mapping import check_capacity
+from scheduler.errors import AssignmentFileError
+from scheduler.planning.placement.mapping import check_capacity
 
 
 def round_robin(num_clients: int, capacities: Sequence[int]) -> np.ndarray:

@@ -31,8 +31,8 @@ from proto.bridge import (
     send_bridge,
 )
 from proto.errors import ProtocolError
-from scheduler.driver import ClusterInfo
 from scheduler.errors import JobFailed
+from scheduler.run.channel import ClusterInfo
 
 log = logging.getLogger("fedpilot.scheduler")
 

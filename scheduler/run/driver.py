@@ -21,48 +21,32 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from proto.job import JobSpec
 from proto.rounds import RoundRecord
 from proto.routing import RoutingMatrix
-from scheduler.checkpoint import Checkpoint
-from scheduler.clusters import ClusterSlot
 from scheduler.errors import JobFailed
-from scheduler.health import LearningWatch
-from scheduler.leases import ClusterLost, LeaseKeeper
-from scheduler.pinned import (
+from scheduler.planning.clusters import ClusterSlot
+from scheduler.planning.pinned import (
     check_pinned_data,
     client_clusters,
     pinned_holders,
     pinned_plan_extra,
 )
-from scheduler.plan import Plan, plan_job
-from scheduler.recovery import Departed, Recovery, node_clusters
-from scheduler.results import ClusterRecordSummary, JobSummary
+from scheduler.planning.plan import Plan, plan_job
+from scheduler.run.channel import ClusterChannel, ClusterInfo
+from scheduler.run.checkpoint import Checkpoint
+from scheduler.run.health import LearningWatch
+from scheduler.run.leases import ClusterLost, LeaseKeeper
+from scheduler.run.recovery import Departed, Recovery, node_clusters
+from scheduler.rundir.results import ClusterRecordSummary, JobSummary
 
 log = logging.getLogger("fedpilot.scheduler")
 
 __all__ = ["ClusterChannel", "ClusterInfo", "Driver", "JobFailed", "JobResult", "plan_epoch"]
-
-
-class ClusterChannel(Protocol):
-    #: the cluster id under which the scheduler's side receives update streams
-    local_cluster: str
-
-    def request(self, cluster_id: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Send a control message to a cluster's executor and return its reply body.
-
-        Raises `JobFailed` naming the cluster if it is unreachable or refuses."""
-        ...
-
-    def take_update(self, job_id: str, source_node: str, timeout: float) -> bytes:
-        """The payload of the update `source_node` streamed to the scheduler for `job_id`.
-
-        Raises `JobFailed` if it does not arrive within `timeout` seconds."""
-        ...
 
 
 def plan_epoch(spec: JobSpec, histograms: np.ndarray, slots: Sequence[ClusterSlot], *,
@@ -95,13 +79,6 @@ def merge_failures(failures: Mapping[str, str]) -> str:
         named = ", ".join(cids)
         lines.append(shape.replace("\x00", f"clusters {named}").replace("\x01", named))
     return "; ".join(lines)
-
-
-@dataclass(frozen=True)
-class ClusterInfo:
-    cluster_id: str
-    peer_id: str = ""
-    capacity: int = 0
 
 
 @dataclass

@@ -34,9 +34,8 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from proto.job import JobSpec, TopologySpec, k_neighbors
-
-from .errors import PlanError
-from .placement.similarity import quantise, unit_rows
+from scheduler.errors import PlanError
+from scheduler.planning.placement.similarity import quantise, unit_rows
 
 EXACT_KNN_LIMIT = 4096      # above this many clients, k-similar neighbours come from blocks
 KNN_BLOCK = 384             # block size for the scalable neighbour search

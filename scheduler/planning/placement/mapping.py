@@ -18,12 +18,12 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.sparse.csgraph import reverse_cuthill_mckee
 
-from ..errors import CapacityError
-from .communities import Communities
-from .similarity import unit_rows
+from scheduler.errors import CapacityError
+from scheduler.planning.placement.communities import Communities
+from scheduler.planning.placement.similarity import unit_rows
 
-if TYPE_CHECKING:  # scheduler.topology imports this package; avoid the cycle at run time
-    from ..topology import LogicalTopology
+if TYPE_CHECKING:  # scheduler.planning.topology imports this package; avoid the cycle at run time
+    from scheduler.planning.topology import LogicalTopology
 
 
 LOUVAIN_DENSE_LIMIT = 64    # above this many communities, Louvain sees a sparsified graph

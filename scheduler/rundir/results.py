@@ -55,7 +55,7 @@ class JobSummary:
     # which model model.safetensors is, and its accuracy/loss as evaluated
     final_model: dict[str, Any] = field(default_factory=dict)
     # every cluster lost or returned: round, cluster, event, nodes moved, seconds to
-    # detect and to recover (scheduler/recovery.py)
+    # detect and to recover (scheduler/run/recovery.py)
     faults: list[dict[str, Any]] = field(default_factory=list)
 
     def finish(self, status: str = "finished") -> None:

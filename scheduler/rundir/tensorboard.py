@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import SchedulerError
+from scheduler.errors import SchedulerError
 
 ROUND_SCALARS = ("accuracy", "loss", "personalized_accuracy", "seconds", "bytes_inter", "bytes_intra")
 

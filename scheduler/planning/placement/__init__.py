@@ -6,12 +6,20 @@
 4. `mapping`     — Louvain over the community graph, capacity-respecting assignment;
    `refine`      — greedy moves/swaps that cut traffic within capacity;
    `strategies`  — round_robin, random, precomputed.
-The routing matrix (stage 5) is `proto.routing.RoutingMatrix`; `scheduler.plan` runs all.
+The routing matrix (stage 5) is `proto.routing.RoutingMatrix`; `scheduler.planning.plan` runs all.
 """
 
-from .communities import Communities, affinity_propagation, find_communities
-from .histograms import job_histograms, planted_histograms, synthetic_histograms
-from .mapping import (
+from scheduler.planning.placement.communities import (
+    Communities,
+    affinity_propagation,
+    find_communities,
+)
+from scheduler.planning.placement.histograms import (
+    job_histograms,
+    planted_histograms,
+    synthetic_histograms,
+)
+from scheduler.planning.placement.mapping import (
     assign_communities,
     check_capacity,
     community_graph,
@@ -20,9 +28,14 @@ from .mapping import (
     louvain_groups,
     place_aggregators,
 )
-from .refine import refine_assignment
-from .similarity import cosine_similarity, nearest_rows, quantise, unit_rows
-from .strategies import load_precomputed, random_assignment, round_robin
+from scheduler.planning.placement.refine import refine_assignment
+from scheduler.planning.placement.similarity import (
+    cosine_similarity,
+    nearest_rows,
+    quantise,
+    unit_rows,
+)
+from scheduler.planning.placement.strategies import load_precomputed, random_assignment, round_robin
 
 __all__ = [
     "Communities",

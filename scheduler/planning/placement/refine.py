@@ -10,7 +10,7 @@ import numpy as np
 import scipy.sparse as sp
 
 if TYPE_CHECKING:
-    from ..topology import LogicalTopology
+    from scheduler.planning.topology import LogicalTopology
 
 
 def refine_assignment(topology: LogicalTopology, client_cluster: np.ndarray,

@@ -1,7 +1,7 @@
 """`fedpilot-scheduler status RUN_DIR [--follow]`: a running or finished job from its run directory.
 
 Reads only what the scheduler writes there (`summary.json`, `metrics.csv`; see
-`scheduler/results.py`), so it works from another terminal or machine and never talks to
+`scheduler/rundir/results.py`), so it works from another terminal or machine and never talks to
 the mesh. `RunRecorder` is the writing side: given to the driver as its progress callback,
 it rewrites both files (atomically) after every round with `status` = running, then
 finished or failed. A file caught half-written by another writer is read again, then
@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from proto.job import JobSpec
-
-from .errors import SchedulerError
-from .results import JobSummary, RoundRecord, write_metrics_csv
+from scheduler.errors import SchedulerError
+from scheduler.rundir.results import JobSummary, RoundRecord, write_metrics_csv
 
 STATES = ("running", "finished", "failed")
 _NUMERIC = ("accuracy", "loss", "personalized_accuracy", "bytes_intra", "bytes_inter", "seconds")
@@ -348,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
     def to_tensorboard(status: RunStatus) -> None:
         nonlocal writer
         if writer is None:
-            from .tensorboard import ScalarWriter
+            from scheduler.rundir.tensorboard import ScalarWriter
 
             writer = ScalarWriter(args.tensorboard, status.job_id)
         writer.add_rounds(status.rounds)

@@ -32,19 +32,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from proto.routing import RoutingMatrix
-from scheduler.checkpoint import Checkpoint, write_checkpoint
-from scheduler.clusters import ClusterSlot
 from scheduler.errors import CapacityError, JobFailed
-from scheduler.leases import ClusterLost, LeaseKeeper
+from scheduler.planning.clusters import ClusterSlot
+from scheduler.run.checkpoint import Checkpoint, write_checkpoint
+from scheduler.run.leases import ClusterLost, LeaseKeeper
 
 RETURN_START_TIMEOUT = 120.0  # seconds a returning cluster gets to start its executor
 MAX_RETURNS = 3  # a cluster lost again after this many returns is not re-admitted
 
 if TYPE_CHECKING:
     from proto.job import JobSpec
-    from scheduler.driver import ClusterChannel, ClusterInfo
-    from scheduler.plan import Plan
-    from scheduler.results import JobSummary
+    from scheduler.planning.plan import Plan
+    from scheduler.run.channel import ClusterChannel, ClusterInfo
+    from scheduler.rundir.results import JobSummary
 
 log = logging.getLogger("fedpilot.scheduler")
 

@@ -21,10 +21,10 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .errors import CapacityError, JobFailed
+from scheduler.errors import CapacityError, JobFailed
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from scheduler.planning.plan import Plan
 
 log = logging.getLogger("fedpilot.scheduler")
 

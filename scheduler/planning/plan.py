@@ -17,22 +17,21 @@ import numpy as np
 
 from proto.job import JobSpec
 from proto.routing import RoutingMatrix
-
-from .clusters import ClusterSlot, as_slots
-from .errors import AssignmentFileError, CapacityError, PlanError
-from .pinned import client_clusters, fixed_assignment, pinned_holders
-from .placement.communities import Communities, find_communities
-from .placement.histograms import job_histograms
-from .placement.mapping import (
+from scheduler.errors import AssignmentFileError, CapacityError, PlanError
+from scheduler.planning.clusters import ClusterSlot, as_slots
+from scheduler.planning.pinned import client_clusters, fixed_assignment, pinned_holders
+from scheduler.planning.placement.communities import Communities, find_communities
+from scheduler.planning.placement.histograms import job_histograms
+from scheduler.planning.placement.mapping import (
     assign_communities,
     check_capacity,
     contiguous_assignment,
     cut_traffic,
     place_aggregators,
 )
-from .placement.refine import refine_assignment
-from .placement.strategies import load_precomputed, random_assignment, round_robin
-from .topology import LogicalTopology, build_topology
+from scheduler.planning.placement.refine import refine_assignment
+from scheduler.planning.placement.strategies import load_precomputed, random_assignment, round_robin
+from scheduler.planning.topology import LogicalTopology, build_topology
 
 # Topologies whose client↔client edges exist before placement (hybrid's depend on it).
 _PRE_PLACEMENT = ("ring", "k_connected", "full", "custom")

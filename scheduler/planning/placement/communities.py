@@ -17,7 +17,12 @@ import numpy as np
 from sklearn.cluster import AffinityPropagation
 from sklearn.exceptions import ConvergenceWarning
 
-from .similarity import cosine_similarity, nearest_rows, quantise, unit_rows
+from scheduler.planning.placement.similarity import (
+    cosine_similarity,
+    nearest_rows,
+    quantise,
+    unit_rows,
+)
 
 log = logging.getLogger(__name__)
 
