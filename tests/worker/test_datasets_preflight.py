@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedcore.data.preflight import check_job_inputs
 from proto.job import JobSpecError
 from scheduler.jobfile import load_job
+from worker.preflight import check_job_inputs
 
 WRONG_HEAD = '''
 import torch

@@ -1,0 +1,76 @@
+"""The model half of the pre-start check, run as a child Python by
+`fedcore.data.preflight.check_model_in_child` (`python -m worker.preflight SOURCE`, the job
+as JSON on stdin): build the job's model for the dataset's input shape and classes and run
+it once on two samples; prints {"key", "message"} and exits 2 if it fails. The scheduler
+and `plan` never import this module (nor torch): they start it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+
+from fedcore.data import Dataset
+from fedcore.data.preflight import check_job_data
+from proto.job import JobSpec, JobSpecError
+
+
+def check_job_inputs(spec: JobSpec, source: str) -> Dataset:
+    """The job's dataset, after its model was built and run once on it; JobSpecError
+    naming ``data.dataset`` or ``model.name`` otherwise."""
+    dataset = check_job_data(spec, source)
+    check_model(spec, source, dataset)
+    return dataset
+
+
+def check_model(spec: JobSpec, source: str, dataset: Dataset) -> None:
+    import torch
+
+    from worker.models import ModelError, build_model
+
+    name = spec.model.name
+    try:
+        model = build_model(spec.model, dataset.input_shape, dataset.num_classes, seed=spec.seed)
+    except ModelError as exc:
+        raise JobSpecError(source, "model.name", f"model.name: {exc}") from None
+    sample = torch.from_numpy(dataset.x_train[:2].copy())
+    try:
+        with torch.no_grad():
+            out = model.eval()(sample)
+    except Exception as exc:  # noqa: BLE001 - user code may raise anything
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise JobSpecError(
+            source, "model.name",
+            f"model.name {name!r} fails on input of shape {tuple(sample.shape)} from "
+            f"{spec.data.dataset}: {type(exc).__name__}: {first}") from None
+    if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != len(sample):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise JobSpecError(source, "model.name",
+                           f"model.name {name!r} returns {shape} for {len(sample)} samples; it must "
+                           "return logits of shape (batch, num_classes)")
+    if out.shape[1] != dataset.num_classes:
+        raise JobSpecError(
+            source, "model.name",
+            f"model.name {name!r} gives {out.shape[1]} outputs per sample but data.dataset "
+            f"{spec.data.dataset} has {dataset.num_classes} classes; size the last layer with "
+            "the num_classes argument of Class(input_shape, num_classes)")
+
+
+def main(argv: Sequence[str]) -> int:
+    """Child side of `fedcore.data.preflight.check_model_in_child`: the spec as JSON on stdin, the source as argv[0];
+    prints {"key", "message"} and exits 2 if the check fails."""
+    source = argv[0] if argv else "<job>"
+    try:
+        check_job_inputs(JobSpec.from_dict(json.loads(sys.stdin.read()), source=source), source)
+    except JobSpecError as exc:
+        message = str(exc)
+        if message.startswith(source + ": "):
+            message = message[len(source) + 2:]
+        print(json.dumps({"key": exc.key, "message": message}))
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
