@@ -233,7 +233,8 @@ def grid(quick: bool, only: list[str]) -> list[dict[str, str]]:
             rows.append({"topology": parts[0], "aggregation": parts[1] if len(parts) > 1
                          else "fedavg", "compression": parts[2] if len(parts) > 2 else "none",
                          "placement": parts[3] if len(parts) > 3 else "locality",
-                         **({"personal": parts[4]} if len(parts) > 4 else {})})
+                         **({"personal": parts[4]} if len(parts) > 4 else {}),
+                         **({"period": parts[5]} if len(parts) > 5 else {})})
         return rows
     if quick:
         return [{"topology": t, "aggregation": a, "compression": "none",
@@ -249,12 +250,17 @@ def grid(quick: bool, only: list[str]) -> list[dict[str, str]]:
               "placement": "random"} for t in ("hybrid", "k_connected")]
     rows += [{"topology": "star", "aggregation": "fedavg", "compression": "none",
               "placement": "locality", "personal": "1"}]
+    # hybrid groups exchanging every 3rd round: the one case where what a group holds can
+    # change the model (with every-round exchange hybrid FedAvg is star FedAvg exactly)
+    rows += [{"topology": "hybrid", "aggregation": "fedavg", "compression": "none",
+              "placement": p, "period": "3"} for p in ("locality", "random")]
     return rows
 
 
 def label(row: dict[str, str]) -> str:
     name = "+".join([row["topology"], row["aggregation"], row["compression"], row["placement"]])
-    return name + (f"+personal{row['personal']}" if "personal" in row else "")
+    return (name + (f"+personal{row['personal']}" if "personal" in row else "")
+            + (f"+period{row['period']}" if "period" in row else ""))
 
 
 def _task(kind: str, job: dict[str, Any], clusters: int) -> dict[str, Any]:
@@ -282,13 +288,13 @@ def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: i
                                                     ("reference", "reference_fedavg", base)]
     for row in rows:
         name = label(row)
-        tasks.append(("engine", name, job_dict(ds, dataset, row["topology"],
-                                               row["aggregation"],
-                                               compression=row["compression"],
-                                               placement=row["placement"], seed=seed,
-                                               label=name.replace("+", "-"),
-                                               training={"personal_epochs":
-                                                         int(row.get("personal", 0))})))
+        job = job_dict(ds, dataset, row["topology"], row["aggregation"],
+                       compression=row["compression"], placement=row["placement"], seed=seed,
+                       label=name.replace("+", "-"),
+                       training={"personal_epochs": int(row.get("personal", 0))})
+        if "period" in row:
+            job["topology"]["inter_cluster_period"] = int(row["period"])
+        tasks.append(("engine", name, job))
     results: dict[str, dict[str, Any]] = {}
     pending = tasks
     for _attempt in range(2):   # a worker killed from outside (OOM) costs a retry, not the run
@@ -367,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="repeat for several (default: all)")
     parser.add_argument("--jobs", default="",
                         help="comma-separated topology[:aggregator[:compression[:placement"
-                             "[:personal_epochs]]]]")
+                             "[:personal_epochs[:inter_cluster_period]]]]]")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
