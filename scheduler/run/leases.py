@@ -118,7 +118,10 @@ class LeaseKeeper:
                 running = self._inflight.get(cid)
                 if running is not None and not running.done():
                     continue  # the previous renewal is still on its way: do not pile up
-                self._inflight[cid] = self._pool.submit(self._renew, cid)
+                try:
+                    self._inflight[cid] = self._pool.submit(self._renew, cid)
+                except RuntimeError:  # stop() shut the pool down during this pass
+                    return
             self._check(clusters)
 
     def _check(self, clusters: list[str]) -> None:
@@ -166,5 +169,9 @@ class LeaseKeeper:
                 self._misses.pop(cluster_id, None)
 
     def stop(self) -> None:
+        """End the leases: the keeper's thread is joined (it is between two passes within
+        a moment) before its pool is shut down, so no renewal starts after this."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(5.0, 2 * self.interval))
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -44,3 +44,22 @@ def test_a_disconnected_flag_alone_does_not_lose_a_cluster_that_answers() -> Non
     finally:
         channel.answering.set()
         keeper.stop()
+
+
+def test_stop_during_a_pass_starts_no_renewal_after_it(monkeypatch: Any) -> None:
+    """stop() while the keeper's thread is between waking and renewing: the thread must
+    not hand a renewal to a pool that stop() already shut down (it raised in the thread
+    and printed a traceback under every job that ended then)."""
+    crashed: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook",
+                        lambda args: crashed.append(args.exc_value))  # type: ignore[arg-type]
+    keeper = LeaseKeeper(Channel(), "j", ["a"], lease=1.0).start()  # type: ignore[arg-type]
+    with keeper._lock:                      # the thread wakes and waits here
+        time.sleep(keeper.interval + 0.3)
+        stopper = threading.Thread(target=keeper.stop)
+        stopper.start()
+        time.sleep(0.3)
+    stopper.join(timeout=30)
+    keeper._thread.join(timeout=30)
+    assert not stopper.is_alive() and not keeper._thread.is_alive()
+    assert crashed == []
