@@ -3,18 +3,31 @@
 One `RunMetrics` per process (its own registry; several may share a test process). The
 round engine calls `observe_round` after every round and `cluster_lost` when a cluster
 drops out; `serve("HOST:PORT")` exposes them at /metrics from a daemon thread until
-`close()`. Names: `fedpilot_executor_*` and `fedpilot_scheduler_*`, listed in
-docs/observability.md. Labels are the job id (and, for losses, the lost cluster's id).
+`close()`; `routes` add other paths (the scheduler's live page, scheduler/rundir/live.py).
+Names: `fedpilot_executor_*` and `fedpilot_scheduler_*`, listed in docs/observability.md. Labels are the job id (and, for losses, the lost cluster's id).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import socket
 import threading
+from collections.abc import Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+#: a path's handler: () -> (body, content type)
+Route = Callable[[], tuple[bytes, str]]
 
 COMPONENTS = ("executor", "scheduler")
 ROUND_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0, 3600.0)
@@ -95,12 +108,23 @@ class RunMetrics:
 
     # ---- the endpoint --------------------------------------------------------------------
 
-    def serve(self, endpoint: str) -> str:
-        """Serve /metrics at ``endpoint`` (HOST:PORT) from a daemon thread; the bound address."""
+    def serve(self, endpoint: str, routes: Mapping[str, Route] | None = None) -> str:
+        """Serve /metrics (and ``routes``: path -> handler) at ``endpoint`` (HOST:PORT) from
+        a daemon thread; the bound address."""
         if self._server is not None:
             return self.address
         host, port = parse_endpoint(endpoint)
-        self._server, self._thread = start_http_server(port, host, registry=self.registry)
+        table: dict[str, Route] = {
+            "/metrics": lambda: (generate_latest(self.registry), CONTENT_TYPE_LATEST),
+            **(routes or {})}
+        handler = type("Handler", (_Handler,), {"routes": table})
+        server_class = type("Server", (ThreadingHTTPServer,),
+                            {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET,
+                             "daemon_threads": True})
+        self._server = server_class((host, port), handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http",
+                                        daemon=True)
+        self._thread.start()
         bound_host, bound_port = str(self._server.server_address[0]), int(self._server.server_address[1])
         self.address = f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
         return self.address
@@ -119,3 +143,35 @@ class RunMetrics:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """GET a path of `routes`; 404 names the paths there are, 500 says what failed."""
+
+    routes: dict[str, Route] = {}
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        path = self.path.split("?", 1)[0]
+        route = self.routes.get(path)
+        if route is None:
+            self._send(404, f"no page {path}; try {', '.join(sorted(self.routes))}\n".encode(),
+                       "text/plain; charset=utf-8")
+            return
+        try:
+            body, content_type = route()
+        except Exception as exc:  # a page that cannot be made now: say why, keep serving
+            self._send(500, f"{path}: {type(exc).__name__}: {exc}\n".encode(),
+                       "text/plain; charset=utf-8")
+            return
+        self._send(200, body, content_type)
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # one line per scrape is noise
+        pass

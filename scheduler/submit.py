@@ -65,7 +65,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--metrics", metavar="HOST:PORT",
                    help="serve the job's metrics (fedpilot_scheduler_*, docs/observability.md) "
-                        "in Prometheus format at http://HOST:PORT/metrics while it runs")
+                        "in Prometheus format at http://HOST:PORT/metrics, and a live page of the job "
+                        "(mesh, placement, accuracy and traffic by round) at http://HOST:PORT/")
     p.set_defaults(func=run)
 
 
@@ -167,11 +168,15 @@ def submit(spec: JobSpec, source: str, args: argparse.Namespace) -> dict[str, An
     testbed = None
     channel = None
     metrics = None
+    live = None
     if args.metrics:
         from fedcore.metrics import RunMetrics
+        from scheduler.rundir.live import LiveState
 
         metrics = RunMetrics("scheduler")
-        print(f"metrics: http://{metrics.serve(args.metrics)}/metrics", file=sys.stderr)
+        live = LiveState(out, spec.job_id)
+        address = metrics.serve(args.metrics, routes=live.routes())
+        print(f"metrics: http://{address}/metrics  live page: http://{address}/", file=sys.stderr)
     # SIGTERM tears down like Ctrl-C (only the main thread may set a handler: a notebook's
     # fedpilot.run from another thread keeps the default)
     main_thread = threading.current_thread() is threading.main_thread()
@@ -219,6 +224,8 @@ def submit(spec: JobSpec, source: str, args: argparse.Namespace) -> dict[str, An
 
         driver = Driver(spec, clusters, channel, backend=args.backend, progress=progress,
                         timeout=args.round_timeout, run_dir=out, resume=checkpoint)
+        if live is not None:
+            live.driver = driver
         try:
             result = driver.run()
         except BaseException as exc:

@@ -135,6 +135,7 @@ class Driver(Recovery):
         self._slowest = 0.0  # seconds of the slowest round so far
         #: the job's summary as it grows (rounds, faults), for whoever follows the run
         self.summary: JobSummary | None = None
+        self.plan: Plan | None = None  # the newest published plan (read by the live page)
         self._pinned: list[str] | None = None  # data.placement = "pinned": each client's cluster
         self._client_samples: list[int] = []    # ... and its training samples (histogram sums)
 
@@ -349,6 +350,7 @@ class Driver(Recovery):
         return plan_epoch(self.spec, histograms, slots, epoch=epoch, pinned=self._pinned)
 
     def _publish(self, plan: Plan, imports: Mapping[str, list[str]]) -> None:
+        self.plan = plan
         routing = plan.routing.to_bytes()
         # pinned data: a cluster cannot count another's clients' samples itself; the
         # weights of their updates are what their own clusters reported at start
