@@ -112,6 +112,7 @@ def plan_placement(
     communities: Communities | None = None,
     topology: LogicalTopology | None = None,
     pinned: Sequence[str] | None = None,
+    overflow: bool = False,
 ) -> PlacementResult:
     """Place every client on a cluster by `strategy` (default: the job's), never over a
     cluster's capacity. `histograms` are the clients' label histograms `[n, C]`; the
@@ -120,7 +121,12 @@ def plan_placement(
 
     A pinned job (data.placement = "pinned") places every client on the cluster that holds
     its data: `pinned[i]` is client i's cluster (default: the blocks `pinned_holders`
-    gives these clusters); PinnedClientsLost if one of them is not among `clusters`."""
+    gives these clusters); PinnedClientsLost if one of them is not among `clusters`.
+
+    `overflow` (a re-plan after a lost cluster, `on_cluster_loss = "continue"`): when the
+    clusters cannot hold every client, the ones that do not fit sit out instead of the
+    job failing (`absent`: listed on a cluster as placeholders that never train) until a
+    cluster returns or capacity frees."""
     slots = as_slots(clusters)
     ids = tuple(s.cluster_id for s in slots)
     caps = [s.capacity for s in slots]
@@ -136,6 +142,21 @@ def plan_placement(
             communities = job_communities(spec, histograms, seed=seed)
         return PlacementResult("pinned", ids, np.asarray(fixed, dtype=np.int64),
                                communities.labels, communities.count, tuple(absent))
+    short = n - int(sum(caps))
+    if overflow and short > 0 and caps and all(c >= 0 for c in caps):
+        # the largest cluster is given room for the clients that do not fit; the
+        # placement runs as usual, and what it puts on that cluster past its real
+        # capacity sits out (the highest ids: a deterministic choice)
+        k = int(np.argmax(caps))
+        roomy = [c + short if i == k else c for i, c in enumerate(caps)]
+        full = plan_placement(spec, histograms, [ClusterSlot(c, r) for c, r in zip(ids, roomy,
+                                                                                     strict=True)],
+                              seed=seed, strategy=strategy, communities=communities,
+                              topology=topology)
+        on_k = np.flatnonzero(full.cluster_index == k)
+        sit_out = tuple(sorted(int(i) for i in on_k[len(on_k) - short:]))
+        return PlacementResult(full.strategy, ids, full.cluster_index, full.client_community,
+                               full.communities, sit_out)
     check_capacity(n, caps)
     _check_histograms(histograms, n)
     if communities is None:
@@ -233,15 +254,17 @@ def plan_job(
     compare: Sequence[str] = (),
     epoch: int = 0,
     pinned: Sequence[str] | None = None,
+    overflow: bool = False,
 ) -> Plan:
     """Run the whole pipeline for `spec` (histograms from the job's own partition unless
     given) and time each stage. `compare` names other strategies whose inter-cluster
     edge counts are reported alongside (same histograms, communities and topology); a
-    pinned job has no other assignment to compare. `pinned`: see `plan_placement`."""
+    pinned job has no other assignment to compare. `pinned`, `overflow`: see
+    `plan_placement`."""
     slots = as_slots(clusters)
     if spec.data.placement == "pinned":
         compare = ()
-    else:
+    elif not overflow:
         check_capacity(spec.data.number_of_clients, [s.capacity for s in slots])
     seconds: dict[str, float] = {}
     t = time.perf_counter()
@@ -265,7 +288,8 @@ def plan_job(
     pre = pre_placement_topology(spec, histograms, seed=spec.seed)
     lap("topology")
     placement = plan_placement(spec, histograms, slots, strategy=strategy,
-                               communities=communities, topology=pre, pinned=pinned)
+                               communities=communities, topology=pre, pinned=pinned,
+                               overflow=overflow)
     lap("placement")
     topology = final_topology(spec, placement, pre, seed=spec.seed)
     routing = routing_matrix(spec, placement, topology, slots, epoch=epoch)

@@ -50,15 +50,17 @@ __all__ = ["ClusterChannel", "ClusterInfo", "Driver", "JobFailed", "JobResult", 
 
 
 def plan_epoch(spec: JobSpec, histograms: np.ndarray, slots: Sequence[ClusterSlot], *,
-               epoch: int, pinned: Sequence[str] | None = None) -> Plan:
+               epoch: int, pinned: Sequence[str] | None = None,
+               overflow: bool = False) -> Plan:
     """Plan placement epoch `epoch`. Deterministic strategies give the same answer every
     epoch (nothing moves unless the clusters changed); `random` draws anew each epoch.
-    `pinned`: the cluster of every client of a pinned-data job (they never move)."""
+    `pinned`: the cluster of every client of a pinned-data job (they never move);
+    `overflow`: clients the clusters cannot hold sit out (a re-plan after a loss)."""
     planned_spec = spec
     if spec.placement.strategy == "random" and epoch:
         planned_spec = replace(spec, seed=spec.seed + epoch)
     plan = plan_job(planned_spec, list(slots), histograms=histograms, epoch=epoch,
-                    pinned=pinned)
+                    pinned=pinned, overflow=overflow)
     return plan
 
 
@@ -347,14 +349,24 @@ class Driver(Recovery):
         return JobResult(summary, placement, model, model_info=info)
 
     def _replan(self, histograms: np.ndarray, slots: list[ClusterSlot], epoch: int) -> Plan:
-        return plan_epoch(self.spec, histograms, slots, epoch=epoch, pinned=self._pinned)
+        # degrade, don't die: after a loss, clients the survivors cannot hold sit out
+        # until a cluster returns (a re-plan with every cluster has room for all)
+        return plan_epoch(self.spec, histograms, slots, epoch=epoch, pinned=self._pinned,
+                          overflow=self.spec.faults.on_cluster_loss == "continue")
 
     def _publish(self, plan: Plan, imports: Mapping[str, list[str]]) -> None:
         self.plan = plan
         routing = plan.routing.to_bytes()
         # pinned data: a cluster cannot count another's clients' samples itself; the
         # weights of their updates are what their own clusters reported at start
-        extra = {} if self._pinned is None else pinned_plan_extra(plan, self._client_samples)
+        extra: dict[str, Any] = ({} if self._pinned is None
+                                 else pinned_plan_extra(plan, self._client_samples))
+        if self._pinned is None and plan.placement.absent:
+            extra["absent"] = list(plan.placement.absent)
+            log.warning("event=clients_sit_out job=%s epoch=%d clients=%d reason=%s",
+                        self.spec.job_id, plan.routing.epoch, len(plan.placement.absent),
+                        "the clusters left cannot hold them; they train again when a "
+                        "cluster returns")
         self._all({c.cluster_id: self._job_body("job.plan", routing=routing,
                                                 imports=imports.get(c.cluster_id, []),
                                                 next_round=self._next_round, **extra)

@@ -204,9 +204,11 @@ class Recovery:
                 "moved_to": sorted({after[n] for n in nodes if n in after}),
                 "restored_from_checkpoint": sum(1 for n in nodes if n in restored),
                 "survivor_nodes_moved": moved,
+                # the clients the survivors could not hold (they train again on a return)
+                "clients_sitting_out": len(new_plan.placement.absent),
                 "detect_seconds": round(loss.detect_seconds, 3),
                 "recover_seconds": round(time.monotonic() - started, 3)})
-        self._record_returns(back, r, after, summary, started)
+        self._record_returns(back, r, after, summary, started, len(new_plan.placement.absent))
         log.warning("event=recovered job=%s round=%d epoch=%d restored=%d seconds=%.2f",
                     self.spec.job_id, r, self._epoch, len(restored),
                     time.monotonic() - started)
@@ -237,7 +239,8 @@ class Recovery:
             raise JobFailed(f"re-admitting {', '.join(returned)}: {exc}") from None
         self._migrate(before, new_plan)
         summary.replans += 1
-        self._record_returns(back, r, node_clusters(new_plan.routing), summary, started)
+        self._record_returns(back, r, node_clusters(new_plan.routing), summary, started,
+                             len(new_plan.placement.absent))
         log.warning("event=readmitted job=%s round=%d clusters=%s epoch=%d", self.spec.job_id,
                     r, ",".join(returned), self._epoch)
         return new_plan
@@ -331,11 +334,12 @@ class Recovery:
         return back
 
     def _record_returns(self, back: Mapping[str, Departed], r: int, after: Mapping[str, str],
-                        summary: JobSummary, started: float) -> None:
+                        summary: JobSummary, started: float, sitting_out: int = 0) -> None:
         for cid, departed in back.items():
             summary.faults.append({
                 "round": r, "cluster": cid, "event": "returned",
                 "nodes_moved": sum(1 for c in after.values() if c == cid),
+                "clients_sitting_out": sitting_out,
                 "moved_to": [cid],
                 "away_seconds": round(started - departed.lost_at, 3),
                 "recover_seconds": round(time.monotonic() - started, 3)})

@@ -99,3 +99,35 @@ def test_below_min_clusters_the_job_fails_naming_what_is_missing(testbed: Any,
     with pytest.raises(JobFailed, match="min_clusters = 3"):
         run(tb, clusters, spec("too-few", min_clusters=3, return_wait=2), tmp_path / "run",
             "daemon")
+
+
+@pytest.fixture()
+def tight_testbed(tmp_path: Path) -> Any:
+    """Room for every client only while all three clusters are up."""
+    with LocalTestbed(3, backend="inprocess", workdir=str(tmp_path / "tb"), capacity=2) as tb:
+        clusters = tb.start(timeout=60)
+        yield tb, clusters
+
+
+@pytest.mark.parametrize("what", ["daemon", "executor"])
+def test_clients_the_survivors_cannot_hold_sit_out_until_their_cluster_returns(
+        tight_testbed: Any, tmp_path: Path, what: str) -> None:
+    """Degrade, don't die: 6 clients on 3 clusters of capacity 2; one is lost, the two
+    left hold 4, so 2 clients sit out (the job goes on, fewer train); when the cluster
+    returns (its executor alone was killed) every client trains again."""
+    tb, clusters = tight_testbed
+    result, victim = run(tb, clusters, spec(f"degrade-{what}"), tmp_path / "run", what)
+    summary = result.summary
+    assert [r.round for r in summary.rounds] == list(range(1, ROUNDS + 1))
+    lost = summary.faults[0]
+    assert lost["event"] == "lost" and lost["cluster"] == victim
+    assert lost["clients_sitting_out"] == 2
+    after_loss = [r for r in summary.rounds if r.round > lost["round"]]
+    if what == "daemon":
+        assert all(r.participants == 4 for r in after_loss)
+    else:
+        back = summary.faults[1]
+        assert back["event"] == "returned" and back["clients_sitting_out"] == 0
+        assert any(r.participants == 4 for r in after_loss)
+        assert all(r.participants == 6 for r in summary.rounds if r.round > back["round"])
+    assert not math.isnan(summary.rounds[-1].accuracy)

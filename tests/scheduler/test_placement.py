@@ -97,6 +97,26 @@ def test_impossible_plan_is_clear_error() -> None:
         plan_placement(spec, hist, {"a": 50, "b": 49})
 
 
+@pytest.mark.parametrize("strategy", ["locality", "round_robin", "random"])
+def test_with_overflow_the_clients_that_do_not_fit_sit_out(strategy: str) -> None:
+    """A re-plan after a loss (overflow): 100 clients, room for 70; 30 sit out, listed as
+    placeholders, and no cluster holds more active clients than its capacity."""
+    spec = job(data={"number_of_clients": 100}, placement={"strategy": strategy})
+    hist = synthetic_histograms(100)
+    caps = {"a": 40, "b": 30}
+    placement = plan_placement(spec, hist, caps, overflow=True)
+    assert len(placement.absent) == 30 and len(set(placement.absent)) == 30
+    assert placement.clients_per_cluster() == {"a": 40, "b": 30}
+    assert placement.to_dict()["sitting_out"] == [f"c{i}" for i in placement.absent]
+    assert plan_placement(spec, hist, caps, overflow=True).absent == placement.absent
+    roomy = plan_placement(spec, hist, {"a": 60, "b": 60}, overflow=True)
+    assert roomy.absent == ()       # with room for all, nobody sits out
+    plan = plan_job(spec, caps, histograms=hist, overflow=True)
+    assert plan.placement.absent == placement.absent
+    with pytest.raises(CapacityError):
+        plan_job(spec, caps, histograms=hist)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     sizes=st.lists(st.integers(1, 30), min_size=1, max_size=8),

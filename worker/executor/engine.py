@@ -223,7 +223,7 @@ class ClusterEngine:
 
     def _samples_behind(self, node: str) -> int:
         if self.graph.is_client(node):
-            return self.pool.samples(node)
+            return 0 if node in self.absent else self.pool.samples(node)
         # fixed for the engine's life (a new plan makes a new engine): a hybrid group of
         # 300,000 clients is summed once, not in every round
         cached = self._behind.get(node)
