@@ -9,7 +9,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 export RAY_DISABLE_DOCKER_CPU_WARNING := 1
 
-.PHONY: install test test-fast test-slow lint demo demo-mesh bench clean
+.PHONY: install test test-fast test-slow lint demo demo-mesh compose-demo bench clean
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or run: make PYTHON=/path/to/python3.11)"; exit 1; }
@@ -42,6 +42,11 @@ test-slow: install
 # each cluster with its own embedded Ray; results in runs/digits-demo/
 demo: install
 	$(VENV)/bin/fedpilot-scheduler submit deploy/examples/digits.toml --local 3
+
+# the same job in real containers: docker-compose testbed (certs, clusters a, b, c - each a
+# Ray head + fabricd - and the scheduler); results in runs/compose-demo/ (docs/deploy.md)
+compose-demo:
+	deploy/compose-demo.sh $(COMPOSE_DEMO_ARGS)
 
 # just the mesh: three daemons, their status and a probe between them
 demo-mesh: install
