@@ -38,10 +38,20 @@ def fabricd_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "fabricd.cli"]
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free on 127.0.0.1 now and not handed out before by this process (a testbed
+    picks several before any is bound; the kernel may offer a released one again)."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    return port
 
 
 def _run(args: list[str], what: str) -> str:

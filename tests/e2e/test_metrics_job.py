@@ -8,6 +8,7 @@ effort), a real Prometheus server scrapes the job and its HTTP API returns the s
 from __future__ import annotations
 
 import contextlib
+import http.client
 import io
 import json
 import re
@@ -145,9 +146,9 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ran]:
                     scrape(endpoint)  # parses while the job runs
                 scrapes_during += 1
                 for n, endpoint in tb.executor_endpoints.items():
-                    try:  # an executor serves from job.start to job.stop
-                        executors[n].append(scrape(endpoint))
-                    except OSError:
+                    try:  # an executor serves from job.start to job.stop; before, the
+                        executors[n].append(scrape(endpoint))  # port may answer otherwise
+                    except (OSError, http.client.HTTPException):
                         pass
                 if (run_dir / "summary.json").exists():
                     out_text = io.StringIO()
