@@ -234,7 +234,8 @@ def grid(quick: bool, only: list[str]) -> list[dict[str, str]]:
                          else "fedavg", "compression": parts[2] if len(parts) > 2 else "none",
                          "placement": parts[3] if len(parts) > 3 else "locality",
                          **({"personal": parts[4]} if len(parts) > 4 else {}),
-                         **({"period": parts[5]} if len(parts) > 5 else {})})
+                         **({"period": parts[5]} if len(parts) > 5 and parts[5] else {}),
+                         **({"steps": parts[6]} if len(parts) > 6 else {})})
         return rows
     if quick:
         return [{"topology": t, "aggregation": a, "compression": "none",
@@ -254,13 +255,17 @@ def grid(quick: bool, only: list[str]) -> list[dict[str, str]]:
     # change the model (with every-round exchange hybrid FedAvg is star FedAvg exactly)
     rows += [{"topology": "hybrid", "aggregation": "fedavg", "compression": "none",
               "placement": p, "period": "3"} for p in ("locality", "random")]
+    # decentralized nodes averaging with their neighbours twice a round
+    rows += [{"topology": "k_connected", "aggregation": "fedavg", "compression": "none",
+              "placement": "locality", "steps": "2"}]
     return rows
 
 
 def label(row: dict[str, str]) -> str:
     name = "+".join([row["topology"], row["aggregation"], row["compression"], row["placement"]])
     return (name + (f"+personal{row['personal']}" if "personal" in row else "")
-            + (f"+period{row['period']}" if "period" in row else ""))
+            + (f"+period{row['period']}" if "period" in row else "")
+            + (f"+mix{row['steps']}" if "steps" in row else ""))
 
 
 def _task(kind: str, job: dict[str, Any], clusters: int) -> dict[str, Any]:
@@ -294,6 +299,8 @@ def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: i
                        training={"personal_epochs": int(row.get("personal", 0))})
         if "period" in row:
             job["topology"]["inter_cluster_period"] = int(row["period"])
+        if "steps" in row:
+            job["topology"]["mixing_steps"] = int(row["steps"])
         tasks.append(("engine", name, job))
     results: dict[str, dict[str, Any]] = {}
     pending = tasks
@@ -373,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="repeat for several (default: all)")
     parser.add_argument("--jobs", default="",
                         help="comma-separated topology[:aggregator[:compression[:placement"
-                             "[:personal_epochs[:inter_cluster_period]]]]]")
+                             "[:personal_epochs[:inter_cluster_period[:mixing_steps]]]]]]")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),

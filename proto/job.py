@@ -39,6 +39,8 @@ DATASETS = ("digits",)                      # plus a file dataset PREFIX:PATH[#o
 DATASET_PREFIXES = ("npz:", "imagefolder:", "csv:", "parquet:")
 MODELS = ("mlp", "cnn", "lenet")            # plus "package.module:Class"
 K_CONNECTED_MODES = ("random", "similarity", "complementary")
+#: topology.mixing_steps at most: each step sends every model over every edge once more
+MAX_MIXING_STEPS = 4
 
 
 class JobSpecError(ValueError):
@@ -101,6 +103,7 @@ class TopologySpec:
     hierarchy_branching: int = 5            # children per aggregator
     adjacency_file: str = ""                # for custom: CSV adjacency
     inter_cluster_period: int = 1           # for hybrid: groups exchange every N rounds
+    mixing_steps: int = 1                   # decentralized: neighbour averagings per round
 
 
 @dataclass(frozen=True)
@@ -408,6 +411,7 @@ _RULES: dict[str, Rule] = {
     "topology.hierarchy_branching": _rule_int(2),
     "topology.adjacency_file": _rule_str,
     "topology.inter_cluster_period": _rule_int(1),
+    "topology.mixing_steps": _rule_int(1, MAX_MIXING_STEPS),
     "aggregation.name": _rule_aggregator,
     "aggregation.server_learning_rate": _rule_optional_positive_float,
     "aggregation.server_momentum": _rule_float(0.0, 1.0, high_open=True),
@@ -464,6 +468,10 @@ def _check_cross(source: str, spec: JobSpec) -> None:
     if topo.kind == "k_connected" and topo.client_k_neighbors >= n:
         raise _fail(source, "topology.client_k_neighbors", topo.client_k_neighbors,
                     f"0 (auto) or an integer < data.number_of_clients ({n}) for k_connected")
+    if topo.mixing_steps > 1 and topo.kind not in ("ring", "k_connected", "full", "custom"):
+        raise _fail(source, "topology.mixing_steps", topo.mixing_steps,
+                    f"1 on {topo.kind}: mixing steps are neighbour averagings of a "
+                    "decentralized topology (ring, k_connected, full, custom)")
     if topo.kind == "custom" and not topo.adjacency_file:
         raise JobSpecError(source, "topology.adjacency_file",
                            "topology.adjacency_file is required when topology.kind = 'custom' "

@@ -94,7 +94,8 @@ def Fedavg() -> Any:  # noqa: N802 - a factory standing where the class used to
 
 
 def build(graph: g.RoundGraph, placement: dict[str, str], *, aggregator: Any = None,
-          fraction: float = 1.0) -> tuple[dict[str, ClusterEngine], Links]:
+          fraction: float = 1.0, mixing_steps: int = 1
+          ) -> tuple[dict[str, ClusterEngine], Links]:
     links = Links()
     engines = {}
     init = {"w": np.zeros((2, 2), dtype=np.float32)}
@@ -108,7 +109,7 @@ def build(graph: g.RoundGraph, placement: dict[str, str], *, aggregator: Any = N
             initial_weights=init, make_aggregator=lambda node: aggregator() if aggregator
             else Fedavg(), make_inner_aggregator=Fedavg,
             evaluate_global=lambda w: (float(w["w"][0, 0]), 0.0), client_fraction=fraction,
-            timeout=10)
+            timeout=10, mixing_steps=mixing_steps)
     return engines, links
 
 
@@ -190,6 +191,43 @@ def test_ring_peers_mix_with_neighbours_through_the_jobs_aggregator() -> None:
     engines, _ = build(graph, placement, aggregator=median)
     run_round(engines, 1)
     assert engines["a"].current_model("c0")["w"][0, 0] == pytest.approx(1.0)
+
+
+def test_mixing_steps_average_with_neighbours_again_across_clusters() -> None:
+    graph, _ = graph_of("ring", 4)
+    placement = {"c0": "a", "c1": "a", "c2": "b", "c3": "b"}
+    weights = np.array([1.0, 2.0, 3.0, 4.0])  # samples of c0..c3
+    ring = np.zeros((4, 4))
+    for i in range(4):
+        for j in (i - 1, i, i + 1):
+            ring[i, j % 4] = weights[j % 4]
+    mix = ring / ring.sum(axis=1, keepdims=True)  # a row: the node's sample-weighted average
+    trained = np.arange(4.0)  # from 0, client i's training adds i
+    for steps in (1, 2, 3):
+        engines, links = build(graph, placement, mixing_steps=steps)
+        reports = run_round(engines, 1)
+        want = np.linalg.matrix_power(mix, steps) @ trained
+        got = [engines[placement[f"c{i}"]].current_model(f"c{i}")["w"][0, 0] for i in range(4)]
+        assert got == pytest.approx(want)
+        # every step crosses the two inter-cluster edges both ways; the round's accuracy
+        # is the models' after the last step
+        assert reports["a"].messages_inter == 2 * steps
+        assert reports["a"].accuracy == pytest.approx(
+            float(np.average(want[:2], weights=weights[:2])))
+    # what a round took, of every mixing kind, is forgotten once it is two rounds old
+    assert any(key[1] == "peer3" for t in links.transports.values() for key in t._mailbox._taken)
+    run_round(engines, 2)
+    run_round(engines, 3)
+    assert not any(key[0] == 1 for t in links.transports.values() for key in t._mailbox._taken)
+
+
+def test_mixing_steps_are_checked_in_the_job() -> None:
+    from proto.job import JobSpec, JobSpecError
+    JobSpec.from_dict({"topology": {"kind": "k_connected", "mixing_steps": 2}})
+    with pytest.raises(JobSpecError, match="topology.mixing_steps"):
+        JobSpec.from_dict({"topology": {"kind": "star", "mixing_steps": 2}})
+    with pytest.raises(JobSpecError, match="topology.mixing_steps"):
+        JobSpec.from_dict({"topology": {"kind": "ring", "mixing_steps": 9}})
 
 
 def test_hierarchical_levels_pass_through_inner_aggregators() -> None:

@@ -16,6 +16,10 @@ Where each number comes from:
   exchange (hybrid), each participating node's model after mixing (decentralized).
 Decentralized mixing uses the job's aggregator at every node, with the node's model
 before training as the reference (so a server optimizer sees the round's pseudo-gradient).
+With `topology.mixing_steps` = s > 1 the nodes then average with their neighbours s - 1
+more times (the mixed models, kinds peer2, peer3, ...): their disagreement shrinks by the
+graph's mixing factor s times a round instead of once, for s times the peer traffic; the
+round's accuracy is taken after the last step.
 Hybrid groups aggregate their clients with the job's aggregator and exchange by FedAvg,
 except under a server optimizer (fedavgm, fedadam, ...): then groups average their clients
 and the optimizer steps once on the mean of all groups, from the last exchange's model, so
@@ -34,7 +38,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from proto.rounds import RoundRecord
-from worker.executor.graph import DOWN, PEER, UP, RoundGraph, participants
+from worker.executor.graph import DOWN, PEER, UP, RoundGraph, mixing_kind, participants
 from worker.executor.transport import HybridTransport, Weights
 
 log = logging.getLogger("fedpilot.executor")
@@ -83,6 +87,7 @@ class ClusterEngine:
         client_fraction: float = 1.0,
         timeout: float = 600.0,
         workers: int = 16,
+        mixing_steps: int = 1,
     ) -> None:
         self.cluster_id = cluster_id
         self.graph = graph
@@ -91,6 +96,8 @@ class ClusterEngine:
         self.timeout = timeout
         self.seed = seed
         self.client_fraction = client_fraction
+        #: decentralized: neighbour averagings per round (topology.mixing_steps)
+        self.mixing_steps = mixing_steps if graph.decentralized else 1
         self._make_aggregator = make_aggregator
         self._make_inner = make_inner_aggregator
         self._evaluate_global = evaluate_global
@@ -266,6 +273,17 @@ class ClusterEngine:
                                         f.result(), trained, record)
                             for c, f in zip(clients, sent, strict=True)]
                     wait(done)
+                # further mixing steps, each in two phases as well (send, then receive): a
+                # node's receive waits only on sends of a phase that has ended
+                for step in range(2, self.mixing_steps + 1):
+                    if errors:
+                        break
+                    wait([pool.submit(self._guard, fail, self._mix_send, c, round_index, step,
+                                      trained) for c in clients])
+                    if errors:
+                        break
+                    wait([pool.submit(self._guard, fail, self._mix_receive, c, round_index,
+                                      step, trained, record) for c in clients])
         finally:
             for t in agg_threads:
                 t.join()
@@ -333,16 +351,50 @@ class ClusterEngine:
             # round's pseudo-gradient, which a server optimizer (fedavgm, fedadam...) needs
             before = self.pool.resolve(self.current_model(node))
             mixed = self._aggregator(node).aggregate(before, received)
-            accuracy, loss = self._evaluate_global(mixed)
-            handle = self.pool.put(mixed)
-            with self._lock:
-                self._models[node] = handle
-                record.add_evaluation(accuracy, loss, self.pool.samples(node))
+            self._store_mixed(node, mixed, record, last=self.mixing_steps == 1)
         # (a tree's client keeps no model: it starts each round it takes part in from
         # the model its parent sends down then)
         correct, total = self.pool.personal_score(update)
         with self._lock:
             record.add_personal(correct, total)
+
+    def _store_mixed(self, node: str, mixed: Weights, record: RoundRecord, *,
+                     last: bool) -> None:
+        """The node's model after a mixing step; after the round's last, it is evaluated."""
+        handle = self.pool.put(mixed)
+        if last:
+            accuracy, loss = self._evaluate_global(mixed)
+        with self._lock:
+            self._models[node] = handle
+            if last:
+                record.add_evaluation(accuracy, loss, self.pool.samples(node))
+
+    def _mix_send(self, node: str, r: int, step: int, trained: set[str]) -> None:
+        """Mixing step `step` (2, 3, ...): the node's model after the previous step, to
+        every neighbour that trained this round."""
+        handle = self.current_model(node)
+        samples = self.pool.samples(node)
+        for peer in self.graph.peers.get(node, ()):
+            if peer in trained:
+                self.transport.send(r, mixing_kind(step), node, peer, handle, samples,
+                                    self._model_nbytes)
+
+    def _mix_receive(self, node: str, r: int, step: int, trained: set[str],
+                     record: RoundRecord) -> None:
+        """Average the node's model with its neighbours' of the same step (the same
+        weights as the first step's). A robust aggregator (median, krum, ...) mixes every
+        step, so that a lying neighbour gains nothing from the extra steps; a server
+        optimizer steps once per round, in the first step, and later steps average."""
+        received = [(self.pool.resolve(self.current_model(node)), self.pool.samples(node))]
+        for peer in self.graph.peers.get(node, ()):
+            if peer in trained:
+                env = self.transport.receive(r, mixing_kind(step), peer, node, self.timeout)
+                received.append((self.pool.resolve(env.weights),
+                                 self._trusted_samples(peer, env.samples, trained)))
+        aggregator = (self._make_inner() if self._is_server_optimizer(node)
+                      else self._aggregator(node))
+        mixed = aggregator.aggregate(received[0][0], received)
+        self._store_mixed(node, mixed, record, last=step == self.mixing_steps)
 
     def _is_server_optimizer(self, node: str) -> bool:
         return bool(getattr(self._aggregator(node), "server_optimizer", False))

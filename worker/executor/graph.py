@@ -21,6 +21,7 @@ from functools import cached_property
 
 import numpy as np
 
+from proto.job import MAX_MIXING_STEPS
 from proto.routing import DECENTRALIZED_KINDS, TREE_KINDS, RoutingMatrix
 from worker.errors import WorkerError
 
@@ -30,10 +31,19 @@ DOWN = "down"      # parent -> child: model
 PEER = "peer"      # decentralized neighbour exchange, and hybrid group <-> group
 STATE = "state"    # a node's state moving to another cluster after a re-plan
 FINAL = "final"    # a cluster's share of the job's final model
-KINDS = (UP, DOWN, PEER, STATE, FINAL)
+#: decentralized mixing steps after the first (topology.mixing_steps): "peer2", "peer3", ...
+MIXING_KINDS = tuple(f"peer{step}" for step in range(2, MAX_MIXING_STEPS + 1))
+ROUND_KINDS = (UP, DOWN, PEER, *MIXING_KINDS)  # what a round sends; dropped after it
+KINDS = (*ROUND_KINDS, STATE, FINAL)
 
-__all__ = ["DECENTRALIZED_KINDS", "DOWN", "FINAL", "KINDS", "PEER", "STATE", "TREE_KINDS", "UP",
-           "RoundGraph", "client_index", "participants"]
+__all__ = ["DECENTRALIZED_KINDS", "DOWN", "FINAL", "KINDS", "MIXING_KINDS", "PEER", "ROUND_KINDS",
+           "STATE", "TREE_KINDS", "UP", "RoundGraph", "client_index", "mixing_kind",
+           "participants"]
+
+
+def mixing_kind(step: int) -> str:
+    """The message kind of decentralized mixing step `step` (1: the trained models)."""
+    return PEER if step == 1 else MIXING_KINDS[step - 2]
 
 
 class GraphError(WorkerError, ValueError):

@@ -247,7 +247,8 @@ class ExecutorService:
             make_aggregator=self.runtime.make_aggregator,
             make_inner_aggregator=self.runtime.make_inner_aggregator,
             evaluate_global=self.runtime.evaluate_global, seed=self.spec.seed,
-            client_fraction=self.spec.training.client_fraction, timeout=self.round_timeout)
+            client_fraction=self.spec.training.client_fraction, timeout=self.round_timeout,
+            mixing_steps=self.spec.topology.mixing_steps)
         self.engine.absent = absent
         if previous is not None:  # nodes that stay here keep their models (and the state)
             self.engine.adopt(previous, [n for n in graph.nodes if nodes[n] == self.cluster_id])

@@ -22,7 +22,7 @@ import numpy as np
 from proto.messages import NO_CONSUMER
 from worker import payload as wire
 from worker.errors import WorkerError
-from worker.executor.graph import DOWN, FINAL, KINDS, PEER, STATE, UP
+from worker.executor.graph import FINAL, KINDS, ROUND_KINDS, STATE
 from worker.executor.mailbox import Envelope, Mailbox
 
 Weights = dict[str, np.ndarray]
@@ -183,7 +183,7 @@ class HybridTransport:
                 now = time.monotonic()
                 spent = now - started
                 absent_since = (absent_since or now) if NO_CONSUMER in str(exc) else None
-                stop = self._mailbox.aborted(round_index) if kind in (UP, DOWN, PEER) else None
+                stop = self._mailbox.aborted(round_index) if kind in ROUND_KINDS else None
                 if stop is None and spent + wait > self.retry_seconds:
                     stop = f"its deadline of {self.retry_seconds:.0f} s passed"
                 if (stop is None and absent_since is not None
@@ -278,7 +278,7 @@ class HybridTransport:
         before the previous one."""
         self.current_round = round_index
         self._mailbox.reopen_round(round_index)
-        self._mailbox.forget_before(round_index - 1, (UP, DOWN, PEER))
+        self._mailbox.forget_before(round_index - 1, ROUND_KINDS)
 
     def abort_round(self, round_index: int, reason: str) -> None:
         self._mailbox.abort_round(round_index, reason)
