@@ -490,6 +490,12 @@ def _check_cross(source: str, spec: JobSpec) -> None:
                     "its own adaptive (sign-like) steps from its own neighbourhood and the "
                     "nodes drift apart (bench_learning, MNIST k_connected: fedadam 0.70, "
                     "fedavgm 0.91); adaptive optimizers suit star, hierarchical, hybrid, full")
+    if spec.aggregation.name == "fedavgm" and topo.mixing_steps > 1:
+        raise _fail(source, "topology.mixing_steps", topo.mixing_steps,
+                    "1 with fedavgm (or aggregation.name = 'fedavg'): a node's momentum steps "
+                    "on its disagreement with its neighbours too, and mixing again after it "
+                    "feeds that back (bench_learning, MNIST k_connected fedavgm with 2 steps: "
+                    "the loss explodes, chance at round 15)")
     if spec.aggregation.name == "krum" and topo.kind in ("ring", "k_connected"):
         # a decentralized node mixes its own model and its neighbours' with the aggregator
         least = 3 if topo.kind == "ring" else k_neighbors(topo, n) + 1

@@ -223,11 +223,15 @@ def test_mixing_steps_average_with_neighbours_again_across_clusters() -> None:
 
 def test_mixing_steps_are_checked_in_the_job() -> None:
     from proto.job import JobSpec, JobSpecError
-    JobSpec.from_dict({"topology": {"kind": "k_connected", "mixing_steps": 2}})
+    JobSpec.from_dict({"topology": {"kind": "k_connected", "mixing_steps": 2},
+                       "aggregation": {"name": "fedavg"}})
     with pytest.raises(JobSpecError, match="topology.mixing_steps"):
         JobSpec.from_dict({"topology": {"kind": "star", "mixing_steps": 2}})
     with pytest.raises(JobSpecError, match="topology.mixing_steps"):
         JobSpec.from_dict({"topology": {"kind": "ring", "mixing_steps": 9}})
+    with pytest.raises(JobSpecError, match="topology.mixing_steps.*fedavgm"):
+        JobSpec.from_dict({"topology": {"kind": "ring", "mixing_steps": 2},
+                           "aggregation": {"name": "fedavgm"}})
 
 
 def test_hierarchical_levels_pass_through_inner_aggregators() -> None:
