@@ -6,6 +6,7 @@ Imports nothing from fabricd, worker or scheduler, and never libp2p, torch or ra
 from proto.errors import (
     CertificateExpired,
     CertificateRevoked,
+    ControlMessageError,
     DigestMismatch,
     ForeignCertificate,
     InvalidMessage,
@@ -25,6 +26,7 @@ from proto.errors import (
 __all__ = [
     "CertificateExpired",
     "CertificateRevoked",
+    "ControlMessageError",
     "DigestMismatch",
     "ForeignCertificate",
     "InvalidMessage",

@@ -42,6 +42,15 @@ class InvalidMessage(ProtocolError):
         self.field = field
 
 
+class ControlMessageError(InvalidMessage):
+    """A scheduler -> executor control body (`proto.control`) is malformed: `kind` is its
+    kind, `field` the dotted field at fault (e.g. ``client_samples[3]``)."""
+
+    def __init__(self, kind: str, field: str | None, message: str) -> None:
+        super().__init__(f"{kind}: {message}", field=field)
+        self.kind = kind
+
+
 class LengthMismatch(ProtocolError):
     """An update body is longer or shorter than its header's byte_length."""
 
@@ -81,6 +90,7 @@ class WrongRole(NotAMember):
 __all__ = [
     "CertificateExpired",
     "CertificateRevoked",
+    "ControlMessageError",
     "DigestMismatch",
     "ForeignCertificate",
     "InvalidMessage",

@@ -433,7 +433,7 @@ _RULES: dict[str, Rule] = {
     "placement.similarity_weight": _rule_float(0.0),
     "transfer.compression": _rule_choice(COMPRESSIONS),
     "transfer.topk_ratio": _rule_float(0.0, 1.0, low_open=True),
-    "faults.lease_seconds": _rule_float(2.0),
+    "faults.lease_seconds": _rule_float(2.0, 3600.0),  # what job.lease allows
     "faults.checkpoint_every": _rule_int(0),
     "faults.on_cluster_loss": _rule_choice(FAULT_POLICIES),
     "faults.min_clusters": _rule_int(1),

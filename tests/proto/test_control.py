@@ -1,0 +1,183 @@
+"""Typed control messages: malformed bodies are refused naming the kind and the field;
+every message survives to_body -> msgpack -> parse unchanged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from proto.control import (
+    ControlMessage,
+    JobCheckpoint,
+    JobLease,
+    JobModel,
+    JobPlan,
+    JobRestore,
+    JobStart,
+    JobStop,
+    NodeExport,
+    RoundAbort,
+    RoundRun,
+    parse_control,
+)
+from proto.errors import ControlMessageError, InvalidMessage
+from proto.routing import RoutingMatrix
+
+
+def routing(num_clients: int = 3) -> RoutingMatrix:
+    star = [[c, num_clients] for c in range(num_clients)]
+    return RoutingMatrix.from_edges(job_id="j", clusters=["a"],
+                                    node_cluster=np.zeros(num_clients + 1, dtype=np.int64),
+                                    edges=np.array(star), num_clients=num_clients,
+                                    aggregators=["server"])
+
+
+def over_the_wire(body: dict[str, Any]) -> dict[str, Any]:
+    return dict(msgpack.unpackb(msgpack.packb(body, use_bin_type=True), raw=False))
+
+
+PLAN = {"kind": "job.plan", "job_id": "j", "routing": routing().to_bytes(), "imports": []}
+ROUND = {"kind": "round.run", "job_id": "j", "round": 2, "attempt": 1, "deadline": 30.0}
+LEASE = {"kind": "job.lease", "job_id": "j", "lease": 15}
+
+
+def refused(body: dict[str, Any]) -> ControlMessageError:
+    with pytest.raises(ControlMessageError) as caught:
+        parse_control(body)
+    return caught.value
+
+
+@pytest.mark.parametrize(("body", "field", "needle"), [
+    ({**PLAN, "routing": None}, "routing", "must be a routing matrix's bytes"),
+    ({k: v for k, v in PLAN.items() if k != "routing"}, "routing", "missing"),
+    ({**PLAN, "routing": b"\x81\xa1v\x09"}, "routing", "routing matrix"),
+    ({**PLAN, "imports": "c1"}, "imports", "expected a list"),
+    ({**PLAN, "imports": ["c1", 7]}, "imports[1]", "expected a string"),
+    ({**PLAN, "next_round": -1}, "next_round", "outside 0.."),
+    ({**PLAN, "client_samples": [5, 5]}, "client_samples", "must be 3 non-negative integers"),
+    ({**PLAN, "client_samples": [5, -1, 5]}, "client_samples[1]", "outside 0.."),
+    ({**PLAN, "client_samples": [5, True, 5]}, "client_samples[1]", "expected an integer"),
+    ({**PLAN, "absent": [3]}, "absent", "client ids in 0..2"),
+    ({**PLAN, "absent": [0.5]}, "absent[0]", "expected an integer"),
+    ({**PLAN, "job_id": ""}, "job_id", "length 0"),
+])
+def test_a_malformed_plan_is_refused_naming_the_field(body: dict[str, Any], field: str,
+                                                     needle: str) -> None:
+    error = refused(body)
+    assert (error.kind, error.field) == ("job.plan", field)
+    assert str(error).startswith(f"job.plan: field {field!r}: ") and needle in str(error)
+    assert isinstance(error, InvalidMessage)  # one hierarchy: callers may catch the base
+
+
+@pytest.mark.parametrize(("body", "field", "needle"), [
+    ({k: v for k, v in ROUND.items() if k != "round"}, "round", "missing"),
+    ({**ROUND, "round": "2"}, "round", "expected an integer"),
+    ({**ROUND, "round": 0}, "round", "outside 1.."),
+    ({**ROUND, "attempt": -1}, "attempt", "outside 0.."),
+    ({**ROUND, "deadline": 0}, "deadline", "seconds in (0, 86400]"),
+    ({**ROUND, "deadline": 86401}, "deadline", "seconds in (0, 86400]"),
+    ({**ROUND, "deadline": float("nan")}, "deadline", "seconds in (0, 86400]"),
+    ({**ROUND, "deadline": True}, "deadline", "seconds in (0, 86400]"),
+])
+def test_a_malformed_round_is_refused_naming_the_field(body: dict[str, Any], field: str,
+                                                      needle: str) -> None:
+    error = refused(body)
+    assert (error.kind, error.field) == ("round.run", field)
+    assert needle in str(error)
+
+
+@pytest.mark.parametrize(("lease", "needle"), [
+    ("forever", "'forever'"), (0.5, "0.5"), (3601, "3601"), (False, "False"),
+    (float("inf"), "inf"),
+])
+def test_a_lease_out_of_range_is_refused(lease: Any, needle: str) -> None:
+    error = refused({**LEASE, "lease": lease})
+    assert (error.kind, error.field) == ("job.lease", "lease")
+    assert str(error) == f"job.lease: field 'lease': must be seconds in [1, 3600], got {needle}"
+    assert refused({"kind": "job.lease", "job_id": "j"}).field == "lease"
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"kind": "node.export", "job_id": "j", "nodes": {"c1": "not a cluster"}}, "nodes.c1"),
+    ({"kind": "node.export", "job_id": "j", "nodes": ["c1"]}, "nodes"),
+    ({"kind": "job.checkpoint", "job_id": "j", "round": 2}, "to_cluster"),
+    ({"kind": "job.restore", "job_id": "j", "phase": "expect", "nodes": ["c1"]},
+     "source_cluster"),
+    ({"kind": "job.restore", "job_id": "j", "phase": "undo"}, "phase"),
+    ({"kind": "job.restore", "job_id": "j", "phase": "apply", "codec": 1}, "codec"),
+    ({"kind": "job.model", "job_id": "j", "node": "server"}, "to_cluster"),
+    ({"kind": "job.model", "job_id": "j", "collect": "c1", "to_cluster": "a"}, "collect"),
+    ({"kind": "round.abort", "job_id": "j", "round": 1, "reason": 7}, "reason"),
+    ({"kind": "job.start", "job_id": "j", "job": [], "clients": []}, "job"),
+    ({"kind": "job.start", "job_id": "j", "job": {}, "clients": [-1]}, "clients[0]"),
+    ({"kind": "job.stop"}, "job_id"),
+    ({"kind": "job.launch", "job_id": "j"}, "kind"),
+    ({"job_id": "j"}, "kind"),
+])
+def test_every_kind_refuses_what_it_cannot_use(body: dict[str, Any], field: str) -> None:
+    assert refused(body).field == field
+
+
+def test_unknown_kinds_are_named_with_the_known_ones() -> None:
+    assert "unknown control message kind 'job.launch' (known: job.checkpoint, job.lease" in \
+        str(refused({"kind": "job.launch", "job_id": "j"}))
+
+
+def test_unknown_keys_are_ignored_and_optional_ones_take_their_defaults() -> None:
+    message = parse_control({**PLAN, "from_the_future": {"x": 1}})
+    assert isinstance(message, JobPlan)
+    assert (message.imports, message.next_round, message.client_samples, message.absent) == \
+        ((), 1, None, ())
+    assert "from_the_future" not in message.to_body()
+    run = parse_control({"kind": "round.run", "job_id": "j", "round": 1})
+    assert run == RoundRun("j", round=1, attempt=0, deadline=None)
+
+
+MESSAGES: list[ControlMessage] = [
+    JobStart("j", job={"job": {"id": "j"}}, clients=(0, 2)),
+    JobPlan("j", routing=routing(), imports=("c1",), next_round=4, client_samples=(5, 0, 7),
+            absent=(1,)),
+    JobPlan("j", routing=routing()),
+    RoundRun("j", round=3, attempt=2, deadline=12.5),
+    RoundRun("j", round=1),
+    RoundAbort("j", round=3, reason="cluster b is gone"),
+    JobLease("j", lease=15),
+    JobStop("j"),
+    NodeExport("j", nodes={"c1": "b"}, epoch=2),
+    JobModel("j", node="server", to_cluster="scheduler"),
+    JobModel("j", share_to="a"),
+    JobModel("j", collect=("c0", "c3"), to_cluster="scheduler"),
+    JobCheckpoint("j", round=4, to_cluster="scheduler"),
+    JobRestore("j", phase="expect", source_cluster="scheduler", nodes=("c1", "server")),
+    JobRestore("j", phase="apply", codec=True),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: m.TYPE)
+def test_to_body_and_parse_round_trip_over_msgpack(message: ControlMessage) -> None:
+    body = message.to_body()
+    assert body["kind"] == message.TYPE and body["job_id"] == "j"
+    assert None not in body.values()  # an unset optional field is left out
+    again = parse_control(over_the_wire(body))
+    assert again == message
+    assert again.to_body() == body
+
+
+def test_bodies_keep_the_keys_older_executors_read() -> None:
+    plan = JobPlan("j", routing=routing(), imports=("c1",), next_round=2).to_body()
+    assert plan["routing"] == routing().to_bytes()
+    assert set(plan) == {"kind", "job_id", "routing", "imports", "next_round", "absent"}
+    assert RoundRun("j", round=3, deadline=60.0).to_body() == {
+        "kind": "round.run", "job_id": "j", "round": 3, "attempt": 0, "deadline": 60.0}
+    assert JobLease("j", lease=15).to_body() == {"kind": "job.lease", "job_id": "j",
+                                                 "lease": 15}
+
+
+def test_the_scheduler_cannot_build_a_malformed_message() -> None:
+    with pytest.raises(ControlMessageError, match=r"round.run: field 'deadline'"):
+        RoundRun("j", round=1, deadline=-3.0)
+    with pytest.raises(ControlMessageError, match=r"job.plan: field 'client_samples'"):
+        JobPlan("j", routing=routing(), client_samples=(1, 2))
