@@ -6,9 +6,10 @@ from typing import Any
 
 import pytest
 
+from proto.errors import ControlMessageError
 from proto.job import JobSpec, JobSpecError
 from proto.stream import DeliveredIds
-from worker.executor.service import ControlError, ExecutorService
+from worker.executor.service import ExecutorService
 
 
 def test_faults_table_is_validated_and_round_trips() -> None:
@@ -36,7 +37,7 @@ def test_a_lease_is_renewed_by_the_scheduler_and_bad_ones_refused() -> None:
     reply = service.handle({"kind": "job.lease", "job_id": "j", "lease": 7})
     assert reply == {"round": 0, "started": False}
     assert service.lease_seconds == 7 and 6 < service.lease_left() <= 7
-    with pytest.raises(ControlError, match="lease"):
+    with pytest.raises(ControlMessageError, match="job.lease: field 'lease'"):
         service.handle({"kind": "job.lease", "job_id": "j", "lease": "forever"})
     service.abort("test")
     assert service.stopped.is_set()

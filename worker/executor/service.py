@@ -1,7 +1,7 @@
 """The executor's control surface: what it does for each scheduler message.
 
-Messages (the `kind` of the body; the daemon only passes on bodies signed by a
-`scheduler` certificate):
+Messages (the `kind` of the body, typed and validated in `proto.control`; the daemon only
+passes on bodies signed by a `scheduler` certificate):
 - `job.start` {job, clients}: build the job's partitions, reply with the label histograms
   of `clients` (no sample leaves the cluster) and this cluster's capacity;
 - `job.plan` {routing, imports, client_samples?}: adopt the routing matrix (the whole plan:
@@ -40,8 +40,21 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from proto.control import (
+    ControlMessage,
+    JobCheckpoint,
+    JobLease,
+    JobModel,
+    JobPlan,
+    JobRestore,
+    JobStart,
+    JobStop,
+    NodeExport,
+    RoundAbort,
+    RoundRun,
+    parse_control,
+)
 from proto.job import JobSpec
-from proto.routing import RoutingMatrix
 from worker import payload as wire
 from worker.errors import WorkerError
 from worker.executor.allowlist import check_job_from_environment
@@ -87,7 +100,8 @@ RuntimeFactory = Callable[[JobSpec], JobRuntime]
 
 
 class ControlError(WorkerError):
-    """A control message is malformed or out of order; the reason goes back to the scheduler."""
+    """A control message is out of order or does not fit this job; the reason goes back to
+    the scheduler (a malformed one raises `proto.errors.ControlMessageError`)."""
 
 
 class ExecutorService:
@@ -140,24 +154,24 @@ class ExecutorService:
         self.stopped.set()
 
     def handle(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The reply to one control body; ControlMessageError if it is malformed (before
+        anything changes), ControlError if it does not fit this job now."""
         self.renew()
-        kind = body.get("kind")
-        if kind == "job.lease":
-            return self._lease(body)
-        handler = {
-            "job.start": self._start, "job.plan": self._plan, "round.run": self._round,
-            "node.export": self._export, "job.model": self._model, "job.stop": self._stop,
-            "job.checkpoint": self._checkpoint, "job.restore": self._restore,
-            "round.abort": self._abort_round,
-        }.get(str(kind))
-        if handler is None:
-            raise ControlError(f"unknown control message kind {kind!r}")
-        if kind != "job.start" and self.spec is None:
-            raise ControlError(f"{kind} before job.start")
-        if self.spec is not None and body.get("job_id") != self.spec.job_id:
-            raise ControlError(f"message for job {body.get('job_id')!r}; this executor runs "
+        message = parse_control(body)
+        if isinstance(message, JobLease):
+            return self._lease(message)
+        handlers: dict[type[ControlMessage], Callable[[Any], dict[str, Any]]] = {
+            JobStart: self._start, JobPlan: self._plan, RoundRun: self._round,
+            NodeExport: self._export, JobModel: self._model, JobStop: self._stop,
+            JobCheckpoint: self._checkpoint, JobRestore: self._restore,
+            RoundAbort: self._abort_round,
+        }
+        if not isinstance(message, JobStart) and self.spec is None:
+            raise ControlError(f"{message.TYPE} before job.start")
+        if self.spec is not None and message.job_id != self.spec.job_id:
+            raise ControlError(f"message for job {message.job_id!r}; this executor runs "
                                f"{self.spec.job_id!r}")
-        return handler(body)
+        return handlers[type(message)](message)
 
     def deliver(self, *, job_id: str, round: int, source_node: str, target_node: str,
                 source_cluster: str, payload: bytes, message_id: str = "") -> bool:
@@ -175,26 +189,23 @@ class ExecutorService:
                                         payload=payload, message_id=message_id)
 
     # -- handlers --------------------------------------------------------------------------
-    def _lease(self, body: dict[str, Any]) -> dict[str, Any]:
-        if self.spec is not None and body.get("job_id") != self.spec.job_id:
-            raise ControlError(f"lease for job {body.get('job_id')!r}; this executor runs "
+    def _lease(self, message: JobLease) -> dict[str, Any]:
+        if self.spec is not None and message.job_id != self.spec.job_id:
+            raise ControlError(f"lease for job {message.job_id!r}; this executor runs "
                                f"{self.spec.job_id!r}")
-        lease = body.get("lease")
-        if not isinstance(lease, int | float) or isinstance(lease, bool) or not 1 <= lease <= 3600:
-            raise ControlError(f"job.lease needs lease = seconds in 1..3600, got {lease!r}")
-        self.lease_seconds = float(lease)
+        self.lease_seconds = float(message.lease)
         transport = self.transport
         return {"round": transport.current_round if transport is not None else 0,
                 "started": self.spec is not None}
 
-    def _start(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _start(self, message: JobStart) -> dict[str, Any]:
         if self.spec is not None:
             raise ControlError(f"job {self.spec.job_id!r} already started on this executor")
-        spec = JobSpec.from_dict(body["job"], source="job.start message")
+        spec = JobSpec.from_dict(message.job, source="job.start message")
         check_job_from_environment(spec, cluster_id=self.cluster_id)  # before any import or open
         self.spec = spec
         self.runtime = self._make_runtime(spec)
-        clients = [int(c) for c in body.get("clients", [])]
+        clients = list(message.clients)
         hist = self.runtime.histograms(clients)
         log.info("event=job_started job=%s cluster=%s clients=%d", spec.job_id,
                  self.cluster_id, len(clients))
@@ -205,9 +216,9 @@ class ExecutorService:
             reply["data"] = data_info()
         return reply
 
-    def _plan(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _plan(self, message: JobPlan) -> dict[str, Any]:
         assert self.spec is not None and self.runtime is not None
-        routing = RoutingMatrix.from_bytes(bytes(body["routing"]))
+        routing = message.routing
         if routing.job_id != self.spec.job_id:
             raise ControlError(f"routing matrix is for job {routing.job_id!r}")
         if self.cluster_id not in routing.clusters:
@@ -226,19 +237,15 @@ class ExecutorService:
                 locate=self._nodes_lookup, mailbox=self.mailbox, resolve=self.runtime.resolve,
                 codec=self.codec, link=self.link,
                 template=self.runtime.initial_weights)
-        absent = self._absent(body, routing.num_clients)
+        # clients that sit out every round of this plan (a pinned-data job's clients whose
+        # cluster is gone: the plan lists them on a survivor, where they never train)
+        absent = frozenset(f"c{c}" for c in message.absent)
         local_clients = [c for c in graph.clients if nodes[c] == self.cluster_id
                          and c not in absent]
-        if "client_samples" in body:  # pinned data: other clusters' clients' sample counts
-            counts = body["client_samples"]
-            if (not isinstance(counts, list) or len(counts) != routing.num_clients
-                    or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0
-                               for k in counts)):
-                raise ControlError(f"job.plan client_samples must be {routing.num_clients} "
-                                   "non-negative integers")
+        if message.client_samples is not None:  # pinned: other clusters' clients' samples
             set_samples = getattr(self.runtime, "set_client_samples", None)
             if set_samples is not None:
-                set_samples(counts)
+                set_samples(list(message.client_samples))
         self.runtime.assign(local_clients)
         previous = self.engine
         self.engine = ClusterEngine(
@@ -254,8 +261,8 @@ class ExecutorService:
             self.engine.adopt(previous, [n for n in graph.nodes if nodes[n] == self.cluster_id])
         # the plan names the round that runs next: its updates (and the next round's) are
         # accepted from now on, even before this cluster's round.run arrives
-        self.transport.current_round = max(0, int(body.get("next_round", 1)) - 1)
-        imports = [str(n) for n in body.get("imports", [])]
+        self.transport.current_round = max(0, message.next_round - 1)
+        imports = list(message.imports)
         for node in imports:
             if nodes.get(node) != self.cluster_id:
                 raise ControlError(f"asked to import node {node!r}, which the plan does not "
@@ -272,17 +279,6 @@ class ExecutorService:
         return {"clients": len(local_clients),
                 "actors_materialized": self.runtime.actors_materialized()}
 
-    @staticmethod
-    def _absent(body: dict[str, Any], num_clients: int) -> frozenset[str]:
-        """Clients that sit out every round of this plan (a pinned-data job's clients whose
-        cluster is gone: the plan lists them on a survivor, where they never train)."""
-        absent = body.get("absent", [])
-        if not isinstance(absent, list) or not all(
-                isinstance(c, int) and not isinstance(c, bool) and 0 <= c < num_clients
-                for c in absent):
-            raise ControlError(f"job.plan absent must be client ids in 0..{num_clients - 1}")
-        return frozenset(f"c{c}" for c in absent)
-
     def _nodes_lookup(self, node: str) -> str:
         with self._lock:
             try:
@@ -290,19 +286,14 @@ class ExecutorService:
             except KeyError:
                 raise ControlError(f"node {node!r} is not in the job's placement") from None
 
-    def _round(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _round(self, message: RoundRun) -> dict[str, Any]:
         if self.engine is None:
             raise ControlError("round.run before job.plan")
-        r = int(body["round"])
-        attempt = int(body.get("attempt", 0))
+        r, attempt, deadline = message.round, message.attempt, message.deadline
         if self.transport is not None and attempt != self.transport.attempt:
             # the round is repeated (a cluster was lost): its waits may be taken again
             self.transport.attempt = attempt
             self.mailbox.reopen_round(r)
-        deadline = body.get("deadline")
-        if deadline is not None and (not isinstance(deadline, int | float)
-                                     or isinstance(deadline, bool) or not 0 < deadline <= 86400):
-            raise ControlError(f"round.run deadline must be seconds in (0, 86400], got {deadline!r}")
         try:
             record = self.engine.run_round(r, None if deadline is None else float(deadline))
         except Exception as exc:
@@ -315,36 +306,33 @@ class ExecutorService:
                 actors_materialized=self.runtime.actors_materialized())
         return record.to_dict()
 
-    def _abort_round(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _abort_round(self, message: RoundAbort) -> dict[str, Any]:
         """End a round at once (another cluster is gone): its waits fail with `reason`."""
         if self.transport is None:
             raise ControlError("round.abort before job.plan")
-        self.transport.abort_round(int(body["round"]), str(body.get("reason", "aborted"))[:500])
-        return {"aborted": int(body["round"])}
+        self.transport.abort_round(message.round, message.reason[:500])
+        return {"aborted": message.round}
 
-    def _export(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _export(self, message: NodeExport) -> dict[str, Any]:
         """Stream each moving node's state to the cluster it moves to (epoch = the new
         plan's, so the receiver takes it when that plan arrives)."""
         if self.engine is None or self.transport is None:
             raise ControlError("node.export before job.plan")
-        moves = body.get("nodes", {})
-        epoch = int(body.get("epoch", self._epoch + 1))
-        if not isinstance(moves, dict):
-            raise ControlError("node.export needs nodes = {node: target cluster}")
+        epoch = self._epoch + 1 if message.epoch is None else message.epoch
         sent: list[str] = []
-        for node, target in moves.items():
-            exported = self.engine.export_node(str(node))
+        for node, target in message.nodes.items():
+            exported = self.engine.export_node(node)
             if exported is None:
                 continue
             model, aggregator = exported  # the server state moves too (FedAdam's moments)
             tensors = {**{MODEL + k: v for k, v in model.items()},
                        **{AGGREGATOR + k: v for k, v in aggregator.items()}}
-            self.transport.send_to(str(target), epoch, STATE, str(node), str(node),
+            self.transport.send_to(target, epoch, STATE, node, node,
                                    wire.encode(tensors, kind=STATE, samples=0))
-            sent.append(str(node))
+            sent.append(node)
         return {"sent": sent}
 
-    def _model(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _model(self, message: JobModel) -> dict[str, Any]:
         """The job's final model, streamed as an update. Three forms:
         {node, to_cluster}: that node's model (the root of a tree);
         {share_to}: this cluster's sample-weighted share, to the collecting cluster;
@@ -353,41 +341,41 @@ class ExecutorService:
         if self.engine is None or self.transport is None:
             raise ControlError("job.model before job.plan")
         engine, transport = self.engine, self.transport
-        if "share_to" in body:
+        if message.share_to is not None:
             share = engine.local_share()
             if share is None:
                 return {"source_node": ""}
             source = self._share_name()
             weights, samples = share
-            size = transport.send_to(str(body["share_to"]), 0, FINAL, source, "final",
+            size = transport.send_to(message.share_to, 0, FINAL, source, "final",
                                      wire.encode(weights, kind=FINAL, samples=samples))
             return {"source_node": source, "bytes": size}
-        to_cluster = str(body.get("to_cluster", ""))
-        if "collect" in body:
+        to_cluster = message.to_cluster
+        if message.collect is not None:
             shares: list[tuple[Weights, int]] = []
             own = engine.local_share()
             if own is not None:
                 shares.append(own)
-            for source in body["collect"]:
-                env = transport.receive(0, FINAL, str(source), "final", self.round_timeout)
+            for source in message.collect:
+                env = transport.receive(0, FINAL, source, "final", self.round_timeout)
                 shares.append((env.weights, env.samples))
             if not shares:
                 raise ControlError("no cluster holds a model to combine")
             weights = average(shares, self.runtime.make_inner_aggregator())
             node, samples = "consensus", sum(k for _, k in shares)
         else:
-            node = str(body.get("node", ""))
+            node = message.node
             weights, samples = self.runtime.resolve(engine.current_model(node)), 0
         accuracy, loss = self.runtime.evaluate_global(weights)
         size = transport.send_to(to_cluster, 0, FINAL, node, "scheduler",
                                  wire.encode(weights, kind=FINAL, samples=samples))
         return {"node": node, "bytes": size, "accuracy": accuracy, "loss": loss}
 
-    def _checkpoint(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _checkpoint(self, message: JobCheckpoint) -> dict[str, Any]:
         assert self.runtime is not None
         if self.engine is None or self.transport is None:
             raise ControlError("job.checkpoint before job.plan")
-        r, to_cluster = int(body["round"]), str(body["to_cluster"])
+        r, to_cluster = message.round, message.to_cluster
         sent: dict[str, int] = {}
         with_model = set(self.engine.checkpoint_nodes())
         # topk's per-edge references decide what every later message decodes to: a node
@@ -409,23 +397,23 @@ class ExecutorService:
                                                 wire.encode(tensors, kind=STATE, samples=0))
         return {"nodes": sent}
 
-    def _restore(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _restore(self, message: JobRestore) -> dict[str, Any]:
         if self.engine is None:
             raise ControlError("job.restore before job.plan")
-        if body.get("phase") == "expect":
-            nodes = {str(n) for n in body.get("nodes", [])}
+        if message.phase == "expect":
+            nodes = set(message.nodes)
             foreign = sorted(n for n in nodes if self._nodes.get(n) != self.cluster_id)
             if foreign:
                 raise ControlError(f"asked to restore nodes {foreign[:5]}, which the plan does "
                                    "not place on this cluster")
-            self._restoring = (str(body["source_cluster"]), nodes)
+            self._restoring = (str(message.source_cluster), nodes)
             return {"expecting": len(nodes)}
         if self._restoring is None:
             raise ControlError("job.restore apply without expect")
         _, nodes = self._restoring
         # the compression references only when every node resumes from one checkpoint: a
         # single lost cluster's nodes must not take back references its peers moved past
-        codec = self.codec if body.get("codec") is True and hasattr(self.codec, "load") else None
+        codec = self.codec if message.codec and hasattr(self.codec, "load") else None
         for node in sorted(nodes):
             env = self.mailbox.take((0, RESTORE, node, RESTORE), self.round_timeout,
                                     " (from the checkpoint)")
@@ -465,7 +453,7 @@ class ExecutorService:
         nodes = self.engine.local_aggregators() or self.engine.local_clients()
         return nodes[0]
 
-    def _stop(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _stop(self, message: JobStop) -> dict[str, Any]:
         count = self.runtime.actors_materialized() if self.runtime is not None else 0
         self.mailbox.close("job stopped")
         if self.runtime is not None:

@@ -1,0 +1,54 @@
+"""The executor's control service refuses a malformed body before anything changes: the
+scheduler's reply names the kind and the field, and the next valid message works."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedpilot.loopback import LoopbackMesh
+from proto.control import JobPlan, JobStart, RoundRun
+from proto.job import JobSpec
+from scheduler.errors import JobFailed
+from scheduler.planning.clusters import ClusterSlot
+from scheduler.run.driver import plan_epoch
+from worker.context import InProcessContext
+from worker.executor.runtime import runtime_factory
+
+
+def test_a_malformed_plan_or_round_is_refused_and_changes_nothing() -> None:
+    spec = JobSpec.from_dict({
+        "job": {"id": "ctl", "seed": 1},
+        "data": {"number_of_clients": 3, "dirichlet_beta": 0.5},
+        "training": {"federated_learning_rounds": 1, "number_of_epochs": 1},
+        "placement": {"max_materialized": 1}})
+    mesh = LoopbackMesh(["a"], lambda cid: runtime_factory(InProcessContext(), cid), capacity=3)
+    service = mesh.services["a"]
+    try:
+        started = mesh.request("a", JobStart("ctl", job=spec.to_dict(), clients=(0, 1, 2))
+                               .to_body(), 60)
+        histograms = np.array([started["histograms"][str(i)] for i in range(3)])
+        plan = plan_epoch(spec, histograms, [ClusterSlot("a", 3)], epoch=0)
+        good_plan = JobPlan("ctl", routing=plan.routing).to_body()
+
+        with pytest.raises(JobFailed, match=r"cluster a refused job.plan: ControlMessageError: "
+                                            r"job.plan: field 'client_samples': must be 3 "):
+            mesh.request("a", {**good_plan, "client_samples": [10, 10]}, 60)
+        assert service.transport is None and service.engine is None  # not even half-planned
+        mesh.request("a", good_plan, 60)
+
+        good_round: dict[str, Any] = RoundRun("ctl", round=1, deadline=120.0).to_body()
+        with pytest.raises(JobFailed, match=r"refused round.run: ControlMessageError: round.run: "
+                                            r"field 'deadline': must be seconds in \(0, 86400\]"):
+            # a repeated attempt with a bad deadline: the attempt must not be taken either
+            mesh.request("a", {**good_round, "attempt": 7, "deadline": -1}, 60)
+        with pytest.raises(JobFailed, match=r"round.run: field 'round': missing"):
+            mesh.request("a", {k: v for k, v in good_round.items() if k != "round"}, 60)
+        assert service.transport is not None and service.transport.attempt == 0
+
+        record = mesh.request("a", good_round, 60)
+        assert record["round"] == 1 and record["participants"] == 3
+    finally:
+        service.abort("test over")
