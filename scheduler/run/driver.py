@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from proto.control import JobModel, JobPlan, JobStart, JobStop, NodeExport, RoundRun
+from proto.errors import ControlMessageError
 from proto.job import JobSpec
 from proto.rounds import RoundRecord
 from proto.routing import RoutingMatrix
@@ -201,9 +203,6 @@ class Driver(Recovery):
             return self.timeout
         return max(faults.round_deadline_floor, faults.round_deadline_factor * self._slowest)
 
-    def _job_body(self, kind: str, **extra: Any) -> dict[str, Any]:
-        return {"kind": kind, "job_id": self.spec.job_id, **extra}
-
     # -- the job -------------------------------------------------------------------------
     def run(self) -> JobResult:
         # the lease keeps every executor alive while this process is; if it dies, they go
@@ -227,8 +226,8 @@ class Driver(Recovery):
         """Best effort after a failure: let every executor that started release its actors
         (in parallel, skipping clusters known to be gone)."""
         lost = self.leases.lost() if self.leases is not None else {}
-        futures = {c.cluster_id: self._pool.submit(self.channel.request, c.cluster_id,
-                                                   self._job_body("job.stop"), 30.0)
+        stop = JobStop(self.spec.job_id).to_body()
+        futures = {c.cluster_id: self._pool.submit(self.channel.request, c.cluster_id, stop, 30.0)
                    for c in self.clusters if c.cluster_id not in lost}
         futures.update(self._stop_returning())
         for cid, fut in futures.items():
@@ -247,8 +246,8 @@ class Driver(Recovery):
         else:
             holders = {cid: [i for i in range(n) if i % len(ids) == k] for k, cid in enumerate(ids)}
         log.info("event=job_start job=%s clusters=%s clients=%d", spec.job_id, ",".join(ids), n)
-        started = self._all({cid: self._job_body("job.start", job=spec.to_dict(),
-                                                 clients=holders[cid]) for cid in ids})
+        started = self._all({cid: JobStart(spec.job_id, job=spec.to_dict(),
+                                           clients=tuple(holders[cid])).to_body() for cid in ids})
         if self._pinned is not None:
             check_pinned_data(started, spec.data.dataset)
         histograms = np.zeros((n, 0), dtype=np.int64)
@@ -331,7 +330,7 @@ class Driver(Recovery):
         if self.leases is not None:
             self.leases.stop()
         self._stop_returning()  # a returning cluster's executor that never joined
-        stopped = self._all({c.cluster_id: self._job_body("job.stop") for c in self.clusters},
+        stopped = self._all({c.cluster_id: JobStop(spec.job_id).to_body() for c in self.clusters},
                             timeout=min(self.timeout, STOP_TIMEOUT))
         per_cluster = plan.placement.clients_per_cluster()
         for c in self.clusters:
@@ -356,7 +355,6 @@ class Driver(Recovery):
 
     def _publish(self, plan: Plan, imports: Mapping[str, list[str]]) -> None:
         self.plan = plan
-        routing = plan.routing.to_bytes()
         # pinned data: a cluster cannot count another's clients' samples itself; the
         # weights of their updates are what their own clusters reported at start
         extra: dict[str, Any] = ({} if self._pinned is None
@@ -367,23 +365,23 @@ class Driver(Recovery):
                         self.spec.job_id, plan.routing.epoch, len(plan.placement.absent),
                         "the clusters left cannot hold them; they train again when a "
                         "cluster returns")
-        self._all({c.cluster_id: self._job_body("job.plan", routing=routing,
-                                                imports=imports.get(c.cluster_id, []),
-                                                next_round=self._next_round, **extra)
+        self._all({c.cluster_id: JobPlan(self.spec.job_id, routing=plan.routing,
+                                         imports=tuple(imports.get(c.cluster_id, [])),
+                                         next_round=self._next_round, **extra).to_body()
                    for c in self.clusters})
 
     def _round(self, r: int) -> RoundRecord:
         t0 = time.perf_counter()
         deadline = self.deadline()
         try:
+            body = RoundRun(self.spec.job_id, round=r, deadline=deadline,
+                            attempt=self._attempt).to_body()
             # executors' waits end at the deadline; the reply may take a little longer
-            replies = self._all({c.cluster_id: self._job_body("round.run", round=r,
-                                                              deadline=deadline,
-                                                              attempt=self._attempt)
-                                 for c in self.clusters}, timeout=deadline + 30)
+            replies = self._all({c.cluster_id: body for c in self.clusters},
+                                timeout=deadline + 30)
         except ClusterLost:
             raise
-        except JobFailed as exc:
+        except (JobFailed, ControlMessageError) as exc:
             raise JobFailed(f"round {r} failed (deadline {deadline:.0f} s: "
                             f"{self.spec.faults.round_deadline_factor:g} x the slowest round so "
                             f"far, {self._slowest:.1f} s, at least [faults] "
@@ -408,8 +406,8 @@ class Driver(Recovery):
                 moving.setdefault(before[node], {})[node] = cluster
         imports: dict[str, list[str]] = {}
         if moving:
-            replies = self._all({cid: self._job_body("node.export", nodes=nodes,
-                                                     epoch=plan.routing.epoch)
+            replies = self._all({cid: NodeExport(self.spec.job_id, nodes=nodes,
+                                                 epoch=plan.routing.epoch).to_body()
                                  for cid, nodes in moving.items()})
             for reply in replies.values():
                 for node in reply.get("sent", []):
@@ -427,8 +425,8 @@ class Driver(Recovery):
         if routing.kind in ("star", "hierarchical"):
             root = next(routing.node_name(i) for i in range(routing.num_clients, routing.num_nodes)
                         if routing.parent[i] < 0)
-            reply = self.channel.request(nodes[root], self._job_body(
-                "job.model", node=root, to_cluster=here), self.timeout)
+            reply = self.channel.request(nodes[root], JobModel(
+                self.spec.job_id, node=root, to_cluster=here).to_body(), self.timeout)
             info: dict[str, Any] = {"model": f"root aggregator {root!r}", "node": root}
             shares: dict[str, dict[str, Any]] = {}
         else:
@@ -436,12 +434,12 @@ class Driver(Recovery):
             # evaluates and streams the result here
             ids = [c.cluster_id for c in self.clusters]
             collector = nodes["c0"]
-            others = {cid: self._job_body("job.model", share_to=collector)
+            others = {cid: JobModel(self.spec.job_id, share_to=collector).to_body()
                       for cid in ids if cid != collector}
             shares = self._all(others) if others else {}
             sources = [str(r["source_node"]) for r in shares.values() if r.get("source_node")]
-            reply = self.channel.request(collector, self._job_body(
-                "job.model", collect=sources, to_cluster=here), self.timeout)
+            reply = self.channel.request(collector, JobModel(
+                self.spec.job_id, collect=tuple(sources), to_cluster=here).to_body(), self.timeout)
             what = "group" if routing.kind == "hybrid" else "node"
             info = {"model": f"sample-weighted mean of the {what} models", "node": "consensus"}
         model = self.channel.take_update(self.spec.job_id, str(reply["node"]), self.timeout)

@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from proto.control import JobLease
 from scheduler.errors import JobFailed
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class LeaseKeeper:
         self.channel = channel
         self.job_id = job_id
         self.lease = lease
+        self._body = JobLease(job_id, lease=lease).to_body()  # refused here if out of range
         self.interval = min(2.0, max(0.5, lease / 3))
         self._connected = connected
         self._lock = threading.Lock()
@@ -153,9 +155,8 @@ class LeaseKeeper:
                                 cid, reason)
 
     def _renew(self, cluster_id: str) -> None:
-        body = {"kind": "job.lease", "job_id": self.job_id, "lease": self.lease}
         try:
-            self.channel.request(cluster_id, body, self.lease)
+            self.channel.request(cluster_id, self._body, self.lease)
         except JobFailed as exc:
             with self._lock:
                 if cluster_id in self._armed:

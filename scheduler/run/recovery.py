@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from proto.control import JobCheckpoint, JobRestore, JobStart, JobStop, RoundAbort
 from proto.routing import RoutingMatrix
 from scheduler.errors import CapacityError, JobFailed
 from scheduler.planning.clusters import ClusterSlot
@@ -89,9 +90,6 @@ class Recovery:
              ) -> dict[str, dict[str, Any]]:
         raise NotImplementedError
 
-    def _job_body(self, kind: str, **extra: Any) -> dict[str, Any]:
-        raise NotImplementedError
-
     def _migrate(self, before: Mapping[str, str], plan: Plan) -> int:
         raise NotImplementedError
 
@@ -103,8 +101,8 @@ class Recovery:
         """Every cluster streams its nodes' states here; written atomically."""
         assert self.run_dir is not None
         here = self.channel.local_cluster
-        replies = self._all({c.cluster_id: self._job_body("job.checkpoint", round=r,
-                                                          to_cluster=here)
+        replies = self._all({c.cluster_id: JobCheckpoint(self.spec.job_id, round=r,
+                                                          to_cluster=here).to_body()
                              for c in self.clusters})
         models = {str(node): self.channel.take_update(self.spec.job_id, str(node), self.timeout)
                   for reply in replies.values() for node in reply.get("nodes", {})}
@@ -133,15 +131,15 @@ class Recovery:
         for node in models:
             by_cluster.setdefault(where[node], []).append(node)
         here = self.channel.local_cluster
-        self._all({cid: self._job_body("job.restore", phase="expect", source_cluster=here,
-                                       nodes=nodes) for cid, nodes in by_cluster.items()})
+        self._all({cid: JobRestore(self.spec.job_id, phase="expect", source_cluster=here,
+                                   nodes=tuple(nodes)).to_body() for cid, nodes in by_cluster.items()})
         self._restores += 1
         for node, payload in models.items():
             send(target_cluster=where[node], job_id=self.spec.job_id, round=0,
                  source_node=node, target_node="restore",
                  message_id=f"{self.spec.job_id}/0/restore-{self._restores}/{node}/restore",
                  payload=payload, timeout=self.timeout)
-        self._all({cid: self._job_body("job.restore", phase="apply", codec=whole)
+        self._all({cid: JobRestore(self.spec.job_id, phase="apply", codec=whole).to_body()
                    for cid in by_cluster})
 
     # -- a lost cluster ------------------------------------------------------------------
@@ -158,7 +156,7 @@ class Recovery:
                     ",".join(sorted(gone)))
         # end the interrupted round on the survivors and wait until their engines stopped
         reason = f"round {r} is repeated without cluster(s) {', '.join(sorted(gone))}"
-        self._all({c.cluster_id: self._job_body("round.abort", round=r, reason=reason)
+        self._all({c.cluster_id: RoundAbort(self.spec.job_id, round=r, reason=reason).to_body()
                    for c in survivors}, timeout=60)
         running = [f for cid, f in lost.pending.items() if cid not in gone]
         wait(running, timeout=self.timeout)
@@ -256,7 +254,8 @@ class Recovery:
     def _stop_returning(self) -> dict[str, Future[dict[str, Any]]]:
         """The job ends: stop the executors that lost clusters started to come back (best
         effort, not waited for; one still starting exits when its lease runs out)."""
-        return {cid: self._pool.submit(self.channel.request, cid, self._job_body("job.stop"), 10.0)
+        stop = JobStop(self.spec.job_id).to_body()
+        return {cid: self._pool.submit(self.channel.request, cid, stop, 10.0)
                 for cid, d in self._departed.items() if d.starting is not None}
 
     def _started(self, cid: str, timeout: float = 0.0) -> bool:
@@ -293,14 +292,14 @@ class Recovery:
         """A fresh executor for the job on a returned cluster; False (try again later) if it
         cannot start one yet. A leftover executor of this job there is stopped first."""
         try:
-            self.channel.request(cid, self._job_body("job.stop"), 10.0)
+            self.channel.request(cid, JobStop(self.spec.job_id).to_body(), 10.0)
         except JobFailed:
             pass  # the usual case: the restarted daemon runs no executor for the job
         try:
             # pinned data: the returning cluster builds its own clients (its block) again
             mine = [i for i, c in enumerate(self._pinned or ()) if c == cid]
-            self.channel.request(cid, self._job_body("job.start", job=self.spec.to_dict(),
-                                                     clients=mine),
+            self.channel.request(cid, JobStart(self.spec.job_id, job=self.spec.to_dict(),
+                                               clients=tuple(mine)).to_body(),
                                  min(self.timeout, RETURN_START_TIMEOUT))
         except JobFailed as exc:
             log.warning("event=return_refused job=%s round=%d cluster=%s reason=%s",
