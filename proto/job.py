@@ -20,6 +20,8 @@ DISTRIBUTIONS = ("iid", "dirichlet", "labels", "shards", "quantity")
 #: cluster.toml [datasets], and no client leaves the cluster that holds its data
 DATA_PLACEMENTS = ("simulated", "pinned")
 TOPOLOGIES = ("star", "hierarchical", "ring", "k_connected", "full", "custom", "hybrid")
+#: no server: every node mixes with its neighbours (proto.routing.DECENTRALIZED_KINDS)
+DECENTRALIZED_TOPOLOGIES = ("ring", "k_connected", "full", "custom")
 AGGREGATORS = (
     "fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad",
     "median", "trimmed_mean", "krum",
@@ -108,7 +110,7 @@ class TopologySpec:
 
 @dataclass(frozen=True)
 class AggregationSpec:
-    name: str = "fedavgm"
+    name: str = "fedavgm"  # fedavg on a decentralized topology when unset (from_dict)
     server_learning_rate: float | None = None  # None = the algorithm's own default
     server_momentum: float = 0.9            # fedavgm
     beta1: float = 0.9                      # fedadam / fedyogi
@@ -190,6 +192,11 @@ class JobSpec:
             if not isinstance(table, Mapping):
                 raise JobSpecError(source, name, f"[{name}] must be a table, got {_show(table)}")
             sections[name] = _build_section(source, name, section_cls, table)
+        aggregation = data.get("aggregation", {})
+        if "name" not in aggregation and sections["topology"].kind in DECENTRALIZED_TOPOLOGIES:
+            # with no server, momentum steps on each node's disagreement with its
+            # neighbours too: fedavg is the default there (AggregationSpec)
+            sections["aggregation"] = replace(sections["aggregation"], name="fedavg")
         spec = cls(job_id=job_id, seed=seed, **sections)
         _check_cross(source, spec)
         return spec
@@ -468,7 +475,7 @@ def _check_cross(source: str, spec: JobSpec) -> None:
     if topo.kind == "k_connected" and topo.client_k_neighbors >= n:
         raise _fail(source, "topology.client_k_neighbors", topo.client_k_neighbors,
                     f"0 (auto) or an integer < data.number_of_clients ({n}) for k_connected")
-    if topo.mixing_steps > 1 and topo.kind not in ("ring", "k_connected", "full", "custom"):
+    if topo.mixing_steps > 1 and topo.kind not in DECENTRALIZED_TOPOLOGIES:
         raise _fail(source, "topology.mixing_steps", topo.mixing_steps,
                     f"1 on {topo.kind}: mixing steps are neighbour averagings of a "
                     "decentralized topology (ring, k_connected, full, custom)")

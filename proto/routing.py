@@ -34,13 +34,14 @@ from proto.errors import (
     UnknownMessageType,
     UnsupportedVersion,
 )
+from proto.job import DECENTRALIZED_TOPOLOGIES
 
 INTRA_CLUSTER = "INTRA_CLUSTER"
 INTER_CLUSTER = "INTER_CLUSTER"
 ROUTING_TYPE = "routing_matrix"
 ROUTING_VERSION = 2
 TREE_KINDS = ("star", "hierarchical")
-DECENTRALIZED_KINDS = ("ring", "k_connected", "full", "custom")
+DECENTRALIZED_KINDS = DECENTRALIZED_TOPOLOGIES
 TOPOLOGY_KINDS = (*TREE_KINDS, "hybrid", *DECENTRALIZED_KINDS)
 MAX_ROUTING_BYTES = 256 * 1024 * 1024
 MAX_CLUSTERS = 65535

@@ -158,3 +158,16 @@ def test_a_job_spec_error_survives_a_trip_to_another_process() -> None:
         assert (type(back), str(back), back.key) == (JobSpecError, str(exc), exc.key)
     else:
         raise AssertionError("fedadam on a ring was accepted")
+
+
+def test_the_default_aggregator_follows_the_topology() -> None:
+    # server momentum on a node without a server steps on its disagreement with its
+    # neighbours too: fedavg when the job names none, whatever it names otherwise
+    for kind in ("ring", "k_connected", "full", "custom"):
+        table = {"kind": kind, "adjacency_file": "a.csv"} if kind == "custom" else {"kind": kind}
+        assert JobSpec.from_dict({"topology": table}).aggregation.name == "fedavg"
+    for kind in ("star", "hierarchical", "hybrid"):
+        assert JobSpec.from_dict({"topology": {"kind": kind}}).aggregation.name == "fedavgm"
+    named = JobSpec.from_dict({"topology": {"kind": "ring"}, "aggregation": {"name": "fedavgm"}})
+    assert named.aggregation.name == "fedavgm"
+    assert JobSpec.from_dict(named.to_dict()) == named
