@@ -146,6 +146,9 @@ async def test_two_slow_loris_senders_do_not_starve_a_genuine_64_mib_update(mesh
     executor = await trio.to_thread.run_sync(lambda: Executor(s))
     target = peer_info(s.addr())
     drips: list[UpdateAck | None] = []
+    # both declare their 64 MiB at once: each is cut a few seconds (the rate grace) after
+    # its header, so on a loaded machine one set up late would find the other gone
+    ready, go = [], trio.Event()
 
     async def loris(name: str) -> None:
         party = Party(mesh.ca, name, "cluster")
@@ -154,6 +157,10 @@ async def test_two_slow_loris_senders_do_not_starve_a_genuine_64_mib_update(mesh
             assert (await hello(host, target.peer_id, party.cert)).accepted
             stream = await host.new_stream(target.peer_id, [PROTOCOL_UPDATE])
             body = b"\0" * size
+            ready.append(name)
+            if len(ready) == 2:
+                go.set()
+            await go.wait()
             await stream.write(frame(_header(job, f"{job}/1/update/{name}/x", body, name, "x")))
             async with trio.open_nursery() as nursery:
 
