@@ -1,9 +1,8 @@
 """Lossy and lossless encodings of weights (or weight updates) for inter-cluster transfer.
 
-Every encoding is one safetensors blob: the tensors it needs (quantized values, scales,
-top-k indices and values) plus string metadata describing how to rebuild each original
-tensor. What `compress` returns is exactly what is sent, so `len()` of it is the byte
-count. Nothing is ever pickled.
+Every encoding is a set of tensors (quantized values, scales, top-k indices and values)
+plus string metadata describing how to rebuild each original tensor; the update payload
+(worker/payload.py) carries both as one safetensors blob. Nothing is ever pickled.
 
 Methods:
 - `none`: tensors as they are.
@@ -27,8 +26,6 @@ import numpy as np
 
 from worker.errors import WorkerError
 
-from .serialization import SerializationError, weights_to_bytes
-
 METHODS = ("none", "fp16", "int8", "topk")
 FORMAT_VERSION = "1"
 _FP16_MAX = float(np.finfo(np.float16).max)
@@ -43,23 +40,6 @@ class CompressionError(WorkerError, ValueError):
     """A method, setting or encoded blob is unusable; the message says which and why."""
 
 
-def compress(
-    weights: Mapping[str, np.ndarray],
-    method: str,
-    *,
-    state: CompressionState | None = None,
-    topk_ratio: float = 0.1,
-) -> tuple[bytes, CompressionState]:
-    """Encode `weights` with `method`; return (the bytes to send, the state for next time).
-
-    `state` is only used by `topk` (error feedback); pass back what the previous call
-    returned for the same stream of updates. Inputs are never modified.
-    """
-    tensors, metadata, new_state = compress_tensors(weights, method, state=state,
-                                                    topk_ratio=topk_ratio)
-    return weights_to_bytes(tensors, metadata=metadata), new_state
-
-
 def compress_tensors(
     weights: Mapping[str, np.ndarray],
     method: str,
@@ -67,8 +47,10 @@ def compress_tensors(
     state: CompressionState | None = None,
     topk_ratio: float = 0.1,
 ) -> tuple[Weights, dict[str, str], CompressionState]:
-    """`compress` before serialization: the tensors to send and the metadata that says
-    how to rebuild them (the update payload adds its own fields to the same header)."""
+    """Encode `weights` with `method`: the tensors to send, the metadata that says how to
+    rebuild them (the update payload adds its own fields to the same header), and the
+    state for next time. `state` is only used by `topk` (error feedback): pass back what
+    the previous call returned for the same stream of updates. Inputs are never modified."""
     if method not in METHODS:
         raise CompressionError(
             f"transfer.compression {method!r} is unknown; use one of {', '.join(METHODS)}"
@@ -102,25 +84,13 @@ def compress_tensors(
     return tensors, metadata, new_state
 
 
-def decompress(data: bytes, *, max_elements: int = MAX_ELEMENTS) -> Weights:
-    """Rebuild the weights from what `compress` produced (dtypes and shapes restored).
-
-    Raises `CompressionError` for anything malformed: bad safetensors, an unknown method or
-    format, missing tensors, out-of-range indices, or a layout declaring more than
-    `max_elements` values in all (a sparse blob cannot make us allocate without bound).
-    """
-    from worker.payload import parse
-
-    try:
-        tensors, meta = parse(data)
-    except SerializationError as exc:
-        raise CompressionError(f"compressed update is not valid safetensors: {exc}") from None
-    return decompress_tensors(tensors, meta, max_elements=max_elements)
-
-
 def decompress_tensors(tensors: Mapping[str, np.ndarray], meta: Mapping[str, str], *,
                        max_elements: int = MAX_ELEMENTS) -> Weights:
-    """`decompress` of an already parsed payload (tensors and header metadata)."""
+    """Rebuild the weights from `compress_tensors`' tensors and metadata (as parsed from
+    an update payload), dtypes and shapes restored. Raises `CompressionError` for anything
+    malformed: an unknown method or format, missing tensors, out-of-range indices, or a
+    layout declaring more than `max_elements` values in all (a sparse update cannot make
+    us allocate without bound)."""
     method, version = meta.get("compression"), meta.get("format")
     if method not in METHODS or version != FORMAT_VERSION:
         raise CompressionError(

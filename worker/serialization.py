@@ -1,7 +1,7 @@
 """Model weights as safetensors bytes (never pickle) and conversions to/from torch state dicts.
 
-`weights_to_bytes`/`bytes_to_weights` need only numpy; the state-dict helpers import torch
-when called.
+`weights_to_bytes` needs only numpy (`worker.payload.parse` is the one reader of such bytes);
+the state-dict helpers import torch when called.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from safetensors import SafetensorError
-from safetensors.numpy import load as _st_load
 from safetensors.numpy import save as _st_save
 
 from worker.errors import WorkerError
@@ -43,24 +42,6 @@ def weights_to_bytes(
         return _st_save(arrays, metadata=dict(metadata) if metadata else None)
     except (SafetensorError, ValueError, TypeError) as exc:
         raise SerializationError(f"cannot encode weights as safetensors: {exc}") from None
-
-
-def bytes_to_weights(data: bytes) -> Weights:
-    """Decode safetensors bytes into a dict of writable numpy arrays."""
-    try:
-        return dict(_st_load(bytes(data)))
-    except (SafetensorError, ValueError, TypeError) as exc:
-        raise SerializationError(
-            f"{len(data)} bytes are not valid safetensors ({exc}); the sender must use "
-            "weights_to_bytes"
-        ) from None
-
-
-def bytes_metadata(data: bytes) -> dict[str, str]:
-    """Return the string metadata stored in safetensors bytes (empty if there is none)."""
-    from worker.payload import parse  # the one safetensors header parser
-
-    return parse(data, source="safetensors bytes")[1]
 
 
 def state_dict_to_weights(state_dict: Mapping[str, torch.Tensor]) -> Weights:

@@ -33,7 +33,7 @@ import networkx as nx
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from proto.job import JobSpec, TopologySpec, k_neighbors
+from proto.job import TopologySpec, k_neighbors
 from scheduler.errors import PlanError
 from scheduler.planning.placement.similarity import quantise, unit_rows
 
@@ -126,15 +126,6 @@ def tree_parents(child_parent: np.ndarray, num_nodes: int) -> np.ndarray:
     pairs = np.asarray(child_parent, dtype=np.int64).reshape(-1, 2)
     parent[pairs[:, 0]] = pairs[:, 1]
     return parent
-
-
-def logical_edges(spec: JobSpec, histograms: np.ndarray | None) -> np.ndarray:
-    """Client↔client edges `[E, 2]` (u < v) of the job's decentralized topology (ring,
-    k_connected, full, custom); empty for star, hierarchical and hybrid."""
-    if spec.topology.kind in ("star", "hierarchical", "hybrid"):
-        return np.zeros((0, 2), dtype=np.int64)
-    return build_topology(spec.topology, spec.data.number_of_clients, histograms=histograms,
-                          seed=spec.seed).edges
 
 
 def _make(kind: str, n: int, num_nodes: int, edges: np.ndarray,

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from proto.job import JobSpec, TopologySpec, k_neighbors
+from proto.job import TopologySpec, k_neighbors
 from scheduler.errors import PlanError
 from scheduler.planning.placement.histograms import synthetic_histograms
-from scheduler.planning.topology import build_topology, logical_edges, similarity_edges
+from scheduler.planning.topology import build_topology, similarity_edges
 
 
 def pairs(edges: np.ndarray) -> set[tuple[int, int]]:
@@ -126,13 +126,6 @@ def test_hybrid_heads_named_after_groups() -> None:
     assert t.aggregator_names == ("g:a", "g:c")
     assert pairs(t.edges) == {(0, 4), (2, 4), (1, 5), (3, 5), (4, 5)}
     assert t.weights[-1] == 0.5
-
-
-def test_logical_edges_only_client_edges() -> None:
-    spec = JobSpec.from_dict({"data": {"number_of_clients": 5}, "topology": {"kind": "ring"}})
-    assert len(logical_edges(spec, None)) == 5
-    star = JobSpec.from_dict({"data": {"number_of_clients": 5}})
-    assert len(logical_edges(star, None)) == 0
 
 
 def test_full_topology_too_large_is_clear_error() -> None:

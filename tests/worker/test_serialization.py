@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from worker.payload import PayloadError, parse
 from worker.serialization import (
     SerializationError,
-    bytes_metadata,
-    bytes_to_weights,
     load_weights,
     model_weights,
     state_dict_to_weights,
@@ -30,13 +29,12 @@ def test_round_trip_keeps_names_dtypes_values_and_metadata() -> None:
         "strided": np.arange(10, dtype=np.float32)[::2],
     }
     data = weights_to_bytes(weights, metadata={"round": "3"})
-    back = bytes_to_weights(data)
+    back, meta = parse(data)  # the one reader of weights bytes (update payloads)
     assert set(back) == set(weights)
     for name, arr in weights.items():
         assert back[name].dtype == arr.dtype and back[name].shape == arr.shape
         np.testing.assert_array_equal(back[name], arr)
-    assert bytes_metadata(data) == {"round": "3"}
-    back["a.bias"][0] = 9.0  # decoded arrays are writable
+    assert meta == {"round": "3"}
 
 
 def test_encoding_is_safetensors_json_header_not_pickle() -> None:
@@ -48,10 +46,10 @@ def test_encoding_is_safetensors_json_header_not_pickle() -> None:
 
 
 def test_garbage_and_object_arrays_fail_clearly() -> None:
-    with pytest.raises(SerializationError, match="not valid safetensors"):
-        bytes_to_weights(b"\x80\x04garbage-pickle-looking-bytes")
-    with pytest.raises(SerializationError, match="too short"):
-        bytes_metadata(b"abc")
+    with pytest.raises(PayloadError, match="header"):
+        parse(b"\x80\x04garbage-pickle-looking-bytes")
+    with pytest.raises(PayloadError, match="too short"):
+        parse(b"abc")
     with pytest.raises(SerializationError, match="dtype object"):
         weights_to_bytes({"x": np.array([{}], dtype=object)})
 
