@@ -1,8 +1,34 @@
 """Typed scheduler -> executor control messages, validated like the wire messages.
 
-A control body is a plain map with a `kind` and the job's `job_id` (it travels inside a
-signed ControlRequest; `worker/executor/service.py` says what the executor does with
-each kind). Every kind is a frozen dataclass here: the scheduler builds one and sends
+A control body is a plain map with a `kind` and the job's `job_id`; it travels inside a
+signed ControlRequest, and the executor (`worker/executor/service.py`) answers each:
+- `job.start` {job, clients}: build the job's partitions, reply with the label histograms
+  of `clients` (no sample leaves the cluster) and this cluster's capacity;
+- `job.plan` {routing, imports, next_round, client_samples?, absent?}: adopt the routing matrix (the whole plan:
+  the round graph is a read-only view of it), materialize the local clients, and take the
+  states of nodes that migrated here (`imports`: node names; the states arrive as update
+  streams); a pinned-data job's plan also carries every client's training-sample count
+  (what its own cluster reported), the weight its updates get elsewhere, and the clients
+  that sit out (`absent`: their cluster is gone, their data with it);
+- `round.run` {round, attempt, deadline?}: run this cluster's share of the round (its
+  waits end after `deadline` seconds), reply with its RoundRecord;
+- `node.export` {nodes: {node: cluster}, epoch}: stream the state of nodes that move to
+  another cluster straight to that cluster;
+- `job.model` {to_cluster, node?, share_to?, collect?}: stream the final model (or this
+  cluster's share of it) as an update; never inside a control reply, so any size works;
+- `job.stop`: release actors and reply with how many were materialized;
+- `job.checkpoint` {round, to_cluster}: stream the state of this cluster's checkpoint
+  nodes (model + aggregator server state + the compression references of the edges the
+  node sends and receives on, one payload per node) to the scheduler;
+- `job.restore` {phase: expect, source_cluster, nodes} then {phase: apply, codec?}: take
+  those nodes' states, streamed by the scheduler from a checkpoint, and adopt them (with
+  `codec`, a resume of the whole job, their compression references too);
+- `round.abort` {round, reason}: end that round's waits at once (a cluster was lost; the
+  round is run again, `round.run` with a new `attempt`, on the survivors);
+- `job.lease` {lease}: the scheduler is alive (`scheduler/run/leases.py`, every few
+  seconds); renews the executor's lease for `lease` seconds.
+
+Every kind is a frozen dataclass here: the scheduler builds one and sends
 `to_body()`; the executor turns what arrives into one with `parse_control(body)`, which
 checks every field's type and range and raises `ControlMessageError` naming the kind,
 the dotted field (``client_samples[3]``) and what is allowed. Nothing is unpickled.
@@ -149,7 +175,7 @@ def parse_control(body: Mapping[str, Any]) -> ControlMessage:
 
 @dataclass(frozen=True)
 class JobStart(ControlMessage):
-    """Build the job's partitions; reply with `clients`' label histograms and capacity."""
+    """Start the job (`job`: a JobSpec's dict) with these clients' data."""
 
     TYPE: ClassVar[str] = "job.start"
     job: dict[str, Any] = spec(Data())  # a JobSpec's dict (proto.job checks it)
@@ -158,8 +184,7 @@ class JobStart(ControlMessage):
 
 @dataclass(frozen=True)
 class JobPlan(ControlMessage):
-    """Adopt a plan: the routing matrix, the nodes that migrate here (`imports`), the
-    round that runs next; pinned data: every client's samples and those that sit out."""
+    """Adopt a plan (the routing matrix) and the states of the nodes it moves here."""
 
     TYPE: ClassVar[str] = "job.plan"
     routing: RoutingMatrix = spec(Routing())
@@ -181,8 +206,7 @@ class JobPlan(ControlMessage):
 
 @dataclass(frozen=True)
 class RoundRun(ControlMessage):
-    """Run this cluster's share of `round` (`attempt` > 0: the round is repeated), its
-    waits ending after `deadline` seconds."""
+    """Run this cluster's share of `round` (a new `attempt`: the round is repeated)."""
 
     TYPE: ClassVar[str] = "round.run"
     round: int = spec(ROUND)
@@ -192,7 +216,7 @@ class RoundRun(ControlMessage):
 
 @dataclass(frozen=True)
 class RoundAbort(ControlMessage):
-    """End `round`'s waits at once with `reason` (a cluster was lost)."""
+    """End `round`'s waits at once with `reason`."""
 
     TYPE: ClassVar[str] = "round.abort"
     round: int = spec(ROUND)
@@ -201,7 +225,7 @@ class RoundAbort(ControlMessage):
 
 @dataclass(frozen=True)
 class JobLease(ControlMessage):
-    """The scheduler is alive: the executor's lease is `lease` seconds from now."""
+    """The executor's lease ends `lease` seconds from now."""
 
     TYPE: ClassVar[str] = "job.lease"
     lease: float = spec(Seconds(1, 3600))
@@ -209,14 +233,14 @@ class JobLease(ControlMessage):
 
 @dataclass(frozen=True)
 class JobStop(ControlMessage):
-    """Release the actors and reply with how many were materialized."""
+    """End the job here."""
 
     TYPE: ClassVar[str] = "job.stop"
 
 
 @dataclass(frozen=True)
 class NodeExport(ControlMessage):
-    """Stream the states of `nodes` {node: target cluster} there (for plan `epoch`)."""
+    """Stream the states of `nodes` {node: target cluster} there, for plan `epoch`."""
 
     TYPE: ClassVar[str] = "node.export"
     nodes: dict[str, str] = spec(MapOf(NODE_ID, CLUSTER_ID), default={})
@@ -240,7 +264,7 @@ class JobModel(ControlMessage):
 
 @dataclass(frozen=True)
 class JobCheckpoint(ControlMessage):
-    """Stream this cluster's checkpoint node states of `round` to `to_cluster`."""
+    """Stream this cluster's checkpoint states of `round` to `to_cluster`."""
 
     TYPE: ClassVar[str] = "job.checkpoint"
     round: int = spec(ROUND)
@@ -249,8 +273,7 @@ class JobCheckpoint(ControlMessage):
 
 @dataclass(frozen=True)
 class JobRestore(ControlMessage):
-    """`expect`: `nodes`' states come from `source_cluster`; `apply`: adopt them (`codec`:
-    the compression references too)."""
+    """`expect` `nodes`' states from `source_cluster`, then `apply` them."""
 
     TYPE: ClassVar[str] = "job.restore"
     phase: str = spec(Text(16, choices=("expect", "apply")))

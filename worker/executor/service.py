@@ -1,33 +1,9 @@
 """The executor's control surface: what it does for each scheduler message.
 
-Messages (the `kind` of the body, typed and validated in `proto.control`; the daemon only
-passes on bodies signed by a `scheduler` certificate):
-- `job.start` {job, clients}: build the job's partitions, reply with the label histograms
-  of `clients` (no sample leaves the cluster) and this cluster's capacity;
-- `job.plan` {routing, imports, client_samples?}: adopt the routing matrix (the whole plan:
-  the round graph is a read-only view of it), materialize the local clients, and take the
-  states of nodes that migrated here (`imports`: node names; the states arrive as update
-  streams); a pinned-data job's plan also carries every client's training-sample count
-  (what its own cluster reported), the weight its updates get elsewhere, and the clients
-  that sit out (`absent`: their cluster is gone, their data with it);
-- `round.run` {round}: run this cluster's share of the round, reply with its RoundRecord;
-- `node.export` {nodes: {node: cluster}}: stream the state of nodes that move to
-  another cluster straight to that cluster;
-- `job.model` {to_cluster, node?, share_to?, collect?}: stream the final model (or this
-  cluster's share of it) as an update; never inside a control reply, so any size works;
-- `job.stop`: release actors and reply with how many were materialized;
-- `job.checkpoint` {round, to_cluster}: stream the state of this cluster's checkpoint
-  nodes (model + aggregator server state + the compression references of the edges the
-  node sends and receives on, one payload per node) to the scheduler;
-- `job.restore` {phase: expect, source_cluster, nodes} then {phase: apply, codec?}: take
-  those nodes' states, streamed by the scheduler from a checkpoint, and adopt them (with
-  `codec`, a resume of the whole job, their compression references too);
-- `round.abort` {round, reason}: end that round's waits at once (a cluster was lost; the
-  round is run again, `round.run` with a new `attempt`, on the survivors);
-- `job.lease` {lease}: the scheduler is alive; renews this executor's lease for `lease`
-  seconds (any control message renews it). An executor whose lease runs out (its
-  scheduler is gone) releases its actors and exits (`__main__`), so the daemon forgets
-  the job and the same job id can be submitted again at once.
+`proto.control` types the messages and says what each asks for; the daemon only passes on
+bodies signed by a `scheduler` certificate. Any control message renews the executor's
+lease; one whose lease runs out (its scheduler is gone) releases its actors and exits
+(`__main__`), so the daemon forgets the job and the same job id can be submitted again.
 """
 
 from __future__ import annotations
