@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -69,3 +71,25 @@ def kill_and_restart(tb: LocalTestbed, victim: str, job_id: str,
             events.append("started")
 
     return chaos
+
+
+def executor_pid(testbed: LocalTestbed, cluster: str) -> int:
+    daemon = testbed.procs[cluster].pid
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes()
+                ppid = int((proc / "stat").read_text().split(")")[-1].split()[2])
+            except (OSError, ValueError):
+                continue
+            if ppid == daemon and b"worker.executor" in cmd:
+                return int(proc.name)
+    raise AssertionError(f"no executor under {cluster}'s daemon")
+
+
+def kill(tb: LocalTestbed, cluster: str, what: str) -> None:
+    """Kill a cluster's daemon (`what` = "daemon") or only its executor ("executor")."""
+    if what == "daemon":
+        tb.kill(cluster)
+    else:
+        os.kill(executor_pid(tb, cluster), signal.SIGKILL)

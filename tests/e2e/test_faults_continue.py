@@ -5,8 +5,6 @@ round runs again; summary.faults records it. Real daemons, in-process executors.
 from __future__ import annotations
 
 import math
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +14,7 @@ from proto.job import JobSpec
 from proto.rounds import RoundRecord
 from scheduler.run.driver import JobFailed
 from scheduler.testbed import LocalTestbed
-from tests.e2e._faults import drive, wait_for_executor
-from tests.e2e.test_faults_detect import executor_pid
+from tests.e2e._faults import drive, kill, wait_for_executor
 
 pytestmark = pytest.mark.slow
 ROUNDS = 8
@@ -49,10 +46,7 @@ def run(tb: LocalTestbed, clusters: Any, job: JobSpec, out: Path, what: str) -> 
 
     def kill_at_round_3(record: RoundRecord, total: int) -> None:
         if record.round == 3:
-            if what == "daemon":
-                tb.kill(victim)
-            else:
-                os.kill(executor_pid(tb, victim), signal.SIGKILL)
+            kill(tb, victim, what)
             killed.append(record.round)
         elif what == "executor" and killed == [3] and victim not in record.by_cluster:
             # a round without it: its daemon stayed, so a new executor is starting there

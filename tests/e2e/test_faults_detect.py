@@ -3,8 +3,6 @@ round deadlines follow measured round times."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from proto.rounds import RoundRecord
 from scheduler.run.driver import Driver, JobFailed
 from scheduler.run.mesh import BridgeChannel
 from scheduler.testbed import LocalTestbed
+from tests.e2e._faults import kill
 from worker.context import InProcessContext
 from worker.executor.runtime import runtime_factory
 
@@ -70,20 +69,6 @@ def testbed(tmp_path: Path) -> Any:
         yield tb, clusters
 
 
-def executor_pid(testbed: LocalTestbed, cluster: str) -> int:
-    daemon = testbed.procs[cluster].pid
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmd = (proc / "cmdline").read_bytes()
-                ppid = int((proc / "stat").read_text().split(")")[-1].split()[2])
-            except (OSError, ValueError):
-                continue
-            if ppid == daemon and b"worker.executor" in cmd:
-                return int(proc.name)
-    raise AssertionError(f"no executor under {cluster}'s daemon")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("what", ["daemon", "executor"])
 def test_a_killed_cluster_fails_the_job_in_seconds_naming_it(testbed: Any, what: str) -> None:
@@ -93,10 +78,7 @@ def test_a_killed_cluster_fails_the_job_in_seconds_naming_it(testbed: Any, what:
 
     def kill_at_round_3(record: RoundRecord, total: int) -> None:
         if record.round == 3:
-            if what == "daemon":
-                tb.kill(victim)
-            else:
-                os.kill(executor_pid(tb, victim), signal.SIGKILL)
+            kill(tb, victim, what)
             killed.append(time.monotonic())
 
     job = spec(f"detect-{what}", 200, on_cluster_loss="fail")

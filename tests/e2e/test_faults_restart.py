@@ -17,8 +17,7 @@ import pytest
 from proto.job import JobSpec
 from proto.rounds import RoundRecord
 from scheduler.testbed import LocalTestbed
-from tests.e2e._faults import drive
-from tests.e2e.test_faults_detect import executor_pid
+from tests.e2e._faults import drive, executor_pid
 from tests.fabricd._harness import wait_until
 
 pytestmark = pytest.mark.slow
