@@ -6,7 +6,7 @@ import time
 from collections import OrderedDict
 from typing import Any, TypeVar
 
-from fabricd.logs import EventLogger
+from fedcore.logs import EventLogger
 
 K = TypeVar("K")
 V = TypeVar("V")

@@ -25,7 +25,7 @@ from fabricd._streams import (
     stream_reader,
     write_message,
 )
-from fabricd.logs import get_logger
+from fedcore.logs import get_logger
 from proto.errors import NotAMember, ProtocolError
 from proto.ids import MAX_CERTIFICATE_BYTES, PROTOCOL_MEMBER
 from proto.messages import MemberAck, MemberHello

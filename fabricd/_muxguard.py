@@ -23,7 +23,7 @@ from typing import Any
 from libp2p.stream_muxer.yamux import yamux as _yamux
 
 from fabricd._bounded import Throttle
-from fabricd.logs import get_logger
+from fedcore.logs import get_logger
 
 log = get_logger("fabricd.muxguard")
 

@@ -20,7 +20,7 @@ from libp2p.peer.id import ID
 from fabricd._bounded import BoundedDict, Throttle
 from fabricd._member_tables import PeerVerdict, is_connected
 from fabricd._streams import reset_quietly
-from fabricd.logs import get_logger
+from fedcore.logs import get_logger
 
 # one logger for the whole membership service (fabricd.membership and its parts)
 log = get_logger("fabricd.membership")

@@ -28,7 +28,7 @@ from libp2p.peer.id import ID
 
 from fabricd._streams import close_quietly, read_message_exact, reset_quietly
 from fabricd.errors import FabricdError
-from fabricd.logs import get_logger
+from fedcore.logs import get_logger
 from proto.codec import frame
 from proto.errors import ProtocolError
 from proto.ids import PROTOCOL_UPDATE_POOLED

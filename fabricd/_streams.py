@@ -15,7 +15,7 @@ from libp2p.abc import INetStream
 from libp2p.network.stream.exceptions import StreamEOF, StreamError, StreamReset
 
 from fabricd.admission import RateFloor
-from fabricd.logs import get_logger
+from fedcore.logs import get_logger
 from proto.codec import ExactReader, frame, read_frame
 from proto.errors import ProtocolError
 from proto.messages import Message

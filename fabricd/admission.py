@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from fabricd._bounded import BoundedDict
-from fabricd.logs import get_logger
+from fedcore.logs import get_logger
 from proto.errors import ProtocolError
 from proto.ids import PROBE_JOB_ID
 from proto.messages import UpdateHeader

@@ -35,8 +35,8 @@ from fabricd._sender import ByteBudget, FillingBuffer
 from fabricd.config import ensure_private_dir
 from fabricd.errors import FabricdError
 from fabricd.executors import ExecutorLauncher
-from fabricd.logs import get_logger
 from fabricd.updates import DeliveryError
+from fedcore.logs import get_logger
 from proto.bridge import (
     BridgeMessage,
     BridgeStream,

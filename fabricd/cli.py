@@ -12,6 +12,7 @@ from typing import Any
 
 from fabricd.config import ConfigError, load_config, render_config
 from fabricd.errors import FabricdError
+from fedcore.logs import LOG_FORMATS
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -31,7 +32,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import trio
 
     from fabricd.daemon import Daemon, StartupError, load_credentials
-    from fabricd.logs import setup_logging
+    from fedcore.logs import setup_logging
 
     setup_logging(args.log_format, args.log_level)
     config = load_config(args.config)
@@ -289,8 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
                "--listen /ip4/127.0.0.1/tcp/4001 --ca ca --out a; fabricd --config a/cluster.toml",
     )
     p.add_argument("--config", help="cluster.toml of the daemon to run")
-    p.add_argument("--log-format", choices=("kv", "json"), default="kv",
-                   help="one line per event: key=value (default) or JSON")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="kv",
+                   help="one line per event: key=value (kv or text, the default) or JSON")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 

@@ -31,9 +31,9 @@ from fabricd._streams import (
     write_message,
 )
 from fabricd.admission import Placements, RateFloor
-from fabricd.logs import get_logger
 from fabricd.membership import Membership
 from fabricd.signing import is_job_message
+from fedcore.logs import get_logger
 from proto.certs import Certificate
 from proto.errors import InvalidMessage, ProtocolError, WrongRole
 from proto.ids import MAX_MESSAGE_BYTES, PROTOCOL_CONTROL

@@ -29,12 +29,12 @@ from fabricd.discovery import ClusterRecordValidator, Discovery
 from fabricd.errors import FabricdError
 from fabricd.executors import ExecutorLauncher
 from fabricd.identity import peer_id_of, raw_private_key, read_identity
-from fabricd.logs import get_logger
 from fabricd.membership import Membership
 from fabricd.metrics import DaemonMetrics, MetricsServer, StateSnapshot
 from fabricd.revocation import RevocationGossip, Revocations
 from fabricd.signing import ReplayWindow, seal, unseal
 from fabricd.updates import INLINE_HASH_BYTES, UpdateService
+from fedcore.logs import get_logger
 from proto.bridge import ControlResult, ProbeReply, SendResult
 from proto.certs import RevocationList, load_ca_public, public_key_bytes, verify_certificate
 from proto.errors import NotAMember, ProtocolError

@@ -31,8 +31,8 @@ from libp2p.records.validator import Validator
 from fabricd._bounded import BoundedDict, Throttle
 from fabricd._host import HostStack
 from fabricd.gossip import ReliableGossip
-from fabricd.logs import get_logger
 from fabricd.membership import Membership
+from fedcore.logs import get_logger
 from proto.certs import Certificate, verify_certificate
 from proto.codec import decode, encode
 from proto.errors import ProtocolError

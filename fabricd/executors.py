@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from fabricd.logs import get_logger
+from fedcore.logs import get_logger
 
 log = get_logger("fabricd.executors")
 

@@ -55,9 +55,9 @@ from fabricd._preauth import (
     TooManyWaiting,
 )
 from fabricd._streams import Handler, close_quietly, remote_peer, reset_quietly, safe_handler
-from fabricd.logs import get_logger
 from fabricd.metrics import UNWIRED, DaemonMetrics
 from fabricd.revocation import Revocations
+from fedcore.logs import get_logger
 from proto.certs import Certificate, RevocationList, parse_certificate, verify_certificate
 from proto.errors import NotAMember
 from proto.ids import PROTOCOL_MEMBER

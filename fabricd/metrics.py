@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from fabricd.logs import get_logger
+from fedcore.logs import get_logger
 
 log = get_logger("fabricd.metrics")
 

@@ -23,7 +23,7 @@ from libp2p.peer.id import ID
 
 from fabricd._bounded import Throttle
 from fabricd.gossip import ReliableGossip
-from fabricd.logs import get_logger
+from fedcore.logs import get_logger
 from proto.certs import (
     MAX_REVOCATIONS_BYTES,
     RevocationList,

@@ -49,9 +49,9 @@ from fabricd._streams import (
 )
 from fabricd.admission import Placements, RateFloor, dedup_key
 from fabricd.errors import FabricdError
-from fabricd.logs import get_logger
 from fabricd.membership import Membership
 from fabricd.metrics import UNWIRED, DaemonMetrics
+from fedcore.logs import get_logger
 from proto.errors import DigestMismatch, LengthMismatch, MessageTooLarge, ProtocolError
 from proto.ids import DEFAULT_CHUNK_BYTES, PROBE_JOB_ID, PROTOCOL_UPDATE, PROTOCOL_UPDATE_POOLED
 from proto.messages import UpdateAck, UpdateHeader

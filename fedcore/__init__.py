@@ -4,6 +4,7 @@
   (numpy/scikit-learn; no torch or ray on import). The clusters build their clients from it
   and the scheduler profiles a job from it, so `scheduler` never imports `worker`.
 - `fedcore.metrics`: Prometheus metrics of a job as an executor or the scheduler sees it.
+- `fedcore.logs`: the one log style of every process (key=value lines, or JSON).
 
 Named for what it is, the core of the federation that every side shares (`fed` as in
 `fedpilot`); it sits above `proto` and below `worker`, `scheduler` and `fedpilot`.

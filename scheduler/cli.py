@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 from collections.abc import Sequence
 
+from fedcore.logs import LOG_FORMATS, setup_logging
 from proto.errors import ProtocolError
 from scheduler.errors import JobSpecError, SchedulerError
 
@@ -28,21 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING",
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="logging threshold (default WARNING); logs go to stderr")
-    parser.add_argument("--log-format", default="text", choices=("text", "json"),
-                        help="one line per event as key=value text (default) or JSON")
+    parser.add_argument("--log-format", default="kv", choices=LOG_FORMATS,
+                        help="one line per event as key=value (kv, or text: the default) or "
+                             "JSON, as fabricd logs")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(name).add_parser(subparsers)
     return parser
-
-
-def _configure_logging(level: str, fmt: str) -> None:
-    if fmt == "json":
-        pattern = ('{"time":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s",'
-                   '"msg":"%(message)s"}')
-    else:
-        pattern = "%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
-    logging.basicConfig(level=level, format=pattern, stream=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -50,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fix (bad job file, clusters, capacity, files) is one line on stderr and exit code 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    _configure_logging(args.log_level, args.log_format)
+    setup_logging(args.log_format, args.log_level)
     try:
         return int(args.func(args))
     except (JobSpecError, SchedulerError, ProtocolError) as exc:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import threading
 
+from fedcore.logs import LOG_FORMAT_ENV, LOG_FORMATS, setup_logging
 from worker.executor.bridge import BridgeLink
 from worker.executor.service import ExecutorService
 
@@ -41,7 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dataset", metavar="NAME=KIND:PATH", action="append", default=[],
                         help="a dataset this cluster holds, for jobs with data.placement = "
                              "'pinned' (cluster.toml [datasets]; repeatable)")
-    parser.add_argument("--log-format", choices=("text", "json"), default="text")
+    parser.add_argument("--log-format", choices=LOG_FORMATS,
+                        default=os.environ.get(LOG_FORMAT_ENV, "kv"),
+                        help="key=value (kv, text) or json lines; default: the daemon's "
+                             f"(${LOG_FORMAT_ENV}), else kv")
     args = parser.parse_args(argv)
     datasets: dict[str, str] = {}
     for item in args.dataset:
@@ -51,14 +54,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         datasets[name] = dataset
     args.datasets = datasets
     return args
-
-
-def setup_logging(fmt: str) -> None:
-    if fmt == "json":
-        style = '{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}'
-    else:
-        style = "%(asctime)s %(levelname)s %(name)s %(message)s"
-    logging.basicConfig(level=logging.INFO, format=style, stream=sys.stderr)
 
 
 def daemon_job_counters(bridge: str, job_id: str) -> dict[str, int]:

@@ -1,20 +1,33 @@
-"""One line per event: ``key=value`` by default, JSON with ``--log-format json``.
+"""One log style for every process (fabricd, the scheduler, executors): one line per
+event, ``key=value`` by default, JSON with ``--log-format json``.
 
 Call sites log an event name plus fields::
 
     log = get_logger(__name__)
     log.info("member.rejected", peer=peer_id, reason=reason)
+
+A plain logging call whose message is already ``event=NAME key=value ...`` (the worker's
+and scheduler's style) comes out the same way: as it is in ``key=value``, and in JSON as
+``event`` = NAME with the rest under ``detail``; any other message is the event. A process
+that sets up logging also hands its format to the processes it starts (an executor
+started by fabricd logs like its daemon) through ``FEDPILOT_LOG_FORMAT``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
 
 _NOISY_LIBRARIES = ("libp2p", "multiaddr", "async_service", "trio_websocket", "aioquic")
+#: ``kv`` (``text`` is the same) or ``json``
+LOG_FORMATS = ("kv", "text", "json")
+#: the format a process started by one that set up logging uses by default
+LOG_FORMAT_ENV = "FEDPILOT_LOG_FORMAT"
+_HANDLER_NAME = "fedpilot-stderr"
 
 
 class EventLogger:
@@ -51,14 +64,26 @@ def _quote(value: Any) -> str:
     return text
 
 
+def _event(record: logging.LogRecord) -> tuple[str, str]:
+    """(event name, the rest) of a record; the rest is non-empty only for a message
+    written as ``event=NAME key=value ...``."""
+    message = record.getMessage()
+    if not getattr(record, "fields", None) and message.startswith("event="):
+        name, _, rest = message[len("event="):].partition(" ")
+        return name, rest.strip()
+    return message, ""
+
+
 class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        event, rest = _event(record)
         parts = [
             f"ts={ts}.{int(record.msecs):03d}Z",
             f"level={record.levelname.lower()}",
             f"logger={record.name}",
-            f"event={_quote(record.getMessage())}",
+            f"event={_quote(event)}",
+            *([rest] if rest else []),
         ]
         for key, value in getattr(record, "fields", {}).items():
             parts.append(f"{key}={_quote(value)}")
@@ -69,12 +94,15 @@ class KeyValueFormatter(logging.Formatter):
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        event, rest = _event(record)
         data: dict[str, Any] = {
             "ts": record.created,
             "level": record.levelname.lower(),
             "logger": record.name,
-            "event": record.getMessage(),
+            "event": event,
         }
+        if rest:
+            data["detail"] = rest
         for key, value in getattr(record, "fields", {}).items():
             data[key] = value if isinstance(value, (int, float, bool, type(None))) else str(value)
         if record.exc_info:
@@ -83,12 +111,18 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(log_format: str = "kv", level: str = "info") -> None:
-    """Route every log record to stderr, one line each; quiet third-party libraries."""
+    """Route every log record to stderr, one line each; quiet third-party libraries; the
+    processes this one starts inherit the format."""
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format {log_format!r}: expected one of {', '.join(LOG_FORMATS)}")
+    os.environ[LOG_FORMAT_ENV] = log_format
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else KeyValueFormatter())
+    handler.set_name(_HANDLER_NAME)
     root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
+    for old in list(root.handlers):  # a second call replaces the first's handler only
+        if old.get_name() == _HANDLER_NAME:
+            root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
     for name in _NOISY_LIBRARIES:
