@@ -23,6 +23,7 @@ from typing import Any
 from libp2p.stream_muxer.yamux import yamux as _yamux
 
 from fabricd._bounded import Throttle
+from fabricd.errors import FabricdError
 from fedcore.logs import get_logger
 
 log = get_logger("fabricd.muxguard")
@@ -36,7 +37,7 @@ _applied = False
 cut_connections = 0
 
 
-class BufferOverrun(Exception):
+class BufferOverrun(FabricdError):
     """A peer made this side buffer more than it may; its connection is being cut."""
 
 

@@ -20,6 +20,7 @@ from libp2p.peer.id import ID
 from fabricd._bounded import BoundedDict, Throttle
 from fabricd._member_tables import PeerVerdict, is_connected
 from fabricd._streams import reset_quietly
+from fabricd.errors import FabricdError
 from fedcore.logs import get_logger
 
 # one logger for the whole membership service (fabricd.membership and its parts)
@@ -34,7 +35,7 @@ MAX_WAITING_STREAMS_PER_PEER = 4
 MAX_WAITING_STREAMS = 128
 
 
-class TooManyWaiting(Exception):
+class TooManyWaiting(FabricdError):
     """The stream was reset because too many streams already wait for a verdict."""
 
 

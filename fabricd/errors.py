@@ -6,6 +6,8 @@ bad input from the wire stays a `proto.errors.ProtocolError`.
 
 from __future__ import annotations
 
+from proto.errors import FabricError
 
-class FabricdError(Exception):
+
+class FabricdError(FabricError):
     """Something the daemon was asked to do cannot be done; the message says what and why."""

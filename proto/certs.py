@@ -190,7 +190,7 @@ def _resolve(path: str | os.PathLike[str], default_name: str) -> Path:
     return p / default_name if p.is_dir() else p
 
 
-class InsecureKeyFile(ValueError):
+class InsecureKeyFile(ProtocolError, ValueError):
     """The CA key file can be read by other users; the message says how to fix it."""
 
 

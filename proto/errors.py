@@ -7,11 +7,18 @@ what was wrong and what is allowed.
 from __future__ import annotations
 
 
-class ProtocolError(Exception):
+class FabricError(Exception):
+    """The root of every error this project raises on purpose (each package's own root
+    derives from it: ProtocolError here, FabricdError, WorkerError, SchedulerError,
+    DatasetError, and JobSpecError for job files), so `except FabricError` catches all of
+    them and nothing else."""
+
+
+class ProtocolError(FabricError):
     """Base of every rejection of bad input from a peer, a bridge client or a file."""
 
 
-class StreamClosed(ConnectionError, EOFError):
+class StreamClosed(FabricError, ConnectionError, EOFError):
     """The stream or socket ended cleanly before the first byte of a frame (not bad input).
 
     Both an EOFError and a ConnectionError, so either `except` clause catches it.

@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from proto.errors import FabricError
+
 DISTRIBUTIONS = ("iid", "dirichlet", "labels", "shards", "quantity")
 #: simulated: every cluster can rebuild every client from one dataset (the job's path);
 #: pinned: each cluster builds its clients from the dataset of that name it declares in
@@ -45,7 +47,7 @@ K_CONNECTED_MODES = ("random", "similarity", "complementary")
 MAX_MIXING_STEPS = 4
 
 
-class JobSpecError(ValueError):
+class JobSpecError(FabricError, ValueError):
     """A job specification is invalid. The message is one line naming the source, the
     dotted key, the bad value and what is allowed."""
 

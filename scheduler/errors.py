@@ -6,10 +6,11 @@ the same spec; it is re-exported here so callers catch scheduler errors from one
 
 from __future__ import annotations
 
+from proto.errors import FabricError
 from proto.job import JobSpecError
 
 
-class SchedulerError(Exception):
+class SchedulerError(FabricError):
     """Base of the scheduler's own errors; the message is one line a user can act on."""
 
 

@@ -6,6 +6,8 @@ else escaping the worker is a bug.
 
 from __future__ import annotations
 
+from proto.errors import FabricError
 
-class WorkerError(Exception):
+
+class WorkerError(FabricError):
     """Something the worker was asked to do cannot be done; the message says what and why."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from proto.errors import FabricError
 
-class DatasetError(ValueError):
+
+class DatasetError(FabricError, ValueError):
     """A dataset name, file or array is not usable; the message says which and why."""

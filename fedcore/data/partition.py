@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fedcore.data.errors import DatasetError
+
 if TYPE_CHECKING:  # proto.job is only needed for type hints; keep imports numpy-only
     from proto.job import DataSpec
 
@@ -32,7 +34,7 @@ MAX_DIRICHLET_ATTEMPTS = 1000
 DIRICHLET_WORK_BUDGET = 10_000_000  # ~ (clients x classes + samples) x attempts
 
 
-class PartitionError(ValueError):
+class PartitionError(DatasetError):
     """A partition request is impossible or malformed; the message says what to change."""
 
 

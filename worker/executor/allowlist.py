@@ -22,12 +22,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from proto.job import AGGREGATORS, DATASET_PREFIXES, DATASETS, MODELS, JobSpec
+from worker.errors import WorkerError
 
 ENV_MODULES = "FEDPILOT_ALLOWED_MODULES"
 ENV_DATA_ROOTS = "FEDPILOT_DATA_ROOTS"
 
 
-class JobNotAllowed(ValueError):
+class JobNotAllowed(WorkerError, ValueError):
     """The job names code or data outside this cluster's allow-lists; the message says
     which, and which cluster.toml key to change."""
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from proto.job import JobSpec
 from worker.context import ExecutionContext, InProcessContext
+from worker.errors import WorkerError
 from worker.executor.codec import EdgeCodec
 from worker.executor.graph import client_index
 from worker.nodes.batching import TrainBatcher
@@ -53,7 +54,7 @@ def open_context(address: str, *, num_cpus: float | None = None,
     return RayContext(address)
 
 
-class PinnedDataError(ValueError):
+class PinnedDataError(WorkerError, ValueError):
     """A pinned job names a dataset this cluster does not declare (or cannot use)."""
 
 

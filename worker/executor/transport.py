@@ -65,7 +65,7 @@ class Codec(Protocol):
     def decompress(self, tensors: Weights, meta: Mapping[str, str], edge: Edge) -> Weights: ...
 
 
-class DeliveryRefused(ValueError):
+class DeliveryRefused(WorkerError, ValueError):
     """An update from another cluster does not fit this job's plan (the reason goes back to
     its sender, which does not retry it)."""
 
