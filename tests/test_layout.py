@@ -2,7 +2,7 @@
 
     fedpilot/    public API: run(), loopback                                   tier 3
     fabricd/  worker/  scheduler/   daemon | Ray side | scheduler              tier 2
-    fedcore/     data and partitions (numpy only)                              tier 1
+    fedcore/     data and partitions (numpy only), metrics, logs               tier 1
     proto/       the contract                                                  tier 0
 
 No arrow runs up a tier. In tier 2 the three packages do not import each other: the
