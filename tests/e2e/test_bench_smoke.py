@@ -107,4 +107,10 @@ def test_bench_learning_quick_reports_the_baselines_and_every_job(tmp_path: Path
     # the engine's star FedAvg is the reference loop (test_learning checks it per round too)
     assert digits["jobs"]["star+fedavg+none+locality"]["curve"] == \
         pytest.approx(digits["reference_fedavg"]["curve"], abs=0.01)
+    # model-aware communities (update cosine) next to the label-histogram ones
+    aware = digits["model_aware_communities"]
+    assert "error" not in aware, aware
+    assert 1 <= aware["communities_by_update"] <= 12 and 1 <= aware["communities_by_label"] <= 12
+    assert -1 <= aware["adjusted_rand_index"] <= 1
+    assert -1 <= aware["pairwise_cosine_correlation"] <= 1
     assert (tmp_path / "learning.json").exists() and (tmp_path / "learning.png").exists()
