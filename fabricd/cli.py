@@ -13,6 +13,7 @@ from typing import Any
 from fabricd.config import ConfigError, load_config, render_config
 from fabricd.errors import FabricdError
 from fedcore.logs import LOG_FORMATS
+from proto.errors import ProtocolError
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -72,13 +73,13 @@ def _issue(ca_dir: Path, peer_id: str, cluster_id: str, role: str, days: float,
         raise CliError(f"cannot load the CA key from {ca_dir}: {exc}") from None
     try:
         public = ed25519_public_from_peer_id(peer_id)
-    except Exception as exc:  # noqa: BLE001 - bad base58 or not an ed25519 peer id
+    except ValueError as exc:  # bad base58, or not an ed25519 peer id
         raise CliError(f"--peer-id {peer_id!r} is not an ed25519 libp2p peer id: {exc}") from None
     now = int(time.time()) - 60
     try:
         return issue_certificate(ca_key, public, cluster_id, role, not_before=now,
                                  not_after=now + int(days * 86400))
-    except Exception as exc:  # noqa: BLE001 - InvalidMessage/ValueError with a reason
+    except (ProtocolError, ValueError) as exc:  # InvalidMessage / ValueError with a reason
         raise CliError(f"cannot issue certificate: {exc}") from None
 
 

@@ -123,7 +123,7 @@ def _addr_list(path: Path, sect: dict[str, Any], sname: str, key: str, need_p2p:
     for item in value:
         try:
             ma = multiaddr.Multiaddr(item)
-        except Exception as exc:
+        except (multiaddr.exceptions.Error, ValueError) as exc:
             raise _err(path, f"{sname}.{key}", item, f"a valid multiaddr ({exc})") from None
         protos = [p.name for p in ma.protocols()]
         if "tcp" not in protos:

@@ -106,6 +106,16 @@ def test_issue_and_revoke(node_dir: Path, tmp_path: Path) -> None:
     assert rev["revoked_serial"] == cert.serial
 
 
+def test_issue_refuses_a_bad_peer_id_in_one_line(node_dir: Path, tmp_path: Path,
+                                                 capsys) -> None:
+    ca = str(tmp_path / "ca")  # the node_dir fixture made it
+    assert main(["certs", "issue", "--ca", ca, "--peer-id", "0OIl-not-base58",
+                 "--cluster-id", "a", "--out", str(tmp_path / "a.cert")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "is not an ed25519 libp2p peer id" in err and "\n" not in err
+    assert not (tmp_path / "a.cert").exists()
+
+
 def test_status_without_a_daemon_says_what_to_do(node_dir: Path, capsys) -> None:
     assert main(["status", "--config", str(node_dir / "cluster.toml")]) == 1
     assert "is fabricd running" in capsys.readouterr().err
