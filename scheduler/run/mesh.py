@@ -13,10 +13,10 @@ import logging
 import socket
 import threading
 import time
-from concurrent.futures import Future
 from typing import Any
 
 from proto.bridge import (
+    BridgeMessage,
     ControlResult,
     ControlSend,
     Delivery,
@@ -30,7 +30,7 @@ from proto.bridge import (
     recv_bridge,
     send_bridge,
 )
-from proto.errors import ProtocolError
+from proto.bridge_connection import BridgeConnection
 from scheduler.errors import JobFailed
 from scheduler.run.channel import ClusterInfo
 
@@ -106,28 +106,22 @@ class BridgeChannel:
         self.local_cluster = str(daemon_status(socket_path).get("cluster_id", ""))
         self._updates: dict[tuple[str, str], bytes] = {}
         self._arrived = threading.Condition()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self._sock.connect(socket_path)
-        except OSError as exc:
-            self._sock.close()
-            raise JobFailed(f"cannot reach fabricd's bridge at {socket_path}: {exc}") from exc
-        # it answers each Delivery once stored, so a cluster hears its model arrived
-        send_bridge(self._sock, Hello(role="scheduler", job_id=job_id, answers_deliveries=True))
-        self._write = threading.Lock()
-        self._pending: dict[str, Future[ControlResult]] = {}
-        self._sent: dict[str, Future[SendResult]] = {}
-        self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
-        self._reader = threading.Thread(target=self._read_loop, daemon=True, name="mesh-reader")
-        self._reader.start()
+        try:  # it answers each Delivery once stored, so a cluster hears its model arrived
+            self._conn = BridgeConnection(
+                socket_path, Hello(role="scheduler", job_id=job_id, answers_deliveries=True),
+                max_payload=MAX_MODEL_BYTES, on_message=self._on_message,
+                on_closed=self._on_closed, name="mesh-reader")
+        except ConnectionError as exc:
+            raise JobFailed(f"{exc} (is the scheduler's daemon running?)") from exc
+        self._conn.start()
 
     def request(self, cluster_id: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         request_id = f"s{next(self._ids)}"
         msg = ControlSend(request_id=request_id, target_cluster=cluster_id, body=body)
         try:
-            result = self._exchange(self._pending, request_id, msg, b"", timeout)
+            result = self._conn.exchange(msg, ControlResult, request_id, timeout)
         except TimeoutError:
             raise JobFailed(f"cluster {cluster_id} did not answer {body.get('kind')} "
                             f"within {timeout:.0f} s") from None
@@ -153,7 +147,7 @@ class BridgeChannel:
                                      round=round, source_node=source_node,
                                      target_node=target_node, message_id=message_id)
         try:
-            result = self._exchange(self._sent, message_id, msg, payload, timeout)
+            result = self._conn.exchange(msg, SendResult, message_id, timeout, payload)
         except TimeoutError:
             raise JobFailed(f"update {message_id} to cluster {target_cluster} was not "
                             f"acknowledged within {timeout:.0f} s") from None
@@ -163,21 +157,6 @@ class BridgeChannel:
         if not result.ok:
             raise JobFailed(f"cluster {target_cluster} did not take update {message_id}: "
                             f"{result.reason}")
-
-    def _exchange(self, table: dict[str, Future[Any]], key: str, msg: Any, payload: bytes,
-                  timeout: float) -> Any:
-        """Write `msg` and wait for the answer the reader files under `key` in `table`
-        (TimeoutError, or OSError if the daemon's socket fails)."""
-        fut: Future[Any] = Future()
-        with self._lock:
-            table[key] = fut
-        try:
-            with self._write:
-                send_bridge(self._sock, msg, payload)
-            return fut.result(timeout=timeout)
-        finally:
-            with self._lock:
-                table.pop(key, None)
 
     def take_update(self, job_id: str, source_node: str, timeout: float) -> bytes:
         deadline = time.monotonic() + timeout
@@ -190,53 +169,26 @@ class BridgeChannel:
                 self._arrived.wait(min(left, 1.0))
             return self._updates.pop((job_id, source_node))
 
-    def _read_loop(self) -> None:
-        while True:
+    def _on_message(self, msg: BridgeMessage, payload: bytes) -> None:
+        if isinstance(msg, Delivery):
+            with self._arrived:
+                self._updates[(msg.job_id, msg.source_node)] = payload
+                self._arrived.notify_all()
             try:
-                msg, payload = recv_bridge(self._sock, MAX_MODEL_BYTES)
-            except (OSError, ConnectionError, ProtocolError) as exc:
-                self._fail_all(f"bridge to the scheduler's daemon closed: {exc}")
-                return
-            if isinstance(msg, ControlResult):
-                with self._lock:
-                    fut = self._pending.get(msg.request_id)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-            elif isinstance(msg, SendResult):
-                with self._lock:
-                    sent = self._sent.get(msg.message_id)
-                if sent is not None and not sent.done():
-                    sent.set_result(msg)
-            elif isinstance(msg, Delivery):
-                with self._arrived:
-                    self._updates[(msg.job_id, msg.source_node)] = payload
-                    self._arrived.notify_all()
-                try:
-                    with self._write:
-                        send_bridge(self._sock, DeliveryResult(
-                            message_id=msg.message_id, source_cluster=msg.source_cluster,
-                            ok=True, reason=""))
-                except OSError as exc:  # the daemon is gone: the next read says so
-                    log.error("event=delivery_answer_lost message=%s reason=%s",
-                              msg.message_id, exc)
-            elif isinstance(msg, Error):
-                log.error("event=bridge_error reason=%s", msg.reason)
+                self._conn.send(DeliveryResult(message_id=msg.message_id,
+                                               source_cluster=msg.source_cluster,
+                                               ok=True, reason=""))
+            except OSError as exc:  # the daemon is gone: the next read says so
+                log.error("event=delivery_answer_lost message=%s reason=%s",
+                          msg.message_id, exc)
+        elif isinstance(msg, Error):
+            log.error("event=bridge_error reason=%s", msg.reason)
 
-    def _fail_all(self, reason: str) -> None:
-        with self._lock:
-            for rid, fut in self._pending.items():
-                if not fut.done():
-                    fut.set_result(ControlResult(request_id=rid, ok=False, body={}, reason=reason))
-            for mid, sent in self._sent.items():
-                if not sent.done():
-                    sent.set_result(SendResult(message_id=mid, ok=False, reason=reason, bytes=0))
-            self._closed = True
+    def _on_closed(self, exc: BaseException | None) -> None:
         with self._arrived:
+            self._closed = True
             self._arrived.notify_all()
 
     def close(self) -> None:
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        """Close the bridge and join its reader."""
+        self._conn.close()

@@ -10,13 +10,12 @@ on a separate thread so that deliveries keep flowing while a round runs.
 from __future__ import annotations
 
 import logging
-import socket
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from proto.bridge import (
+    BridgeMessage,
     ControlDelivery,
     ControlReply,
     Delivery,
@@ -25,11 +24,9 @@ from proto.bridge import (
     Hello,
     SendResult,
     SendUpdate,
-    recv_bridge,
-    send_bridge,
-    tune_socket,
 )
-from proto.errors import ProtocolError
+from proto.bridge_connection import BridgeConnection
+from proto.errors import ProtocolError, StreamClosed
 from worker.executor.transport import DeliveryNotReady, RemoteSendError
 
 log = logging.getLogger("fedpilot.executor")
@@ -60,27 +57,16 @@ class BridgeLink:
         self._on_control = on_control
         self._on_replied = on_replied
         self._on_control_arrived = on_control_arrived
-        self._max_payload = max_payload
         self._send_timeout = send_timeout
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        tune_socket(self._sock)
-        try:
-            self._sock.connect(path)
-        except OSError as exc:
-            self._sock.close()
-            raise ConnectionError(f"cannot connect to the fabricd bridge at {path}: {exc}") from exc
-        self._write = threading.Lock()
-        self._pending: dict[str, Future[SendResult]] = {}
-        self._pending_lock = threading.Lock()
-        self._closed = threading.Event()
         self._control_pool = ThreadPoolExecutor(max_workers=CONTROL_WORKERS,
                                                 thread_name_prefix="control")
         self.bytes_sent = 0
         self.bytes_delivered = 0
-        send_bridge(self._sock, Hello(role="executor", cluster_id=cluster_id, job_id=job_id,
-                                      answers_deliveries=True))
-        self._reader = threading.Thread(target=self._read_loop, name="bridge-reader", daemon=True)
-        self._reader.start()
+        self._conn = BridgeConnection(
+            path, Hello(role="executor", cluster_id=cluster_id, job_id=job_id,
+                        answers_deliveries=True),
+            max_payload=max_payload, on_message=self._on_message, on_closed=self._on_closed)
+        self._conn.start()
 
     # -- RemoteLink ----------------------------------------------------------------------
     def send_update(self, *, target_cluster: str, job_id: str, round: int, source_node: str,
@@ -88,53 +74,38 @@ class BridgeLink:
         msg = SendUpdate.for_payload(
             payload, target_cluster=target_cluster, job_id=job_id, round=round,
             source_node=source_node, target_node=target_node, message_id=message_id)
-        fut: Future[SendResult] = Future()
-        with self._pending_lock:
-            self._pending[message_id] = fut
         try:
-            with self._write:
-                send_bridge(self._sock, msg, payload)
-            result = fut.result(timeout=self._send_timeout)
+            result = self._conn.exchange(msg, SendResult, message_id, self._send_timeout, payload)
         except TimeoutError:
             raise RemoteSendError(f"update {message_id} to cluster {target_cluster}: fabricd "
                                   f"did not answer within {self._send_timeout:.0f} s",
                                   retry=True) from None
-        finally:
-            with self._pending_lock:
-                self._pending.pop(message_id, None)
+        except StreamClosed as exc:
+            raise RemoteSendError(f"update {message_id} to cluster {target_cluster} was not "
+                                  f"delivered: {exc}", retry=False) from exc
         if not result.ok:
             raise RemoteSendError(f"update {message_id} to cluster {target_cluster} was not "
                                   f"delivered: {result.reason}", retry=result.retry)
         self.bytes_sent += len(payload)
 
-    # -- incoming ------------------------------------------------------------------------
-    def _read_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                msg, payload = recv_bridge(self._sock, self._max_payload)
-            except (OSError, ConnectionError, ProtocolError) as exc:
-                if not self._closed.is_set():
-                    log.error("event=bridge_lost cluster=%s reason=%s", self.cluster_id, exc)
-                self._fail_pending(f"bridge to fabricd lost: {exc}")
-                self._closed.set()
-                return
-            if isinstance(msg, Delivery):
-                self.bytes_delivered += len(payload)
-                self._answer_delivery(msg, payload)
-            elif isinstance(msg, SendResult):
-                with self._pending_lock:
-                    fut = self._pending.get(msg.message_id)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-            elif isinstance(msg, ControlDelivery):
-                if self._on_control_arrived is not None:  # e.g. renew the lease, even if
-                    self._on_control_arrived(msg)         # every control worker is busy
-                # a bounded pool: a burst of control messages cannot start a thread each
-                self._control_pool.submit(self._answer, msg)
-            elif isinstance(msg, Error):
-                log.error("event=bridge_error cluster=%s reason=%s", self.cluster_id, msg.reason)
-            else:
-                log.warning("event=bridge_unexpected type=%s", msg.TYPE)
+    # -- incoming (on the connection's reader thread) ------------------------------------
+    def _on_message(self, msg: BridgeMessage, payload: bytes) -> None:
+        if isinstance(msg, Delivery):
+            self.bytes_delivered += len(payload)
+            self._answer_delivery(msg, payload)
+        elif isinstance(msg, ControlDelivery):
+            if self._on_control_arrived is not None:  # e.g. renew the lease, even if
+                self._on_control_arrived(msg)         # every control worker is busy
+            # a bounded pool: a burst of control messages cannot start a thread each
+            self._control_pool.submit(self._answer, msg)
+        elif isinstance(msg, Error):
+            log.error("event=bridge_error cluster=%s reason=%s", self.cluster_id, msg.reason)
+        else:
+            log.warning("event=bridge_unexpected type=%s", msg.TYPE)
+
+    def _on_closed(self, exc: BaseException | None) -> None:
+        if exc is not None:
+            log.error("event=bridge_lost cluster=%s reason=%s", self.cluster_id, exc)
 
     def _answer_delivery(self, msg: Delivery, payload: bytes) -> None:
         """Apply one delivery and tell the daemon: it acks the sender only on ``ok``."""
@@ -154,8 +125,7 @@ class BridgeLink:
         answer = DeliveryResult(message_id=msg.message_id, source_cluster=msg.source_cluster,
                                 ok=ok, reason=reason[:1000], retry=retry)
         try:
-            with self._write:
-                send_bridge(self._sock, answer)
+            self._conn.send(answer)
         except OSError as exc:  # the daemon is gone: the reader notices next
             log.error("event=delivery_answer_lost message=%s reason=%s", msg.message_id, exc)
 
@@ -167,15 +137,13 @@ class BridgeLink:
             ok, body, reason = False, {}, f"{type(exc).__name__}: {exc}"
         try:
             reply = ControlReply(request_id=msg.request_id, ok=ok, body=body, reason=reason[:1000])
-            with self._write:
-                send_bridge(self._sock, reply)
+            self._conn.send(reply)
         except ProtocolError as exc:  # e.g. a reply over the frame limit: say so at once
             log.error("event=control_reply_refused request=%s reason=%s", msg.request_id, exc)
             try:
-                with self._write:
-                    send_bridge(self._sock, ControlReply(
-                        request_id=msg.request_id, ok=False, body={},
-                        reason=f"the executor could not send its reply: {exc}"[:1000]))
+                self._conn.send(ControlReply(
+                    request_id=msg.request_id, ok=False, body={},
+                    reason=f"the executor could not send its reply: {exc}"[:1000]))
             except (OSError, ProtocolError) as again:
                 log.error("event=control_reply_lost request=%s reason=%s", msg.request_id, again)
         except OSError as exc:
@@ -183,20 +151,10 @@ class BridgeLink:
         if self._on_replied is not None:
             self._on_replied(msg)
 
-    def _fail_pending(self, reason: str) -> None:
-        with self._pending_lock:
-            for mid, fut in self._pending.items():
-                if not fut.done():
-                    fut.set_result(SendResult(message_id=mid, ok=False, reason=reason, bytes=0))
-
     def wait_closed(self, timeout: float | None = None) -> bool:
-        return self._closed.wait(timeout)
+        return self._conn.closed.wait(timeout)
 
     def close(self) -> None:
-        self._closed.set()
+        """Close the bridge (joining its reader) and drop control requests not yet started."""
+        self._conn.close()
         self._control_pool.shutdown(wait=False, cancel_futures=True)
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
