@@ -256,6 +256,7 @@ class ClusterEngine:
         aggregators = [a for a in self.local_aggregators() if a in active]
         errors: list[BaseException] = []
         fail = self._failer(errors, round_index)
+        # owned by this round: joined in the finally below, on every path
         agg_threads = [threading.Thread(target=self._guard, args=(fail, self._aggregator_program,
                                                                   a, round_index, active, record),
                                         name=f"agg-{a}", daemon=True) for a in aggregators]
