@@ -11,7 +11,6 @@ trio stream.
 from __future__ import annotations
 
 import socket
-import struct
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -33,11 +32,11 @@ from proto._bridge_messages import (
     StatusRequest,
 )
 from proto._schema import I64_MAX, Int, from_map, pack, unpack_limited
-from proto.codec import ExactReader
+from proto.codec import LENGTH_PREFIX as HEADER_PREFIX
+from proto.codec import ExactReader, parse_length_prefix
 from proto.errors import InvalidMessage, MalformedFrame, MessageTooLarge, StreamClosed
 from proto.ids import MAX_BRIDGE_HEADER_BYTES
 
-HEADER_PREFIX = struct.Struct(">I")
 PAYLOAD_LENGTH = "payload_length"
 
 # ---- framing ----------------------------------------------------------------------------
@@ -61,18 +60,6 @@ def bridge_header(msg: BridgeMessage, payload_length: int,
 def encode_bridge(msg: BridgeMessage, payload: bytes = b"") -> bytes:
     """One whole bridge frame (header and payload) as bytes."""
     return bridge_header(msg, len(payload)) + bytes(payload)
-
-
-def parse_header_length(prefix: bytes, max_header: int) -> int:
-    """The header length announced by a 4-byte prefix; MessageTooLarge over `max_header`."""
-    if len(prefix) != HEADER_PREFIX.size:
-        raise MalformedFrame(f"truncated bridge length prefix ({len(prefix)} of 4 bytes)")
-    (length,) = HEADER_PREFIX.unpack(prefix)
-    if length > max_header:
-        raise MessageTooLarge(
-            f"bridge header length {length} bytes is over the limit of {max_header} bytes"
-        )
-    return int(length)
 
 
 def decode_bridge_header(data: bytes, max_payload: int,
@@ -157,7 +144,7 @@ def recv_bridge(sock: socket.socket, max_payload: int,
     prefix = _recv_exactly(sock, HEADER_PREFIX.size)
     if not prefix:
         raise StreamClosed("bridge closed by the other side")
-    header = _recv_exactly(sock, parse_header_length(bytes(prefix), max_header))
+    header = _recv_exactly(sock, parse_length_prefix(bytes(prefix), max_header, what="bridge header"))
     msg, length = decode_bridge_header(bytes(header), max_payload, max_header=max_header)
     payload = _recv_exactly(sock, length) if length else bytearray()
     if len(payload) != length:
@@ -189,7 +176,7 @@ async def recv_bridge_async(read_exactly: Callable[[int], Awaitable[bytes]], max
     prefix = await read_exactly(HEADER_PREFIX.size)
     if not prefix:
         raise StreamClosed("bridge closed by the other side")
-    header = await read_exactly(parse_header_length(prefix, max_header))
+    header = await read_exactly(parse_length_prefix(prefix, max_header, what="bridge header"))
     msg, length = decode_bridge_header(header, max_payload, max_header=max_header)
     payload = await read_exactly(length) if length else b""
     if len(payload) != length:
@@ -220,7 +207,8 @@ class BridgeStream:
         prefix = await self._reader.read_exactly(HEADER_PREFIX.size)
         if not prefix:
             raise StreamClosed("bridge closed by the other side")
-        header = await self._reader.read_exactly(parse_header_length(prefix, self.max_header))
+        length = parse_length_prefix(prefix, self.max_header, what="bridge header")
+        header = await self._reader.read_exactly(length)
         return decode_bridge_header(header, self.max_payload, max_header=self.max_header)
 
     async def recv_payload(self, msg: BridgeMessage, length: int, into: bytearray | memoryview | None = None,

@@ -44,14 +44,15 @@ def frame(msg: Message, *, max_size: int = MAX_MESSAGE_BYTES) -> bytes:
     return LENGTH_PREFIX.pack(len(body)) + body
 
 
-def parse_length_prefix(prefix: bytes, max_size: int) -> int:
-    """The body length a 4-byte prefix announces; MessageTooLarge if over `max_size`."""
+def parse_length_prefix(prefix: bytes, max_size: int, *, what: str = "frame") -> int:
+    """The length a 4-byte prefix announces (of a frame's body, of a bridge header);
+    MalformedFrame if truncated, MessageTooLarge if over `max_size`."""
     if len(prefix) != LENGTH_PREFIX.size:
-        raise MalformedFrame(f"truncated length prefix ({len(prefix)} of 4 bytes)")
+        raise MalformedFrame(f"truncated {what} length prefix ({len(prefix)} of 4 bytes)")
     (length,) = LENGTH_PREFIX.unpack(prefix)
     if length > max_size:
         raise MessageTooLarge(
-            f"length prefix announces {length} bytes, over the limit of {max_size} bytes"
+            f"{what} length prefix announces {length} bytes, over the limit of {max_size} bytes"
         )
     return int(length)
 
