@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import socket
 import threading
 import time
 from typing import Any
 
 from proto.bridge import (
+    BridgeClient,
     BridgeMessage,
     ControlResult,
     ControlSend,
@@ -27,10 +27,8 @@ from proto.bridge import (
     SendUpdate,
     StatusReply,
     StatusRequest,
-    recv_bridge,
-    send_bridge,
 )
-from proto.bridge_connection import BridgeConnection
+from proto.bridge_connection import BridgeConnection, Reply
 from scheduler.errors import JobFailed
 from scheduler.run.channel import ClusterInfo
 
@@ -39,18 +37,12 @@ log = logging.getLogger("fedpilot.scheduler")
 
 def daemon_status(socket_path: str, timeout: float = 10.0) -> dict[str, Any]:
     """One status request to the daemon behind `socket_path`."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
     try:
-        sock.connect(socket_path)
-        send_bridge(sock, Hello(role="cli"))
-        send_bridge(sock, StatusRequest())
-        msg, _ = recv_bridge(sock, 0)
+        with BridgeClient(socket_path, role="cli", max_payload=0, timeout=timeout) as client:
+            msg, _ = client.request(StatusRequest())
     except OSError as exc:
         raise JobFailed(f"cannot reach fabricd's bridge at {socket_path}: {exc} "
                         "(is the scheduler's daemon running?)") from exc
-    finally:
-        sock.close()
     if not isinstance(msg, StatusReply):
         raise JobFailed(f"fabricd at {socket_path} answered {msg.TYPE} to a status request")
     return dict(msg.status)
@@ -107,12 +99,11 @@ class BridgeChannel:
         self._updates: dict[tuple[str, str], bytes] = {}
         self._arrived = threading.Condition()
         self._ids = itertools.count(1)
-        self._closed = False
         try:  # it answers each Delivery once stored, so a cluster hears its model arrived
             self._conn = BridgeConnection(
                 socket_path, Hello(role="scheduler", job_id=job_id, answers_deliveries=True),
                 max_payload=MAX_MODEL_BYTES, on_message=self._on_message,
-                on_closed=self._on_closed, name="mesh-reader")
+                name="mesh-reader")
         except ConnectionError as exc:
             raise JobFailed(f"{exc} (is the scheduler's daemon running?)") from exc
         self._conn.start()
@@ -120,14 +111,9 @@ class BridgeChannel:
     def request(self, cluster_id: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         request_id = f"s{next(self._ids)}"
         msg = ControlSend(request_id=request_id, target_cluster=cluster_id, body=body)
-        try:
-            result = self._conn.exchange(msg, ControlResult, request_id, timeout)
-        except TimeoutError:
-            raise JobFailed(f"cluster {cluster_id} did not answer {body.get('kind')} "
-                            f"within {timeout:.0f} s") from None
-        except OSError as exc:
-            raise JobFailed(f"lost the scheduler's daemon while talking to cluster "
-                            f"{cluster_id}: {exc}") from exc
+        result = self._exchange(msg, ControlResult, request_id, timeout, b"",
+                                late=f"cluster {cluster_id} did not answer {body.get('kind')}",
+                                doing=f"talking to cluster {cluster_id}")
         if not result.ok:
             raise JobFailed(f"cluster {cluster_id} refused {body.get('kind')}: {result.reason}")
         return dict(result.body)
@@ -146,24 +132,29 @@ class BridgeChannel:
         msg = SendUpdate.for_payload(payload, target_cluster=target_cluster, job_id=job_id,
                                      round=round, source_node=source_node,
                                      target_node=target_node, message_id=message_id)
-        try:
-            result = self._conn.exchange(msg, SendResult, message_id, timeout, payload)
-        except TimeoutError:
-            raise JobFailed(f"update {message_id} to cluster {target_cluster} was not "
-                            f"acknowledged within {timeout:.0f} s") from None
-        except OSError as exc:
-            raise JobFailed(f"lost the scheduler's daemon while sending to cluster "
-                            f"{target_cluster}: {exc}") from exc
+        result = self._exchange(msg, SendResult, message_id, timeout, payload,
+                                late=f"update {message_id} to cluster {target_cluster} was "
+                                     "not acknowledged",
+                                doing=f"sending to cluster {target_cluster}")
         if not result.ok:
             raise JobFailed(f"cluster {target_cluster} did not take update {message_id}: "
                             f"{result.reason}")
+
+    def _exchange(self, msg: BridgeMessage, reply: type[Reply], reply_id: str, timeout: float,
+                  payload: bytes, *, late: str, doing: str) -> Reply:
+        try:
+            return self._conn.exchange(msg, reply, reply_id, timeout, payload)
+        except TimeoutError:
+            raise JobFailed(f"{late} within {timeout:.0f} s") from None
+        except OSError as exc:
+            raise JobFailed(f"lost the scheduler's daemon while {doing}: {exc}") from exc
 
     def take_update(self, job_id: str, source_node: str, timeout: float) -> bytes:
         deadline = time.monotonic() + timeout
         with self._arrived:
             while (job_id, source_node) not in self._updates:
                 left = deadline - time.monotonic()
-                if left <= 0 or self._closed:
+                if left <= 0 or self._conn.closed.is_set():
                     raise JobFailed(f"the update from node {source_node} of job {job_id} did "
                                     f"not reach the scheduler within {timeout:.0f} s")
                 self._arrived.wait(min(left, 1.0))
@@ -183,11 +174,6 @@ class BridgeChannel:
                           msg.message_id, exc)
         elif isinstance(msg, Error):
             log.error("event=bridge_error reason=%s", msg.reason)
-
-    def _on_closed(self, exc: BaseException | None) -> None:
-        with self._arrived:
-            self._closed = True
-            self._arrived.notify_all()
 
     def close(self) -> None:
         """Close the bridge and join its reader."""
