@@ -11,8 +11,8 @@ trio stream.
 from __future__ import annotations
 
 import socket
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 from proto._bridge_messages import (
     BridgeMessage,
@@ -126,6 +126,21 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
+def connect_bridge(path: str, hello: Hello, timeout: float | None = None) -> socket.socket:
+    """A socket connected to fabricd's bridge at `path` that has sent `hello`."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    tune_socket(sock)
+    try:
+        sock.connect(path)
+        send_bridge(sock, hello)
+    except OSError as exc:
+        sock.close()
+        raise ConnectionError(f"cannot connect to the fabricd bridge at {path}: {exc} (is "
+                              "fabricd running with this config?)") from exc
+    return sock
+
+
 def send_bridge(sock: socket.socket, msg: BridgeMessage, payload: bytes = b"") -> None:
     """Write one frame to a blocking socket."""
     sock.sendall(bridge_header(msg, len(payload)))
@@ -154,36 +169,6 @@ def recv_bridge(sock: socket.socket, max_payload: int,
 
 # ---- trio (or any async stream with send_all / receive_some) ----------------------------
 
-class AsyncSendStream(Protocol):
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None: ...
-
-
-async def send_bridge_async(stream: AsyncSendStream, msg: BridgeMessage,
-                            payload: bytes | bytearray | memoryview = b"") -> None:
-    """Write one frame to a trio stream."""
-    await stream.send_all(bridge_header(msg, len(payload)))
-    if payload:
-        await stream.send_all(payload)
-
-
-async def recv_bridge_async(read_exactly: Callable[[int], Awaitable[bytes]], max_payload: int,
-                            *, max_header: int = MAX_BRIDGE_HEADER_BYTES
-                            ) -> tuple[BridgeMessage, bytes]:
-    """Read one frame with `read_exactly` (e.g. `ExactReader(stream.receive_some).read_exactly`).
-
-    Same errors as `recv_bridge`.
-    """
-    prefix = await read_exactly(HEADER_PREFIX.size)
-    if not prefix:
-        raise StreamClosed("bridge closed by the other side")
-    header = await read_exactly(parse_length_prefix(prefix, max_header, what="bridge header"))
-    msg, length = decode_bridge_header(header, max_payload, max_header=max_header)
-    payload = await read_exactly(length) if length else b""
-    if len(payload) != length:
-        raise MalformedFrame(f"bridge {msg.TYPE}: payload ended after {len(payload)} of {length}")
-    return msg, payload
-
-
 class BridgeStream:
     """A trio stream speaking bridge frames: `await send(msg, payload)`, `await recv()`."""
 
@@ -195,11 +180,17 @@ class BridgeStream:
         self._reader = ExactReader(stream.receive_some)
 
     async def send(self, msg: BridgeMessage, payload: bytes | bytearray | memoryview = b"") -> None:
-        await send_bridge_async(self.stream, msg, payload)
+        await self.stream.send_all(bridge_header(msg, len(payload)))
+        if payload:
+            await self.stream.send_all(payload)
 
     async def recv(self) -> tuple[BridgeMessage, bytes]:
-        return await recv_bridge_async(self._reader.read_exactly, self.max_payload,
-                                       max_header=self.max_header)
+        """One whole frame; the same errors as `recv_bridge`."""
+        msg, length = await self.recv_header()
+        payload = await self._reader.read_exactly(length) if length else b""
+        if len(payload) != length:
+            raise MalformedFrame(f"bridge {msg.TYPE}: payload ended after {len(payload)} of {length}")
+        return msg, payload
 
     async def recv_header(self) -> tuple[BridgeMessage, int]:
         """The next frame's message and payload length; the payload is still unread, so
@@ -254,19 +245,8 @@ class BridgeClient:
                  max_payload: int = 1 << 31, timeout: float | None = None,
                  answers_deliveries: bool = False) -> None:
         self.max_payload = max_payload
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        tune_socket(self.sock)
-        try:
-            self.sock.connect(path)
-        except OSError as exc:
-            self.sock.close()
-            raise ConnectionError(
-                f"cannot connect to the fabricd bridge at {path}: {exc} (is fabricd running "
-                "with this config?)"
-            ) from exc
-        send_bridge(self.sock, Hello(role=role, cluster_id=cluster_id, job_id=job_id,
-                                     answers_deliveries=answers_deliveries))
+        self.sock = connect_bridge(path, Hello(role=role, cluster_id=cluster_id, job_id=job_id,
+                                               answers_deliveries=answers_deliveries), timeout)
 
     def send(self, msg: BridgeMessage, payload: bytes = b"") -> None:
         send_bridge(self.sock, msg, payload)
@@ -308,11 +288,10 @@ __all__ = [
     "StatusReply",
     "StatusRequest",
     "bridge_header",
+    "connect_bridge",
     "tune_socket",
     "decode_bridge_header",
     "encode_bridge",
     "recv_bridge",
-    "recv_bridge_async",
     "send_bridge",
-    "send_bridge_async",
 ]

@@ -1,11 +1,10 @@
 """One connection to fabricd's bridge with many requests in flight (scheduler, executor).
 
-A Unix socket and a reader thread this object owns: `exchange` sends a request and waits
-for the reply carrying its id (a ControlResult by request_id, a SendResult by message_id);
-every other frame goes to `on_message`, on the reader thread. When the socket ends, the
-requests still waiting fail with StreamClosed naming the socket; `close()` shuts it and
-joins the reader. (`proto.bridge.BridgeClient` is the lock-step client of the CLI and the
-tests: one frame back per frame sent, no thread.)
+The object owns its Unix socket and reader thread: `exchange` sends a request and waits
+for the reply carrying its id (ControlResult by request_id, SendResult by message_id);
+other frames go to `on_message` on the reader. When the socket ends, waiting requests
+fail with StreamClosed naming it; `close()` shuts it and joins the reader.
+(`proto.bridge.BridgeClient` is the lock-step client: one frame back per frame sent.)
 """
 
 from __future__ import annotations
@@ -21,34 +20,20 @@ from proto.bridge import (
     ControlResult,
     Hello,
     SendResult,
+    connect_bridge,
     recv_bridge,
     send_bridge,
-    tune_socket,
 )
 from proto.errors import ProtocolError, StreamClosed
 
-#: How long `close()` waits for the reader; it ends once the socket is shut, unless
-#: `on_message` is still busy with the last frame.
-READER_JOIN_SECONDS = 10.0
-
 Reply = TypeVar("Reply", ControlResult, SendResult)
-
-
-def _reply_key(msg: BridgeMessage) -> tuple[type, str] | None:
-    if isinstance(msg, ControlResult):
-        return ControlResult, msg.request_id
-    if isinstance(msg, SendResult):
-        return SendResult, msg.message_id
-    return None
 
 
 class BridgeConnection:
     """Connected and introduced (`hello`) on return, ConnectionError naming `path` if not;
     reading starts with `start()`, once the callbacks can use this object.
-
-    `on_closed(exc)` runs once on the reader when the connection ends: `exc` says why the
-    socket failed, or is None after `close()`.
-    """
+    `on_closed(exc)` runs once on the reader at the end: why the socket failed, or None
+    after `close()`."""
 
     def __init__(self, path: str, hello: Hello, *, max_payload: int,
                  on_message: Callable[[BridgeMessage, bytes], None],
@@ -64,23 +49,14 @@ class BridgeConnection:
         self._lost = ""  # why the socket ended, once it has
         self._closing = False
         self.closed = threading.Event()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        tune_socket(self._sock)
-        try:
-            self._sock.connect(path)
-            send_bridge(self._sock, hello)
-        except OSError as exc:
-            self._sock.close()
-            raise ConnectionError(f"cannot connect to the fabricd bridge at {path}: {exc}") from exc
+        self._sock = connect_bridge(path, hello)
         self._reader = threading.Thread(target=self._read_loop, name=name, daemon=True)
 
     def start(self) -> None:
-        """Start the reader thread (`close()` joins it)."""
         self._reader.start()
 
     def send(self, msg: BridgeMessage, payload: bytes = b"") -> None:
-        """Write one frame (frames from several threads never interleave); OSError if the
-        socket fails."""
+        """Write one frame (never interleaved with another thread's); OSError if it fails."""
         with self._write:
             send_bridge(self._sock, msg, payload)
 
@@ -108,14 +84,14 @@ class BridgeConnection:
         try:
             while True:
                 msg, payload = recv_bridge(self._sock, self._max_payload)
-                key = _reply_key(msg)
-                if key is None:
+                if isinstance(msg, ControlResult | SendResult):
+                    rid = msg.request_id if isinstance(msg, ControlResult) else msg.message_id
+                    with self._lock:
+                        fut = self._waiting.get((type(msg), rid))
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+                else:
                     self._on_message(msg, payload)
-                    continue
-                with self._lock:
-                    fut = self._waiting.get(key)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
         except (OSError, ProtocolError) as exc:
             why = exc
         finally:
@@ -129,8 +105,9 @@ class BridgeConnection:
             if self._on_closed is not None:
                 self._on_closed(None if self._closing else why)
 
-    def close(self, timeout: float = READER_JOIN_SECONDS) -> None:
-        """Shut the socket (waiting requests fail) and join the reader for up to `timeout` s."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Shut the socket (waiting requests fail) and join the reader for up to `timeout` s
+        (it ends at once unless `on_message` is busy)."""
         self._closing = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
