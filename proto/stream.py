@@ -1,16 +1,15 @@
-"""Update-stream bodies: bounded, verified reception; chunked sending; idempotent delivery.
+"""Update-stream bodies: bounded, verified reception; chunked sending.
 
 On PROTOCOL_UPDATE a sender writes `frame(UpdateHeader)` then `byte_length` raw
 safetensors bytes (in chunks from `iter_chunks`) and reads one `frame(UpdateAck)`.
 The receiver feeds the body into an `UpdateReceiver` and delivers only what `finish()`
-returns; `DeliveredIds` makes delivery idempotent by message id.
+returns (`fabricd._dedup` makes delivery idempotent by message id).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections import OrderedDict
 from collections.abc import Iterator
 
 from proto.errors import DigestMismatch, LengthMismatch, MessageTooLarge
@@ -93,44 +92,6 @@ def iter_chunks(
     view = memoryview(body).cast("B")
     for start in range(0, len(view), chunk_size):
         yield view[start:start + chunk_size]
-
-
-class DeliveredIds:
-    """The most recent `capacity` message ids (LRU); `seen(id)` records and reports repeats."""
-
-    def __init__(self, capacity: int = 100_000) -> None:
-        if capacity <= 0:
-            raise ValueError(f"capacity must be positive, got {capacity}")
-        self.capacity = capacity
-        self._ids: OrderedDict[str, None] = OrderedDict()
-
-    def seen(self, message_id: str) -> bool:
-        """True if `message_id` was already recorded; otherwise record it and return False."""
-        if message_id in self._ids:
-            self._ids.move_to_end(message_id)
-            return True
-        self._ids[message_id] = None
-        if len(self._ids) > self.capacity:
-            self._ids.popitem(last=False)
-        return False
-
-    def discard(self, message_id: str) -> None:
-        """Forget `message_id` (e.g. when its delivery failed and a retry must get through)."""
-        self._ids.pop(message_id, None)
-
-    def forget_prefix(self, prefix: str) -> int:
-        """Forget every id starting with `prefix` (a job's ids start with "<job>/": a job
-        that ended may be submitted again under the same id); how many were forgotten."""
-        gone = [m for m in self._ids if m.startswith(prefix)]
-        for m in gone:
-            del self._ids[m]
-        return len(gone)
-
-    def __contains__(self, message_id: object) -> bool:
-        return message_id in self._ids
-
-    def __len__(self) -> int:
-        return len(self._ids)
 
 
 def sha256(data: bytes | bytearray | memoryview) -> bytes:

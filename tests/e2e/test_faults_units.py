@@ -8,7 +8,6 @@ import pytest
 
 from proto.errors import ControlMessageError
 from proto.job import JobSpec, JobSpecError
-from proto.stream import DeliveredIds
 from worker.executor.service import ExecutorService
 
 
@@ -21,15 +20,6 @@ def test_faults_table_is_validated_and_round_trips() -> None:
         JobSpec.from_dict({"faults": {"on_cluster_loss": "ignore"}})
     with pytest.raises(JobSpecError, match="faults.lease_seconds"):
         JobSpec.from_dict({"faults": {"lease_seconds": 0.5}})
-
-
-def test_forgetting_a_job_keeps_other_jobs_ids() -> None:
-    ids = DeliveredIds(10)
-    for mid in ("a/1/up/c0/s", "a/2/up/c0/s", "ab/1/up/c0/s", "b/1/up/c0/s"):
-        assert not ids.seen(mid)
-    assert ids.forget_prefix("a/") == 2
-    assert not ids.seen("a/1/up/c0/s")  # a new run of job "a" gets through
-    assert ids.seen("ab/1/up/c0/s") and ids.seen("b/1/up/c0/s")
 
 
 def test_a_lease_is_renewed_by_the_scheduler_and_bad_ones_refused() -> None:

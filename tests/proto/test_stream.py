@@ -7,7 +7,7 @@ import pytest
 from proto.errors import DigestMismatch, LengthMismatch, MessageTooLarge
 from proto.ids import MIB
 from proto.messages import UpdateHeader
-from proto.stream import DeliveredIds, UpdateReceiver, iter_chunks, sha256
+from proto.stream import UpdateReceiver, iter_chunks, sha256
 
 
 def _header(body: bytes, **changes: object) -> UpdateHeader:
@@ -74,18 +74,3 @@ def test_iter_chunks_sizes_and_limits() -> None:
         list(iter_chunks(body, 0))
 
 
-def test_delivered_ids_reports_duplicates_and_is_bounded() -> None:
-    ids = DeliveredIds(capacity=3)
-    assert ids.seen("a") is False
-    assert ids.seen("a") is True
-    for x in "bcd":
-        assert ids.seen(x) is False
-    assert len(ids) == 3
-    assert "a" not in ids  # evicted, least recently used
-    assert ids.seen("b") is True  # refreshes b
-    assert ids.seen("e") is False  # evicts c
-    assert "b" in ids and "c" not in ids
-    ids.discard("b")
-    assert ids.seen("b") is False
-    with pytest.raises(ValueError):
-        DeliveredIds(0)
