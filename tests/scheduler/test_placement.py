@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from proto.job import JobSpec
 from scheduler.errors import AssignmentFileError, CapacityError
 from scheduler.planning.placement.communities import Communities, find_communities
-from scheduler.planning.placement.histograms import planted_histograms, synthetic_histograms
+from scheduler.planning.placement.histograms import synthetic_histograms
 from scheduler.planning.placement.mapping import (
     assign_communities,
     contiguous_assignment,
@@ -27,6 +27,33 @@ from scheduler.planning.topology import LogicalTopology, build_topology
 
 def job(**sections: dict) -> JobSpec:
     return JobSpec.from_dict(dict(sections))
+
+
+def planted_histograms(
+    group_sizes: list[int],
+    num_classes: int = 10,
+    *,
+    samples_per_client: int = 60,
+    noise: float = 0.05,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Histograms with well-separated planted groups: group g draws its samples mostly from
+    its own disjoint label set (a `noise` share comes from anywhere). Returns
+    `(histograms, group_of_client)`; clients are shuffled so groups are not contiguous."""
+    groups = len(group_sizes)
+    if groups > num_classes:
+        raise ValueError(f"{groups} planted groups need at least as many classes, got {num_classes}")
+    rng = np.random.default_rng(seed)
+    label_sets = np.array_split(np.arange(num_classes), groups)
+    truth = np.repeat(np.arange(groups), group_sizes)
+    rng.shuffle(truth)
+    hist = np.zeros((len(truth), num_classes), dtype=np.int64)
+    for i, g in enumerate(truth):
+        own = label_sets[g]
+        p = np.full(num_classes, noise / num_classes)
+        p[own] += (1.0 - noise) / len(own)
+        hist[i] = rng.multinomial(samples_per_client, p / p.sum())
+    return hist, truth
 
 
 def test_planted_groups_found_and_kept_whole() -> None:

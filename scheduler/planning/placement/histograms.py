@@ -1,7 +1,7 @@
 """Stage 1: one label histogram per client. No sample leaves the partitioner.
 
 `job_histograms` asks the shared pure-numpy partitioner (`fedcore.data`, the same
-deterministic split the clusters will build); the synthetic generators serve tests and
+deterministic split the clusters will build); the synthetic generator serves tests and
 scale benchmarks.
 """
 
@@ -43,29 +43,3 @@ def synthetic_histograms(
     flat = np.bincount(rows * num_classes + labels.ravel(), minlength=num_clients * num_classes)
     return flat.reshape(num_clients, num_classes).astype(np.int64)
 
-
-def planted_histograms(
-    group_sizes: list[int],
-    num_classes: int = 10,
-    *,
-    samples_per_client: int = 60,
-    noise: float = 0.05,
-    seed: int = 0,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Histograms with well-separated planted groups: group g draws its samples mostly from
-    its own disjoint label set (a `noise` share comes from anywhere). Returns
-    `(histograms, group_of_client)`; clients are shuffled so groups are not contiguous."""
-    groups = len(group_sizes)
-    if groups > num_classes:
-        raise ValueError(f"{groups} planted groups need at least as many classes, got {num_classes}")
-    rng = np.random.default_rng(seed)
-    label_sets = np.array_split(np.arange(num_classes), groups)
-    truth = np.repeat(np.arange(groups), group_sizes)
-    rng.shuffle(truth)
-    hist = np.zeros((len(truth), num_classes), dtype=np.int64)
-    for i, g in enumerate(truth):
-        own = label_sets[g]
-        p = np.full(num_classes, noise / num_classes)
-        p[own] += (1.0 - noise) / len(own)
-        hist[i] = rng.multinomial(samples_per_client, p / p.sum())
-    return hist, truth
