@@ -165,7 +165,3 @@ class ExecutorLauncher:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
-
-
-def default_log_dir(config_path: Path) -> Path:
-    return Path(os.path.dirname(os.path.abspath(config_path)))

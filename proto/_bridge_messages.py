@@ -17,6 +17,7 @@ from proto.messages import (
     ROUND,
     SHA256,
     TENSOR_COUNT,
+    UPDATE_HEADER_FIELDS,
     UpdateHeader,
 )
 
@@ -97,12 +98,12 @@ class SendUpdate(BridgeMessage):
 
     def header(self) -> UpdateHeader:
         """The UpdateHeader to put on the wire."""
-        return UpdateHeader(**{k: getattr(self, k) for k in _HEADER_FIELDS})
+        return UpdateHeader(**{k: getattr(self, k) for k in UPDATE_HEADER_FIELDS})
 
     @classmethod
     def from_header(cls, target_cluster: str, header: UpdateHeader) -> SendUpdate:
         return cls(target_cluster=target_cluster,
-                   **{k: getattr(header, k) for k in _HEADER_FIELDS})
+                   **{k: getattr(header, k) for k in UPDATE_HEADER_FIELDS})
 
     @classmethod
     def for_payload(cls, payload: bytes, *, target_cluster: str, job_id: str, round: int,
@@ -155,12 +156,12 @@ class Delivery(BridgeMessage):
     source_cluster: str = spec(OPTIONAL_CLUSTER_ID, default="")
 
     def header(self) -> UpdateHeader:
-        return UpdateHeader(**{k: getattr(self, k) for k in _HEADER_FIELDS})
+        return UpdateHeader(**{k: getattr(self, k) for k in UPDATE_HEADER_FIELDS})
 
     @classmethod
     def from_header(cls, header: UpdateHeader, source_cluster: str = "") -> Delivery:
         return cls(source_cluster=source_cluster,
-                   **{k: getattr(header, k) for k in _HEADER_FIELDS})
+                   **{k: getattr(header, k) for k in UPDATE_HEADER_FIELDS})
 
 
 @dataclass(frozen=True)
@@ -230,9 +231,3 @@ class Error(BridgeMessage):
 
     TYPE: ClassVar[str] = "Error"
     reason: str = spec(REASON)
-
-
-_HEADER_FIELDS = (
-    "job_id", "round", "source_node", "target_node", "message_id",
-    "tensor_count", "byte_length", "sha256",
-)

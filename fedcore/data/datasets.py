@@ -25,7 +25,6 @@ log = logging.getLogger(__name__)
 
 DIGITS_TEST_FRACTION = 0.2
 DIGITS_SPLIT_SEED = 0
-NPZ_PREFIX = "npz:"
 NPZ_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
 BUILTIN_DATASETS = ("digits",)
 FILE_KINDS = ("npz", "imagefolder", "csv", "parquet")
