@@ -124,18 +124,24 @@ def _pyplot() -> Any:
     return plt
 
 
-def _legend(ax: Any, *, crowded: bool) -> None:
-    """Inside the axes for one or two series; beside them when comparing many."""
+def _save_plot(plt: Any, fig: Any, ax: Any, path: Path, *, title: str, ylabel: str,
+               crowded: bool) -> None:
+    """The ending both plots share: rounds on an integer x axis, grid, legend (inside the
+    axes for one or two series, beside them when comparing many), written as PNG."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
     if crowded:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     else:
         ax.legend(fontsize=8)
-
-
-def _integer_ticks() -> Any:
-    from matplotlib.ticker import MaxNLocator
-
-    return MaxNLocator(integer=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_accuracy(path: Path, series: Mapping[str, Sequence[RoundRecord]]) -> None:
@@ -148,16 +154,9 @@ def plot_accuracy(path: Path, series: Mapping[str, Sequence[RoundRecord]]) -> No
                         label=f"{label} (global)")
         ax.plot(xs, [r.personalized_accuracy for r in rounds], ls="--",
                 color=line.get_color(), label=f"{label} (personalized)")
-    ax.set_xlabel("round")
-    ax.xaxis.set_major_locator(_integer_ticks())
-    ax.set_ylabel("test accuracy")
     ax.set_ylim(0.0, 1.0)
-    ax.set_title("Accuracy by round")
-    ax.grid(alpha=0.3)
-    _legend(ax, crowded=len(series) > 2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_plot(plt, fig, ax, path, title="Accuracy by round", ylabel="test accuracy",
+               crowded=len(series) > 2)
 
 
 def plot_traffic(path: Path, series: Mapping[str, Sequence[RoundRecord]]) -> None:
@@ -182,15 +181,8 @@ def plot_traffic(path: Path, series: Mapping[str, Sequence[RoundRecord]]) -> Non
             color = "gray"
         ax.plot(xs, _cumulative_mb(r.bytes_intra for r in rounds), ls="--", color=color,
                 label=f"{label} intra-cluster" + (" (all clusters)" if clusters else ""))
-    ax.set_xlabel("round")
-    ax.xaxis.set_major_locator(_integer_ticks())
-    ax.set_ylabel("cumulative traffic (MB)")
-    ax.set_title("Traffic by round")
-    ax.grid(alpha=0.3)
-    _legend(ax, crowded=len(series) > 2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_plot(plt, fig, ax, path, title="Traffic by round", ylabel="cumulative traffic (MB)",
+               crowded=len(series) > 2)
 
 
 def _cumulative_mb(values: Iterable[int]) -> list[float]:
