@@ -14,13 +14,13 @@ Executors run rounds from this object alone.
 
 Wire form (`to_bytes`/`from_bytes`): a msgpack map with `v` and `type` like every proto
 message; arrays travel as little-endian raw bytes; decoding validates every field and never
-unpickles. Peer IDs may be unknown when the plan is made ("" until `with_peers`).
+unpickles. A peer ID the plan does not know is "".
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,21 +136,6 @@ class RoutingMatrix:
                    epoch=epoch, communities=communities, kind=kind, parent=parent,
                    exchange_period=exchange_period, _symmetric=True)
 
-    def with_peers(self, peers: Mapping[str, str]) -> RoutingMatrix:
-        """A copy with daemon peer IDs filled in (`cluster_id -> peer_id`; clusters not in
-        `peers` keep theirs). Unknown cluster IDs are an error."""
-        unknown = sorted(set(peers) - set(self.clusters))
-        if unknown:
-            raise KeyError(f"with_peers: clusters {unknown} are not in this routing matrix "
-                           f"(clusters: {list(self.clusters)})")
-        filled = [peers.get(c, p) for c, p in zip(self.clusters, self.peers, strict=True)]
-        return RoutingMatrix(job_id=self.job_id, clusters=self.clusters,
-                             node_cluster=self.node_cluster, indptr=self.indptr,
-                             indices=self.indices, num_clients=self.num_clients,
-                             aggregators=self.aggregators, peers=filled, epoch=self.epoch,
-                             communities=self.communities, kind=self.kind, parent=self.parent,
-                             exchange_period=self.exchange_period, _symmetric=True)
-
     # -- lookups ----------------------------------------------------------------------
 
     @property
@@ -183,9 +168,6 @@ class RoutingMatrix:
         node of a decentralized topology."""
         p = int(self.parent[self.node_index(node)])
         return None if p < 0 else self.node_name(p)
-
-    def peer_of(self, cluster_id: str) -> str:
-        return self.peers[self._cluster_index[cluster_id]]
 
     def neighbours(self, node: Node) -> np.ndarray:
         """Indices of the node's neighbours in the logical topology (sorted)."""
@@ -224,10 +206,6 @@ class RoutingMatrix:
         inter = int(np.count_nonzero(self.node_cluster[src[keep]] !=
                                      self.node_cluster[self.indices[keep]]))
         return int(np.count_nonzero(keep)) - inter, inter
-
-    def nodes_on(self, cluster_id: str) -> np.ndarray:
-        """Indices of the nodes placed on `cluster_id`."""
-        return np.nonzero(self.node_cluster == self._cluster_index[cluster_id])[0]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RoutingMatrix):

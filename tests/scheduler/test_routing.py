@@ -1,4 +1,4 @@
-"""RoutingMatrix: lookups, peer filling, msgpack round trip and strict decoding."""
+"""RoutingMatrix: lookups, peers, msgpack round trip and strict decoding."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from proto.errors import (
 from proto.routing import INTER_CLUSTER, INTRA_CLUSTER, Channel, RoutingMatrix
 
 
-def small() -> RoutingMatrix:
+def small(peers: list[str] | None = None) -> RoutingMatrix:
     # clients c0..c3 + server; c0,c1 on a; c2,c3 and the server on b; star plus ring c0-c1-c2.
     return RoutingMatrix.from_edges(
         job_id="j", clusters=["a", "b"], node_cluster=np.array([0, 0, 1, 1, 1]),
         edges=np.array([[0, 4], [1, 4], [2, 4], [4, 3], [0, 1], [2, 1]]), num_clients=4,
-        aggregators=["server"], communities=np.array([0, 0, 1, 1]))
+        aggregators=["server"], communities=np.array([0, 0, 1, 1]), peers=peers)
 
 
 def test_channel_lookup_by_index_and_name() -> None:
@@ -34,7 +34,6 @@ def test_channel_lookup_by_index_and_name() -> None:
     assert list(m.neighbours("server")) == [0, 1, 2, 3]
     assert list(m.neighbours(1)) == [0, 2, 4]
     assert m.cluster_of("server") == "b" and m.cluster_of("c1") == "a"
-    assert list(m.nodes_on("a")) == [0, 1]
     with pytest.raises(KeyError, match="not an edge"):
         m.channel(0, 3)
     with pytest.raises(KeyError, match="not in the routing matrix"):
@@ -48,16 +47,14 @@ def test_edge_counts_match_edges() -> None:
     assert m.edge_counts() == (kinds.count(INTRA_CLUSTER), kinds.count(INTER_CLUSTER)) == (3, 3)
 
 
-def test_with_peers_fills_in_unknown_peer_ids() -> None:
-    m = small().with_peers({"b": "12D3KooWb"})
+def test_a_channel_names_the_neighbours_peer_if_known() -> None:
+    m = small(peers=["", "12D3KooWb"])
     assert m.channel(0, 4) == Channel(INTER_CLUSTER, "b", "12D3KooWb")
-    assert m.peer_of("a") == ""
-    with pytest.raises(KeyError, match="zz"):
-        m.with_peers({"zz": "x"})
+    assert m.channel(4, 0) == Channel(INTER_CLUSTER, "a", "")
 
 
 def test_bytes_round_trip_is_equal_and_plain_msgpack() -> None:
-    m = small().with_peers({"a": "pa", "b": "pb"})
+    m = small(peers=["pa", "pb"])
     data = m.to_bytes()
     back = RoutingMatrix.from_bytes(data)
     assert back == m
