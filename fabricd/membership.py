@@ -72,7 +72,6 @@ __all__ = [
 log = get_logger("fabricd.membership")
 
 VERDICT_TIMEOUT = 15.0
-RevocationCallback = Callable[[str, str], Awaitable[None]]
 
 
 class _Notifee(INotifee):

@@ -187,11 +187,6 @@ class NodeManager:
             else:
                 self._states[client] = ref
 
-    def materialized(self) -> list[int]:
-        """Clients bound to an actor now, least recently used first."""
-        with self._lock:
-            return list(self._lru)
-
     def close(self) -> None:
         """Kill every actor and release the placement group."""
         with self._lock:
