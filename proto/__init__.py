@@ -1,44 +1,5 @@
 """The wire contract of fedpilot-fabric: IDs, messages, codec, streams, bridge, certificates.
 
-Imports nothing from fabricd, worker or scheduler, and never libp2p, torch or ray.
+Imports nothing from fabricd, worker or scheduler, and never libp2p, torch or ray. The
+errors for bad input (`ProtocolError` and its subclasses) are in `proto.errors`.
 """
-
-from proto.errors import (
-    CertificateExpired,
-    CertificateRevoked,
-    ControlMessageError,
-    DigestMismatch,
-    ForeignCertificate,
-    InvalidMessage,
-    LengthMismatch,
-    MalformedFrame,
-    MessageTooLarge,
-    NotAMember,
-    PeerMismatch,
-    ProtocolError,
-    SignatureError,
-    StreamClosed,
-    UnknownMessageType,
-    UnsupportedVersion,
-    WrongRole,
-)
-
-__all__ = [
-    "CertificateExpired",
-    "CertificateRevoked",
-    "ControlMessageError",
-    "DigestMismatch",
-    "ForeignCertificate",
-    "InvalidMessage",
-    "LengthMismatch",
-    "MalformedFrame",
-    "MessageTooLarge",
-    "NotAMember",
-    "PeerMismatch",
-    "ProtocolError",
-    "SignatureError",
-    "StreamClosed",
-    "UnknownMessageType",
-    "UnsupportedVersion",
-    "WrongRole",
-]
