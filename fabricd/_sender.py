@@ -234,9 +234,12 @@ class _Peer:
 class StreamPool:
     """Idle update streams per peer, reused across updates; at most PARALLEL_PER_PEER busy."""
 
-    def __init__(self, host: IHost, protocol: str = PROTOCOL_UPDATE_POOLED) -> None:
+    def __init__(self, host: IHost, protocol: str = PROTOCOL_UPDATE_POOLED,
+                 opener: Callable[[str], Awaitable[INetStream]] | None = None) -> None:
         self.host = host
         self.protocol = protocol
+        #: how a new stream to a peer is made (default: a libp2p stream on ``protocol``)
+        self.opener = opener
         self.peers: dict[str, _Peer] = defaultdict(_Peer)
         self.opened = 0
         self.reused = 0
@@ -254,7 +257,10 @@ class StreamPool:
                 self.reused += 1
                 return stream, True
             await close_quietly(stream)
-        stream = await open_stream(self.host, peer_id, self.protocol)
+        if self.opener is not None:
+            stream = await self.opener(peer_id)
+        else:
+            stream = await open_stream(self.host, peer_id, self.protocol)
         self.opened += 1
         return stream, False
 
@@ -351,6 +357,59 @@ async def exchange(stream: INetStream, header: UpdateHeader, body: Body, chunk_b
         reason = f"{type(errors[0]).__name__}: {errors[0]}" if errors else "no ack"
         raise StreamLost(f"the stream ended without an ack ({reason})")
     return acks[0], completed
+
+
+#: the receiver's answer on a half-duplex (data-plane) connection: admitted, send the body
+GO = "go"
+
+
+async def exchange_half_duplex(stream: INetStream, header: UpdateHeader, body: Body, chunk_bytes: int,
+                               go_timeout: float, ack_timeout: float,
+                               gate: Gate | None = None) -> tuple[UpdateAck, bool]:
+    """``exchange`` for a connection one thread at a time may use (the TLS data plane):
+    header, then the receiver's go (an ``ok`` ack with reason ``go``) or its final answer,
+    then the body and the final ack. A refused body is never sent."""
+    try:
+        await stream.write(frame(header))
+        with trio.fail_after(go_timeout):
+            first = await read_message_exact(stream, HEADER_LIMIT)
+    except trio.TooSlowError:
+        raise StreamLost(f"no answer to the header within {go_timeout:.0f} s") from None
+    except Exception as exc:  # noqa: BLE001 - resets, closed connections
+        raise StreamLost(f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(first, UpdateAck):
+        raise StreamLost(f"expected UpdateAck, got {first.TYPE}")
+    if not (first.status == "ok" and first.reason == GO):
+        return first, False
+    chunks = list(body_chunks(body, chunk_bytes))
+    offset = 0
+    try:
+        for i, chunk in enumerate(chunks):
+            offset += len(chunk)
+            if isinstance(body, FillingBuffer):
+                refused = await body.wait_filled(offset)
+                if refused is not None:
+                    raise BodyRefused(refused)
+            if gate is not None and i == len(chunks) - 1:
+                refused = await gate()
+                if refused is not None:
+                    raise BodyRefused(refused)
+            await stream.write(chunk)  # type: ignore[arg-type]
+        if not chunks and gate is not None:
+            refused = await gate()
+            if refused is not None:
+                raise BodyRefused(refused)
+        with trio.fail_after(ack_timeout):
+            final = await read_message_exact(stream, HEADER_LIMIT)
+    except (BodyRefused, trio.Cancelled):
+        raise
+    except trio.TooSlowError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise StreamLost(f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(final, UpdateAck):
+        raise StreamLost(f"expected UpdateAck, got {final.TYPE}")
+    return final, True
 
 
 async def discard(stream: INetStream, clean: bool) -> None:

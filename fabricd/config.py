@@ -50,6 +50,9 @@ class Limits:
     dedup_ids_per_member: int = 65_536
     # rounds behind a sender's newest delivered round that stay open (older: refused)
     dedup_round_window: int = 64
+    # update bodies at least this large go over the TLS 1.3 data plane (fabricd/_dataplane.py);
+    # 0 = off, everything over libp2p
+    dataplane_min_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -262,6 +265,8 @@ def load_config(path: str | os.PathLike[str]) -> Config:
                                   defaults.dedup_ids_per_member, 16, 1 << 24, True),
         dedup_round_window=_num(cfg_path, lim, "limits", "dedup_round_window", defaults.dedup_round_window,
                                 1, 1 << 20, True),
+        dataplane_min_bytes=_num(cfg_path, lim, "limits", "dataplane_min_bytes", defaults.dataplane_min_bytes,
+                                 0, 1 << 40, True),
     )
     if limits.heartbeat_timeout <= limits.heartbeat_interval:
         raise _err(cfg_path, "limits.heartbeat_timeout", limits.heartbeat_timeout,

@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from libp2p.crypto.keys import KeyPair
 
 from fabricd import _muxguard
+from fabricd._dataplane import DataPlane
 from fabricd._host import HostStack, open_host_stack
 from fabricd._sender import Body, BodyRefused, DigestGate, FillingBuffer, Gate, RepeatedBody
 from fabricd.bridge import BridgeServer, RequestFailed
@@ -187,6 +188,14 @@ class Daemon:
             self.revocation_gossip = RevocationGossip(
                 stack.pubsub, revocations, lambda peer: self.membership.member_certificate(peer) is not None,
                 self.peer_id)
+            self.dataplane: DataPlane | None = None
+            if lim.dataplane_min_bytes:
+                self.dataplane = DataPlane(
+                    host, listen_ip=_listen_ip(cfg.listen[0]),
+                    is_member=lambda peer: self.membership.member_certificate(peer) is not None,
+                    serve=self.updates.serve_dataplane, state_dir=cfg.path.parent)
+                self.updates.use_dataplane(self.dataplane, lim.dataplane_min_bytes)
+                self.dataplane.register(self.membership.guard)
             self.updates.register()
             self.control_service.register()
             self.membership.guard_all_handlers()
@@ -198,6 +207,8 @@ class Daemon:
                             ("revocations", self.revocation_gossip.serve),
                             ("bridge", self.bridge.serve),
                             ("executor_reaper", self.launcher.reap_loop)]
+                if self.dataplane is not None:
+                    services.insert(3, ("dataplane", self.dataplane.run))
                 if self.metrics_server is not None:
                     # first up, last down: a scrape sees the whole shutdown
                     services.insert(0, ("metrics", self.metrics_server.serve))
@@ -453,6 +464,12 @@ def _probe_body(nbytes: int) -> tuple[RepeatedBody, bytes]:
     for chunk in body.chunks(1 << 20):
         digest.update(chunk)
     return body, digest.digest()
+
+
+def _listen_ip(addr: str) -> str:
+    """The IPv4 address of a listen multiaddr (the data plane listens there too)."""
+    parts = addr.split("/")
+    return parts[2] if len(parts) > 2 and parts[1] == "ip4" else "0.0.0.0"
 
 
 async def _scoped(serve: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

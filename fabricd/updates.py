@@ -27,8 +27,10 @@ from typing import Protocol
 import trio
 from libp2p.abc import IHost, INetStream
 
+from fabricd._dataplane import DataPlane, DataPlaneUnavailable, TlsStream
 from fabricd._dedup import DUPLICATE, IDS_PER_SCOPE, ROUND_WINDOW, DeliveredWindows
 from fabricd._sender import (
+    GO,
     SEND_ATTEMPTS,
     Body,
     Gate,
@@ -37,6 +39,7 @@ from fabricd._sender import (
     backoff,
     discard,
     exchange,
+    exchange_half_duplex,
 )
 from fabricd._streams import (
     STREAM_ERRORS,
@@ -155,6 +158,11 @@ class UpdateService:
         self.jobs: dict[str, JobCounters] = defaultdict(JobCounters)
         self.metrics: DaemonMetrics = UNWIRED
         self.pool = StreamPool(host)
+        #: large bodies go over the TLS data plane when there is one (fabricd._dataplane)
+        self.dataplane: DataPlane | None = None
+        self.bulk_pool: StreamPool | None = None
+        self.dataplane_min_bytes = 0
+        self.dataplane_fallbacks = 0
         self.send_retries = 0
 
     def forget_job(self, job_id: str) -> None:
@@ -168,8 +176,28 @@ class UpdateService:
         for protocol in (PROTOCOL_UPDATE, PROTOCOL_UPDATE_POOLED):
             self.host.set_stream_handler(protocol, handler)  # type: ignore[arg-type]
 
+    def use_dataplane(self, dataplane: DataPlane, min_bytes: int) -> None:
+        """Send bodies of at least ``min_bytes`` over ``dataplane``, and serve its
+        connections like pooled update streams (same admission, floors, dedup, digest)."""
+        self.dataplane = dataplane
+        self.dataplane_min_bytes = min_bytes
+        self.bulk_pool = StreamPool(self.host, opener=dataplane.connect)  # type: ignore[arg-type]
+
+    async def serve_dataplane(self, stream: TlsStream) -> None:
+        try:
+            await self._serve(stream)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - one connection's failure is only logged
+            log.info("dataplane.aborted", peer=str(stream.muxed_conn.peer_id),
+                     reason=f"{type(exc).__name__}: {exc}")
+            await stream.reset()
+
     def transfer_status(self) -> dict[str, int]:
-        return {"streams_opened": self.pool.opened, "streams_reused": self.pool.reused,
+        bulk = self.bulk_pool
+        plane = self.dataplane.status() if self.dataplane is not None else {}
+        return {**plane, "dataplane_streams_opened": bulk.opened if bulk else 0,
+                "dataplane_streams_reused": bulk.reused if bulk else 0,
+                "dataplane_fallbacks": self.dataplane_fallbacks,
+                "streams_opened": self.pool.opened, "streams_reused": self.pool.reused,
                 "send_retries": self.send_retries, "inflight_in_bytes": self.inflight,
                 "inflight_in_peak_bytes": self.inflight_peak, "dedup_ids": len(self.delivered),
                 "dedup_refused": self.delivered.refused}
@@ -197,8 +225,9 @@ class UpdateService:
         if header is not None:
             self.jobs[header.job_id].rejected += 1
         await self._ack(stream, header, "rejected", reason, received)
-        if drain and header is not None:
-            # Let the sender read our early ack instead of failing on a reset.
+        if drain and header is not None and not getattr(stream, "half_duplex", False):
+            # Let the sender read our early ack instead of failing on a reset (a half-duplex
+            # data-plane sender waits for a go before its body: nothing to drain).
             with trio.move_on_after(DRAIN_SECONDS):
                 left = header.byte_length - received
                 while left > 0:
@@ -302,6 +331,8 @@ class UpdateService:
         self.peer_inflight[peer] = self.peer_inflight.get(peer, 0) + reserved
         self.metrics.stream_opened("received")
         try:
+            if getattr(stream, "half_duplex", False):
+                await self._ack(stream, header, "ok", GO, 0)
             return await self._receive_body(stream, peer, header, receiver, probe, source_cluster, floor)
         finally:
             self.inflight -= reserved
@@ -460,9 +491,16 @@ class UpdateService:
         # (several stream timeouts), so a burst queues up instead of failing.
         busy_until = time.monotonic() + BUSY_RETRY_TIMEOUTS * self.stream_timeout
         failures = busy = 0
+        bulk = self.bulk_pool is not None and len(body) >= self.dataplane_min_bytes
         while True:
+            pool = self.bulk_pool if bulk and self.bulk_pool is not None else self.pool
             try:
-                stream, reused = await self.pool.take(peer_id)
+                stream, reused = await pool.take(peer_id)
+            except DataPlaneUnavailable as exc:
+                bulk = False  # this update goes over libp2p instead
+                self.dataplane_fallbacks += 1
+                log.info("update.dataplane_fallback", peer=peer_id, message_id=header.message_id, reason=str(exc))
+                continue
             except Exception as exc:  # noqa: BLE001 - StreamFailure after the open retries
                 failures += 1
                 if failures >= SEND_ATTEMPTS:
@@ -473,7 +511,11 @@ class UpdateService:
                 await trio.sleep(backoff(failures + 3))
                 continue
             try:
-                result, completed = await exchange(stream, header, body, self.chunk_bytes, ack_timeout, gate)
+                if pool is self.pool:
+                    result, completed = await exchange(stream, header, body, self.chunk_bytes, ack_timeout, gate)
+                else:
+                    result, completed = await exchange_half_duplex(
+                        stream, header, body, self.chunk_bytes, self.stream_timeout, ack_timeout, gate)
             except StreamLost as exc:
                 await discard(stream, clean=False)
                 if not reused:  # a stale pooled stream costs one free retry
@@ -491,7 +533,7 @@ class UpdateService:
                          reason=f"{type(exc).__name__}: {exc}")
                 raise
             if result.status == "ok" and completed:
-                self.pool.give_back(peer_id, stream)
+                pool.give_back(peer_id, stream)
             else:
                 await discard(stream, clean=True)
             if (result.status == "rejected" and result.reason.startswith("busy:")

@@ -11,6 +11,8 @@ PROTOCOL_UPDATE = "/fedpilot/update/1.0.0"
 PROTOCOL_UPDATE_POOLED = "/fedpilot/update/1.1.0"
 PROTOCOL_CONTROL = "/fedpilot/control/1.0.0"
 PROTOCOL_MEMBER = "/fedpilot/member/1.0.0"
+#: Tickets for the bulk data plane (TLS 1.3 connections for large update bodies).
+PROTOCOL_DATAPLANE = "/fedpilot/dataplane/1.0.0"
 
 TOPIC_HEARTBEAT = "fedpilot/heartbeat/1"
 

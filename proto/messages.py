@@ -286,10 +286,34 @@ def open_envelope(
     return cert, env.payload
 
 
+# ---- data plane ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DataPlaneOffer(Message):
+    """On /fedpilot/dataplane/1.0.0: the sender's ephemeral TLS certificate (DER)."""
+
+    TYPE: ClassVar[str] = "DataPlaneOffer"
+    certificate: bytes = spec(Bin(MAX_CERTIFICATE_BYTES, 1))
+
+
+@dataclass(frozen=True)
+class DataPlaneTicket(Message):
+    """The receiver's answer: its TLS port and ephemeral certificate, and a one-time
+    ticket for the sender's certificate (port 0 and empty fields: refused, see reason)."""
+
+    TYPE: ClassVar[str] = "DataPlaneTicket"
+    port: int = spec(Int(0, 65535))
+    certificate: bytes = spec(Bin(MAX_CERTIFICATE_BYTES))
+    ticket: bytes = spec(Bin(32, exact=(0, 32)))
+    reason: str = spec(REASON)
+
+
 __all__ = [
     "ClusterRecord",
     "ControlRequest",
     "ControlResponse",
+    "DataPlaneOffer",
+    "DataPlaneTicket",
     "Heartbeat",
     "MemberAck",
     "MemberHello",

@@ -1,0 +1,459 @@
+"""The bulk data plane: large update bodies over TLS 1.3 connections between members.
+
+libp2p (Noise + yamux in Python, one thread) keeps membership, discovery, gossip, control
+and small updates. A body of at least ``limits.dataplane_min_bytes`` goes over a plain TCP
+connection with TLS 1.3 (OpenSSL's AES-GCM, GIL released while it encrypts and decrypts)
+whose reads and writes run in worker threads, so the event loop, the hashing thread and
+the socket threads use more than one core. ``dataplane_min_bytes = 0`` (the default)
+turns it off.
+
+Trust comes only from the membership already proven on libp2p - no new root. Python's
+``ssl`` has no verify callback, so a TLS certificate cannot be checked against the
+federation CA's (non-X.509, ed25519) membership certificates directly; instead each side
+learns the other's TLS certificate over a channel that the CA already authenticated and
+pins it exactly:
+
+1. Every daemon makes an ephemeral ECDSA P-256 key and self-signed certificate at start
+   (its private key never leaves a 0600 file in a private temporary directory).
+2. The sender asks for a ticket on ``/fedpilot/dataplane/1.0.0``: a libp2p stream, so
+   Noise proves both peer ids and ``Membership.guard`` admits CA-verified members only.
+   It gives its TLS certificate; the receiver answers with its own, its data-plane port
+   and a one-time random ticket bound to the sender's peer id and the fingerprint of
+   the sender's TLS certificate (valid ``TICKET_SECONDS``, at most
+   ``TICKETS_PER_PEER`` outstanding per member).
+3. The sender connects and runs TLS 1.3 with its certificate and trusts exactly the
+   receiver's (so it talks to the member it asked, and nobody else); the receiver
+   requires a client certificate (trusted: only the current certificate of each member
+   that asked for a ticket) and reads the ticket as the first bytes inside TLS. The
+   ticket is spent on its first use, whatever the outcome; it must name the client
+   certificate that TLS just proved, and its peer must still be a member. The
+   connection then serves that member only, and membership is re-checked per update.
+
+The connection carries the same frames as a pooled update stream, half duplex: the
+sender writes a header, the receiver answers a go (``UpdateAck`` ok, reason ``go``) or its
+refusal, then the body, then the final ack. So no two threads ever use one TLS object at
+once, and a refused body is never sent. Strangers get nothing: a connection that does
+not finish TLS and present a valid ticket within ``HANDSHAKE_SECONDS`` is closed, and at
+most ``MAX_HANDSHAKES`` handshakes run at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import os
+import secrets
+import socket
+import ssl
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from libp2p.abc import IHost, INetStream
+from libp2p.network.stream.exceptions import StreamEOF
+from libp2p.peer.id import ID
+
+from fabricd._bounded import BoundedDict, Throttle
+from fabricd._sender import open_stream
+from fabricd._streams import close_quietly, read_message_exact, remote_peer, write_message
+from fabricd.errors import FabricdError
+from fabricd.logs import get_logger
+from proto.ids import PROTOCOL_DATAPLANE
+from proto.messages import DataPlaneOffer, DataPlaneTicket
+
+log = get_logger("fabricd.dataplane")
+
+TICKET_SECONDS = 10.0
+TICKET_BYTES = 32
+HANDSHAKE_SECONDS = 5.0
+MAX_HANDSHAKES = 64
+MAX_TICKETS = 1024
+#: outstanding tickets one member may hold (its sender opens at most 8 connections at once)
+TICKETS_PER_PEER = 16
+#: members whose TLS certificate this daemon trusts (one current certificate each)
+MAX_TRUSTED_PEERS = 4096
+#: after a failed ticket request, a peer's large updates use libp2p for this long
+UNAVAILABLE_SECONDS = 30.0
+#: worker threads of the data plane (socket calls and handshakes)
+MAX_THREADS = 512
+#: how long one blocking socket call may wait before the event loop gets to look at
+#: cancellation (rate floors, shutdown)
+POLL_SECONDS = 0.5
+WRITE_SECONDS = 30.0
+FRAME_LIMIT = 64 * 1024
+
+
+class DataPlaneUnavailable(FabricdError):
+    """No data-plane connection could be made to a peer (the caller falls back to libp2p)."""
+
+
+def _fingerprint(der: bytes) -> bytes:
+    return hashlib.sha256(der).digest()
+
+
+@dataclass
+class _Identity:
+    der: bytes
+    pem: bytes
+    cert_path: str
+    key_path: str
+
+
+def _make_identity(peer_id: str, directory: Path) -> _Identity:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, peer_id[:64])])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=30))
+            .sign(key, hashes.SHA256()))
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    cert_path, key_path = directory / "dataplane.crt", directory / "dataplane.key"
+    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    cert_path.write_bytes(pem)
+    return _Identity(cert.public_bytes(serialization.Encoding.DER), pem, str(cert_path), str(key_path))
+
+
+def _context(identity: _Identity, *, server: bool, pinned: bytes | None = None) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(identity.cert_path, identity.key_path)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    if pinned is not None:
+        ctx.load_verify_locations(cadata=pinned)
+    return ctx
+
+
+class _Conn:
+    def __init__(self, peer_id: ID) -> None:
+        self.peer_id = peer_id
+
+
+class TlsStream:
+    """One data-plane connection, looking like a libp2p stream to the update code:
+    ``read``/``write``/``close``/``reset`` and ``muxed_conn.peer_id`` (the member the
+    ticket was issued to). Every socket call runs in a worker thread, at most
+    POLL_SECONDS at a time, so trio's cancellation (rate floors) still applies."""
+
+    half_duplex = True
+
+    def __init__(self, sock: ssl.SSLSocket, peer_id: ID, limiter: trio.CapacityLimiter) -> None:
+        self.sock = sock
+        self.muxed_conn = _Conn(peer_id)
+        self.closed = False
+        #: the data plane's own threads: idle connections polling must not take the
+        #: threads hashing and the rest of the daemon use
+        self.limiter = limiter
+
+    def _recv(self, n: int) -> bytes | None:
+        """Up to n bytes (at least one), b"" at EOF, None if nothing came for POLL_SECONDS."""
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        self.sock.settimeout(POLL_SECONDS)
+        try:
+            while got < n:
+                try:
+                    k = self.sock.recv_into(view[got:], n - got)
+                except (TimeoutError, ssl.SSLWantReadError):
+                    break
+                if k == 0:
+                    if got == 0:
+                        return b""
+                    break
+                got += k
+                if self.sock.pending() == 0 and got >= min(n, 1024 * 1024):
+                    break
+        finally:
+            view.release()
+        if got == 0:
+            return None
+        del buf[got:]
+        return bytes(buf) if got < 64 * 1024 else buf  # type: ignore[return-value]
+
+    async def read(self, n: int | None = None) -> bytes:
+        if self.closed:
+            raise StreamEOF("data-plane connection closed")
+        want = n if n and n > 0 else 1024 * 1024
+        while True:
+            try:
+                data = await trio.to_thread.run_sync(self._recv, want, limiter=self.limiter)
+            except (OSError, ssl.SSLError) as exc:
+                raise StreamEOF(f"data-plane connection broke: {exc}") from exc
+            if data is None:
+                continue  # nothing yet: look at cancellation, then wait again
+            if not data:
+                raise StreamEOF("data-plane connection ended")
+            return data
+
+    def _sendall(self, data: Any) -> None:
+        self.sock.settimeout(WRITE_SECONDS)
+        self.sock.sendall(data)
+
+    async def write(self, data: Any) -> None:
+        if self.closed:
+            raise StreamEOF("data-plane connection closed")
+        try:
+            await trio.to_thread.run_sync(self._sendall, data, limiter=self.limiter)
+        except (OSError, ssl.SSLError) as exc:
+            self.closed = True
+            raise StreamEOF(f"data-plane connection broke: {exc}") from exc
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    async def reset(self) -> None:
+        await self.close()
+
+
+class DataPlane:
+    """Both halves of the data plane of one daemon."""
+
+    def __init__(self, host: IHost, *, listen_ip: str, is_member: Callable[[str], bool],
+                 serve: Callable[[TlsStream], Awaitable[None]], state_dir: Path | None = None) -> None:
+        self.host = host
+        self.listen_ip = listen_ip
+        self.is_member = is_member
+        self.serve = serve
+        self._tmp = tempfile.TemporaryDirectory(prefix="fabricd-dp-", dir=state_dir)
+        self.identity = _make_identity(str(host.get_id()), Path(self._tmp.name))
+        #: the current TLS certificate (DER) of each member that asked for a ticket
+        self.client_certs: BoundedDict[str, bytes] = BoundedDict(MAX_TRUSTED_PEERS)
+        self.server_ctx = _context(self.identity, server=True)
+        #: peers whose ticket request failed lately -> until when libp2p is used instead
+        self.unavailable: BoundedDict[str, float] = BoundedDict(MAX_TRUSTED_PEERS)
+        #: ticket -> (peer id, client certificate fingerprint, expiry)
+        self.tickets: BoundedDict[bytes, tuple[str, bytes, float]] = BoundedDict(MAX_TICKETS)
+        self.port = 0
+        self._handshakes = trio.Semaphore(MAX_HANDSHAKES)
+        self.limiter = trio.CapacityLimiter(MAX_THREADS)
+        self._throttle = Throttle(log)
+        self.accepted = 0
+        self.refused = 0
+        self.opened = 0
+        self._nursery: trio.Nursery | None = None
+
+    # ---- receiving ---------------------------------------------------------------------
+
+    def register(self, guard: Callable[..., Any]) -> None:
+        handler = guard("dataplane", self._issue, on_refuse=self._refuse)
+        self.host.set_stream_handler(PROTOCOL_DATAPLANE, handler)  # type: ignore[arg-type]
+
+    async def _refuse(self, stream: INetStream, reason: str) -> None:
+        await write_message(stream, DataPlaneTicket(port=0, certificate=b"", ticket=b"", reason=reason))
+
+    async def _issue(self, stream: INetStream) -> None:
+        peer = remote_peer(stream)
+        try:
+            with trio.fail_after(HANDSHAKE_SECONDS):
+                offer = await read_message_exact(stream, FRAME_LIMIT)
+            if not isinstance(offer, DataPlaneOffer):
+                await self._refuse(stream, f"expected DataPlaneOffer, got {offer.TYPE}")
+                return
+            if not self.port:
+                await self._refuse(stream, "unavailable: the data plane is not listening")
+                return
+            outstanding = sum(1 for p, _, _ in self.tickets.values() if p == peer)
+            if outstanding >= TICKETS_PER_PEER:
+                await self._refuse(stream, f"busy: {outstanding} data-plane tickets of peer {peer} are "
+                                           f"outstanding, at most {TICKETS_PER_PEER}; retry later")
+                return
+            self._trust(peer, offer.certificate)
+            ticket = secrets.token_bytes(TICKET_BYTES)
+            self.tickets[ticket] = (peer, _fingerprint(offer.certificate), time.monotonic() + TICKET_SECONDS)
+            await write_message(stream, DataPlaneTicket(port=self.port, certificate=self.identity.der,
+                                                        ticket=ticket, reason=""))
+        except (ssl.SSLError, ValueError) as exc:
+            await self._refuse(stream, f"bad data-plane certificate: {exc}")
+        finally:
+            await close_quietly(stream)
+
+    def _trust(self, peer: str, der: bytes) -> None:
+        """Trust ``der`` as member ``peer``'s client certificate (replacing its previous one).
+
+        The store holds one certificate per member, so it is bounded by the membership; a
+        replaced or evicted certificate stops being trusted by new handshakes."""
+        if self.client_certs.get(peer) == der:
+            return
+        x509.load_der_x509_certificate(der)  # ValueError if it is not a certificate
+        replacing = peer in self.client_certs or len(self.client_certs) >= MAX_TRUSTED_PEERS
+        self.client_certs[peer] = der
+        if replacing:
+            ctx = _context(self.identity, server=True)
+            for known in self.client_certs.values():
+                ctx.load_verify_locations(cadata=known)
+            self.server_ctx = ctx
+        else:
+            self.server_ctx.load_verify_locations(cadata=der)
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen for data-plane connections until cancelled."""
+        listener = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+        listener.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+        await listener.bind((self.listen_ip, 0))
+        listener.listen(128)
+        self.port = listener.getsockname()[1]
+        log.info("dataplane.listening", address=f"{self.listen_ip}:{self.port}")
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started(self.port)
+                while True:
+                    sock, addr = await listener.accept()
+                    nursery.start_soon(self._accept, sock, f"{addr[0]}:{addr[1]}")
+        finally:
+            listener.close()
+            self._tmp.cleanup()
+
+    def _handshake(self, raw: socket.socket) -> tuple[ssl.SSLSocket, bytes, bytes]:
+        raw.settimeout(HANDSHAKE_SECONDS)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = self.server_ctx.wrap_socket(raw, server_side=True)
+        try:
+            der = sock.getpeercert(binary_form=True) or b""
+            ticket = b""
+            while len(ticket) < TICKET_BYTES:
+                more = sock.recv(TICKET_BYTES - len(ticket))
+                if not more:
+                    break
+                ticket += more
+        except BaseException:
+            sock.close()  # not left to the garbage collector: a stranger must not hold fds
+            raise
+        return sock, der, ticket
+
+    async def _accept(self, tsock: trio.socket.SocketType, where: str) -> None:
+        """One incoming connection; nothing it does can stop the listener."""
+        try:
+            await self._accept_unguarded(tsock, where)
+        except Exception as exc:  # noqa: BLE001 - one connection's failure is only logged
+            log.error("dataplane.connection_crashed", address=where, reason=f"{type(exc).__name__}: {exc}")
+
+    async def _accept_unguarded(self, tsock: trio.socket.SocketType, where: str) -> None:
+        raw = socket.socket(fileno=tsock.detach())
+        raw.setblocking(True)
+        if self._handshakes.value == 0:
+            self._throttle.warning("dataplane.handshake_refused", address=where,
+                                   reason=f"more than {MAX_HANDSHAKES} data-plane handshakes at once")
+            raw.close()
+            return
+        # A second handle on the same socket: wrap_socket takes over raw's descriptor, and
+        # only a shutdown wakes a thread blocked in it.
+        handle = raw.dup()
+        async with self._handshakes:
+            # One deadline for TCP, TLS and the ticket: a stranger dripping handshake bytes
+            # has its socket shut down (the abandoned thread's blocking call then fails).
+            try:
+                with trio.fail_after(HANDSHAKE_SECONDS):
+                    sock, der, ticket = await trio.to_thread.run_sync(  # type: ignore[call-arg]
+                        self._handshake, raw, abandon_on_cancel=True, limiter=self.limiter)
+            except (OSError, ssl.SSLError, ValueError, trio.TooSlowError) as exc:
+                self.refused += 1
+                self._throttle.warning("dataplane.handshake_refused", address=where,
+                                       reason=f"TLS handshake failed: {type(exc).__name__}: {exc}")
+                with contextlib.suppress(OSError):
+                    handle.shutdown(socket.SHUT_RDWR)
+                handle.close()
+                raw.close()
+                return
+            handle.close()
+        why, peer = self._check_ticket(ticket, der)
+        if why is not None:
+            self.refused += 1
+            self._throttle.warning("dataplane.ticket_refused", address=where, reason=why)
+            sock.close()
+            return
+        self.accepted += 1
+        log.info("dataplane.accepted", peer=peer, address=where)
+        stream = TlsStream(sock, ID.from_base58(peer), self.limiter)
+        try:
+            await self.serve(stream)
+        finally:
+            await stream.close()
+
+    def _check_ticket(self, ticket: bytes, der: bytes) -> tuple[str | None, str]:
+        entry = self.tickets.pop(ticket, None) if len(ticket) == TICKET_BYTES else None
+        if entry is None:
+            return "no valid ticket (unknown, already used or missing)", ""
+        peer, fingerprint, expires = entry
+        if time.monotonic() > expires:
+            return f"ticket of peer {peer} expired", peer
+        if _fingerprint(der) != fingerprint:
+            return f"the client certificate is not the one the ticket of peer {peer} names", peer
+        if not self.is_member(peer):
+            return f"peer {peer} is not a member (any more): no verified certificate", peer
+        return None, peer
+
+    # ---- sending -----------------------------------------------------------------------
+
+    async def connect(self, peer_id: str) -> TlsStream:
+        """A new data-plane connection to member ``peer_id``; DataPlaneUnavailable (naming
+        the peer and why) if none can be made - the caller then uses libp2p, and so does
+        every update to that peer for UNAVAILABLE_SECONDS."""
+        until = self.unavailable.get(peer_id, 0.0)
+        if time.monotonic() < until:
+            raise DataPlaneUnavailable(f"the data plane to {peer_id} failed lately; libp2p for "
+                                       f"{until - time.monotonic():.0f} s more")
+        try:
+            return await self._connect(peer_id)
+        except DataPlaneUnavailable:
+            self.unavailable[peer_id] = time.monotonic() + UNAVAILABLE_SECONDS
+            raise
+
+    async def _connect(self, peer_id: str) -> TlsStream:
+        try:
+            stream = await open_stream(self.host, peer_id, PROTOCOL_DATAPLANE, attempts=2)
+        except Exception as exc:  # noqa: BLE001 - StreamFailure: the peer may not offer it
+            raise DataPlaneUnavailable(f"no data-plane ticket from {peer_id}: {type(exc).__name__}: {exc}") from exc
+        try:
+            address = stream.get_remote_address()
+            await write_message(stream, DataPlaneOffer(certificate=self.identity.der))
+            with trio.fail_after(HANDSHAKE_SECONDS):
+                answer = await read_message_exact(stream, FRAME_LIMIT)
+        except Exception as exc:  # noqa: BLE001
+            raise DataPlaneUnavailable(f"no data-plane ticket from {peer_id}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            await close_quietly(stream)
+        if not isinstance(answer, DataPlaneTicket) or not answer.ticket or address is None:
+            reason = answer.reason if isinstance(answer, DataPlaneTicket) else f"got {answer.TYPE}"
+            raise DataPlaneUnavailable(f"{peer_id} gave no data-plane ticket: {reason}")
+        ctx = _context(self.identity, server=False, pinned=answer.certificate)
+
+        def dial() -> ssl.SSLSocket:
+            raw = socket.create_connection((address[0], answer.port), timeout=HANDSHAKE_SECONDS)
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = ctx.wrap_socket(raw, server_side=False)
+            sock.sendall(answer.ticket)
+            return sock
+
+        try:
+            sock = await trio.to_thread.run_sync(dial, limiter=self.limiter)
+        except (OSError, ssl.SSLError) as exc:
+            raise DataPlaneUnavailable(f"data-plane connection to {peer_id} at {address[0]}:{answer.port} "
+                                       f"failed: {type(exc).__name__}: {exc}") from exc
+        self.opened += 1
+        return TlsStream(sock, ID.from_base58(peer_id), self.limiter)
+
+    def status(self) -> dict[str, int]:
+        return {"dataplane_port": self.port, "dataplane_accepted": self.accepted,
+                "dataplane_refused": self.refused, "dataplane_opened": self.opened}

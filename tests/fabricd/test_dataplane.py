@@ -1,0 +1,218 @@
+"""The TLS 1.3 bulk data plane between two real daemons (fabricd/_dataplane.py): large
+updates go over it with their digest verified, small ones stay on libp2p, a stranger's or
+a thief's TLS connection changes nothing, and a sender killed mid-body delivers nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import ssl
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fabricd.config import load_config
+from proto.bridge import BridgeClient, Delivery, SendUpdate, bridge_header
+from tests.fabricd._harness import (
+    Node,
+    bridge_status,
+    connected_fast,
+    init_ca,
+    init_node,
+    wait_until,
+)
+from tests.fabricd._transfer_load import blast
+
+pytestmark = pytest.mark.slow
+
+MIB = 1024 * 1024
+MIN_BYTES = 1 * MIB
+
+
+def _enable(node: Node, min_bytes: int = MIN_BYTES) -> None:
+    path = node.dir / "cluster.toml"
+    text = path.read_text()
+    assert "[limits]\n" in text, "the generated config changed shape"
+    path.write_text(text.replace("[limits]\n", f"[limits]\ndataplane_min_bytes = {min_bytes}\n", 1))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
+    root = tmp_path_factory.mktemp("dataplane")
+    ca = init_ca(root)
+    a = init_node(root, "a", ca)
+    b = init_node(root, "b", ca, [a.addr()])
+    for node in (a, b):
+        _enable(node)
+        node.start()
+    try:
+        for node in (a, b):
+            node.wait_ready()
+        wait_until(lambda: "b" in connected_fast(a) and "a" in connected_fast(b), timeout=60)
+        yield a, b
+    finally:
+        for node in (a, b):
+            node.stop()
+
+
+def _transfer(node: Node) -> dict[str, Any]:
+    return dict(bridge_status(node)["transfer"])
+
+
+def _dataplane_port(node: Node) -> int:
+    return int(_transfer(node)["dataplane_port"])
+
+
+def test_large_update_goes_over_the_dataplane_verified(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    before_a, before_b = _transfer(a), _transfer(b)
+    result = blast(a, b, count=3, size=8 * MIB, sockets=1)
+    assert result.failed == [] and result.ok == 3, result.summary()
+    assert result.delivered == 3 and result.digest_mismatch == 0, result.summary()
+    after_a, after_b = _transfer(a), _transfer(b)
+    assert after_b["dataplane_accepted"] > before_b["dataplane_accepted"], after_b
+    used = (after_a["dataplane_streams_opened"] + after_a["dataplane_streams_reused"]
+            - before_a["dataplane_streams_opened"] - before_a["dataplane_streams_reused"])
+    assert used == 3, (before_a, after_a)
+    assert after_a["dataplane_fallbacks"] == before_a["dataplane_fallbacks"], after_a
+    # libp2p update streams carried none of them
+    assert (after_a["streams_opened"] + after_a["streams_reused"]
+            == before_a["streams_opened"] + before_a["streams_reused"]), (before_a, after_a)
+    assert f"job={result.job}" in b.log() and "verified=sha256" in b.log()
+
+
+def test_small_update_stays_on_libp2p(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    before = _transfer(a)
+    result = blast(a, b, count=4, size=64 * 1024, sockets=1)
+    assert result.failed == [] and result.delivered == 4 and result.digest_mismatch == 0, result.summary()
+    after = _transfer(a)
+    assert (after["dataplane_streams_opened"] + after["dataplane_streams_reused"]
+            == before["dataplane_streams_opened"] + before["dataplane_streams_reused"]), (before, after)
+    assert (after["streams_opened"] + after["streams_reused"]
+            - before["streams_opened"] - before["streams_reused"]) == 4, (before, after)
+
+
+def _tls_client(port: int, cert: Path | None, key: Path | None, first_bytes: bytes) -> str:
+    """Connect to a data-plane port as a TLS client (trusting any server), send
+    ``first_bytes``; what happened: 'handshake refused', 'closed' or 'open'."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    if cert is not None and key is not None:
+        ctx.load_cert_chain(cert, key)
+    raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        sock = ctx.wrap_socket(raw)
+        sock.sendall(first_bytes)
+        sock.settimeout(8)
+        data = sock.recv(1)
+    except (ssl.SSLError, ConnectionError):
+        return "handshake refused"
+    except TimeoutError:
+        return "open"
+    finally:
+        raw.close()
+    return "closed" if data == b"" else "open"
+
+
+def _self_signed(tmp: Path) -> tuple[Path, Path]:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "stranger")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
+    (tmp / "s.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp / "s.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                  serialization.NoEncryption()))
+    return tmp / "s.crt", tmp / "s.key"
+
+
+def test_strangers_and_forged_tickets_are_refused_and_change_nothing(
+        pair: tuple[Node, Node], tmp_path: Path) -> None:
+    a, b = pair
+    # a large update first, so that b trusts a's data-plane certificate
+    assert blast(a, b, count=1, size=2 * MIB, sockets=1).delivered == 1
+    port = _dataplane_port(b)
+    before = _transfer(b)
+    stranger = _self_signed(tmp_path)
+    assert _tls_client(port, None, None, os.urandom(32)) == "handshake refused"
+    assert _tls_client(port, *stranger, os.urandom(32)) == "handshake refused"
+    # A thief holding a member's TLS key (a's, from its state directory) but no ticket:
+    # forged tickets and a ticket-less connection are closed after TLS.
+    [state] = list(a.dir.glob("fabricd-dp-*"))
+    thief = (state / "dataplane.crt", state / "dataplane.key")
+    assert _tls_client(port, *thief, os.urandom(32)) == "closed"
+    assert _tls_client(port, *thief, b"") == "closed"
+    after = _transfer(b)
+    assert after["dataplane_refused"] - before["dataplane_refused"] == 4, (before, after)
+    assert after["dataplane_accepted"] == before["dataplane_accepted"], after
+    assert "no valid ticket" in b.log()
+    # b is unharmed: the next large update still goes over the data plane
+    result = blast(a, b, count=1, size=2 * MIB, sockets=1)
+    assert result.delivered == 1 and result.digest_mismatch == 0, result.summary()
+
+
+def test_sender_killed_mid_body_delivers_nothing_and_receiver_stays_healthy(
+        pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    job = f"kill-{uuid.uuid4().hex[:6]}"
+    size = 64 * MIB
+    body = os.urandom(size)
+    digest = hashlib.sha256(body).digest()
+    consumer = BridgeClient(str(load_config(b.config).bridge_socket), role="executor", cluster_id="b",
+                            job_id=job, max_payload=size + 1, timeout=120)
+    deliveries: list[str] = []
+
+    def consume() -> None:
+        try:
+            while True:
+                msg, _ = consumer.recv()
+                if isinstance(msg, Delivery):
+                    deliveries.append(msg.message_id)
+        except OSError:
+            pass
+
+    threading.Thread(target=consume, daemon=True).start()
+    wait_until(lambda: any(c["job_id"] == job for c in bridge_status(b)["bridge_clients"]), 30)
+    sender = BridgeClient(str(load_config(a.config).bridge_socket), role="executor", cluster_id="a",
+                          job_id=job, timeout=120)
+    msg = SendUpdate(target_cluster="b", job_id=job, round=1, source_node="s", target_node="t",
+                     message_id=f"{job}-0", tensor_count=1, byte_length=size, sha256=digest)
+    before = _transfer(a)
+    # Half the payload: a forwards it at once (cut-through) and then waits for the rest.
+    sender.sock.sendall(bridge_header(msg, size))
+    sender.sock.sendall(body[: size // 2])
+    wait_until(lambda: _transfer(b)["inflight_in_bytes"] == size, timeout=60)
+    now = _transfer(a)
+    assert (now["dataplane_streams_opened"] + now["dataplane_streams_reused"]
+            == before["dataplane_streams_opened"] + before["dataplane_streams_reused"] + 1), (before, now)
+    a.kill9()
+    sender.close()
+    wait_until(lambda: _transfer(b)["inflight_in_bytes"] == 0, timeout=60)
+    time.sleep(1.0)  # a delivery, if one were (wrongly) made, would reach the consumer now
+    assert deliveries == []
+    assert "body ended after" in b.log()
+    # b is healthy: a restarted a delivers large and small updates through it
+    a.log_path.write_bytes(b"")  # so wait_ready sees this start's ready line
+    a.start()
+    a.wait_ready()
+    wait_until(lambda: "b" in connected_fast(a) and "a" in connected_fast(b), timeout=60)
+    for nbytes in (4 * MIB, 4096):
+        result = blast(a, b, count=2, size=nbytes, sockets=1)
+        assert result.failed == [] and result.delivered == 2 and result.digest_mismatch == 0, result.summary()
+    consumer.close()
