@@ -127,16 +127,17 @@ def _last_cpu(log: str, event: str) -> float:
     return float(values[-1]) if values else float("nan")
 
 
-def _start_pair(root: Path, budget: int | None = None) -> tuple[Node, Node]:
+def _start_pair(root: Path, budget: int | None = None, dataplane_min_bytes: int = 0) -> tuple[Node, Node]:
     ca = init_ca(root)
     a = init_node(root, "a", ca)
     b = init_node(root, "b", ca, [a.addr()])
     for node in (a, b):
+        path = node.dir / "cluster.toml"
+        text = path.read_text().replace("[limits]\n", f"[limits]\ndataplane_min_bytes = {dataplane_min_bytes}\n", 1)
         if budget is not None:
-            path = node.dir / "cluster.toml"
-            path.write_text(path.read_text()
-                            .replace("max_inflight_bytes = 2147483648", f"max_inflight_bytes = {budget}")
-                            .replace("max_update_bytes = 1073741824", f"max_update_bytes = {budget}"))
+            text = (text.replace("max_inflight_bytes = 2147483648", f"max_inflight_bytes = {budget}")
+                    .replace("max_update_bytes = 1073741824", f"max_update_bytes = {budget}"))
+        path.write_text(text)
         node.start()
     a.wait_ready()
     b.wait_ready()
@@ -305,6 +306,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes and counts (smoke run)")
     parser.add_argument("--runs", type=int, default=None)
+    parser.add_argument("--dataplane-min-bytes", type=int, default=MIB,
+                        help="limits.dataplane_min_bytes of the measured pair (0: all over libp2p)")
+    parser.add_argument("--libp2p-probe", action="store_true",
+                        help="also probe a second pair with the data plane off (the old path)")
     args = parser.parse_args()
     q = args.quick
     probe_bytes = 16 * MIB if q else 256 * MIB
@@ -313,9 +318,18 @@ def main() -> None:
     budget = 256 * MIB if q else 1024 * MIB
     raw = [raw_tcp_mb_s(probe_bytes) for _ in range(2)]
     raw_rtt_ms = min(raw_round_trip_ms(200 if q else 2000) for _ in range(2))
-    report: dict[str, Any] = {"benchmark": "transfer", "quick": q}
+    report: dict[str, Any] = {"benchmark": "transfer", "quick": q,
+                              "dataplane_min_bytes": args.dataplane_min_bytes}
     with tempfile.TemporaryDirectory(prefix="fbench") as tmp:
-        a, b = _start_pair(Path(tmp), budget)
+        if args.libp2p_probe:
+            (Path(tmp) / "libp2p").mkdir()
+            a, b = _start_pair(Path(tmp) / "libp2p", budget, dataplane_min_bytes=0)
+            try:
+                old = probe_runs(a, b, probe_bytes, runs)
+            finally:
+                a.stop()
+                b.stop()
+        a, b = _start_pair(Path(tmp), budget, dataplane_min_bytes=args.dataplane_min_bytes)
         try:
             probes = probe_runs(a, b, probe_bytes, runs)
             raw.append(raw_tcp_mb_s(probe_bytes))
@@ -330,11 +344,18 @@ def main() -> None:
                 "transfer_cpu_s_sender": [p["transfer_cpu_s_sender"] for p in probes],
                 "transfer_cpu_s_receiver": [p["transfer_cpu_s_receiver"] for p in probes],
                 "ratio_to_raw": round(best / raw_best, 3), "target_ratio": 0.5,
+                "over": "dataplane" if 0 < args.dataplane_min_bytes <= probe_bytes else "libp2p",
+                "dataplane_accepted_by_receiver": bridge_status(b)["transfer"].get("dataplane_accepted", 0),
             }
+            if args.libp2p_probe:
+                old_best = max(p["throughput_mb_s"] for p in old)
+                report["probe_libp2p"] = {"mb_s": round(old_best, 1),
+                                          "runs_mb_s": [p["throughput_mb_s"] for p in old],
+                                          "ratio_to_raw": round(old_best / raw_best, 3)}
             fixed_cost(a, b, 20)  # warm-up: pooled streams open, code paths warm
             fc = fixed_cost(a, b, 100 if q else 500)
             fc["in_raw_round_trips"] = round(fc["ms_per_update"] / raw_rtt_ms, 1)
-            fc["target_ms"] = 3.0
+            fc["target_ms"] = 2.0
             report["fixed_cost"] = fc
             e2e = [blast(a, b, 1, big, sockets=1) for _ in range(runs)]
             e2e_best = max(big / r.seconds / 1e6 for r in e2e)

@@ -29,6 +29,8 @@ MESSAGES: list[m.Message] = [
     m.ControlRequest(request_id="r1", body=NESTED),
     m.ControlResponse(request_id="r1", ok=True, body={}, reason=""),
     m.SignedEnvelope(payload=b"routing", certificate=b"c" * 10, signature=b"s" * 64),
+    m.DataPlaneOffer(certificate=b"c" * 300),
+    m.DataPlaneTicket(port=40001, certificate=b"c" * 300, ticket=b"t" * 32, reason=""),
 ]
 
 BRIDGE: list[tuple[b.BridgeMessage, bytes]] = [
