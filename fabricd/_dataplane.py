@@ -158,17 +158,22 @@ class TlsStream:
         #: the data plane's own threads: idle connections polling must not take the
         #: threads hashing and the rest of the daemon use
         self.limiter = limiter
+        self._buf = bytearray(0)
 
     def _recv(self, n: int) -> bytes | None:
-        """Up to n bytes (at least one), b"" at EOF, None if nothing came for POLL_SECONDS."""
-        buf = bytearray(n)
-        view = memoryview(buf)
+        """Up to n bytes (at least one), b"" at EOF, None if nothing came for POLL_SECONDS.
+
+        Reads into one buffer kept for the connection and returns a copy: a fresh
+        multi-MiB buffer per read costs more in page faults than TLS costs in crypto."""
+        if len(self._buf) < n:
+            self._buf = bytearray(n)
+        view = memoryview(self._buf)
         got = 0
         self.sock.settimeout(POLL_SECONDS)
         try:
             while got < n:
                 try:
-                    k = self.sock.recv_into(view[got:], n - got)
+                    k = self.sock.recv_into(view[got:n], n - got)
                 except (TimeoutError, ssl.SSLWantReadError):
                     break
                 if k == 0:
@@ -178,12 +183,9 @@ class TlsStream:
                 got += k
                 if self.sock.pending() == 0 and got >= min(n, 1024 * 1024):
                     break
+            return bytes(view[:got]) if got else None
         finally:
             view.release()
-        if got == 0:
-            return None
-        del buf[got:]
-        return bytes(buf) if got < 64 * 1024 else buf  # type: ignore[return-value]
 
     async def read(self, n: int | None = None) -> bytes:
         if self.closed:
