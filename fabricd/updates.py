@@ -27,7 +27,7 @@ from typing import Protocol
 import trio
 from libp2p.abc import IHost, INetStream
 
-from fabricd._dataplane import DataPlane, DataPlaneUnavailable, TlsStream
+from fabricd._dataplane import BodyTooSlow, DataPlane, DataPlaneUnavailable, TlsStream
 from fabricd._dedup import DUPLICATE, IDS_PER_SCOPE, ROUND_WINDOW, DeliveredWindows
 from fabricd._sender import (
     GO,
@@ -374,28 +374,36 @@ class UpdateService:
         digest = hashlib.sha256()
         sink = digest.update if probe else receiver.feed
         received = 0
+        # The data plane reads straight into the body's buffer and hashes it in a second
+        # thread (fabricd._dataplane.TlsStream.receive_body); libp2p streams feed chunks.
+        direct = isinstance(stream, TlsStream)
+        body = bytearray(header.byte_length) if direct and not probe else None
         try:
-            # Hashing runs in a worker thread (hashlib releases the GIL) while the next
-            # chunk is read; at most two chunks wait for it, so memory stays bounded.
-            send, receive = trio.open_memory_channel[bytes](2)
-            try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_feed_in_thread, receive, sink)
-                    async with send:
-                        while received < header.byte_length:
-                            # A read may wait only until the transfer would fall below the
-                            # minimum rate (slow-loris senders must not hold the budget).
-                            with trio.fail_after(floor.wait_budget(received, self.stream_timeout)):
-                                chunk = await stream.read(
-                                    min(header.byte_length - received, self.chunk_bytes))
-                            received += len(chunk)
-                            too_slow = floor.too_slow(received)
-                            if too_slow is not None:
-                                raise _TooSlow(too_slow)
-                            await send.send(chunk)
-            except BaseExceptionGroup as group:
-                raise _sole_exception(group) from None
-        except _TooSlow as exc:
+            if isinstance(stream, TlsStream):
+                received = await stream.receive_body(header.byte_length, body, digest, floor,
+                                                     self.stream_timeout)
+            else:
+                # Hashing runs in a worker thread (hashlib releases the GIL) while the next
+                # chunk is read; at most two chunks wait for it, so memory stays bounded.
+                send, receive = trio.open_memory_channel[bytes](2)
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_feed_in_thread, receive, sink)
+                        async with send:
+                            while received < header.byte_length:
+                                # A read may wait only until the transfer would fall below the
+                                # minimum rate (slow-loris senders must not hold the budget).
+                                with trio.fail_after(floor.wait_budget(received, self.stream_timeout)):
+                                    chunk = await stream.read(
+                                        min(header.byte_length - received, self.chunk_bytes))
+                                received += len(chunk)
+                                too_slow = floor.too_slow(received)
+                                if too_slow is not None:
+                                    raise _TooSlow(too_slow)
+                                await send.send(chunk)
+                except BaseExceptionGroup as group:
+                    raise _sole_exception(group) from None
+        except (_TooSlow, BodyTooSlow) as exc:
             await self._reject(stream, peer, header, str(exc), received)
             return False
         except trio.TooSlowError:
@@ -412,12 +420,12 @@ class UpdateService:
             return False
         self.jobs[header.job_id].received_bytes += received
         try:
-            if probe:
+            if probe or direct:
                 if not hmac.compare_digest(digest.digest(), header.sha256):
                     raise DigestMismatch(
                         f"update {header.message_id!r}: sha256 of the body is {digest.hexdigest()}, "
                         f"header says {header.sha256.hex()}")
-                payload = bytearray()
+                payload = body if body is not None else bytearray()
             else:
                 payload = receiver.finish()
         except (LengthMismatch, DigestMismatch) as exc:

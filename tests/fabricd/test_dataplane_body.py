@@ -1,0 +1,75 @@
+"""A body on the data plane (fabricd/_dataplane.py TlsStream.receive_body) against a real
+TLS listener on 127.0.0.1, in one process: read in place or through the hashing ring, the
+sha256 of exactly the bytes sent, and a dripping sender cut by the rate floor."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import trio
+
+from fabricd._dataplane import REGION_BYTES, BodyTooSlow, DataPlane, TlsStream
+from fabricd.admission import RateFloor
+from tests.fabricd.test_dataplane_tickets import _context, _Host, _identity, _peer, _ticket
+
+BODY = os.urandom(3 * REGION_BYTES + 12_345)
+
+
+def _send(port: int, client: object, server_der: bytes, ticket: bytes, mode: bytes, drip: bool) -> bytes:
+    """Send ``mode`` and the body (or, dripping, 10 bytes of it and then nothing); the
+    server's last word (b"" once it closed)."""
+    ctx = _context(client, server=False, pinned=server_der)  # type: ignore[arg-type]
+    raw = socket.create_connection(("127.0.0.1", port), timeout=30)
+    try:
+        sock = ctx.wrap_socket(raw)
+        sock.sendall(ticket + mode)
+        sock.sendall(BODY[:10] if drip else BODY)
+        return sock.recv(64)
+    finally:
+        raw.close()
+
+
+@pytest.mark.trio
+async def test_body_lands_in_place_hashed_and_a_drip_is_cut_by_the_floor(tmp_path: Path) -> None:
+    outcomes: list[tuple[str, object]] = []
+
+    async def serve(stream: TlsStream) -> None:
+        mode = await stream.read(1)
+        digest = hashlib.sha256()
+        into = bytearray(len(BODY)) if mode == b"k" else None
+        floor = RateFloor(1024 * 1024, grace=0.5)
+        try:
+            got = await stream.receive_body(len(BODY), into, digest, floor, idle=20.0)
+        except BodyTooSlow as exc:
+            outcomes.append(("too_slow", str(exc)))
+            await stream.write(b"cut")
+            return
+        outcomes.append((mode.decode(), (got, digest.digest(), bytes(into) if into is not None else None)))
+        await stream.write(b"ok")
+
+    alice = _peer()
+    plane = DataPlane(_Host(), listen_ip="127.0.0.1", is_member=lambda p: p == str(alice),  # type: ignore[arg-type]
+                      serve=serve, state_dir=tmp_path)
+    alice_tls = _identity(str(alice), tmp_path / "alice")
+
+    async def send(mode: bytes, drip: bool = False) -> bytes:
+        answer = await _ticket(plane, alice, alice_tls)
+        return await trio.to_thread.run_sync(
+            _send, plane.port, alice_tls, answer.certificate, answer.ticket, mode, drip)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(plane.run)
+        assert await send(b"k") == b"ok"
+        assert await send(b"p") == b"ok"
+        assert await send(b"k", drip=True) == b"cut"
+        nursery.cancel_scope.cancel()
+    want = hashlib.sha256(BODY).digest()
+    assert outcomes[0] == ("k", (len(BODY), want, BODY))
+    assert outcomes[1] == ("p", (len(BODY), want, None))
+    kind, reason = outcomes[2]
+    # cut by the floor after its grace, not by the 20 s idle limit (that says "no body data")
+    assert kind == "too_slow" and "too slow: 10 bytes" in str(reason), outcomes[2]
