@@ -1,11 +1,13 @@
-"""The bulk data plane: large update bodies over TLS 1.3 connections between members.
+"""The bulk data plane: large update bodies over TLS-keyed connections between members.
 
 libp2p (Noise + yamux in Python, one thread) keeps membership, discovery, gossip, control
 and small updates. A body of at least ``limits.dataplane_min_bytes`` goes over a plain TCP
-connection with TLS 1.3 (OpenSSL's AES-GCM, GIL released while it encrypts and decrypts)
-whose reads and writes run in worker threads, so the event loop, the hashing thread and
-the socket threads use more than one core. ``dataplane_min_bytes = 0`` (the default)
-turns it off.
+connection: TLS 1.3 authenticates both ends and carries two fresh keys, then the
+connection leaves TLS and carries AES-256-GCM records (``Records``: what kTLS would do; the
+kernel here has no ``tls`` ULP, and Python's ``ssl`` opens one 16 KiB record per call at
+~3x the CPU). Socket calls and crypto run in worker threads, and a body is hashed by a
+second thread while the next record is read, so the event loop, decryption and sha256 use
+more than one core. ``dataplane_min_bytes = 0`` (the default) turns it off.
 
 Trust comes only from the membership already proven on libp2p - no new root. Python's
 ``ssl`` has no verify callback, so a TLS certificate cannot be checked against the
@@ -24,15 +26,17 @@ pins it exactly:
 3. The sender connects and runs TLS 1.3 with its certificate and trusts exactly the
    receiver's (so it talks to the member it asked, and nobody else); the receiver
    requires a client certificate (trusted: only the current certificate of each member
-   that asked for a ticket) and reads the ticket as the first bytes inside TLS. The
-   ticket is spent on its first use, whatever the outcome; it must name the client
-   certificate that TLS just proved, and its peer must still be a member. The
-   connection then serves that member only, and membership is re-checked per update.
+   that asked for a ticket) and reads the ticket and the two record keys (one per
+   direction, drawn by the sender) as the first bytes inside TLS. The ticket is spent
+   on its first use, whatever the outcome; it must name the client certificate that TLS
+   just proved, and its peer must still be a member. Then both sides leave TLS
+   (close_notify both ways: the receiver's is the acceptance the sender waits for). The
+   connection serves that member only, and membership is re-checked per update.
 
 The connection carries the same frames as a pooled update stream, half duplex: the
 sender writes a header, the receiver answers a go (``UpdateAck`` ok, reason ``go``) or its
-refusal, then the body, then the final ack. So no two threads ever use one TLS object at
-once, and a refused body is never sent. Strangers get nothing: a connection that does
+refusal, then the body, then the final ack. So no two threads ever use one connection's
+record state at once, and a refused body is never sent. Strangers get nothing: a connection that does
 not finish TLS and present a valid ticket within ``HANDSHAKE_SECONDS`` is closed, and at
 most ``MAX_HANDSHAKES`` handshakes run at once.
 """
@@ -53,12 +57,14 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 from cryptography import x509
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.x509.oid import NameOID
 from libp2p.abc import IHost, INetStream
 from libp2p.network.stream.exceptions import StreamEOF
@@ -95,11 +101,18 @@ WRITE_SECONDS = 30.0
 FRAME_LIMIT = 64 * 1024
 
 
-#: a body is read in regions this large: the hashing thread takes one while the next is read
-REGION_BYTES = 1024 * 1024
-#: regions of a body that is not kept (a probe): the reader fills one while the hasher
-#: hashes the others, so memory is bounded by RING * REGION_BYTES per transfer
+#: plaintext of one record at most: a body is read a record at a time, and the hashing
+#: thread takes one record's bytes while the next is read
+RECORD_BYTES = 1024 * 1024
+TAG_BYTES = 16
+NONCE_BYTES = 12
+#: AES-256-GCM, one key per direction
+KEY_BYTES = 32
+#: records of a body that is not kept (a probe): the reader fills one while the hasher
+#: hashes the others, so memory is bounded by RING * RECORD_BYTES per transfer
 RING = 4
+
+T = TypeVar("T")
 
 
 class DataPlaneUnavailable(FabricdError):
@@ -152,6 +165,8 @@ def _context(identity: _Identity, *, server: bool, pinned: bytes | None = None) 
     ctx.load_cert_chain(identity.cert_path, identity.key_path)
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_REQUIRED
+    if server:
+        ctx.num_tickets = 0  # no resumption: nothing may arrive between the handshake and unwrap
     if pinned is not None:
         ctx.load_verify_locations(cadata=pinned)
     return ctx
@@ -162,49 +177,190 @@ class _Conn:
         self.peer_id = peer_id
 
 
+def _nonce(counter: int) -> bytes:
+    return counter.to_bytes(NONCE_BYTES, "big")
+
+
+class Records:
+    """AES-256-GCM records on the plain TCP socket, keyed inside TLS 1.3 (blocking; one
+    thread at a time).
+
+    A record is a 4-byte big-endian plaintext length (the associated data) then the
+    ciphertext and its 16-byte tag. Each direction has its own key, fresh per
+    connection, and an implicit nonce that counts records from 0: a record that was
+    altered, dropped, replayed or reordered fails its tag and ends the connection."""
+
+    def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes) -> None:
+        self.sock = sock
+        self._tx, self._rx = AESGCM(send_key), AESGCM(recv_key)
+        self._sent = self._got = 0
+        self._out = bytearray(0)
+        self._sealed = bytearray(RECORD_BYTES + TAG_BYTES)
+        self._head = bytearray(4)
+
+    def _timeout(self, seconds: float) -> None:
+        # (a changed timeout costs a system call: most calls keep theirs)
+        if self.sock.gettimeout() != seconds:
+            self.sock.settimeout(seconds)
+
+    def send(self, data: Any) -> None:
+        """Seal and send all of ``data`` (records of at most RECORD_BYTES)."""
+        view = memoryview(data).cast("B")
+        self._timeout(WRITE_SECONDS)
+        for start in range(0, max(len(view), 1), RECORD_BYTES):
+            piece = view[start:start + RECORD_BYTES]
+            size = 4 + len(piece) + TAG_BYTES
+            if len(self._out) < size:
+                self._out = bytearray(max(size, min(RECORD_BYTES + 4 + TAG_BYTES, 2 * size)))
+            out = memoryview(self._out)[:size]
+            head = len(piece).to_bytes(4, "big")
+            out[:4] = head
+            self._tx.encrypt_into(_nonce(self._sent), piece, head, out[4:])
+            self._sent += 1
+            self.sock.sendall(out)
+
+    def recv_into(self, destination: Callable[[int], memoryview], waiting: Callable[[], None]) -> int:
+        """Receive one record and open it into ``destination(length)`` (a view of exactly
+        that length; it may raise to refuse the length); ``waiting()`` is called each
+        POLL_SECONDS nothing comes (it raises to give up). StreamEOF at the end of the
+        connection, RecordRefused for a record that does not open."""
+        head = memoryview(self._head)
+        self._recv_exact(head, waiting)
+        length = int.from_bytes(head, "big")
+        if length > RECORD_BYTES:
+            raise RecordRefused(f"a data-plane record of {length} bytes, at most {RECORD_BYTES}")
+        sealed = memoryview(self._sealed)[:length + TAG_BYTES]
+        self._recv_exact(sealed, waiting)
+        try:
+            self._rx.decrypt_into(_nonce(self._got), sealed, bytes(head), destination(length))
+        except InvalidTag:
+            raise RecordRefused("a data-plane record failed authentication (altered, replayed "
+                                "or out of order)") from None
+        self._got += 1
+        return length
+
+    def recv(self, waiting: Callable[[], None]) -> bytes:
+        """One record's plaintext."""
+        out = bytearray(0)
+
+        def destination(length: int) -> memoryview:
+            out.extend(bytes(length))
+            return memoryview(out)
+
+        self.recv_into(destination, waiting)
+        return bytes(out)
+
+    def _recv_exact(self, view: memoryview, waiting: Callable[[], None]) -> None:
+        got = 0
+        self._timeout(POLL_SECONDS)
+        while got < len(view):
+            try:
+                k = self.sock.recv_into(view[got:], len(view) - got)
+            except TimeoutError:
+                waiting()
+                continue
+            if k == 0:
+                raise StreamEOF("data-plane connection ended")
+            got += k
+
+
+class RecordRefused(FabricdError):
+    """A data-plane record was too long, failed authentication or crossed a body's end
+    (the connection is closed)."""
+
+
+def dial(address: str, port: int, ctx: ssl.SSLContext, ticket: bytes) -> Records:
+    """Connect, run TLS 1.3 (``ctx`` pins the receiver's certificate), present the ticket
+    and two fresh record keys inside it, then leave TLS (close_notify both ways): the
+    receiver's close_notify is its acceptance. Blocking; OSError/ssl.SSLError if refused."""
+    raw = socket.create_connection((address, port), timeout=HANDSHAKE_SECONDS)
+    try:
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = ctx.wrap_socket(raw, server_side=False)
+        keys = secrets.token_bytes(2 * KEY_BYTES)
+        sock.sendall(ticket + keys)
+        plain = sock.unwrap()
+    except BaseException:
+        raw.close()
+        raise
+    return Records(plain, keys[:KEY_BYTES], keys[KEY_BYTES:])
+
+
 class TlsStream:
     """One data-plane connection, looking like a libp2p stream to the update code:
     ``read``/``write``/``close``/``reset`` and ``muxed_conn.peer_id`` (the member the
-    ticket was issued to). Every socket call runs in a worker thread, at most
-    POLL_SECONDS at a time, so trio's cancellation (rate floors) still applies."""
+    ticket was issued to). Every socket call runs in a worker thread that looks at
+    cancellation every POLL_SECONDS, so trio's deadlines (rate floors) still apply."""
 
     half_duplex = True
 
-    def __init__(self, sock: ssl.SSLSocket, peer_id: ID, limiter: trio.CapacityLimiter) -> None:
-        self.sock = sock
+    def __init__(self, records: Records, peer_id: ID, limiter: trio.CapacityLimiter) -> None:
+        self.records = records
         self.muxed_conn = _Conn(peer_id)
         self.closed = False
         #: the data plane's own threads: idle connections polling must not take the
         #: threads hashing and the rest of the daemon use
         self.limiter = limiter
-        self._buf = bytearray(0)
+        #: plaintext of the last record not yet read
+        self._pending = b""
 
-    def _recv(self, n: int) -> bytes | None:
-        """Up to n bytes (at least one), b"" at EOF, None if nothing came for POLL_SECONDS.
+    async def _in_thread(self, work: Callable[[threading.Event], T]) -> T:
+        """``work(stop)`` in a worker thread; on cancellation ``stop`` is set and the
+        connection (whose record state the thread owns) is closed once it returned."""
+        if self.closed:
+            raise StreamEOF("data-plane connection closed")
+        stop = threading.Event()
+        done = threading.Event()
 
-        Reads into one buffer kept for the connection and returns a copy: a fresh
-        multi-MiB buffer per read costs more in page faults than TLS costs in crypto."""
-        if len(self._buf) < n:
-            self._buf = bytearray(n)
-        view = memoryview(self._buf)
-        got = 0
-        self.sock.settimeout(POLL_SECONDS)
+        def run() -> T:
+            try:
+                return work(stop)
+            finally:
+                done.set()
+
         try:
-            while got < n:
-                try:
-                    k = self.sock.recv_into(view[got:n], n - got)
-                except (TimeoutError, ssl.SSLWantReadError):
-                    break
-                if k == 0:
-                    if got == 0:
-                        return b""
-                    break
-                got += k
-                if self.sock.pending() == 0 and got >= min(n, 1024 * 1024):
-                    break
-            return bytes(view[:got]) if got else None
-        finally:
-            view.release()
+            return await trio.to_thread.run_sync(  # type: ignore[call-arg, no-any-return]
+                run, abandon_on_cancel=True, limiter=self.limiter)
+        except trio.Cancelled:
+            # The thread owns the socket's record state: wake it with a shutdown (the
+            # descriptor stays its own) and close only once it let go.
+            stop.set()
+            with contextlib.suppress(OSError):
+                self.records.sock.shutdown(socket.SHUT_RDWR)
+            with trio.CancelScope(shield=True):
+                let_go = await trio.to_thread.run_sync(done.wait, WRITE_SECONDS)
+            if let_go:
+                await self.close()
+            else:
+                self.closed = True
+            raise
+        except (OSError, RecordRefused, _Stopped) as exc:
+            await self.close()
+            raise StreamEOF(f"data-plane connection broke: {type(exc).__name__}: {exc}") from exc
+        except StreamEOF:
+            await self.close()
+            raise
+
+    async def read(self, n: int | None = None) -> bytes:
+        if not self._pending:
+            def one(stop: threading.Event) -> bytes:
+                return self.records.recv(_stopper(stop))
+
+            self._pending = await self._in_thread(one)
+        n = n if n and n > 0 else len(self._pending)
+        out, self._pending = self._pending[:n], self._pending[n:]
+        return out
+
+    async def write(self, data: Any) -> None:
+        await self._in_thread(lambda stop: self.records.send(data))
+
+    async def write_many(self, pieces: list[memoryview]) -> None:
+        """``write`` each piece, all in one worker-thread call."""
+        def send(stop: threading.Event) -> None:
+            for piece in pieces:
+                self.records.send(piece)
+
+        await self._in_thread(send)
 
     async def receive_body(self, nbytes: int, into: bytearray | None, digest: Any, floor: RateFloor,
                            idle: float) -> int:
@@ -212,36 +368,15 @@ class TlsStream:
         regions that are only hashed) and feed it to ``digest`` in order; returns the
         bytes read (== nbytes).
 
-        One thread reads (TLS decrypts with the GIL released) straight into the
-        destination, a second hashes what is already there (hashlib releases the GIL
-        too), so decryption and sha256 run on two cores with no copy and no event-loop
-        hop per chunk. The rate floor and the idle limit are kept by the reading thread:
-        BodyTooSlow says which; StreamEOF if the connection ends or breaks."""
-        if self.closed:
-            raise StreamEOF("data-plane connection closed")
-        stop = threading.Event()
-        done = threading.Event()
-
-        def run() -> int:
-            try:
-                return self._read_body(nbytes, into, digest, floor, idle, stop)
-            finally:
-                done.set()
-
-        try:
-            return await trio.to_thread.run_sync(  # type: ignore[call-arg]
-                run, abandon_on_cancel=True, limiter=self.limiter)
-        except trio.Cancelled:
-            # The thread still holds the TLS object: it sees ``stop`` within POLL_SECONDS,
-            # and only then may the connection be closed.
-            stop.set()
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(done.wait, 4 * POLL_SECONDS)
-            self.closed = True
-            raise
-        except (OSError, ssl.SSLError, _Stopped) as exc:
-            self.closed = True
-            raise StreamEOF(f"data-plane connection broke: {type(exc).__name__}: {exc}") from exc
+        One thread reads and opens each record straight into the destination, a second
+        hashes what is already there (hashlib releases the GIL), so decryption and
+        sha256 overlap with no copy and no event-loop hop per record. The rate floor and
+        the idle limit are kept by the reading thread: BodyTooSlow says which; StreamEOF
+        if the connection ends, breaks or sends a record across the body's end."""
+        if self._pending:
+            await self.close()
+            raise StreamEOF("data-plane protocol: a record ran from the header into the body")
+        return await self._in_thread(lambda stop: self._read_body(nbytes, into, digest, floor, idle, stop))
 
     def _read_body(self, nbytes: int, into: bytearray | None, digest: Any, floor: RateFloor,
                    idle: float, stop: threading.Event) -> int:
@@ -249,7 +384,7 @@ class TlsStream:
         free: queue.Queue[bytearray] = queue.Queue()
         if into is None:
             for _ in range(RING):
-                free.put(bytearray(min(REGION_BYTES, max(nbytes, 1))))
+                free.put(bytearray(min(RECORD_BYTES, max(nbytes, 1))))
         failed: list[BaseException] = []
 
         def hash_regions() -> None:
@@ -267,22 +402,45 @@ class TlsStream:
         hasher.start()
         whole = memoryview(into) if into is not None else None
         received = 0
+        last = time.monotonic()
+        region: memoryview | None = None
+
+        def waiting() -> None:
+            if stop.is_set() or failed:
+                raise _Stopped("the transfer was given up")
+            too_slow = floor.too_slow(received)
+            if too_slow is not None:
+                raise BodyTooSlow(too_slow)
+            if time.monotonic() - last >= idle:
+                raise BodyTooSlow(f"no body data for {idle:.0f} s")
+
+        def destination(length: int) -> memoryview:
+            nonlocal region
+            if length > nbytes - received:
+                raise RecordRefused(f"a data-plane record of {length} bytes runs past the body's "
+                                    f"{nbytes} bytes (at {received})")
+            if whole is not None:
+                region = whole[received:received + length]
+            else:
+                while True:
+                    try:
+                        region = memoryview(free.get(timeout=POLL_SECONDS))[:length]
+                        break
+                    except queue.Empty:
+                        waiting()
+            return region
+
         try:
             while received < nbytes:
-                size = min(REGION_BYTES, nbytes - received)
-                if whole is not None:
-                    region = whole[received:received + size]
-                else:
-                    while True:
-                        try:
-                            region = memoryview(free.get(timeout=POLL_SECONDS))[:size]
-                            break
-                        except queue.Empty:
-                            if stop.is_set() or failed:
-                                raise _Stopped("stopped while hashing") from None
-                got = self._fill(region, received, floor, idle, stop)
+                region = None
+                got = self.records.recv_into(destination, waiting)
+                assert region is not None
                 received += got
+                last = time.monotonic()
                 filled.put(region)
+                too_slow = floor.too_slow(received)
+                if too_slow is not None:
+                    raise BodyTooSlow(too_slow)
                 if failed:
                     raise failed[0]
             return received
@@ -292,76 +450,24 @@ class TlsStream:
             if whole is not None:
                 whole.release()
 
-    def _fill(self, region: memoryview, received: int, floor: RateFloor, idle: float,
-              stop: threading.Event) -> int:
-        """Fill ``region`` from the connection, keeping the floor (``received`` bytes of the
-        body came before it)."""
-        got, size = 0, len(region)
-        last = time.monotonic()
-        while got < size:
-            # (a changed timeout costs a system call: most reads keep POLL_SECONDS)
-            wait = min(POLL_SECONDS, floor.wait_budget(received + got, idle))
-            if wait != self.sock.gettimeout():
-                self.sock.settimeout(wait)
-            try:
-                k = self.sock.recv_into(region[got:], size - got)
-            except (TimeoutError, ssl.SSLWantReadError):
-                if stop.is_set():
-                    raise _Stopped("the transfer was cancelled") from None
-                too_slow = floor.too_slow(received + got)
-                if too_slow is not None:
-                    raise BodyTooSlow(too_slow) from None
-                if time.monotonic() - last >= idle:
-                    raise BodyTooSlow(f"no body data for {idle:.0f} s") from None
-                continue
-            if k == 0:
-                raise StreamEOF(f"body ended after {received + got} bytes")
-            got += k
-            last = time.monotonic()
-        too_slow = floor.too_slow(received + got)
-        if too_slow is not None:
-            raise BodyTooSlow(too_slow)
-        return got
-
-    async def read(self, n: int | None = None) -> bytes:
-        if self.closed:
-            raise StreamEOF("data-plane connection closed")
-        want = n if n and n > 0 else 1024 * 1024
-        while True:
-            try:
-                data = await trio.to_thread.run_sync(self._recv, want, limiter=self.limiter)
-            except (OSError, ssl.SSLError) as exc:
-                raise StreamEOF(f"data-plane connection broke: {exc}") from exc
-            if data is None:
-                continue  # nothing yet: look at cancellation, then wait again
-            if not data:
-                raise StreamEOF("data-plane connection ended")
-            return data
-
-    def _sendall(self, data: Any) -> None:
-        self.sock.settimeout(WRITE_SECONDS)
-        self.sock.sendall(data)
-
-    async def write(self, data: Any) -> None:
-        if self.closed:
-            raise StreamEOF("data-plane connection closed")
-        try:
-            await trio.to_thread.run_sync(self._sendall, data, limiter=self.limiter)
-        except (OSError, ssl.SSLError) as exc:
-            self.closed = True
-            raise StreamEOF(f"data-plane connection broke: {exc}") from exc
-
     async def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         try:
-            self.sock.close()
+            self.records.sock.close()
         except OSError:
             pass
 
     async def reset(self) -> None:
         await self.close()
+
+
+def _stopper(stop: threading.Event) -> Callable[[], None]:
+    def waiting() -> None:
+        if stop.is_set():
+            raise _Stopped("the read was given up")
+    return waiting
 
 
 class DataPlane:
@@ -464,21 +570,22 @@ class DataPlane:
             self._tmp.cleanup()
 
     def _handshake(self, raw: socket.socket) -> tuple[ssl.SSLSocket, bytes, bytes]:
+        """TLS, then the ticket and the two record keys read inside it."""
         raw.settimeout(HANDSHAKE_SECONDS)
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock = self.server_ctx.wrap_socket(raw, server_side=True)
         try:
             der = sock.getpeercert(binary_form=True) or b""
-            ticket = b""
-            while len(ticket) < TICKET_BYTES:
-                more = sock.recv(TICKET_BYTES - len(ticket))
+            hello = b""
+            while len(hello) < TICKET_BYTES + 2 * KEY_BYTES:
+                more = sock.recv(TICKET_BYTES + 2 * KEY_BYTES - len(hello))
                 if not more:
                     break
-                ticket += more
+                hello += more
         except BaseException:
             sock.close()  # not left to the garbage collector: a stranger must not hold fds
             raise
-        return sock, der, ticket
+        return sock, der, hello
 
     async def _accept(self, tsock: trio.socket.SocketType, where: str) -> None:
         """One incoming connection; nothing it does can stop the listener."""
@@ -503,8 +610,19 @@ class DataPlane:
             # has its socket shut down (the abandoned thread's blocking call then fails).
             try:
                 with trio.fail_after(HANDSHAKE_SECONDS):
-                    sock, der, ticket = await trio.to_thread.run_sync(  # type: ignore[call-arg]
+                    sock, der, hello = await trio.to_thread.run_sync(  # type: ignore[call-arg]
                         self._handshake, raw, abandon_on_cancel=True, limiter=self.limiter)
+                    why, peer = self._check_ticket(hello[:TICKET_BYTES], der)
+                    if why is not None:
+                        self.refused += 1
+                        self._throttle.warning("dataplane.ticket_refused", address=where, reason=why)
+                        sock.close()
+                        handle.close()
+                        return
+                    # Leaving TLS (close_notify both ways) is the acceptance the sender
+                    # waits for; the records that follow use the keys it sent inside.
+                    plain = await trio.to_thread.run_sync(  # type: ignore[call-arg]
+                        sock.unwrap, abandon_on_cancel=True, limiter=self.limiter)
             except (OSError, ssl.SSLError, ValueError, trio.TooSlowError) as exc:
                 self.refused += 1
                 self._throttle.warning("dataplane.handshake_refused", address=where,
@@ -515,15 +633,11 @@ class DataPlane:
                 raw.close()
                 return
             handle.close()
-        why, peer = self._check_ticket(ticket, der)
-        if why is not None:
-            self.refused += 1
-            self._throttle.warning("dataplane.ticket_refused", address=where, reason=why)
-            sock.close()
-            return
         self.accepted += 1
         log.info("dataplane.accepted", peer=peer, address=where)
-        stream = TlsStream(sock, ID.from_base58(peer), self.limiter)
+        keys = hello[TICKET_BYTES:]
+        stream = TlsStream(Records(plain, keys[KEY_BYTES:], keys[:KEY_BYTES]), ID.from_base58(peer),
+                           self.limiter)
         try:
             await self.serve(stream)
         finally:
@@ -576,21 +690,14 @@ class DataPlane:
             reason = answer.reason if isinstance(answer, DataPlaneTicket) else f"got {answer.TYPE}"
             raise DataPlaneUnavailable(f"{peer_id} gave no data-plane ticket: {reason}")
         ctx = _context(self.identity, server=False, pinned=answer.certificate)
-
-        def dial() -> ssl.SSLSocket:
-            raw = socket.create_connection((address[0], answer.port), timeout=HANDSHAKE_SECONDS)
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock = ctx.wrap_socket(raw, server_side=False)
-            sock.sendall(answer.ticket)
-            return sock
-
         try:
-            sock = await trio.to_thread.run_sync(dial, limiter=self.limiter)
+            records = await trio.to_thread.run_sync(dial, address[0], answer.port, ctx, answer.ticket,
+                                                    limiter=self.limiter)
         except (OSError, ssl.SSLError) as exc:
             raise DataPlaneUnavailable(f"data-plane connection to {peer_id} at {address[0]}:{answer.port} "
                                        f"failed: {type(exc).__name__}: {exc}") from exc
         self.opened += 1
-        return TlsStream(sock, ID.from_base58(peer_id), self.limiter)
+        return TlsStream(records, ID.from_base58(peer_id), self.limiter)
 
     def status(self) -> dict[str, int]:
         return {"dataplane_port": self.port, "dataplane_accepted": self.accepted,

@@ -361,6 +361,8 @@ async def exchange(stream: INetStream, header: UpdateHeader, body: Body, chunk_b
 
 #: the receiver's answer on a half-duplex (data-plane) connection: admitted, send the body
 GO = "go"
+#: body bytes a half-duplex sender hands to one write_many call at most
+WRITE_BATCH_BYTES = 32 * 1024 * 1024
 
 
 async def exchange_half_duplex(stream: INetStream, header: UpdateHeader, body: Body, chunk_bytes: int,
@@ -383,18 +385,31 @@ async def exchange_half_duplex(stream: INetStream, header: UpdateHeader, body: B
         return first, False
     chunks = list(body_chunks(body, chunk_bytes))
     offset = 0
+    # Chunks already there go out together, in one worker-thread call (write_many).
+    batch: list[memoryview] = []
+
+    async def flush() -> None:
+        if batch:
+            await stream.write_many(batch)  # type: ignore[attr-defined]
+            batch.clear()
+
     try:
         for i, chunk in enumerate(chunks):
             offset += len(chunk)
-            if isinstance(body, FillingBuffer):
+            if isinstance(body, FillingBuffer) and body.filled < offset:
+                await flush()
                 refused = await body.wait_filled(offset)
                 if refused is not None:
                     raise BodyRefused(refused)
             if gate is not None and i == len(chunks) - 1:
+                await flush()
                 refused = await gate()
                 if refused is not None:
                     raise BodyRefused(refused)
-            await stream.write(chunk)  # type: ignore[arg-type]
+            batch.append(chunk)
+            if len(batch) * chunk_bytes >= WRITE_BATCH_BYTES:
+                await flush()
+        await flush()
         if not chunks and gate is not None:
             refused = await gate()
             if refused is not None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from fabricd._dataplane import KEY_BYTES, TICKET_BYTES
 from fabricd.config import load_config
 from proto.bridge import BridgeClient, Delivery, SendUpdate, bridge_header
 from tests.fabricd._harness import (
@@ -153,10 +154,10 @@ def test_strangers_and_forged_tickets_are_refused_and_change_nothing(
     assert _tls_client(port, None, None, os.urandom(32)) == "handshake refused"
     assert _tls_client(port, *stranger, os.urandom(32)) == "handshake refused"
     # A thief holding a member's TLS key (a's, from its state directory) but no ticket:
-    # forged tickets and a ticket-less connection are closed after TLS.
+    # a forged ticket (with keys) and a ticket-less connection are closed after TLS.
     [state] = list(a.dir.glob("fabricd-dp-*"))
     thief = (state / "dataplane.crt", state / "dataplane.key")
-    assert _tls_client(port, *thief, os.urandom(32)) == "closed"
+    assert _tls_client(port, *thief, os.urandom(TICKET_BYTES + 2 * KEY_BYTES)) == "closed"
     assert _tls_client(port, *thief, b"") == "closed"
     after = _transfer(b)
     assert after["dataplane_refused"] - before["dataplane_refused"] == 4, (before, after)

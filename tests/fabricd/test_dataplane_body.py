@@ -1,36 +1,34 @@
 """A body on the data plane (fabricd/_dataplane.py TlsStream.receive_body) against a real
-TLS listener on 127.0.0.1, in one process: read in place or through the hashing ring, the
+data-plane listener on 127.0.0.1, in one process: read in place or through the hashing ring, the
 sha256 of exactly the bytes sent, and a dripping sender cut by the rate floor."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import trio
 
-from fabricd._dataplane import REGION_BYTES, BodyTooSlow, DataPlane, TlsStream
+from fabricd._dataplane import RECORD_BYTES, BodyTooSlow, DataPlane, TlsStream, dial
 from fabricd.admission import RateFloor
 from tests.fabricd.test_dataplane_tickets import _context, _Host, _identity, _peer, _ticket
 
-BODY = os.urandom(3 * REGION_BYTES + 12_345)
+BODY = os.urandom(3 * RECORD_BYTES + 12_345)
 
 
 def _send(port: int, client: object, server_der: bytes, ticket: bytes, mode: bytes, drip: bool) -> bytes:
     """Send ``mode`` and the body (or, dripping, 10 bytes of it and then nothing); the
     server's last word (b"" once it closed)."""
     ctx = _context(client, server=False, pinned=server_der)  # type: ignore[arg-type]
-    raw = socket.create_connection(("127.0.0.1", port), timeout=30)
+    records = dial("127.0.0.1", port, ctx, ticket)
     try:
-        sock = ctx.wrap_socket(raw)
-        sock.sendall(ticket + mode)
-        sock.sendall(BODY[:10] if drip else BODY)
-        return sock.recv(64)
+        records.send(mode)
+        records.send(BODY[:10] if drip else BODY)
+        return records.recv(lambda: None)
     finally:
-        raw.close()
+        records.sock.close()
 
 
 @pytest.mark.trio

@@ -4,7 +4,6 @@ certificate it names, for a peer that is still a member; everything else is refu
 
 from __future__ import annotations
 
-import socket
 import ssl
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from fabricd._dataplane import (
     _context,
     _Identity,
     _make_identity,
+    dial,
 )
 from proto.codec import decode, frame
 from proto.messages import DataPlaneOffer, DataPlaneTicket
@@ -83,21 +83,22 @@ def _identity(name: str, directory: Path) -> _Identity:
 
 
 def _connect(port: int, client: _Identity, server_der: bytes, ticket: bytes) -> str:
-    """'served' if the server kept the connection and echoed, 'refused' if it closed it."""
+    """'served' if the server accepted the connection and echoed, 'refused' if it closed it."""
     ctx = _context(client, server=False, pinned=server_der)
-    raw = socket.create_connection(("127.0.0.1", port), timeout=10)
     try:
         # TLS 1.3: the server checks the client certificate after the client finished, so
-        # a refusal may surface at any of these calls
-        sock = ctx.wrap_socket(raw)
-        sock.sendall(ticket + b"ping")
-        data = sock.recv(4)
-    except (ssl.SSLError, ConnectionError):
+        # a refusal may surface at any of these calls (dial waits for the acceptance)
+        records = dial("127.0.0.1", port, ctx, ticket)
+    except (ssl.SSLError, OSError):
         return "refused"
-    else:
-        return "served" if data == b"pong" else "refused"
+    try:
+        records.send(b"ping")
+        data = records.recv(lambda: None)
+    except (ssl.SSLError, OSError, StreamEOF):
+        return "refused"
     finally:
-        raw.close()
+        records.sock.close()
+    return "served" if data == b"pong" else "refused"
 
 
 @pytest.mark.trio
