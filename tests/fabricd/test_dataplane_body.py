@@ -1,17 +1,30 @@
 """A body on the data plane (fabricd/_dataplane.py TlsStream.receive_body) against a real
 data-plane listener on 127.0.0.1, in one process: read in place or through the hashing ring, the
-sha256 of exactly the bytes sent, and a dripping sender cut by the rate floor."""
+sha256 of exactly the bytes sent, and a dripping sender cut by the rate floor; records
+that were altered, replayed, reordered, dropped or too long do not open."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import socket
 from pathlib import Path
 
 import pytest
 import trio
+from libp2p.network.stream.exceptions import StreamEOF
 
-from fabricd._dataplane import RECORD_BYTES, BodyTooSlow, DataPlane, TlsStream, dial
+from fabricd._dataplane import (
+    KEY_BYTES,
+    RECORD_BYTES,
+    TAG_BYTES,
+    BodyTooSlow,
+    DataPlane,
+    RecordRefused,
+    Records,
+    TlsStream,
+    dial,
+)
 from fabricd.admission import RateFloor
 from tests.fabricd.test_dataplane_tickets import _context, _Host, _identity, _peer, _ticket
 
@@ -71,3 +84,56 @@ async def test_body_lands_in_place_hashed_and_a_drip_is_cut_by_the_floor(tmp_pat
     kind, reason = outcomes[2]
     # cut by the floor after its grace, not by the 20 s idle limit (that says "no body data")
     assert kind == "too_slow" and "too slow: 10 bytes" in str(reason), outcomes[2]
+
+
+KEYS = os.urandom(2 * KEY_BYTES)
+
+
+def _wire(records: list[bytes]) -> list[bytes]:
+    """What Records.send puts on the wire for each of ``records`` (captured off a socketpair)."""
+    left, right = socket.socketpair()
+    keys = KEYS
+    sender = Records(left, keys[:KEY_BYTES], keys[KEY_BYTES:])
+    out = []
+    for plain in records:
+        sender.send(plain)
+        want = 4 + len(plain) + TAG_BYTES
+        got = b""
+        while len(got) < want:
+            got += right.recv(want - len(got))
+        out.append(got)
+    left.close()
+    right.close()
+    return out
+
+
+def _open(wire: list[bytes]) -> list[bytes | str]:
+    """What a receiver holding the keys makes of ``wire``: each record's plaintext, then
+    the error that ended it (if any)."""
+    keys = KEYS
+    left, right = socket.socketpair()
+    receiver = Records(right, keys[KEY_BYTES:], keys[:KEY_BYTES])
+    left.sendall(b"".join(wire))
+    left.close()
+    seen: list[bytes | str] = []
+    try:
+        while True:
+            seen.append(receiver.recv(lambda: None))
+    except (RecordRefused, StreamEOF) as exc:
+        seen.append(type(exc).__name__)
+    finally:
+        right.close()
+    return seen
+
+
+def test_records_open_only_in_order_and_untouched() -> None:
+    first, second, third = _wire([b"header", os.urandom(5000), b"ack"])
+    assert _open([first, second, third]) == [b"header", _open([first, second])[1], b"ack", "StreamEOF"]
+    tampered = bytearray(second)
+    tampered[100] ^= 1
+    assert _open([first, bytes(tampered), third]) == [b"header", "RecordRefused"]
+    assert _open([first, first]) == [b"header", "RecordRefused"]  # replayed
+    assert _open([second, first]) == ["RecordRefused"]  # reordered
+    assert _open([first, third]) == [b"header", "RecordRefused"]  # one dropped
+    too_long = (RECORD_BYTES + 1).to_bytes(4, "big") + bytes(16)
+    assert _open([too_long]) == ["RecordRefused"]
