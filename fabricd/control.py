@@ -7,6 +7,11 @@ certificate role) to a local client, whose ``ControlReply`` travels back as
 ``ControlResponse`` and reaches the sender as ``ControlResult``. No local client means
 a clear refusal, never a silent drop.
 
+A routing matrix over 4 MiB comes as ``job.plan.part`` bodies (each signed and capped like
+any other) and a ``job.plan`` naming them by sha256; both daemons keep the parts the
+executor accepted (`PlanAssembly`, a few jobs at most) to learn the placement from the
+plan, and refuse nothing on their behalf: the executor checks the digest.
+
 Every body is a signed envelope addressed to one cluster (fabricd.signing). A job is
 owned by the scheduler that sent its ``job.start`` here; job messages for it from any
 other signer are refused (``JobOwners``). Replies travel back on the stream the request
@@ -35,6 +40,7 @@ from fabricd.membership import Membership
 from fabricd.signing import is_job_message
 from fedcore.logs import get_logger
 from proto.certs import Certificate
+from proto.control import JobPlan, JobPlanPart, PlanAssembly, parse_control
 from proto.errors import InvalidMessage, ProtocolError, WrongRole
 from proto.ids import MAX_MESSAGE_BYTES, PROTOCOL_CONTROL
 from proto.messages import ControlRequest, ControlResponse
@@ -44,6 +50,8 @@ log = get_logger("fabricd.control")
 CONTROL_LIMIT = MAX_MESSAGE_BYTES + 1024
 #: jobs whose owner is remembered (oldest forgotten first)
 MAX_OWNED_JOBS = 4096
+#: jobs whose large plan's parts are held (each at most proto.control.MAX_PLAN_BYTES)
+MAX_ASSEMBLING_JOBS = 4
 
 
 class ControlSink(Protocol):
@@ -109,6 +117,9 @@ class ControlService:
         self.refused = 0
         self.owners = JobOwners()
         self.placements = placements if placements is not None else Placements()
+        #: parts of large plans: relayed to the local executor, and sent by this daemon
+        self._parts_in: BoundedDict[str, PlanAssembly] = BoundedDict(MAX_ASSEMBLING_JOBS)
+        self._parts_out: BoundedDict[str, PlanAssembly] = BoundedDict(MAX_ASSEMBLING_JOBS)
 
     def register(self) -> None:
         self.host.set_stream_handler(
@@ -172,15 +183,22 @@ class ControlService:
         """Keep the routing matrix of each owner-checked job.plan the executor accepted
         (and which scheduler's cluster sent it: it may stream checkpointed states back)."""
         job_id = str(body.get("job_id"))
-        if body.get("kind") == "job.plan" and isinstance(body.get("routing"), bytes):
-            self.placements.learn(job_id, body["routing"], owner=scheduler_cluster)
-        elif body.get("kind") == "job.stop":
+        kind = body.get("kind")
+        if kind == JobPlanPart.TYPE:
+            _hold_part(self._parts_in, job_id, body)
+        elif kind == JobPlan.TYPE:
+            routing = _plan_routing(job_id, body, self._parts_in)
+            if routing is not None:
+                self.placements.learn(job_id, routing, owner=scheduler_cluster)
+                self._parts_in.pop(job_id, None)
+        elif kind == "job.stop":
             self.placements.forget(job_id)
+            self._parts_in.pop(job_id, None)
 
     async def send(self, peer_id: str, request_id: str, body: dict[str, Any], *,
                    audience: str) -> ControlResponse:
         """Send one control request to the daemon of cluster ``audience`` and return its response."""
-        plan = body if body.get("kind") == "job.plan" else None
+        request = body
         if self.seal is not None:
             body = self.seal(body, audience)
         await self.m.wait_verdict(peer_id)
@@ -193,7 +211,50 @@ class ControlService:
             await close_quietly(stream)
         if not isinstance(msg, ControlResponse):
             raise ProtocolError(f"expected ControlResponse from {peer_id}, got {msg.TYPE}")
-        if plan is not None and msg.ok and isinstance(plan.get("routing"), bytes):
+        kind, job_id = request.get("kind"), str(request.get("job_id"))
+        if msg.ok and kind == JobPlanPart.TYPE:
+            _hold_part(self._parts_out, job_id, request)
+        elif msg.ok and kind == JobPlan.TYPE:
             # this daemon is the job's scheduler: the plan's clusters may stream models back
-            self.placements.sent(str(plan.get("job_id")), plan["routing"])
+            routing = _plan_routing(job_id, request, self._parts_out)
+            if routing is not None:
+                self.placements.sent(job_id, routing)
+        elif kind == "job.stop":
+            self._parts_out.pop(job_id, None)
         return msg
+
+
+def _hold_part(held: BoundedDict[str, PlanAssembly], job_id: str, body: dict[str, Any]) -> None:
+    """Keep a job.plan.part an executor accepted, for the job.plan that names it."""
+    try:
+        part = parse_control(body)
+    except ProtocolError as exc:
+        log.warning("plan.part_unreadable", job=job_id, reason=str(exc))
+        return
+    if isinstance(part, JobPlanPart):
+        assembly = held.get(job_id)
+        if assembly is None:
+            held[job_id] = assembly = PlanAssembly()
+        assembly.add(part)
+
+
+def _plan_routing(job_id: str, body: dict[str, Any],
+                  held: BoundedDict[str, PlanAssembly]) -> bytes | None:
+    """The routing matrix's bytes of an accepted job.plan: inline, or its parts joined
+    (None, logged, if they are not here or do not hash to its routing_sha256)."""
+    routing = body.get("routing")
+    if isinstance(routing, bytes):
+        return routing
+    try:
+        plan = parse_control(body)
+        assert isinstance(plan, JobPlan)
+        if plan.routing_sha256 is None or plan.routing_size is None:
+            return None
+        assembly = held.get(job_id)
+        if assembly is None:
+            raise InvalidMessage(f"none of the parts of plan {plan.routing_sha256[:16]}... "
+                                 "passed through this daemon")
+        return assembly.take(plan.routing_sha256, plan.routing_size)
+    except ProtocolError as exc:
+        log.warning("placement.unreadable", job=job_id, reason=str(exc))
+        return None

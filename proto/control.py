@@ -4,12 +4,21 @@ A control body is a plain map with a `kind` and the job's `job_id`; it travels i
 signed ControlRequest, and the executor (`worker/executor/service.py`) answers each:
 - `job.start` {job, clients}: build the job's partitions, reply with the label histograms
   of `clients` (no sample leaves the cluster) and this cluster's capacity;
-- `job.plan` {routing, imports, next_round, client_samples?, absent?}: adopt the routing matrix (the whole plan:
+- `job.plan` {routing | routing_sha256 + routing_size, imports, next_round, client_samples?,
+  absent?}: adopt the routing matrix (the whole plan:
   the round graph is a read-only view of it), materialize the local clients, and take the
   states of nodes that migrated here (`imports`: node names; the states arrive as update
   streams); a pinned-data job's plan also carries every client's training-sample count
   (what its own cluster reported), the weight its updates get elsewhere, and the clients
   that sit out (`absent`: their cluster is gone, their data with it);
+- `job.plan.part` {digest, index, count, size, data}: one slice of a routing matrix too
+  large for one body (over `INLINE_PLAN_BYTES`; ~26 bytes a client, so past ~120,000
+  clients). Every part is a signed, owner-checked control body under the same 4 MiB cap
+  as any other; the `job.plan` that follows names the whole matrix by `routing_sha256`
+  and `routing_size` instead of carrying it, so its signature covers the parts, and a
+  receiver refuses the plan unless the parts it holds hash to exactly that digest
+  (`PlanAssembly`, used by the executor and by both daemons, which learn placements
+  from plans);
 - `round.run` {round, attempt, deadline?}: run this cluster's share of the round (its
   waits end after `deadline` seconds), reply with its RoundRecord;
 - `node.export` {nodes: {node: cluster}, epoch}: stream the state of nodes that move to
@@ -43,19 +52,32 @@ dicts the scheduler always sent.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from proto._schema import U32_MAX, Bool, Data, FieldSpec, Int, ListOf, Schema, Text, spec
+from proto._schema import U32_MAX, Bin, Bool, Data, FieldSpec, Int, ListOf, Schema, Text, spec
 from proto.errors import ControlMessageError, InvalidMessage, ProtocolError
+from proto.ids import MIB
 from proto.messages import CLUSTER_ID, JOB_ID, NODE_ID
 from proto.routing import RoutingMatrix
 
 MAX_ITEMS = 1 << 20
 ROUND = Int(1, U32_MAX)
 NODES = ListOf(NODE_ID, max_items=MAX_ITEMS)
+#: a routing matrix up to this size travels inside its job.plan; a larger one in parts
+INLINE_PLAN_BYTES = 3 * MIB
+#: bytes of the routing matrix in one job.plan.part (the body stays under the 4 MiB cap
+#: of every control body, with room for the signed envelope and the certificate)
+PLAN_PART_BYTES = 3 * MIB
+#: the largest routing matrix sent in parts (~2.5 M clients); what a receiver holds
+#: per job while a plan's parts arrive
+MAX_PLAN_BYTES = 64 * MIB
+MAX_PLAN_PARTS = -(-MAX_PLAN_BYTES // PLAN_PART_BYTES)
+SHA256_HEX = Text(64, min_len=64, pattern=r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -184,17 +206,30 @@ class JobStart(ControlMessage):
 
 @dataclass(frozen=True)
 class JobPlan(ControlMessage):
-    """Adopt a plan (the routing matrix) and the states of the nodes it moves here."""
+    """Adopt a plan (the routing matrix) and the states of the nodes it moves here. The
+    matrix comes inline (`routing`) or, when large, as `job.plan.part`s named here by
+    `routing_sha256` and `routing_size` (exactly one of the two forms)."""
 
     TYPE: ClassVar[str] = "job.plan"
-    routing: RoutingMatrix = spec(Routing())
+    routing: RoutingMatrix | None = spec(OrNone(Routing()), default=None)
     imports: tuple[str, ...] = spec(NODES, default=())
     next_round: int = spec(Int(0, U32_MAX), default=1)
     client_samples: tuple[int, ...] | None = spec(
         OrNone(ListOf(Int(0, 2**63 - 1), MAX_ITEMS)), default=None)
     absent: tuple[int, ...] = spec(ListOf(Int(0, U32_MAX), MAX_ITEMS), default=())
+    routing_sha256: str | None = spec(OrNone(SHA256_HEX), default=None)
+    routing_size: int | None = spec(OrNone(Int(1, MAX_PLAN_BYTES)), default=None)
 
     def _check(self) -> None:
+        by_digest = self.routing_sha256 is not None
+        if by_digest == (self.routing is not None):
+            raise self._refuse("routing", "give the routing matrix's bytes or its "
+                               "routing_sha256 (its job.plan.parts were sent first), not "
+                               + ("both" if by_digest else "neither"))
+        if by_digest != (self.routing_size is not None):
+            raise self._refuse("routing_size", "required with routing_sha256 (and only then)")
+        if self.routing is None:
+            return  # the checks against the matrix run once its parts are assembled
         n = self.routing.num_clients
         if self.client_samples is not None and len(self.client_samples) != n:
             raise self._refuse("client_samples", f"must be {n} non-negative integers (one per "
@@ -202,6 +237,102 @@ class JobPlan(ControlMessage):
         bad = [c for c in self.absent if c >= n]
         if bad:
             raise self._refuse("absent", f"must be client ids in 0..{n - 1}, got {bad[:5]}")
+
+    def with_routing(self, parts: PlanAssembly) -> JobPlan:
+        """This plan with its matrix inline: as sent, or assembled from `parts`
+        (ControlMessageError naming `routing_sha256` if they do not hash to it)."""
+        if self.routing is not None:
+            return self
+        assert self.routing_sha256 is not None and self.routing_size is not None
+        data = parts.take(self.routing_sha256, self.routing_size)
+        try:
+            matrix = RoutingMatrix.from_bytes(data, max_size=MAX_PLAN_BYTES)
+        except ProtocolError as exc:
+            raise self._refuse("routing_sha256", f"the parts with this digest are not a valid "
+                               f"routing matrix: {exc}") from None
+        return dataclasses.replace(self, routing=matrix, routing_sha256=None, routing_size=None)
+
+
+@dataclass(frozen=True)
+class JobPlanPart(ControlMessage):
+    """Slice `index` of `count` of the routing matrix whose bytes (`size` in all) hash to
+    `digest`; every slice but the last holds exactly PLAN_PART_BYTES."""
+
+    TYPE: ClassVar[str] = "job.plan.part"
+    digest: str = spec(SHA256_HEX)
+    index: int = spec(Int(0, MAX_PLAN_PARTS - 1))
+    count: int = spec(Int(1, MAX_PLAN_PARTS))
+    size: int = spec(Int(1, MAX_PLAN_BYTES))
+    data: bytes = spec(Bin(PLAN_PART_BYTES, min_len=1))
+
+    def _check(self) -> None:
+        if self.count != -(-self.size // PLAN_PART_BYTES):
+            raise self._refuse("count", f"{self.size} bytes make "
+                               f"{-(-self.size // PLAN_PART_BYTES)} parts of {PLAN_PART_BYTES}, "
+                               f"not {self.count}")
+        if self.index >= self.count:
+            raise self._refuse("index", f"must be in 0..{self.count - 1}, got {self.index}")
+        want = min(PLAN_PART_BYTES, self.size - self.index * PLAN_PART_BYTES)
+        if len(self.data) != want:
+            raise self._refuse("data", f"part {self.index} of a {self.size}-byte plan holds "
+                               f"{want} bytes, got {len(self.data)}")
+
+
+def plan_parts(job_id: str, data: bytes) -> tuple[list[JobPlanPart], str]:
+    """The `job.plan.part`s that carry `data` (a routing matrix's bytes), and its sha256."""
+    if len(data) > MAX_PLAN_BYTES:
+        raise ValueError(f"routing matrix of {len(data)} bytes is over the {MAX_PLAN_BYTES}-byte "
+                         "limit of a plan sent in parts (proto.control.MAX_PLAN_BYTES)")
+    digest = hashlib.sha256(data).hexdigest()
+    count = -(-len(data) // PLAN_PART_BYTES)
+    return [JobPlanPart(job_id, digest=digest, index=i, count=count, size=len(data),
+                        data=data[i * PLAN_PART_BYTES:(i + 1) * PLAN_PART_BYTES])
+            for i in range(count)], digest
+
+
+class PlanAssembly:
+    """The parts of one job's newest plan as they arrive (thread-safe).
+
+    Holds one digest at a time: a part of another plan drops the parts held, so a
+    receiver never holds more than MAX_PLAN_BYTES for a job. Parts are checked for their
+    place (`JobPlanPart`); whether they are the plan is decided by `take`, against the
+    digest of the signed `job.plan`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._digest = ""
+        self._parts: dict[int, bytes] = {}
+
+    def add(self, part: JobPlanPart) -> int:
+        """Keep `part`; returns how many parts of its plan are held."""
+        with self._lock:
+            if part.digest != self._digest:
+                self._digest, self._parts = part.digest, {}
+            self._parts[part.index] = part.data
+            return len(self._parts)
+
+    def take(self, digest: str, size: int) -> bytes:
+        """The plan's bytes: every part of `digest`, joined, `size` bytes hashing to it;
+        ControlMessageError naming `routing_sha256` otherwise. The parts stay (the
+        scheduler's daemon sends one plan to every cluster)."""
+        count = -(-size // PLAN_PART_BYTES)
+        with self._lock:
+            held = dict(self._parts) if self._digest == digest else {}
+        missing = [i for i in range(count) if i not in held]
+        if missing:
+            raise ControlMessageError(
+                JobPlan.TYPE, "routing_sha256",
+                f"field 'routing_sha256': parts {missing[:5]} of plan {digest[:16]}... "
+                f"({count} parts, {size} bytes) did not arrive; send every job.plan.part "
+                "of it first")
+        data = b"".join(held[i] for i in range(count))
+        actual = hashlib.sha256(data).hexdigest()
+        if len(data) != size or actual != digest:
+            raise ControlMessageError(
+                JobPlan.TYPE, "routing_sha256",
+                f"field 'routing_sha256': the plan's parts are {len(data)} bytes with sha256 "
+                f"{actual}, not the signed {size} bytes with {digest}")
+        return data
 
 
 @dataclass(frozen=True)
@@ -294,11 +425,14 @@ __all__ = [
     "JobLease",
     "JobModel",
     "JobPlan",
+    "JobPlanPart",
     "JobRestore",
     "JobStart",
     "JobStop",
     "NodeExport",
+    "PlanAssembly",
     "RoundAbort",
     "RoundRun",
     "parse_control",
+    "plan_parts",
 ]

@@ -25,7 +25,16 @@ from typing import Any
 
 import numpy as np
 
-from proto.control import JobModel, JobPlan, JobStart, JobStop, NodeExport, RoundRun
+from proto.control import (
+    INLINE_PLAN_BYTES,
+    JobModel,
+    JobPlan,
+    JobStart,
+    JobStop,
+    NodeExport,
+    RoundRun,
+    plan_parts,
+)
 from proto.errors import ControlMessageError
 from proto.job import JobSpec
 from proto.rounds import RoundRecord
@@ -142,6 +151,9 @@ class Driver(Recovery):
         self.plan: Plan | None = None  # the newest published plan (read by the live page)
         self._pinned: list[str] | None = None  # data.placement = "pinned": each client's cluster
         self._client_samples: list[int] = []    # ... and its training samples (histogram sums)
+        #: a routing matrix over this many bytes goes as job.plan.parts, then a job.plan
+        #: naming them by sha256 (every control body is capped at 4 MiB)
+        self.inline_plan_bytes = INLINE_PLAN_BYTES
 
     # -- fan-out -------------------------------------------------------------------------
     def _all(self, bodies: Mapping[str, dict[str, Any]], timeout: float | None = None
@@ -365,7 +377,18 @@ class Driver(Recovery):
                         self.spec.job_id, plan.routing.epoch, len(plan.placement.absent),
                         "the clusters left cannot hold them; they train again when a "
                         "cluster returns")
-        self._all({c.cluster_id: JobPlan(self.spec.job_id, routing=plan.routing,
+        data = plan.routing.to_bytes()
+        if len(data) <= self.inline_plan_bytes:
+            extra["routing"] = plan.routing
+        else:
+            parts, digest = plan_parts(self.spec.job_id, data)
+            for part in parts:  # in order; every cluster takes each before the next
+                body = part.to_body()
+                self._all({c.cluster_id: body for c in self.clusters})
+            extra.update(routing_sha256=digest, routing_size=len(data))
+            log.info("event=plan_in_parts job=%s epoch=%d bytes=%d parts=%d sha256=%s",
+                     self.spec.job_id, plan.routing.epoch, len(data), len(parts), digest)
+        self._all({c.cluster_id: JobPlan(self.spec.job_id,
                                          imports=tuple(imports.get(c.cluster_id, [])),
                                          next_round=self._next_round, **extra).to_body()
                    for c in self.clusters})

@@ -30,6 +30,7 @@ from proto.bridge import (
     SendUpdate,
 )
 from proto.codec import frame
+from proto.control import JobPlan, plan_parts
 from proto.ids import PROTOCOL_UPDATE
 from proto.messages import UpdateAck, UpdateHeader
 from proto.routing import RoutingMatrix
@@ -83,19 +84,31 @@ def _header(job: str, mid: str, payload: bytes, src: str, dst: str) -> UpdateHea
                         tensor_count=1, byte_length=len(payload), sha256=hashlib.sha256(payload).digest())
 
 
+def _plan_bodies(job: str, routing: RoutingMatrix, form: str) -> list[dict[str, Any]]:
+    """The job.plan as sent inline, or as job.plan.parts and a job.plan naming their digest
+    (the daemon must learn the placement from those as well)."""
+    data = routing.to_bytes()
+    if form == "inline":
+        return [{"kind": "job.plan", "job_id": job, "routing": data}]
+    parts, digest = plan_parts(job, data)
+    return [*(p.to_body() for p in parts),
+            JobPlan(job, routing_sha256=digest, routing_size=len(data)).to_body()]
+
+
 @pytest.mark.trio
-async def test_a_member_cannot_send_under_another_nodes_message_id(mesh) -> None:
+@pytest.mark.parametrize("form", ["inline", "parts"])
+async def test_a_member_cannot_send_under_another_nodes_message_id(mesh, form: str) -> None:
     a, b = mesh.nodes["a"], mesh.nodes["b"]
     await trio.to_thread.run_sync(lambda: wait_until(lambda: "b" in connected_fast(a), timeout=60))
-    job = "j-impersonate"
+    job = f"j-impersonate-{form}"
     # c0 lives on a, c1 on b; the server on b.
     routing = RoutingMatrix.from_edges(job_id=job, clusters=["a", "b"], num_clients=2,
                                        aggregators=["server"], node_cluster=[0, 1, 1],
                                        edges=[(0, 2), (1, 2)])
     mid = f"{job}/1/update/c0/server"
     genuine, forged = os.urandom(256 * 1024), os.urandom(256 * 1024)
-    scheduler = Party(mesh.ca, "sched-imp", "scheduler")
-    liar = Party(mesh.ca, "liar-imp", "cluster")
+    scheduler = Party(mesh.ca, f"sched-imp-{form}", "scheduler")
+    liar = Party(mesh.ca, f"liar-imp-{form}", "cluster")
     executor = await trio.to_thread.run_sync(lambda: Executor(b))
     try:
         await trio.to_thread.run_sync(lambda: wait_until(
@@ -106,8 +119,7 @@ async def test_a_member_cannot_send_under_another_nodes_message_id(mesh) -> None
                 party.host = host
                 await host.connect(target)
                 assert (await hello(host, target.peer_id, party.cert)).accepted
-            for body in ({"kind": "job.start", "job_id": job},
-                         {"kind": "job.plan", "job_id": job, "routing": routing.to_bytes()}):
+            for body in ({"kind": "job.start", "job_id": job}, *_plan_bodies(job, routing, form)):
                 reply = await scheduler.send(target.peer_id, "s1", scheduler.seal(body))
                 assert reply.ok, reply
             # The liar goes first, under the genuine sender's message id.
@@ -127,7 +139,7 @@ async def test_a_member_cannot_send_under_another_nodes_message_id(mesh) -> None
     delivered = [(d, p) for d, p in executor.deliveries if d.job_id == job]
     assert len(delivered) == 1, delivered
     assert delivered[0][0].source_cluster == "a" and delivered[0][1] == genuine
-    assert re.search(r"event=update\.rejected .*places it on cluster", b.log())
+    assert re.search(rf"event=update\.rejected .*{job}.*places it on cluster", b.log())
 
 
 @pytest.mark.trio

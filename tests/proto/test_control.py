@@ -10,18 +10,22 @@ import numpy as np
 import pytest
 
 from proto.control import (
+    PLAN_PART_BYTES,
     ControlMessage,
     JobCheckpoint,
     JobLease,
     JobModel,
     JobPlan,
+    JobPlanPart,
     JobRestore,
     JobStart,
     JobStop,
     NodeExport,
+    PlanAssembly,
     RoundAbort,
     RoundRun,
     parse_control,
+    plan_parts,
 )
 from proto.errors import ControlMessageError, InvalidMessage
 from proto.routing import RoutingMatrix
@@ -51,8 +55,15 @@ def refused(body: dict[str, Any]) -> ControlMessageError:
 
 
 @pytest.mark.parametrize(("body", "field", "needle"), [
-    ({**PLAN, "routing": None}, "routing", "must be a routing matrix's bytes"),
-    ({k: v for k, v in PLAN.items() if k != "routing"}, "routing", "missing"),
+    ({**PLAN, "routing": "c1"}, "routing", "must be a routing matrix's bytes"),
+    ({**PLAN, "routing": None}, "routing", "not neither"),
+    ({k: v for k, v in PLAN.items() if k != "routing"}, "routing", "not neither"),
+    ({**PLAN, "routing_sha256": "ab" * 32, "routing_size": 9}, "routing", "not both"),
+    ({**PLAN, "routing": None, "routing_sha256": "ab" * 32}, "routing_size", "required"),
+    ({**PLAN, "routing": None, "routing_sha256": "AB" * 32, "routing_size": 9},
+     "routing_sha256", "does not match"),
+    ({**PLAN, "routing": None, "routing_sha256": "ab" * 32, "routing_size": 1 << 40},
+     "routing_size", "outside 1.."),
     ({**PLAN, "routing": b"\x81\xa1v\x09"}, "routing", "routing matrix"),
     ({**PLAN, "imports": "c1"}, "imports", "expected a list"),
     ({**PLAN, "imports": ["c1", 7]}, "imports[1]", "expected a string"),
@@ -153,6 +164,9 @@ MESSAGES: list[ControlMessage] = [
     JobCheckpoint("j", round=4, to_cluster="scheduler"),
     JobRestore("j", phase="expect", source_cluster="scheduler", nodes=("c1", "server")),
     JobRestore("j", phase="apply", codec=True),
+    JobPlan("j", routing_sha256="ab" * 32, routing_size=9, next_round=2),
+    JobPlanPart("j", digest="cd" * 32, index=1, count=2, size=PLAN_PART_BYTES + 5,
+                data=b"12345"),
 ]
 
 
@@ -181,3 +195,75 @@ def test_the_scheduler_cannot_build_a_malformed_message() -> None:
         RoundRun("j", round=1, deadline=-3.0)
     with pytest.raises(ControlMessageError, match=r"job.plan: field 'client_samples'"):
         JobPlan("j", routing=routing(), client_samples=(1, 2))
+
+
+def large_routing(num_clients: int = 150_000) -> RoutingMatrix:
+    """A star over two clusters whose bytes (~26 a client) are over one part."""
+    star = np.stack([np.arange(num_clients), np.full(num_clients, num_clients)], axis=1)
+    return RoutingMatrix.from_edges(job_id="j", clusters=["a", "b"],
+                                    node_cluster=np.arange(num_clients + 1) % 2, edges=star,
+                                    num_clients=num_clients, aggregators=["server"],
+                                    kind="star",
+                                    parent=np.r_[np.full(num_clients, num_clients), -1])
+
+
+def assembled(parts: list[JobPlanPart]) -> PlanAssembly:
+    held = PlanAssembly()
+    for part in parts:  # each as the executor gets it: a body parsed from msgpack
+        again = parse_control(over_the_wire(part.to_body()))
+        assert isinstance(again, JobPlanPart)
+        held.add(again)
+    return held
+
+
+def test_a_large_plan_travels_in_parts_named_by_its_digest() -> None:
+    matrix = large_routing()
+    data = matrix.to_bytes()
+    parts, digest = plan_parts("j", data)
+    assert len(data) > PLAN_PART_BYTES and len(parts) == -(-len(data) // PLAN_PART_BYTES)
+    assert all(len(msgpack.packb(p.to_body(), use_bin_type=True)) < 4 * 1024 * 1024
+               for p in parts)
+    body = JobPlan("j", routing_sha256=digest, routing_size=len(data), next_round=3).to_body()
+    assert "routing" not in body and len(msgpack.packb(body, use_bin_type=True)) < 512
+    plan = parse_control(over_the_wire(body))
+    assert isinstance(plan, JobPlan) and plan.routing is None
+    whole = plan.with_routing(assembled(parts))
+    assert whole.routing == matrix and whole.next_round == 3
+    assert whole.routing_sha256 is None  # the matrix is inline now
+
+
+def test_a_plan_whose_parts_do_not_match_the_signed_digest_is_refused() -> None:
+    data = large_routing().to_bytes()
+    parts, digest = plan_parts("j", data)
+    plan = JobPlan("j", routing_sha256=digest, routing_size=len(data))
+    last = parts[-1]
+    flipped = bytes([last.data[0] ^ 1]) + last.data[1:]  # same place, other bytes
+    forged = JobPlanPart("j", digest=digest, index=last.index, count=last.count,
+                         size=last.size, data=flipped)
+    with pytest.raises(ControlMessageError, match=r"job.plan: field 'routing_sha256': the "
+                       r"plan's parts are \d+ bytes with sha256 [0-9a-f]{64}, not the signed"
+                       ) as caught:
+        plan.with_routing(assembled([*parts[:-1], forged]))
+    assert caught.value.field == "routing_sha256"
+    with pytest.raises(ControlMessageError, match=r"field 'routing_sha256': parts \[0\] of plan"):
+        plan.with_routing(assembled(parts[1:]))
+    # a part of another plan drops what was held: nothing mixes two plans
+    other, _ = plan_parts("j", large_routing(150_001).to_bytes())
+    with pytest.raises(ControlMessageError, match=r"parts \[0, 1\] of plan"):
+        plan.with_routing(assembled([*parts, other[0]]))
+    assert plan.with_routing(assembled(parts)).routing is not None
+
+
+@pytest.mark.parametrize(("change", "field", "needle"), [
+    ({"count": 3}, "count", "make 2 parts"),
+    ({"index": 2, "count": 2}, "index", "must be in 0..1"),
+    ({"data": b"123"}, "data", "holds 5 bytes, got 3"),
+    ({"digest": "xy" * 32}, "digest", "does not match"),
+    ({"size": 0}, "size", "outside 1.."),
+])
+def test_a_malformed_plan_part_is_refused_naming_the_field(change: dict[str, Any], field: str,
+                                                          needle: str) -> None:
+    body = {**JobPlanPart("j", digest="cd" * 32, index=1, count=2, size=PLAN_PART_BYTES + 5,
+                          data=b"12345").to_body(), **change}
+    error = refused(body)
+    assert (error.kind, error.field) == ("job.plan.part", field) and needle in str(error)

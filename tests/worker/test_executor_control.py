@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fedpilot.loopback import LoopbackMesh
-from proto.control import JobPlan, JobStart, RoundRun
+from proto.control import JobPlan, JobStart, RoundRun, plan_parts
 from proto.job import JobSpec
 from scheduler.errors import JobFailed
 from scheduler.planning.clusters import ClusterSlot
@@ -50,5 +50,39 @@ def test_a_malformed_plan_or_round_is_refused_and_changes_nothing() -> None:
 
         record = mesh.request("a", good_round, 60)
         assert record["round"] == 1 and record["participants"] == 3
+    finally:
+        service.abort("test over")
+
+
+def test_a_plan_in_parts_is_refused_unless_they_match_its_digest() -> None:
+    spec = JobSpec.from_dict({
+        "job": {"id": "ctl-parts", "seed": 1},
+        "data": {"number_of_clients": 3, "dirichlet_beta": 0.5},
+        "training": {"federated_learning_rounds": 1, "number_of_epochs": 1},
+        "placement": {"max_materialized": 1}})
+    mesh = LoopbackMesh(["a"], lambda cid: runtime_factory(InProcessContext(), cid), capacity=3)
+    service = mesh.services["a"]
+    try:
+        started = mesh.request("a", JobStart("ctl-parts", job=spec.to_dict(),
+                                             clients=(0, 1, 2)).to_body(), 60)
+        histograms = np.array([started["histograms"][str(i)] for i in range(3)])
+        plan = plan_epoch(spec, histograms, [ClusterSlot("a", 3)], epoch=0)
+        data = plan.routing.to_bytes()
+        parts, digest = plan_parts("ctl-parts", data)
+        by_digest = JobPlan("ctl-parts", routing_sha256=digest, routing_size=len(data)).to_body()
+
+        with pytest.raises(JobFailed, match=r"job.plan: field 'routing_sha256': parts \[0\]"):
+            mesh.request("a", by_digest, 60)  # no part arrived
+        part = parts[0].to_body()
+        forged = part["data"][:-1] + bytes([part["data"][-1] ^ 1])  # same length, other bytes
+        mesh.request("a", {**part, "data": forged}, 60)
+        with pytest.raises(JobFailed, match=r"job.plan: field 'routing_sha256': the plan's "
+                                            r"parts are \d+ bytes with sha256"):
+            mesh.request("a", by_digest, 60)
+        assert service.transport is None and service.engine is None  # nothing adopted
+        assert mesh.request("a", part, 60) == {"parts": 1}
+        assert mesh.request("a", by_digest, 60)["clients"] == 3
+        assert mesh.request("a", RoundRun("ctl-parts", round=1, deadline=120.0).to_body(),
+                            60)["participants"] == 3
     finally:
         service.abort("test over")

@@ -22,10 +22,12 @@ from proto.control import (
     JobLease,
     JobModel,
     JobPlan,
+    JobPlanPart,
     JobRestore,
     JobStart,
     JobStop,
     NodeExport,
+    PlanAssembly,
     RoundAbort,
     RoundRun,
     parse_control,
@@ -107,6 +109,7 @@ class ExecutorService:
         self._lock = threading.Lock()
         self.lease_seconds = FIRST_LEASE
         self._restoring: tuple[str, set[str]] | None = None  # (from cluster, nodes)
+        self._plan_parts = PlanAssembly()  # a large plan's parts, until its job.plan
         self._last_contact = time.monotonic()
 
     # -- the lease ---------------------------------------------------------------------------
@@ -140,7 +143,7 @@ class ExecutorService:
             JobStart: self._start, JobPlan: self._plan, RoundRun: self._round,
             NodeExport: self._export, JobModel: self._model, JobStop: self._stop,
             JobCheckpoint: self._checkpoint, JobRestore: self._restore,
-            RoundAbort: self._abort_round,
+            RoundAbort: self._abort_round, JobPlanPart: self._plan_part,
         }
         if not isinstance(message, JobStart) and self.spec is None:
             raise ControlError(f"{message.TYPE} before job.start")
@@ -192,9 +195,14 @@ class ExecutorService:
             reply["data"] = data_info()
         return reply
 
+    def _plan_part(self, message: JobPlanPart) -> dict[str, Any]:
+        return {"parts": self._plan_parts.add(message)}
+
     def _plan(self, message: JobPlan) -> dict[str, Any]:
         assert self.spec is not None and self.runtime is not None
+        message = message.with_routing(self._plan_parts)  # refused unless the digest matches
         routing = message.routing
+        assert routing is not None
         if routing.job_id != self.spec.job_id:
             raise ControlError(f"routing matrix is for job {routing.job_id!r}")
         if self.cluster_id not in routing.clusters:
