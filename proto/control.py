@@ -3,7 +3,10 @@
 A control body is a plain map with a `kind` and the job's `job_id`; it travels inside a
 signed ControlRequest, and the executor (`worker/executor/service.py`) answers each:
 - `job.start` {job, clients}: build the job's partitions, reply with the label histograms
-  of `clients` (no sample leaves the cluster) and this cluster's capacity;
+  of `clients` (no sample leaves the cluster; `histogram_reply`: one raw little-endian
+  array, a row per client in the order asked, so the reply costs a byte or two a count
+  and the daemons relay one bytes field, not a map of 100,000 lists) and this cluster's
+  capacity;
 - `job.plan` {routing | routing_sha256 + routing_size, imports, next_round, client_samples?,
   absent?}: adopt the routing matrix (the whole plan:
   the round graph is a read-only view of it), materialize the local clients, and take the
@@ -59,6 +62,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from proto._schema import U32_MAX, Bin, Bool, Data, FieldSpec, Int, ListOf, Schema, Text, spec
 from proto.errors import ControlMessageError, InvalidMessage, ProtocolError
 from proto.ids import MIB
@@ -78,6 +83,51 @@ PLAN_PART_BYTES = 3 * MIB
 MAX_PLAN_BYTES = 64 * MIB
 MAX_PLAN_PARTS = -(-MAX_PLAN_BYTES // PLAN_PART_BYTES)
 SHA256_HEX = Text(64, min_len=64, pattern=r"[0-9a-f]{64}")
+#: the dtypes a job.start reply's histogram counts may take (the smallest that holds them)
+HISTOGRAM_DTYPES = ("<u1", "<u2", "<u4", "<u8")
+MAX_LABELS = 1 << 16
+START_REPLY = "job.start reply"
+
+
+def histogram_reply(rows: np.ndarray) -> dict[str, Any]:
+    """The histogram fields of a job.start reply: `rows` (clients x labels, counts >= 0)
+    as one little-endian array of the smallest unsigned dtype that holds them."""
+    counts = np.asarray(rows, dtype=np.int64)
+    if counts.ndim != 2:  # no clients: np.array([]) has no row length
+        counts = counts.reshape(len(counts), -1) if counts.size else counts.reshape(len(counts), 0)
+    if counts.size and counts.min() < 0:
+        raise ValueError("label histograms hold counts >= 0")
+    top = int(counts.max()) if counts.size else 0
+    dtype = next(d for d in HISTOGRAM_DTYPES if top <= np.iinfo(np.dtype(d)).max)
+    return {"histogram_counts": counts.astype(dtype).tobytes(), "histogram_dtype": dtype,
+            "histogram_shape": [int(counts.shape[0]), int(counts.shape[1])]}
+
+
+def read_histograms(reply: Mapping[str, Any], clients: int) -> np.ndarray:
+    """The `clients` x labels counts of a job.start reply (`histogram_reply`);
+    ControlMessageError naming the field if they are not exactly that."""
+    dtype, shape, raw = (reply.get("histogram_dtype"), reply.get("histogram_shape"),
+                         reply.get("histogram_counts"))
+    if dtype not in HISTOGRAM_DTYPES:
+        raise ControlMessageError(START_REPLY, "histogram_dtype", f"field 'histogram_dtype': "
+                                  f"must be one of {list(HISTOGRAM_DTYPES)}, got {dtype!r}")
+    if (not isinstance(shape, list | tuple) or len(shape) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in shape)
+            or shape[0] != clients or not 0 <= shape[1] <= MAX_LABELS):
+        raise ControlMessageError(START_REPLY, "histogram_shape", f"field 'histogram_shape': "
+                                  f"must be [{clients}, labels <= {MAX_LABELS}] (a row per "
+                                  f"client asked), got {str(shape)[:64]}")
+    size = shape[0] * shape[1] * np.dtype(dtype).itemsize
+    if not isinstance(raw, bytes) or len(raw) != size:
+        got = len(raw) if isinstance(raw, bytes) else type(raw).__name__
+        raise ControlMessageError(START_REPLY, "histogram_counts", f"field 'histogram_counts': "
+                                  f"must be {size} bytes ({shape[0]} x {shape[1]} {dtype}), "
+                                  f"got {got}")
+    counts = np.frombuffer(raw, dtype=dtype).reshape(shape[0], shape[1])
+    if counts.size and int(counts.max()) > 2**62:
+        raise ControlMessageError(START_REPLY, "histogram_counts",
+                                  "field 'histogram_counts': a count is over 2**62")
+    return counts.astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -433,6 +483,8 @@ __all__ = [
     "PlanAssembly",
     "RoundAbort",
     "RoundRun",
+    "histogram_reply",
     "parse_control",
     "plan_parts",
+    "read_histograms",
 ]

@@ -34,6 +34,7 @@ from proto.control import (
     NodeExport,
     RoundRun,
     plan_parts,
+    read_histograms,
 )
 from proto.errors import ControlMessageError
 from proto.job import JobSpec
@@ -263,12 +264,20 @@ class Driver(Recovery):
         if self._pinned is not None:
             check_pinned_data(started, spec.data.dataset)
         histograms = np.zeros((n, 0), dtype=np.int64)
-        for reply in started.values():
-            rows = {int(k): v for k, v in reply["histograms"].items()}
-            if histograms.shape[1] == 0 and rows:
-                histograms = np.zeros((n, len(next(iter(rows.values())))), dtype=np.int64)
-            for i, row in rows.items():
-                histograms[i] = row
+        for cid, reply in started.items():
+            try:
+                rows = read_histograms(reply, len(holders[cid]))
+            except ControlMessageError as exc:
+                raise JobFailed(f"cluster {cid} answered job.start with bad histograms: {exc}"
+                                ) from None
+            if not len(rows):
+                continue
+            if histograms.shape[1] == 0:
+                histograms = np.zeros((n, rows.shape[1]), dtype=np.int64)
+            if rows.shape[1] != histograms.shape[1]:
+                raise JobFailed(f"cluster {cid} counts {rows.shape[1]} labels, another cluster "
+                                f"{histograms.shape[1]}: do they load the same dataset?")
+            histograms[np.asarray(holders[cid], dtype=np.int64)] = rows
         self._client_samples = [int(x) for x in histograms.sum(axis=1)]
         # says when accuracy sits at chance or the loss explodes, naming the key to change
         self.health = LearningWatch(spec, histograms.shape[1])

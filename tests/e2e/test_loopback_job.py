@@ -130,12 +130,13 @@ def test_a_migrated_node_arrives_with_the_model_it_had() -> None:
                aggregation={"name": "fedavgm"})  # each node mixes with its own momentum
     mesh = LoopbackMesh(["a", "b"], lambda cid: runtime_factory(InProcessContext(), cid),
                         capacity=9)
-    hist: dict[int, list[int]] = {}
+    from proto.control import read_histograms
+
+    histograms = np.zeros((9, 10), dtype=np.int64)
     for k, cid in enumerate(["a", "b"]):
         reply = mesh.request(cid, {"kind": "job.start", "job_id": spec.job_id,
                                    "job": spec.to_dict(), "clients": list(range(k, 9, 2))}, 60)
-        hist.update({int(i): v for i, v in reply["histograms"].items()})
-    histograms = np.array([hist[i] for i in range(9)])
+        histograms[k::2] = read_histograms(reply, len(range(k, 9, 2)))
     plan = plan_epoch(spec, histograms, [ClusterSlot("a", 9), ClusterSlot("b", 9)], epoch=0)
     for cid in ("a", "b"):
         mesh.request(cid, {"kind": "job.plan", "job_id": spec.job_id,

@@ -24,8 +24,10 @@ from proto.control import (
     PlanAssembly,
     RoundAbort,
     RoundRun,
+    histogram_reply,
     parse_control,
     plan_parts,
+    read_histograms,
 )
 from proto.errors import ControlMessageError, InvalidMessage
 from proto.routing import RoutingMatrix
@@ -267,3 +269,38 @@ def test_a_malformed_plan_part_is_refused_naming_the_field(change: dict[str, Any
                           data=b"12345").to_body(), **change}
     error = refused(body)
     assert (error.kind, error.field) == ("job.plan.part", field) and needle in str(error)
+
+
+@pytest.mark.parametrize(("top", "dtype"), [(0, "<u1"), (255, "<u1"), (256, "<u2"),
+                                            (70_000, "<u4"), (2**40, "<u8")])
+def test_histograms_travel_as_one_array_of_the_smallest_dtype(top: int, dtype: str) -> None:
+    rows = np.random.default_rng(0).integers(0, 3, (1000, 10))
+    rows[7, 3] = top
+    reply = over_the_wire(histogram_reply(rows))
+    assert reply["histogram_dtype"] == dtype and reply["histogram_shape"] == [1000, 10]
+    assert np.array_equal(read_histograms(reply, 1000), rows)
+    # a light client's row costs its labels' bytes, not a map entry of ten ints
+    assert len(msgpack.packb(reply, use_bin_type=True)) < 1000 * 10 * np.dtype(dtype).itemsize + 96
+
+
+def test_no_clients_no_rows() -> None:
+    assert read_histograms(over_the_wire(histogram_reply(np.zeros((0, 10)))), 0).shape == (0, 10)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"histogram_dtype": "<f8"}, "histogram_dtype"),
+    ({"histogram_dtype": "|O"}, "histogram_dtype"),
+    ({"histogram_shape": [4, 10]}, "histogram_shape"),   # a row per client asked: 3
+    ({"histogram_shape": [3, -1]}, "histogram_shape"),
+    ({"histogram_shape": [3, True]}, "histogram_shape"),
+    ({"histogram_shape": "3x10"}, "histogram_shape"),
+    ({"histogram_counts": b"\x00" * 29}, "histogram_counts"),
+    ({"histogram_counts": [0] * 30}, "histogram_counts"),
+])
+def test_a_malformed_histogram_reply_is_refused_naming_the_field(change: dict[str, Any],
+                                                                 field: str) -> None:
+    reply = {**histogram_reply(np.ones((3, 10), dtype=np.int64)), **change}
+    with pytest.raises(ControlMessageError) as caught:
+        read_histograms(reply, 3)
+    assert (caught.value.kind, caught.value.field) == ("job.start reply", field)
+    assert str(caught.value).startswith(f"job.start reply: field {field!r}: ")

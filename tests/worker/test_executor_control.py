@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
 
 from fedpilot.loopback import LoopbackMesh
-from proto.control import JobPlan, JobStart, RoundRun, plan_parts
+from proto.control import JobPlan, JobStart, RoundRun, plan_parts, read_histograms
 from proto.job import JobSpec
 from scheduler.errors import JobFailed
 from scheduler.planning.clusters import ClusterSlot
@@ -29,7 +28,7 @@ def test_a_malformed_plan_or_round_is_refused_and_changes_nothing() -> None:
     try:
         started = mesh.request("a", JobStart("ctl", job=spec.to_dict(), clients=(0, 1, 2))
                                .to_body(), 60)
-        histograms = np.array([started["histograms"][str(i)] for i in range(3)])
+        histograms = read_histograms(started, 3)
         plan = plan_epoch(spec, histograms, [ClusterSlot("a", 3)], epoch=0)
         good_plan = JobPlan("ctl", routing=plan.routing).to_body()
 
@@ -65,7 +64,7 @@ def test_a_plan_in_parts_is_refused_unless_they_match_its_digest() -> None:
     try:
         started = mesh.request("a", JobStart("ctl-parts", job=spec.to_dict(),
                                              clients=(0, 1, 2)).to_body(), 60)
-        histograms = np.array([started["histograms"][str(i)] for i in range(3)])
+        histograms = read_histograms(started, 3)
         plan = plan_epoch(spec, histograms, [ClusterSlot("a", 3)], epoch=0)
         data = plan.routing.to_bytes()
         parts, digest = plan_parts("ctl-parts", data)

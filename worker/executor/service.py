@@ -30,6 +30,7 @@ from proto.control import (
     PlanAssembly,
     RoundAbort,
     RoundRun,
+    histogram_reply,
     parse_control,
 )
 from proto.job import JobSpec
@@ -188,8 +189,8 @@ class ExecutorService:
         hist = self.runtime.histograms(clients)
         log.info("event=job_started job=%s cluster=%s clients=%d", spec.job_id,
                  self.cluster_id, len(clients))
-        reply: dict[str, Any] = {"histograms": {str(k): v for k, v in hist.items()},
-                                 "capacity": self.runtime.capacity()}
+        rows = np.array([hist[c] for c in clients], dtype=np.int64)
+        reply: dict[str, Any] = {**histogram_reply(rows), "capacity": self.runtime.capacity()}
         data_info = getattr(self.runtime, "data_info", None)
         if data_info is not None:  # classes and shape, which pinned clusters must agree on
             reply["data"] = data_info()
