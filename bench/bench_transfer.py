@@ -303,6 +303,8 @@ def _with_memory(a: Node, b: Node, result: BlastResult, in_flight_cap: int) -> d
     out["peak_in_bytes_receiver_mb"] = round(got["inflight_in_peak_bytes"] / 1e6, 1)
     out["in_flight_cap_mb"] = round(in_flight_cap / 1e6, 1)
     out["streams_opened"], out["streams_reused"] = sent["streams_opened"], sent["streams_reused"]
+    out["dataplane_streams_opened"] = sent.get("dataplane_streams_opened", 0)
+    out["dataplane_streams_reused"] = sent.get("dataplane_streams_reused", 0)
     out["send_retries"] = sent["send_retries"]
     # the must-show bound: peak RSS <= 2 x bytes in flight + 300 MB, for each daemon
     out["rss_bound_ok"] = bool(
