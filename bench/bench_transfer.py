@@ -34,9 +34,14 @@ The 0.5x probe and 0.35x e2e targets are not met: both daemons are CPU-bound in 
   hashed by a second thread), loadavg 18-19, 5 rounds, each round raw / plane / libp2p:
   raw median 2821 MB/s; probe over the plane median 362 MB/s = 0.13x, over libp2p 138
   MB/s = 0.05x; CPU per 256 MiB sender/receiver 0.12-0.17/0.27-0.30 s (plane) vs
-  0.39-0.49/0.58-0.77 s (libp2p). The receiver is bound by sha256 (~0.19 s per 256 MiB
-  here, one core: sha256 of one body cannot be split), so even idle the plane tops out
-  near 1.3 GB/s - 0.5x of raw only while raw loopback runs below ~2.6 GB/s.
+  0.39-0.49/0.58-0.77 s (libp2p). At loadavg ~4.5, same rounds: raw median 3112 MB/s,
+  plane 631 MB/s = 0.19x, libp2p 161 MB/s = 0.05x. A full run (``--libp2p-probe --runs
+  3``, loadavg 5.8): raw 984/2350/2437, plane 913/1170/1286 MB/s (best/best 0.527x, median
+  /median 0.50x), libp2p 0.076x; e2e 64 MiB 200-224 MB/s = 0.09x; 200 x 1 MiB and 50 x
+  64 MiB over the plane 0 failed, 0 mismatches, RSS bound held; long link 0.997x. The
+  receiver is bound by sha256 (~0.19 s per 256 MiB here, one core: sha256 of one body
+  cannot be split), so even idle the plane tops out near 1.3 GB/s - 0.5x of raw only
+  while raw loopback runs below ~2.6 GB/s.
 """
 
 from __future__ import annotations
