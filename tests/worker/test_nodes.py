@@ -100,26 +100,19 @@ def test_placement_failure_happens_before_any_actor() -> None:
         assert ctx.actors_created == 0
 
 
-def test_state_travels_as_an_update_payload_and_can_be_imported() -> None:
-    from worker.nodes import NodeState
+def test_a_trained_model_travels_as_an_update_payload() -> None:
     from worker.payload import decode, encode
 
     with InProcessContext(num_cpus=2) as ctx:
         source = setup_manager(ctx, 3, 3)
         with source:
             ctx.get(source.call(1, "train", 1))
-            state = ctx.get(source.state(1))
-        data = encode(state.weights, kind="state", samples=0)
-        assert isinstance(data, bytes) and b"pickle" not in data
-        back = NodeState(decode(data).tensors)
-        for name, value in state.weights.items():
-            np.testing.assert_array_equal(back.weights[name], value)
-        target = setup_manager(ctx, 3, 1)
-        with target:
-            target.import_state(1, back)
-            moved = ctx.get(target.call(1, "weights"))
-        for name, value in state.weights.items():
-            np.testing.assert_array_equal(moved.weights[name], value)
+            weights = ctx.get(source.call(1, "weights")).weights
+    data = encode(weights, kind="state", samples=0)
+    assert isinstance(data, bytes) and b"pickle" not in data
+    back = decode(data).tensors
+    for name, value in weights.items():
+        np.testing.assert_array_equal(back[name], value)
 
 
 def test_without_kept_state_a_switch_only_binds_data_and_training_uses_the_given_model() -> None:

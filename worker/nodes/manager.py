@@ -18,7 +18,7 @@ from typing import Any
 from fedcore.data import ClientPartition, Dataset
 from worker.context import ActorHandle, ExecutionContext, Ref, Reservation
 
-from .federated import FederatedNode, NodeState
+from .federated import FederatedNode
 from .virtual import NodeConfig, VirtualNode
 
 log = logging.getLogger(__name__)
@@ -153,30 +153,6 @@ class NodeManager:
                     started.append(slot.handle.warm())
         if started:
             self.context.get(started, timeout=timeout)
-
-    def state(self, client: int) -> Ref:
-        """A reference to `client`'s current state (saving it if it is materialized)."""
-        with self._lock:
-            slot = self._lru.get(int(client))
-            if slot is not None and slot.handle is not None:
-                return slot.handle.save()
-            if int(client) in self._states:
-                return self._states[int(client)]
-            raise KeyError(f"client {client} was never materialized")
-
-    def import_state(self, client: int, state: NodeState | Ref) -> None:
-        """Make `state` (e.g. a migrated node's) the state of `client` from its next call."""
-        with self._lock:
-            client = int(client)
-            if client not in self.virtual_nodes:
-                raise KeyError(f"client {client} is not one of this manager's clients")
-            ref = self.context.put(state) if isinstance(state, NodeState) else state
-            slot = self._lru.get(client)
-            if slot is not None and slot.handle is not None:
-                slot.handle.load(client, self._partition.train_indices[client],
-                                 self._partition.test_indices[client], ref)
-            else:
-                self._states[client] = ref
 
     def close(self) -> None:
         """Kill every actor and release the placement group."""
