@@ -57,11 +57,6 @@ def bridge_header(msg: BridgeMessage, payload_length: int,
     return HEADER_PREFIX.pack(len(data)) + data
 
 
-def encode_bridge(msg: BridgeMessage, payload: bytes = b"") -> bytes:
-    """One whole bridge frame (header and payload) as bytes."""
-    return bridge_header(msg, len(payload)) + bytes(payload)
-
-
 def decode_bridge_header(data: bytes, max_payload: int,
                          *, max_header: int = MAX_BRIDGE_HEADER_BYTES
                          ) -> tuple[BridgeMessage, int]:
@@ -291,7 +286,6 @@ __all__ = [
     "connect_bridge",
     "tune_socket",
     "decode_bridge_header",
-    "encode_bridge",
     "recv_bridge",
     "send_bridge",
 ]

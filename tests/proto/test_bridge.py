@@ -101,7 +101,7 @@ def test_rejects_payload_length_mismatches() -> None:
 
 
 def test_rejects_truncated_payload_and_header() -> None:
-    full = bridge.encode_bridge(bridge.SendUpdate(target_cluster="x", **HEADER), BODY)
+    full = bridge.bridge_header(bridge.SendUpdate(target_cluster="x", **HEADER), len(BODY)) + BODY
     with pytest.raises(MalformedFrame, match="payload ended"):
         _recv(full[:-1])
     with pytest.raises(MalformedFrame):
