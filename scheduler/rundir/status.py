@@ -137,9 +137,7 @@ class RunRecorder:
         if error:
             data["error"] = error
         # metrics.csv first: a reader that finds the new summary also finds its rounds
-        tmp_csv = self.out / ".metrics.csv.tmp"
-        write_metrics_csv(tmp_csv, self.summary.rounds)
-        os.replace(tmp_csv, self.out / "metrics.csv")
+        write_metrics_csv(self.out / "metrics.csv", self.summary.rounds)
         tmp = self.out / ".summary.json.tmp"
         tmp.write_text(json.dumps(data, indent=2) + "\n")
         os.replace(tmp, self.out / "summary.json")
