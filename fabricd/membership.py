@@ -28,13 +28,7 @@ from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.peer.id import ID
 
 from fabricd._bounded import BoundedDict, Throttle
-from fabricd._member_exchange import (
-    EXCHANGE_RETRY_PAUSES,
-    EXCHANGE_TIMEOUT,
-    MAX_MEMBER_STREAMS_PER_PEER,
-    MEMBER_FRAME_LIMIT,
-    CertificateExchange,
-)
+from fabricd._member_exchange import CertificateExchange
 from fabricd._member_tables import (
     MAX_REFUSALS,
     MAX_REFUSED_BY,
@@ -46,14 +40,7 @@ from fabricd._member_tables import (
     peer_addrs,
     protect,
 )
-from fabricd._preauth import (
-    AUTH_TIMEOUT,
-    MAX_PENDING_PEERS,
-    MAX_WAITING_STREAMS,
-    MAX_WAITING_STREAMS_PER_PEER,
-    PreAuth,
-    TooManyWaiting,
-)
+from fabricd._preauth import AUTH_TIMEOUT, PreAuth, TooManyWaiting
 from fabricd._streams import Handler, close_quietly, remote_peer, reset_quietly, safe_handler
 from fabricd.metrics import UNWIRED, DaemonMetrics
 from fabricd.revocation import Revocations
@@ -61,13 +48,6 @@ from fedcore.logs import get_logger
 from proto.certs import Certificate, RevocationList, parse_certificate, verify_certificate
 from proto.errors import NotAMember
 from proto.ids import PROTOCOL_MEMBER
-
-__all__ = [
-    "AUTH_TIMEOUT", "EXCHANGE_RETRY_PAUSES", "EXCHANGE_TIMEOUT", "MAX_MEMBER_STREAMS_PER_PEER",
-    "MAX_PENDING_PEERS", "MAX_REFUSALS", "MAX_REFUSED_BY", "MAX_UNVERIFIED_CLAIMS",
-    "MAX_WAITING_STREAMS", "MAX_WAITING_STREAMS_PER_PEER", "MEMBER_FRAME_LIMIT",
-    "VERDICT_TIMEOUT", "Membership", "PeerVerdict", "Refusal",
-]
 
 log = get_logger("fabricd.membership")
 
