@@ -9,12 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .base import (
-    PLACEMENT_STRATEGIES,
     ActorDiedError,
     ActorHandle,
-    ContextError,
     ExecutionContext,
-    Placement,
     PlacementError,
     Ref,
     Reservation,
@@ -25,13 +22,10 @@ if TYPE_CHECKING:
     from .ray import RayContext
 
 __all__ = [
-    "PLACEMENT_STRATEGIES",
     "ActorDiedError",
     "ActorHandle",
-    "ContextError",
     "ExecutionContext",
     "InProcessContext",
-    "Placement",
     "PlacementError",
     "RayContext",
     "Ref",

@@ -13,20 +13,13 @@ the same actor process then loads the next client. With `recycle=False` the acto
 killed and a fresh one is created instead (FedPilot's original behaviour).
 """
 
-from .federated import (
-    FederatedNode,
-    NodeState,
-    client_seed,
-)
-from .manager import NodeManager, NodeStats
+from .federated import client_seed
+from .manager import NodeManager
 from .virtual import NodeConfig, VirtualNode
 
 __all__ = [
-    "FederatedNode",
     "NodeConfig",
     "NodeManager",
-    "NodeState",
-    "NodeStats",
     "VirtualNode",
     "client_seed",
 ]
