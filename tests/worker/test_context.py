@@ -1,4 +1,4 @@
-"""InProcessContext: tasks, actors, references, placement (the Ray twin is test_context_ray)."""
+"""InProcessContext: actors, references, placement (the Ray twin is test_context_ray)."""
 
 from __future__ import annotations
 
@@ -22,19 +22,18 @@ class Counter:
     def seen_threads(self) -> int:
         return len(self.threads)
 
+    def block(self, gate: threading.Event) -> bool:
+        return gate.wait(10)
+
     def fail(self) -> None:
         raise ValueError("actor method failed")
 
 
-def square(x: int) -> int:
-    return x * x
-
-
-def test_task_put_get_and_ref_arguments_are_resolved(inprocess_context: InProcessContext) -> None:
+def test_put_get_and_ref_arguments_are_resolved(inprocess_context: InProcessContext) -> None:
     ctx = inprocess_context
-    ref = ctx.put(7)
-    assert ctx.get(ctx.remote(square, ref)) == 49
-    assert ctx.get([ctx.remote(square, i) for i in range(4)]) == [0, 1, 4, 9]
+    counter = ctx.actor(Counter, ctx.put(7))
+    assert ctx.get(counter.add(ctx.put(3))) == 10
+    assert ctx.get([ctx.put(i) for i in range(4)]) == [0, 1, 2, 3]
 
 
 def test_actor_calls_run_in_order_on_one_thread(inprocess_context: InProcessContext) -> None:
@@ -50,7 +49,7 @@ def test_actor_calls_run_in_order_on_one_thread(inprocess_context: InProcessCont
 def test_wait_returns_ready_and_pending(inprocess_context: InProcessContext) -> None:
     ctx = inprocess_context
     gate = threading.Event()
-    slow = ctx.remote(gate.wait, 10)
+    slow = ctx.actor(Counter, 0).block(gate)
     fast = ctx.put(1)
     ready, pending = ctx.wait([slow, fast], num_returns=1, timeout=5)
     assert ready == [fast] and pending == [slow]

@@ -1,4 +1,4 @@
-"""Execution contexts: explicit objects for tasks, actors, object references and placement.
+"""Execution contexts: explicit objects for actors, object references and placement.
 
 `InProcessContext` runs everything on threads (tests); `RayContext` runs on Ray. Importing
 this package does not import Ray; `RayContext` is loaded on first access.

@@ -1,9 +1,9 @@
-"""The execution-context interface: how worker code runs tasks and actors.
+"""The execution-context interface: how worker code runs actors.
 
 Code that needs parallelism receives an `ExecutionContext` and never touches a global
 backend. Two implementations keep the same semantics: `InProcessContext` (threads, for
 tests) and `RayContext` (Ray, for production). Object references are opaque: pass them to
-`get`, `wait`, or as top-level arguments of `remote`/actor calls (they are resolved to
+`get`, `wait`, or as top-level arguments of actor calls (they are resolved to
 their values before the callee runs, as Ray does). Values behind references are shared,
 not copied, in-process; treat them as immutable (Ray hands back read-only arrays).
 """
@@ -93,11 +93,7 @@ class ActorHandle(ABC):
 
 
 class ExecutionContext(ABC):
-    """Tasks, actors, an object store and placement groups, behind one small interface."""
-
-    @abstractmethod
-    def remote(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Ref:
-        """Run `fn(*args, **kwargs)` as a task; returns a reference to its result."""
+    """Actors, an object store and placement groups, behind one small interface."""
 
     @abstractmethod
     def actor(
@@ -122,7 +118,7 @@ class ExecutionContext(ABC):
     @abstractmethod
     def get(self, ref: Ref | Sequence[Ref], *, timeout: float | None = None) -> Any:
         """The value behind `ref` (or a list of values for a list of refs); re-raises the
-        exception the producing task raised."""
+        exception the producing actor call raised."""
 
     @abstractmethod
     def wait(

@@ -1,7 +1,7 @@
 """`InProcessContext`: the execution context for tests — threads, futures, no Ray.
 
-Tasks run on a shared thread pool; each actor owns a single-thread executor, so its calls
-run one at a time in order, as on Ray. References are `concurrent.futures.Future`s.
+Each actor owns a single-thread executor, so its calls run one at a time in order, as on
+Ray. References are `concurrent.futures.Future`s.
 Placement groups are accounted against the CPUs this context was told it has, so a
 request the "cluster" cannot hold fails exactly as it would on Ray.
 """
@@ -111,18 +111,13 @@ class InProcessActorHandle(ActorHandle):
 class InProcessContext(ExecutionContext):
     """Threads and futures standing in for a Ray cluster of `num_cpus` CPUs."""
 
-    def __init__(self, num_cpus: float | None = None, *, max_task_threads: int = 4) -> None:
+    def __init__(self, num_cpus: float | None = None) -> None:
         self.num_cpus = float(num_cpus if num_cpus is not None else (os.cpu_count() or 1))
-        self._tasks = ThreadPoolExecutor(max_workers=max_task_threads,
-                                         thread_name_prefix="inprocess-task")
         self._lock = threading.Lock()
         self._reserved: dict[int, Reservation] = {}
         self._actors: dict[int, InProcessActorHandle] = {}
         self._ids = itertools.count()
         self.actors_created = 0
-
-    def remote(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Ref:
-        return self._tasks.submit(_call_resolved, fn, args, kwargs)
 
     def actor(self, cls: type, *args: Any, name: str | None = None,
               placement: Placement | None = None, num_cpus: float | None = None,
@@ -228,7 +223,6 @@ class InProcessContext(ExecutionContext):
             self._reserved.clear()
         for actor in actors:
             actor._kill()
-        self._tasks.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> InProcessContext:
         return self

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
@@ -68,16 +68,8 @@ class RayContext(ExecutionContext):
             self._started = True
         self.placement_timeout = placement_timeout
         self._classes: dict[type, Any] = {}
-        self._functions: dict[Callable[..., Any], Any] = {}
         self._lock = threading.Lock()
         self.actors_created = 0
-
-    def remote(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Ref:
-        with self._lock:
-            remote_fn = self._functions.get(fn)
-            if remote_fn is None:
-                remote_fn = self._functions[fn] = ray.remote(fn)
-        return remote_fn.remote(*args, **kwargs)
 
     def actor(self, cls: type, *args: Any, name: str | None = None,
               placement: Placement | None = None, num_cpus: float | None = None,
