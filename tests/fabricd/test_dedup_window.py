@@ -70,6 +70,27 @@ def test_one_members_flood_does_not_touch_another_members_scope() -> None:
     assert table.forget_job("j") == held and len(table) == 0
 
 
+def test_forgetting_a_job_keeps_other_jobs_ids() -> None:
+    table = DeliveredWindows()
+    for job, mid in (("a", "a/1/up/c0/s"), ("a", "a/2/up/c0/s"), ("ab", "ab/1/up/c0/s"),
+                     ("b", "b/1/up/c0/s")):
+        assert _deliver(table, "x", _h(job, 1, mid)) is None
+    assert table.forget_job("a") == 2
+    assert table.verdict("x", _h("a", 1, "a/1/up/c0/s")) is None  # a new run of job "a" gets through
+    assert table.verdict("x", _h("ab", 1, "ab/1/up/c0/s")) == DUPLICATE
+    assert table.verdict("x", _h("b", 1, "b/1/up/c0/s")) == DUPLICATE
+
+
+def test_a_message_id_is_a_duplicate_only_from_the_cluster_that_delivered_it() -> None:
+    table = DeliveredWindows()
+    update = _h("j", 1, "j/1/up/c0/s")
+    assert _deliver(table, "a", update) is None
+    assert table.verdict("a", update) == DUPLICATE
+    assert table.verdict("b", update) is None
+    assert _deliver(table, "b", update) is None
+    assert table.verdict("b", update) == DUPLICATE and len(table) == 2
+
+
 def test_bad_bounds_are_refused() -> None:
     with pytest.raises(ValueError):
         DeliveredWindows(ids_per_scope=0)
