@@ -354,10 +354,12 @@ class TlsStream:
     async def write(self, data: Any) -> None:
         await self._in_thread(lambda stop: self.records.send(data))
 
-    async def write_many(self, pieces: list[memoryview]) -> None:
-        """``write`` each piece, all in one worker-thread call."""
+    async def write_many(self, pieces: list[memoryview], digest: Any = None) -> None:
+        """``write`` each piece, all in one worker-thread call (and feed it to ``digest``)."""
         def send(stop: threading.Event) -> None:
             for piece in pieces:
+                if digest is not None:
+                    digest.update(piece)
                 self.records.send(piece)
 
         await self._in_thread(send)

@@ -22,6 +22,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
+import blake3
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
@@ -361,6 +362,9 @@ async def exchange(stream: INetStream, header: UpdateHeader, body: Body, chunk_b
 
 #: the receiver's answer on a half-duplex (data-plane) connection: admitted, send the body
 GO = "go"
+#: the same, and send the body's 32-byte BLAKE3 right after it (the receiver verifies that
+#: instead of recomputing the header's sha256, which this sender checked: see DigestGate)
+GO_BLAKE3 = "go blake3"
 #: body bytes a half-duplex sender hands to one write_many call at most
 WRITE_BATCH_BYTES = 32 * 1024 * 1024
 
@@ -381,8 +385,9 @@ async def exchange_half_duplex(stream: INetStream, header: UpdateHeader, body: B
         raise StreamLost(f"{type(exc).__name__}: {exc}") from exc
     if not isinstance(first, UpdateAck):
         raise StreamLost(f"expected UpdateAck, got {first.TYPE}")
-    if not (first.status == "ok" and first.reason == GO):
+    if not (first.status == "ok" and first.reason in (GO, GO_BLAKE3)):
         return first, False
+    trailer = blake3.blake3() if first.reason == GO_BLAKE3 else None
     chunks = list(body_chunks(body, chunk_bytes))
     offset = 0
     # Chunks already there go out together, in one worker-thread call (write_many).
@@ -390,7 +395,7 @@ async def exchange_half_duplex(stream: INetStream, header: UpdateHeader, body: B
 
     async def flush() -> None:
         if batch:
-            await stream.write_many(batch)  # type: ignore[attr-defined]
+            await stream.write_many(batch, trailer)  # type: ignore[attr-defined]
             batch.clear()
 
     try:
@@ -410,6 +415,8 @@ async def exchange_half_duplex(stream: INetStream, header: UpdateHeader, body: B
             if len(batch) * chunk_bytes >= WRITE_BATCH_BYTES:
                 await flush()
         await flush()
+        if trailer is not None:
+            await stream.write(trailer.digest())
         if not chunks and gate is not None:
             refused = await gate()
             if refused is not None:

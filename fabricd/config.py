@@ -53,6 +53,10 @@ class Limits:
     # update bodies at least this large go over the TLS 1.3 data plane (fabricd/_dataplane.py);
     # 0 = off, everything over libp2p
     dataplane_min_bytes: int = 0
+    # what this daemon verifies a body that reaches it over the data plane by: "sha256"
+    # (the header's digest, recomputed here) or "blake3" (the sending daemon, which checked
+    # the header's sha256 itself, sends the body's BLAKE3 after it: ~4x less CPU here)
+    dataplane_digest: str = "sha256"
 
 
 @dataclass(frozen=True)
@@ -267,7 +271,10 @@ def load_config(path: str | os.PathLike[str]) -> Config:
                                 1, 1 << 20, True),
         dataplane_min_bytes=_num(cfg_path, lim, "limits", "dataplane_min_bytes", defaults.dataplane_min_bytes,
                                  0, 1 << 40, True),
+        dataplane_digest=_str(cfg_path, lim, "limits", "dataplane_digest", defaults.dataplane_digest),
     )
+    if limits.dataplane_digest not in ("sha256", "blake3"):
+        raise _err(cfg_path, "limits.dataplane_digest", limits.dataplane_digest, "'sha256' or 'blake3'")
     if limits.heartbeat_timeout <= limits.heartbeat_interval:
         raise _err(cfg_path, "limits.heartbeat_timeout", limits.heartbeat_timeout,
                    f"a number greater than limits.heartbeat_interval ({limits.heartbeat_interval})")

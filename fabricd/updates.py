@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
+import blake3
 import trio
 from libp2p.abc import IHost, INetStream
 
@@ -31,6 +32,7 @@ from fabricd._dataplane import BodyTooSlow, DataPlane, DataPlaneUnavailable, Tls
 from fabricd._dedup import DUPLICATE, IDS_PER_SCOPE, ROUND_WINDOW, DeliveredWindows
 from fabricd._sender import (
     GO,
+    GO_BLAKE3,
     SEND_ATTEMPTS,
     Body,
     Gate,
@@ -162,6 +164,7 @@ class UpdateService:
         self.dataplane: DataPlane | None = None
         self.bulk_pool: StreamPool | None = None
         self.dataplane_min_bytes = 0
+        self.dataplane_blake3 = False
         self.dataplane_fallbacks = 0
         self.send_retries = 0
 
@@ -176,11 +179,13 @@ class UpdateService:
         for protocol in (PROTOCOL_UPDATE, PROTOCOL_UPDATE_POOLED):
             self.host.set_stream_handler(protocol, handler)  # type: ignore[arg-type]
 
-    def use_dataplane(self, dataplane: DataPlane, min_bytes: int) -> None:
+    def use_dataplane(self, dataplane: DataPlane, min_bytes: int, digest: str = "sha256") -> None:
         """Send bodies of at least ``min_bytes`` over ``dataplane``, and serve its
-        connections like pooled update streams (same admission, floors, dedup, digest)."""
+        connections like pooled update streams (same admission, floors, dedup; bodies
+        verified by ``digest``: "sha256", the header's, or "blake3", the sender's trailer)."""
         self.dataplane = dataplane
         self.dataplane_min_bytes = min_bytes
+        self.dataplane_blake3 = digest == "blake3"
         self.bulk_pool = StreamPool(self.host, opener=dataplane.connect)  # type: ignore[arg-type]
 
     async def serve_dataplane(self, stream: TlsStream) -> None:
@@ -332,7 +337,7 @@ class UpdateService:
         self.metrics.stream_opened("received")
         try:
             if getattr(stream, "half_duplex", False):
-                await self._ack(stream, header, "ok", GO, 0)
+                await self._ack(stream, header, "ok", GO_BLAKE3 if self.dataplane_blake3 else GO, 0)
             return await self._receive_body(stream, peer, header, receiver, probe, source_cluster, floor)
         finally:
             self.inflight -= reserved
@@ -378,10 +383,17 @@ class UpdateService:
         # thread (fabricd._dataplane.TlsStream.receive_body); libp2p streams feed chunks.
         direct = isinstance(stream, TlsStream)
         body = bytearray(header.byte_length) if direct and not probe else None
+        # with "go blake3" the sender's trailer is what the body is verified against
+        trailer: bytes | None = None
         try:
             if isinstance(stream, TlsStream):
+                if self.dataplane_blake3:
+                    digest = blake3.blake3()  # type: ignore[assignment]
                 received = await stream.receive_body(header.byte_length, body, digest, floor,
                                                      self.stream_timeout)
+                if self.dataplane_blake3:
+                    with trio.fail_after(floor.wait_budget(received, self.stream_timeout)):
+                        trailer = await read_exactly(stream, 32)
             else:
                 # Hashing runs in a worker thread (hashlib releases the GIL) while the next
                 # chunk is read; at most two chunks wait for it, so memory stays bounded.
@@ -419,12 +431,15 @@ class UpdateService:
             await self._reject(stream, peer, header, str(exc), received)
             return False
         self.jobs[header.job_id].received_bytes += received
+        verified = "blake3" if trailer is not None else "sha256"
         try:
             if probe or direct:
-                if not hmac.compare_digest(digest.digest(), header.sha256):
+                expected, says = (trailer, "the sender's trailer") if trailer is not None else (
+                    header.sha256, "the header")
+                if not hmac.compare_digest(digest.digest(), expected):
                     raise DigestMismatch(
-                        f"update {header.message_id!r}: sha256 of the body is {digest.hexdigest()}, "
-                        f"header says {header.sha256.hex()}")
+                        f"update {header.message_id!r}: {verified} of the body is {digest.hexdigest()}, "
+                        f"{says} says {expected.hex()}")
                 payload = body if body is not None else bytearray()
             else:
                 payload = receiver.finish()
@@ -461,7 +476,7 @@ class UpdateService:
         log.info("update.received", peer=peer, cluster=source_cluster, job=header.job_id,
                  round=header.round, message_id=header.message_id, bytes=received,
                  seconds=round(seconds, 4), cpu_s=round(time.process_time() - cpu_started, 4),
-                 verified="sha256")
+                 verified=verified)
         await self._ack(stream, header, "ok", "", received)
         return True
 

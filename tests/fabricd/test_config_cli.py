@@ -52,6 +52,7 @@ def _rewrite(path: Path, old: str, new: str) -> None:
     ("heartbeat_timeout = 5.0", "heartbeat_timeout = 0.5", "limits.heartbeat_timeout", "0.5"),
     ("capacity = 4", 'capacity = "four"', "cluster.capacity", "'four'"),
     ('key = "identity.key"', 'key = "missing.key"', "identity.key", "missing.key"),
+    ("[limits]\n", '[limits]\ndataplane_digest = "md5"\n', "limits.dataplane_digest", "'md5'"),
 ])
 def test_config_errors_name_file_key_value_and_allowed(node_dir: Path, old: str, new: str, key: str,
                                                        value: str) -> None:

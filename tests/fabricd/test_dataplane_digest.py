@@ -1,0 +1,84 @@
+"""The data plane's digest contract, in one process against a real listener on 127.0.0.1
+(fabricd/updates.py serving fabricd/_dataplane.py connections): a receiver with
+``limits.dataplane_digest = "blake3"`` answers ``go blake3`` and verifies the body against
+the BLAKE3 trailer the sender writes after it; a wrong trailer is refused, not acked."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+import pytest
+import trio
+
+from fabricd._dataplane import DataPlane, TlsStream, dial
+from fabricd._sender import GO_BLAKE3, exchange_half_duplex
+from fabricd._streams import read_message_exact
+from fabricd.updates import UpdateService
+from proto.codec import frame
+from proto.ids import PROBE_JOB_ID
+from proto.messages import UpdateAck, UpdateHeader
+from tests.fabricd.test_dataplane_tickets import _context, _Host, _identity, _peer, _ticket
+
+BODY = os.urandom(3 * 1024 * 1024 + 77)
+
+
+@dataclass
+class _Cert:
+    cluster_id: str
+
+
+class _Members:
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+
+    def member_certificate(self, peer: str) -> _Cert | None:
+        return _Cert("a") if peer == self.peer else None
+
+
+def _header() -> UpdateHeader:
+    return UpdateHeader(job_id=PROBE_JOB_ID, round=0, source_node="a", target_node="b",
+                        message_id=os.urandom(8).hex(), tensor_count=0, byte_length=len(BODY),
+                        sha256=hashlib.sha256(BODY).digest())
+
+
+@pytest.mark.trio
+async def test_blake3_receiver_checks_the_senders_trailer(tmp_path: Path) -> None:
+    alice = _peer()
+    host = _Host()
+    service = UpdateService(host, _Members(str(alice)), None, cluster_id="b",  # type: ignore[arg-type]
+                            max_update_bytes=1 << 30, max_inflight_bytes=1 << 30)
+    plane = DataPlane(host, listen_ip="127.0.0.1", is_member=lambda p: p == str(alice),  # type: ignore[arg-type]
+                      serve=service.serve_dataplane, state_dir=tmp_path)
+    service.use_dataplane(plane, 1, "blake3")
+    alice_tls = _identity(str(alice), tmp_path / "alice")
+
+    async def connect() -> TlsStream:
+        answer = await _ticket(plane, alice, alice_tls)
+        ctx = _context(alice_tls, server=False, pinned=answer.certificate)
+        records = await trio.to_thread.run_sync(dial, "127.0.0.1", plane.port, ctx, answer.ticket)
+        return TlsStream(records, alice, plane.limiter)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(plane.run)
+        # an honest sender: told "go blake3", it sends the trailer and the body is acked
+        stream = await connect()
+        ack, completed = await exchange_half_duplex(stream, _header(), BODY, 1024 * 1024, 10, 30)
+        assert completed and ack.status == "ok", ack
+        await stream.close()
+        # a sender whose trailer does not match the body: refused, naming blake3
+        stream = await connect()
+        await stream.write(frame(_header()))
+        go = await read_message_exact(stream, 65536)
+        assert isinstance(go, UpdateAck) and go.reason == GO_BLAKE3, go
+        await stream.write_many([memoryview(BODY)])
+        await stream.write(blake3.blake3(BODY[:-1]).digest())
+        final = await read_message_exact(stream, 65536)
+        assert isinstance(final, UpdateAck) and final.status == "rejected", final
+        assert "blake3 of the body" in final.reason and "the sender's trailer" in final.reason, final.reason
+        await stream.close()
+        nursery.cancel_scope.cancel()
+    assert service.jobs[PROBE_JOB_ID].received_updates == 1
