@@ -47,6 +47,13 @@ The 0.5x probe and 0.35x e2e targets are not met: both daemons are CPU-bound in 
   sha256 666 MB/s = 0.21x, plane blake3 856 MB/s = 0.27x; receiver CPU per 256 MiB 0.28
   -> 0.14 s, sender 0.11 -> 0.16 s. Raw loopback here reached 2.6-4.6 GB/s in quiet
   moments, so 0.5x asks 1.3-2.3 GB/s of one Python receiver.
+- 2026-11-25 09:26-09:27 UTC, quiet machine (loadavg 1.0-2.2), two full runs
+  ``--libp2p-probe --runs 3``: with ``--dataplane-digest blake3``: raw 2062/1976/2328,
+  plane 1636/1772/1828 MB/s = 0.785x best/best (0.86x median/median), libp2p 0.22x;
+  e2e 64 MiB 224-254 MB/s = 0.11x; 1 KiB updates 2.7 ms. With the default sha256: raw
+  2153/2338/2230, plane 1052/995/1020 MB/s = 0.45x (median 0.46x), libp2p 0.18x; e2e
+  0.095x; 1 KiB 3.3 ms. Both: 200 x 1 MiB and 50 x 64 MiB over the plane 0 failed, 0
+  mismatches, RSS bound held (peak 1.41 GB / 0.66 GB); long link 0.99x (plane off there).
 """
 
 from __future__ import annotations
