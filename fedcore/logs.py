@@ -8,7 +8,11 @@ Call sites log an event name plus fields::
 
 A plain logging call whose message is already ``event=NAME key=value ...`` (the worker's
 and scheduler's style) comes out the same way: as it is in ``key=value``, and in JSON as
-``event`` = NAME with the rest under ``detail``; any other message is the event. A process
+``event`` = NAME with each ``key`` a field of its own, its value the call's argument
+(``log.info("event=sent peer=%s bytes=%d", p, n)`` gives ``"peer": p, "bytes": n``). The
+fields are read off the format string, never parsed out of the formatted text (a value
+may hold spaces and ``=``); a message whose format does not split into ``key=%x`` /
+``key=literal`` tokens keeps its text under ``detail``. Any other message is the event. A process
 that sets up logging also hands its format to the processes it starts (an executor
 started by fabricd logs like its daemon) through ``FEDPILOT_LOG_FORMAT``.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -74,6 +79,47 @@ def _event(record: logging.LogRecord) -> tuple[str, str]:
     return message, ""
 
 
+#: one ``key=value`` token of an ``event=NAME ...`` format string: one conversion, or a literal
+_TOKEN = re.compile(r"([A-Za-z_][\w.-]*)=(?:(%[-#0 +]*\d*(?:\.\d+)?[sdifgerxo])|([^%\s]*))")
+#: what a record's own keys are called in JSON (an event field of that name stays in detail)
+_RESERVED = frozenset({"ts", "level", "logger", "event", "detail", "exc"})
+
+
+def _format_fields(record: logging.LogRecord) -> dict[str, Any] | None:
+    """The fields of a printf-style ``event=NAME key=%s ...`` record, each the call's own
+    argument (numbers stay numbers); None when the format is not such a list."""
+    fmt, args = record.msg, record.args
+    if not isinstance(fmt, str) or getattr(record, "fields", None) or isinstance(args, dict):
+        return None
+    args = tuple(args or ())
+    tokens = fmt.split(" ")
+    if not tokens[0].startswith("event=") or "%" in tokens[0]:
+        return None
+    fields: dict[str, Any] = {}
+    used = 0
+    for token in tokens[1:]:
+        match = _TOKEN.fullmatch(token)
+        if match is None or match[1] in _RESERVED or match[1] in fields:
+            return None
+        key, spec, literal = match.groups()
+        if spec is None:
+            fields[key] = literal
+            continue
+        if used >= len(args):
+            return None
+        arg, used = args[used], used + 1
+        try:
+            text = spec % (arg,)
+            kind = spec[-1]
+            fields[key] = (int(text) if kind in "di"
+                           else float(text) if kind in "fge"
+                           else arg if kind == "s" and isinstance(arg, (int, float, bool, type(None)))
+                           else text)
+        except (TypeError, ValueError):
+            return None
+    return fields if used == len(args) else None
+
+
 class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
@@ -102,7 +148,11 @@ class JsonFormatter(logging.Formatter):
             "event": event,
         }
         if rest:
-            data["detail"] = rest
+            split = _format_fields(record)
+            if split is None:
+                data["detail"] = rest
+            else:
+                data.update(split)
         for key, value in getattr(record, "fields", {}).items():
             data[key] = value if isinstance(value, (int, float, bool, type(None))) else str(value)
         if record.exc_info:

@@ -46,10 +46,21 @@ def test_event_messages_of_the_worker_and_scheduler_come_out_alike(capsys, monke
     setup_logging("json")
     log.warning("event=send_retry message=%s attempt=%d reason=%s", "m1", 2, reason)
     log.info('not an event line: "quoted"')
-    first, second = (json.loads(x) for x in capsys.readouterr().err.strip().splitlines())
+    log.info("event=round_done round=%d seconds=%.2f node=%r ok=%s kind=peer", 3, 1.234,
+             "c1", True)
+    log.info("event=odd some words without=%s keys", "x")
+    first, second, third, fourth = (json.loads(x)
+                                    for x in capsys.readouterr().err.strip().splitlines())
+    # each key of the format is a field of its own, its value the call's argument, even
+    # one with spaces, quotes and '=' in it
     assert first["event"] == "send_retry" and first["level"] == "warning"
-    assert first["detail"] == f"message=m1 attempt=2 reason={reason}"
+    assert (first["message"], first["attempt"], first["reason"]) == ("m1", 2, reason)
+    assert "detail" not in first
     assert second["event"] == 'not an event line: "quoted"' and "detail" not in second
+    assert (third["round"], third["seconds"], third["node"], third["ok"], third["kind"]) == (
+        3, 1.23, "'c1'", True, "peer")
+    # a format that is not key=value tokens keeps its text
+    assert fourth["event"] == "odd" and fourth["detail"] == "some words without=x keys"
     # the processes this one starts log the same way (fabricd -> its executors)
     assert os.environ[LOG_FORMAT_ENV] == "json"
     _drop_ours()
