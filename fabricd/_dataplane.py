@@ -75,7 +75,7 @@ from fabricd._sender import open_stream
 from fabricd._streams import close_quietly, read_message_exact, remote_peer, write_message
 from fabricd.admission import RateFloor
 from fabricd.errors import FabricdError
-from fabricd.logs import get_logger
+from fedcore.logs import get_logger
 from proto.ids import PROTOCOL_DATAPLANE
 from proto.messages import DataPlaneOffer, DataPlaneTicket
 
