@@ -7,7 +7,9 @@ Prints one JSON object with, each against raw loopback TCP measured in the same 
 - ``fixed_cost``: 1 KiB updates one after another, executor bridge to executor bridge,
   the far executor answering each delivery (end-to-end ack, as a real executor does)
   (updates/s, ms each, and that in raw TCP request/response round trips);
-- ``e2e_64mib``: one 64 MiB update from a bridge client on a to one on b (both bridges);
+- ``e2e_64mib``: one 64 MiB update from an executor's bridge client on a to one on b that
+  answers the delivery (both bridges, end-to-end ack), each run beside a raw TCP run of the
+  same size; the ratio is the median of the per-run ratios (``--e2e-only``: just this);
 - ``concurrent_1mib`` / ``concurrent_64mib``: 200 x 1 MiB and 50 x 64 MiB written at
   once (failed must be 0, every delivered body's sha256 recomputed), peak RSS of both
   daemons against their peak bytes in flight, and bridge status latency meanwhile.
@@ -54,6 +56,17 @@ The 0.5x probe and 0.35x e2e targets are not met: both daemons are CPU-bound in 
   2153/2338/2230, plane 1052/995/1020 MB/s = 0.45x (median 0.46x), libp2p 0.18x; e2e
   0.095x; 1 KiB 3.3 ms. Both: 200 x 1 MiB and 50 x 64 MiB over the plane 0 failed, 0
   mismatches, RSS bound held (peak 1.41 GB / 0.66 GB); long link 0.99x (plane off there).
+- 2026-11-25 09:45-09:50 UTC, e2e 64 MiB now measured by ``e2e_runs`` (``--e2e-only --runs
+  5``): one sender, a far executor that answers the Delivery (end-to-end ack), each run
+  beside a raw TCP run of the same size, the bench's own sha256 of the delivered body after
+  the clock (the old figure came from ``blast``: four threads, the re-hash and a 10 ms poll
+  inside the clock). Timeline at loadavg ~1.5 (quiet): the sending executor's bridge write
+  is done at ~40 ms, the Delivery header reaches the far executor at ~140 ms, its body at
+  ~185 ms (b delivers store-and-forward), SendResult ok at ~200 ms; the bench process uses
+  ~0.10 s CPU of that (its sendall and its recv + bytes copy: what an executor does).
+  Receiving into anonymous memory instead of ``bytearray(n)`` (a 64 MiB memset, ~30 ms on
+  b's event loop before the body can be read), A/B in alternating runs at loadavg ~9.5:
+  median ratio 0.050 / 0.077 (before) vs 0.065 / 0.100 (after); 0.35x is not met.
 """
 
 from __future__ import annotations
@@ -64,6 +77,7 @@ import json
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -266,6 +280,81 @@ def fixed_cost(a: Node, b: Node, count: int, size: int = 1024) -> dict[str, Any]
             "updates_per_s": round(count / seconds, 1), "ms_per_update": round(seconds / count * 1000, 3)}
 
 
+def e2e_once(a: Node, b: Node, body: bytes) -> dict[str, Any]:
+    """One update of ``len(body)`` bytes from an executor on a to one on b, which answers the
+    Delivery as a real executor does (``answers_deliveries``), so a's SendResult ok comes
+    only after b's executor has read the whole body. Timed from the first SendUpdate byte
+    written to that SendResult; the far executor's copy of the body is hashed after the
+    clock (the daemon already verified it before delivery: this is the bench's check).
+    Also when each step was done (ms from the start) and this process's CPU meanwhile."""
+    job = f"e2e-{uuid.uuid4().hex[:6]}"
+    size = len(body)
+    digest = hashlib.sha256(body).digest()
+    consumer = BridgeClient(_bridge(b), role="executor", cluster_id=b.name, job_id=job,
+                            max_payload=size, timeout=120, answers_deliveries=True)
+    sender = BridgeClient(_bridge(a), role="executor", cluster_id=a.name, job_id=job, timeout=120)
+    wait_until(lambda: any(c["job_id"] == job for c in bridge_status(b)["bridge_clients"]), 30)
+    got: list[bytes] = []
+    at: dict[str, float] = {}
+
+    def consume() -> None:
+        while True:
+            msg, payload = consumer.recv()
+            if isinstance(msg, Delivery):
+                at["delivered"] = time.perf_counter()
+                got.append(payload)
+                consumer.send(DeliveryResult(message_id=msg.message_id, ok=True, reason="",
+                                             source_cluster=msg.source_cluster))
+                return
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    msg = SendUpdate(target_cluster=b.name, job_id=job, round=1, source_node="s", target_node="t",
+                     message_id=f"{job}-0", tensor_count=1, byte_length=size, sha256=digest)
+    try:
+        cpu, start = time.process_time(), time.perf_counter()
+        sender.send(msg, body)
+        at["written"] = time.perf_counter()
+        reply, _ = sender.recv()
+        seconds = time.perf_counter() - start
+        cpu = time.process_time() - cpu
+        thread.join(30)
+    finally:
+        sender.close()
+        consumer.close()
+    ok = isinstance(reply, SendResult) and reply.ok and len(got) == 1
+    return {"ok": bool(ok and hashlib.sha256(got[0]).digest() == digest), "seconds": seconds,
+            "mb_s": size / seconds / 1e6, "bench_cpu_s": round(cpu, 3),
+            "written_ms": round((at["written"] - start) * 1000, 1),
+            "delivered_ms": round((at.get("delivered", float("nan")) - start) * 1000, 1)}
+
+
+def e2e_runs(a: Node, b: Node, size: int, runs: int) -> dict[str, Any]:
+    """``runs`` e2e updates, each beside a raw TCP run of the same size just before it."""
+    body = os.urandom(size)
+    e2e_once(a, b, body)  # warm-up: the data-plane connection and code paths
+    rows = []
+    for _ in range(runs):
+        raw = raw_tcp_mb_s(size)
+        row = e2e_once(a, b, body)
+        row["raw_mb_s"] = raw
+        row["ratio"] = row["mb_s"] / raw
+        rows.append(row)
+    med = statistics.median
+    return {
+        "bytes": size, "ok": all(r["ok"] for r in rows),
+        "runs_mb_s": [round(r["mb_s"], 1) for r in rows],
+        "raw_runs_mb_s": [round(r["raw_mb_s"], 1) for r in rows],
+        "runs_ratio": [round(r["ratio"], 3) for r in rows],
+        "mb_s": round(med(r["mb_s"] for r in rows), 1),
+        "ratio_to_raw": round(med(r["ratio"] for r in rows), 3), "target_ratio": 0.35,
+        "written_ms": [r["written_ms"] for r in rows],
+        "delivered_ms": [r["delivered_ms"] for r in rows],
+        "seconds": [round(r["seconds"], 3) for r in rows],
+        "bench_cpu_s": [r["bench_cpu_s"] for r in rows],
+    }
+
+
 def long_link(root: Path, nbytes: int, delay_ms: float = 25.0, rate_mbit: float = 200.0) -> dict[str, Any]:
     """Probe and per-update cost through a delayed, rate-limited forwarder vs raw TCP on it."""
     root.mkdir(parents=True, exist_ok=True)
@@ -342,12 +431,28 @@ def main() -> None:
                         help="limits.dataplane_digest of the measured pair's receiver")
     parser.add_argument("--libp2p-probe", action="store_true",
                         help="also probe a second pair with the data plane off (the old path)")
+    parser.add_argument("--e2e-only", action="store_true",
+                        help="only the e2e 64 MiB figure (its runs beside raw TCP runs)")
     args = parser.parse_args()
     q = args.quick
     probe_bytes = 16 * MIB if q else 256 * MIB
     big = 8 * MIB if q else 64 * MIB
     runs = args.runs or (1 if q else 2)
     budget = 256 * MIB if q else 1024 * MIB
+    if args.e2e_only:
+        with tempfile.TemporaryDirectory(prefix="fbench") as tmp:
+            a, b = _start_pair(Path(tmp), budget, dataplane_min_bytes=args.dataplane_min_bytes,
+                               dataplane_digest=args.dataplane_digest)
+            try:
+                e2e = e2e_runs(a, b, big, args.runs or 5)
+            finally:
+                a.stop()
+                b.stop()
+        print(json.dumps({"benchmark": "transfer", "quick": q, "e2e_64mib": e2e,
+                          "dataplane_min_bytes": args.dataplane_min_bytes,
+                          "dataplane_digest": args.dataplane_digest,
+                          "loadavg_1m": round(os.getloadavg()[0], 2)}))
+        return
     raw = [raw_tcp_mb_s(probe_bytes) for _ in range(2)]
     raw_rtt_ms = min(raw_round_trip_ms(200 if q else 2000) for _ in range(2))
     report: dict[str, Any] = {"benchmark": "transfer", "quick": q,
@@ -391,14 +496,7 @@ def main() -> None:
             fc["in_raw_round_trips"] = round(fc["ms_per_update"] / raw_rtt_ms, 1)
             fc["target_ms"] = 2.0
             report["fixed_cost"] = fc
-            e2e = [blast(a, b, 1, big, sockets=1) for _ in range(runs)]
-            e2e_best = max(big / r.seconds / 1e6 for r in e2e)
-            report["e2e_64mib"] = {
-                "bytes": big, "ok": all(r.ok == 1 and r.delivered == 1 and not r.digest_mismatch for r in e2e),
-                "runs_mb_s": [round(big / r.seconds / 1e6, 1) for r in e2e],
-                "mb_s": round(e2e_best, 1), "ratio_to_raw": round(e2e_best / raw_best, 3),
-                "target_ratio": 0.35,
-            }
+            report["e2e_64mib"] = e2e_runs(a, b, big, max(runs, 3))
             small = blast(a, b, 50 if q else 200, MIB, sockets=4, sample_status=True)
             report["concurrent_1mib"] = _with_memory(a, b, small, budget)
             many = blast(a, b, 10 if q else 50, big, sockets=4, sample_status=True)

@@ -364,7 +364,7 @@ class TlsStream:
 
         await self._in_thread(send)
 
-    async def receive_body(self, nbytes: int, into: bytearray | None, digest: Any, floor: RateFloor,
+    async def receive_body(self, nbytes: int, into: bytearray | memoryview | None, digest: Any, floor: RateFloor,
                            idle: float) -> int:
         """Read a body of ``nbytes`` into ``into`` (or, if None, into a small ring of
         regions that are only hashed) and feed it to ``digest`` in order; returns the
@@ -380,7 +380,7 @@ class TlsStream:
             raise StreamEOF("data-plane protocol: a record ran from the header into the body")
         return await self._in_thread(lambda stop: self._read_body(nbytes, into, digest, floor, idle, stop))
 
-    def _read_body(self, nbytes: int, into: bytearray | None, digest: Any, floor: RateFloor,
+    def _read_body(self, nbytes: int, into: bytearray | memoryview | None, digest: Any, floor: RateFloor,
                    idle: float, stop: threading.Event) -> int:
         filled: queue.Queue[memoryview | None] = queue.Queue()
         free: queue.Queue[bytearray] = queue.Queue()

@@ -356,7 +356,8 @@ class BridgeServer:
         return (f"unavailable: {NO_CONSUMER} for job {job_id!r} on cluster {self.cluster_id!r} "
                 "(nor a scheduler client for it)")
 
-    async def deliver(self, header: UpdateHeader, payload: bytes | bytearray, source_cluster: str) -> None:
+    async def deliver(self, header: UpdateHeader, payload: bytes | bytearray | memoryview,
+                      source_cluster: str) -> None:
         """Hand a verified update to the job's consumer; returns once it accepted it.
 
         DeliveryError (its reason goes back to the sender) if there is no consumer, it went

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import mmap
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -112,7 +113,8 @@ class Consumer(Protocol):
     def consumer_for(self, job_id: str) -> str | None:
         """None if some local client takes updates for ``job_id``, else the reason why not."""
 
-    async def deliver(self, header: UpdateHeader, payload: bytes | bytearray, source_cluster: str) -> None:
+    async def deliver(self, header: UpdateHeader, payload: bytes | bytearray | memoryview,
+                      source_cluster: str) -> None:
         """Hand a verified update to the local client; returns once it accepted it,
         DeliveryError if it cannot or refused it."""
 
@@ -382,7 +384,11 @@ class UpdateService:
         # The data plane reads straight into the body's buffer and hashes it in a second
         # thread (fabricd._dataplane.TlsStream.receive_body); libp2p streams feed chunks.
         direct = isinstance(stream, TlsStream)
-        body = bytearray(header.byte_length) if direct and not probe else None
+        # Anonymous memory, not bytearray(n): the kernel zeroes each page as the reading
+        # thread first writes it, instead of this thread memsetting all of it up front
+        # (holding the GIL the hashing thread needs).
+        body = (memoryview(mmap.mmap(-1, header.byte_length))
+                if direct and not probe and header.byte_length else None)
         # with "go blake3" the sender's trailer is what the body is verified against
         trailer: bytes | None = None
         try:
@@ -440,7 +446,7 @@ class UpdateService:
                     raise DigestMismatch(
                         f"update {header.message_id!r}: {verified} of the body is {digest.hexdigest()}, "
                         f"{says} says {expected.hex()}")
-                payload = body if body is not None else bytearray()
+                payload: bytes | bytearray | memoryview = body if body is not None else bytearray()
             else:
                 payload = receiver.finish()
         except (LengthMismatch, DigestMismatch) as exc:
