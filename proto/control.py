@@ -6,7 +6,14 @@ signed ControlRequest, and the executor (`worker/executor/service.py`) answers e
   of `clients` (no sample leaves the cluster; `histogram_reply`: one raw little-endian
   array, a row per client in the order asked, so the reply costs a byte or two a count
   and the daemons relay one bytes field, not a map of 100,000 lists) and this cluster's
-  capacity;
+  capacity. The clients go as a list or, when they are an arithmetic progression (the
+  round-robin and pinned assignments are), as `client_range` [start, stop, step], a few
+  bytes for a million clients. The reply holds only the first `histogram_bytes` of the
+  counts (`page_rows` rows; every reply stays under the 4 MiB cap) with the dtype of all
+  of them; the scheduler fetches the rest with `job.profile`;
+- `job.profile` {offset, count}: rows offset..offset+count-1 of the job.start's
+  histograms (in the order of its clients: this cluster's own, no other), the job.start
+  reply's dtype, at most `histogram_bytes` of counts (or one row);
 - `job.plan` {routing | routing_sha256 + routing_size, imports, next_round, client_samples?,
   absent?}: adopt the routing matrix (the whole plan:
   the round graph is a read-only view of it), materialize the local clients, and take the
@@ -58,7 +65,7 @@ import dataclasses
 import hashlib
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -87,47 +94,97 @@ SHA256_HEX = Text(64, min_len=64, pattern=r"[0-9a-f]{64}")
 HISTOGRAM_DTYPES = ("<u1", "<u2", "<u4", "<u8")
 MAX_LABELS = 1 << 16
 START_REPLY = "job.start reply"
+PROFILE_REPLY = "job.profile reply"
+#: bytes of histogram counts in one job.start or job.profile reply (at least one row:
+#: a row of MAX_LABELS u8 counts is 512 KiB), under the 4 MiB cap with room to spare
+PROFILE_PAGE_BYTES = 3 * MIB
 
 
-def histogram_reply(rows: np.ndarray) -> dict[str, Any]:
-    """The histogram fields of a job.start reply: `rows` (clients x labels, counts >= 0)
-    as one little-endian array of the smallest unsigned dtype that holds them."""
+def histogram_dtype(rows: np.ndarray) -> str:
+    """The smallest HISTOGRAM_DTYPES entry that holds every count of `rows`."""
+    counts = np.asarray(rows)
+    top = int(counts.max()) if counts.size else 0
+    return next(d for d in HISTOGRAM_DTYPES if top <= np.iinfo(np.dtype(d)).max)
+
+
+def page_rows(page_bytes: int, labels: int, dtype: str) -> int:
+    """How many histogram rows of `labels` counts of `dtype` one reply holds: as many as
+    fit `page_bytes`, at least one (the scheduler and the executor both use this)."""
+    return max(1, page_bytes // max(1, labels * np.dtype(dtype).itemsize))
+
+
+def histogram_reply(rows: np.ndarray, dtype: str | None = None) -> dict[str, Any]:
+    """The histogram fields of a job.start or job.profile reply: `rows` (clients x
+    labels, counts >= 0) as one little-endian array of `dtype` (default: the smallest
+    unsigned dtype that holds them)."""
     counts = np.asarray(rows, dtype=np.int64)
     if counts.ndim != 2:  # no clients: np.array([]) has no row length
         counts = counts.reshape(len(counts), -1) if counts.size else counts.reshape(len(counts), 0)
     if counts.size and counts.min() < 0:
         raise ValueError("label histograms hold counts >= 0")
-    top = int(counts.max()) if counts.size else 0
-    dtype = next(d for d in HISTOGRAM_DTYPES if top <= np.iinfo(np.dtype(d)).max)
+    if dtype is None:
+        dtype = histogram_dtype(counts)
+    elif (dtype not in HISTOGRAM_DTYPES
+          or HISTOGRAM_DTYPES.index(histogram_dtype(counts)) > HISTOGRAM_DTYPES.index(dtype)):
+        raise ValueError(f"histogram dtype {dtype!r} does not hold these counts")
     return {"histogram_counts": counts.astype(dtype).tobytes(), "histogram_dtype": dtype,
             "histogram_shape": [int(counts.shape[0]), int(counts.shape[1])]}
 
 
-def read_histograms(reply: Mapping[str, Any], clients: int) -> np.ndarray:
-    """The `clients` x labels counts of a job.start reply (`histogram_reply`);
-    ControlMessageError naming the field if they are not exactly that."""
-    dtype, shape, raw = (reply.get("histogram_dtype"), reply.get("histogram_shape"),
-                         reply.get("histogram_counts"))
+def histogram_layout(reply: Mapping[str, Any], what: str = START_REPLY) -> tuple[str, int]:
+    """The (dtype, labels) of a reply's histograms; ControlMessageError naming the field
+    if either is malformed (the rows are checked by `read_histograms`)."""
+    dtype, shape = reply.get("histogram_dtype"), reply.get("histogram_shape")
     if dtype not in HISTOGRAM_DTYPES:
-        raise ControlMessageError(START_REPLY, "histogram_dtype", f"field 'histogram_dtype': "
-                                  f"must be one of {list(HISTOGRAM_DTYPES)}, got {dtype!r}")
+        raise ControlMessageError(what, "histogram_dtype", f"field 'histogram_dtype': "
+                                  f"must be one of {list(HISTOGRAM_DTYPES)}, got {str(dtype)[:64]!r}")
     if (not isinstance(shape, list | tuple) or len(shape) != 2
             or not all(isinstance(x, int) and not isinstance(x, bool) for x in shape)
-            or shape[0] != clients or not 0 <= shape[1] <= MAX_LABELS):
-        raise ControlMessageError(START_REPLY, "histogram_shape", f"field 'histogram_shape': "
-                                  f"must be [{clients}, labels <= {MAX_LABELS}] (a row per "
-                                  f"client asked), got {str(shape)[:64]}")
-    size = shape[0] * shape[1] * np.dtype(dtype).itemsize
+            or not 0 <= shape[1] <= MAX_LABELS):
+        raise ControlMessageError(what, "histogram_shape", f"field 'histogram_shape': must be "
+                                  f"[rows, labels <= {MAX_LABELS}], got {str(shape)[:64]}")
+    return str(dtype), int(shape[1])
+
+
+def read_histograms(reply: Mapping[str, Any], clients: int, *, dtype: str | None = None,
+                    labels: int | None = None, what: str = START_REPLY) -> np.ndarray:
+    """The `clients` x labels counts of a job.start or job.profile reply
+    (`histogram_reply`), of exactly `dtype` and `labels` if given (what was asked);
+    ControlMessageError naming the field if they are not exactly that."""
+    got_dtype, got_labels = histogram_layout(reply, what)
+    if dtype is not None and got_dtype != dtype:
+        raise ControlMessageError(what, "histogram_dtype", f"field 'histogram_dtype': must be "
+                                  f"{dtype!r} (the job.start reply's), got {got_dtype!r}")
+    shape = reply["histogram_shape"]
+    if shape[0] != clients or (labels is not None and got_labels != labels):
+        want = f"[{clients}, {labels if labels is not None else 'labels'}]"
+        raise ControlMessageError(what, "histogram_shape", f"field 'histogram_shape': "
+                                  f"must be {want} (a row per client asked), got {str(shape)[:64]}")
+    raw = reply.get("histogram_counts")
+    size = shape[0] * shape[1] * np.dtype(got_dtype).itemsize
     if not isinstance(raw, bytes) or len(raw) != size:
         got = len(raw) if isinstance(raw, bytes) else type(raw).__name__
-        raise ControlMessageError(START_REPLY, "histogram_counts", f"field 'histogram_counts': "
-                                  f"must be {size} bytes ({shape[0]} x {shape[1]} {dtype}), "
+        raise ControlMessageError(what, "histogram_counts", f"field 'histogram_counts': "
+                                  f"must be {size} bytes ({shape[0]} x {shape[1]} {got_dtype}), "
                                   f"got {got}")
-    counts = np.frombuffer(raw, dtype=dtype).reshape(shape[0], shape[1])
+    counts = np.frombuffer(raw, dtype=got_dtype).reshape(shape[0], shape[1])
     if counts.size and int(counts.max()) > 2**62:
-        raise ControlMessageError(START_REPLY, "histogram_counts",
+        raise ControlMessageError(what, "histogram_counts",
                                   "field 'histogram_counts': a count is over 2**62")
     return counts.astype(np.int64)
+
+
+def client_range(clients: Sequence[int]) -> tuple[int, int, int] | None:
+    """[start, stop, step] of `clients` if they are an increasing arithmetic progression
+    (None otherwise): how a job.start names them in a few bytes."""
+    if not clients:
+        return None
+    ids = np.asarray(clients, dtype=np.int64)
+    start = int(ids[0])
+    step = int(ids[1] - ids[0]) if len(ids) > 1 else 1
+    if step < 1 or not np.array_equal(ids, np.arange(start, start + step * len(ids), step)):
+        return None
+    return start, start + step * (len(ids) - 1) + 1, step
 
 
 @dataclass(frozen=True)
@@ -252,6 +309,37 @@ class JobStart(ControlMessage):
     TYPE: ClassVar[str] = "job.start"
     job: dict[str, Any] = spec(Data())  # a JobSpec's dict (proto.job checks it)
     clients: tuple[int, ...] = spec(ListOf(Int(0, U32_MAX), MAX_ITEMS), default=())
+    #: the clients as range(start, stop, step) instead of a list (not with `clients`)
+    client_range: tuple[int, ...] | None = spec(
+        OrNone(ListOf(Int(0, U32_MAX + 1), 3, min_items=3)), default=None)
+    #: bytes of histogram counts in the reply (the rest: job.profile)
+    histogram_bytes: int = spec(Int(1, PROFILE_PAGE_BYTES), default=PROFILE_PAGE_BYTES)
+
+    def _check(self) -> None:
+        r = self.client_range
+        if r is None:
+            return
+        if self.clients:
+            raise self._refuse("client_range", "give the clients as a list or as a range, "
+                               "not both")
+        if r[2] < 1 or r[0] > r[1]:
+            raise self._refuse("client_range", f"must be [start, stop, step] with start <= "
+                               f"stop and step >= 1, got {list(r)}")
+
+    def client_ids(self) -> Sequence[int]:
+        """The clients this job.start names (a range or the list)."""
+        r = self.client_range
+        return range(r[0], r[1], r[2]) if r is not None else self.clients
+
+
+@dataclass(frozen=True)
+class JobProfile(ControlMessage):
+    """Rows offset..offset+count-1 of the label histograms of the clients the job.start
+    named (in its order), in the job.start reply's dtype."""
+
+    TYPE: ClassVar[str] = "job.profile"
+    offset: int = spec(Int(0, U32_MAX))
+    count: int = spec(Int(1, PROFILE_PAGE_BYTES))
 
 
 @dataclass(frozen=True)
@@ -476,6 +564,7 @@ __all__ = [
     "JobModel",
     "JobPlan",
     "JobPlanPart",
+    "JobProfile",
     "JobRestore",
     "JobStart",
     "JobStop",
@@ -483,7 +572,11 @@ __all__ = [
     "PlanAssembly",
     "RoundAbort",
     "RoundRun",
+    "client_range",
+    "histogram_dtype",
+    "histogram_layout",
     "histogram_reply",
+    "page_rows",
     "parse_control",
     "plan_parts",
     "read_histograms",

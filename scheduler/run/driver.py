@@ -27,12 +27,18 @@ import numpy as np
 
 from proto.control import (
     INLINE_PLAN_BYTES,
+    PROFILE_PAGE_BYTES,
+    PROFILE_REPLY,
     JobModel,
     JobPlan,
+    JobProfile,
     JobStart,
     JobStop,
     NodeExport,
     RoundRun,
+    client_range,
+    histogram_layout,
+    page_rows,
     plan_parts,
     read_histograms,
 )
@@ -155,6 +161,9 @@ class Driver(Recovery):
         #: a routing matrix over this many bytes goes as job.plan.parts, then a job.plan
         #: naming them by sha256 (every control body is capped at 4 MiB)
         self.inline_plan_bytes = INLINE_PLAN_BYTES
+        #: bytes of histogram counts a job.start or job.profile reply carries (the rest of
+        #: a cluster's come in further job.profile pages)
+        self.profile_page_bytes = PROFILE_PAGE_BYTES
 
     # -- fan-out -------------------------------------------------------------------------
     def _all(self, bodies: Mapping[str, dict[str, Any]], timeout: float | None = None
@@ -257,27 +266,12 @@ class Driver(Recovery):
             holders = pinned_holders(n, ids)
             self._pinned = client_clusters(holders)
         else:
-            holders = {cid: [i for i in range(n) if i % len(ids) == k] for k, cid in enumerate(ids)}
+            holders = {cid: list(range(k, n, len(ids))) for k, cid in enumerate(ids)}
         log.info("event=job_start job=%s clusters=%s clients=%d", spec.job_id, ",".join(ids), n)
-        started = self._all({cid: JobStart(spec.job_id, job=spec.to_dict(),
-                                           clients=tuple(holders[cid])).to_body() for cid in ids})
+        started = self._all({cid: self._start_body(holders[cid]) for cid in ids})
         if self._pinned is not None:
             check_pinned_data(started, spec.data.dataset)
-        histograms = np.zeros((n, 0), dtype=np.int64)
-        for cid, reply in started.items():
-            try:
-                rows = read_histograms(reply, len(holders[cid]))
-            except ControlMessageError as exc:
-                raise JobFailed(f"cluster {cid} answered job.start with bad histograms: {exc}"
-                                ) from None
-            if not len(rows):
-                continue
-            if histograms.shape[1] == 0:
-                histograms = np.zeros((n, rows.shape[1]), dtype=np.int64)
-            if rows.shape[1] != histograms.shape[1]:
-                raise JobFailed(f"cluster {cid} counts {rows.shape[1]} labels, another cluster "
-                                f"{histograms.shape[1]}: do they load the same dataset?")
-            histograms[np.asarray(holders[cid], dtype=np.int64)] = rows
+        histograms = self._histograms(started, holders)
         self._client_samples = [int(x) for x in histograms.sum(axis=1)]
         # says when accuracy sits at chance or the loss explodes, naming the key to change
         self.health = LearningWatch(spec, histograms.shape[1])
@@ -367,6 +361,68 @@ class Driver(Recovery):
         placement = plan.placement.to_dict()
         placement["routing"] = plan.routing.to_dict(readable=True)
         return JobResult(summary, placement, model, model_info=info)
+
+    def _start_body(self, clients: list[int]) -> dict[str, Any]:
+        """A cluster's job.start: its clients as a range when they are one (a few bytes
+        for any number of clients), the histograms it may put in its reply."""
+        spec = self.spec
+        span = client_range(clients)
+        message = (JobStart(spec.job_id, job=spec.to_dict(), client_range=span,
+                            histogram_bytes=self.profile_page_bytes) if span is not None else
+                   JobStart(spec.job_id, job=spec.to_dict(), clients=tuple(clients),
+                            histogram_bytes=self.profile_page_bytes))
+        return message.to_body()
+
+    def _histograms(self, started: Mapping[str, Mapping[str, Any]],
+                    holders: Mapping[str, list[int]]) -> np.ndarray:
+        """Every client's label histogram (a row per client id): the first page of each
+        cluster's from its job.start reply, the rest fetched with job.profile, a page per
+        cluster at a time; JobFailed naming the cluster and field if a page is not exactly
+        the rows, labels and dtype asked for."""
+        n = self.spec.data.number_of_clients
+        pages: dict[str, list[np.ndarray]] = {}
+        layout: dict[str, tuple[str, int, int]] = {}  # cid: (dtype, labels, rows a page)
+        for cid, reply in started.items():
+            total = len(holders[cid])
+            try:
+                dtype, labels = histogram_layout(reply)
+                per_page = page_rows(self.profile_page_bytes, labels, dtype)
+                rows = read_histograms(reply, min(total, per_page), dtype=dtype, labels=labels)
+            except ControlMessageError as exc:
+                raise JobFailed(f"cluster {cid} answered job.start with bad histograms: {exc}"
+                                ) from None
+            pages[cid], layout[cid] = [rows], (dtype, labels, per_page)
+        while True:
+            asks = {cid: (got, min(layout[cid][2], len(holders[cid]) - got))
+                    for cid in pages if (got := sum(len(p) for p in pages[cid])) < len(holders[cid])}
+            if not asks:
+                break
+            replies = self._all({cid: JobProfile(self.spec.job_id, offset=offset, count=count
+                                                 ).to_body()
+                                 for cid, (offset, count) in asks.items()})
+            for cid, (offset, count) in asks.items():
+                dtype, labels, _ = layout[cid]
+                try:
+                    pages[cid].append(read_histograms(replies[cid], count, dtype=dtype,
+                                                      labels=labels, what=PROFILE_REPLY))
+                except ControlMessageError as exc:
+                    raise JobFailed(f"cluster {cid} answered job.profile (rows {offset}.."
+                                    f"{offset + count - 1}) with bad histograms: {exc}") from None
+        if any(len(p) > 1 for p in pages.values()):
+            log.info("event=profile_in_pages job=%s pages=%d", self.spec.job_id,
+                     sum(len(p) for p in pages.values()))
+        histograms = np.zeros((n, 0), dtype=np.int64)
+        for cid, parts in pages.items():
+            rows = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            if not len(rows):
+                continue
+            if histograms.shape[1] == 0:
+                histograms = np.zeros((n, rows.shape[1]), dtype=np.int64)
+            if rows.shape[1] != histograms.shape[1]:
+                raise JobFailed(f"cluster {cid} counts {rows.shape[1]} labels, another cluster "
+                                f"{histograms.shape[1]}: do they load the same dataset?")
+            histograms[np.asarray(holders[cid], dtype=np.int64)] = rows
+        return histograms
 
     def _replan(self, histograms: np.ndarray, slots: list[ClusterSlot], epoch: int) -> Plan:
         # degrade, don't die: after a loss, clients the survivors cannot hold sit out

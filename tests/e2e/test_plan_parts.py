@@ -1,7 +1,8 @@
 """A plan over the 4 MiB cap of a control body, through real daemons.
 
 A routing matrix takes ~26 bytes a client, so past ~120,000 clients it no longer fits a
-`job.plan`. The driver then sends it as signed `job.plan.part`s and a `job.plan` naming
+`job.plan` (and a cluster's label histograms, past ~400,000 clients, no longer fit a
+job.start reply: they come in job.profile pages). The driver then sends it as signed `job.plan.part`s and a `job.plan` naming
 their sha256; the executors assemble and check it, and both daemons learn the placement
 from it (they admit each update only from the cluster the plan places its source on).
 """
@@ -28,11 +29,14 @@ pytestmark = pytest.mark.slow
 
 
 def run(testbed: LocalTestbed, spec: Any, clusters: list[Any], *,
-        inline_plan_bytes: int | None = None) -> tuple[Any, Driver]:
+        inline_plan_bytes: int | None = None,
+        profile_page_bytes: int | None = None) -> tuple[Any, Driver]:
     channel = BridgeChannel(testbed.bridge_socket("scheduler"), job_id=spec.job_id)
     driver = Driver(spec, clusters, channel, backend="inprocess", timeout=600)
     if inline_plan_bytes is not None:
         driver.inline_plan_bytes = inline_plan_bytes
+    if profile_page_bytes is not None:
+        driver.profile_page_bytes = profile_page_bytes
     try:
         return driver.run(), driver
     finally:
@@ -61,6 +65,10 @@ def test_a_small_plan_sent_in_parts_runs_and_the_daemons_learn_it(
 
 def test_a_job_whose_plan_is_over_4_mib_runs_through_real_daemons(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # the clients' histograms come in job.profile pages too: 256 KiB of counts a reply
+    # here (90,000 clients of 10 labels a cluster: 4 pages each); at the real 3 MiB page a
+    # cluster of ~400,000 such clients or more would need them (its job.start reply alone
+    # was over the 4 MiB cap before)
     caplog.set_level(logging.INFO, logger="fedpilot.scheduler")
     clients = 180_000
     dataset = write_dataset(tmp_path / "digits-big.npz", clients, 1)
@@ -69,8 +77,9 @@ def test_a_job_whose_plan_is_over_4_mib_runs_through_real_daemons(
                       capacity=clients // 2 + 1, allow=job_allowances(spec)) as testbed:
         clusters = testbed.start(timeout=120)
         started = time.perf_counter()
-        result, driver = run(testbed, spec, clusters)
+        result, driver = run(testbed, spec, clusters, profile_page_bytes=256 * 1024)
         seconds = time.perf_counter() - started
+        assert f"event=profile_in_pages job={spec.job_id} pages=8" in caplog.text
         assert driver.plan is not None
         plan_bytes = len(driver.plan.routing.to_bytes())
         assert plan_bytes > MAX_MESSAGE_BYTES  # it could not have gone inline

@@ -11,12 +11,15 @@ import pytest
 
 from proto.control import (
     PLAN_PART_BYTES,
+    PROFILE_PAGE_BYTES,
+    PROFILE_REPLY,
     ControlMessage,
     JobCheckpoint,
     JobLease,
     JobModel,
     JobPlan,
     JobPlanPart,
+    JobProfile,
     JobRestore,
     JobStart,
     JobStop,
@@ -24,7 +27,9 @@ from proto.control import (
     PlanAssembly,
     RoundAbort,
     RoundRun,
+    client_range,
     histogram_reply,
+    page_rows,
     parse_control,
     plan_parts,
     read_histograms,
@@ -304,3 +309,89 @@ def test_a_malformed_histogram_reply_is_refused_naming_the_field(change: dict[st
         read_histograms(reply, 3)
     assert (caught.value.kind, caught.value.field) == ("job.start reply", field)
     assert str(caught.value).startswith(f"job.start reply: field {field!r}: ")
+
+
+def test_a_million_clients_start_in_a_few_bytes_as_a_range() -> None:
+    clients = list(range(1, 1_000_000, 2))
+    span = client_range(clients)
+    assert span == (1, 1_000_000, 2)
+    body = over_the_wire(JobStart("j", job={}, client_range=span, histogram_bytes=4096).to_body())
+    message = parse_control(body)
+    assert isinstance(message, JobStart) and list(message.client_ids()) == clients
+    assert message.histogram_bytes == 4096 and message.clients == ()
+    assert len(msgpack.packb(body, use_bin_type=True)) < 128
+    # a list stays a list, and a message without the new fields reads as before
+    listed = parse_control({"kind": "job.start", "job_id": "j", "job": {}, "clients": [4, 2]})
+    assert isinstance(listed, JobStart) and list(listed.client_ids()) == [4, 2]
+    assert listed.histogram_bytes == PROFILE_PAGE_BYTES
+
+
+@pytest.mark.parametrize(("clients", "span"), [
+    ([], None), ([7], (7, 8, 1)), ([0, 3, 6, 9], (0, 10, 3)), ([2, 1], None),
+    ([0, 1, 3], None), ([5, 5], None)])
+def test_client_range_is_exactly_the_list(clients: list[int], span: Any) -> None:
+    assert client_range(clients) == span
+    if span is not None:
+        assert list(range(*span)) == clients
+
+
+@pytest.mark.parametrize(("change", "field", "needle"), [
+    ({"clients": [1], "client_range": [0, 4, 1]}, "client_range", "not both"),
+    ({"client_range": [5, 3, 1]}, "client_range", "start <= stop"),
+    ({"client_range": [0, 9, 0]}, "client_range", "step >= 1"),
+    ({"client_range": [0, 9]}, "client_range", "outside 3..3"),
+    ({"client_range": [0, 2**40, 1]}, "client_range[1]", "outside"),
+    ({"client_range": "0:9"}, "client_range", "expected a list"),
+    ({"histogram_bytes": 0}, "histogram_bytes", "outside 1.."),
+    ({"histogram_bytes": PROFILE_PAGE_BYTES + 1}, "histogram_bytes", "outside 1.."),
+])
+def test_a_malformed_job_start_is_refused_naming_the_field(change: dict[str, Any], field: str,
+                                                           needle: str) -> None:
+    error = refused({"kind": "job.start", "job_id": "j", "job": {}, **change})
+    assert (error.kind, error.field) == ("job.start", field) and needle in str(error)
+
+
+def test_a_profile_request_round_trips() -> None:
+    message = JobProfile("j", offset=300_000, count=1000)
+    assert parse_control(over_the_wire(message.to_body())) == message
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"offset": -1}, "offset"), ({"offset": "0"}, "offset"), ({"offset": None}, "offset"),
+    ({"count": 0}, "count"), ({"count": PROFILE_PAGE_BYTES + 1}, "count"),
+    ({"count": 2.5}, "count"), ({"job_id": ""}, "job_id")])
+def test_a_malformed_profile_request_is_refused_naming_the_field(change: dict[str, Any],
+                                                                 field: str) -> None:
+    error = refused({**JobProfile("j", offset=0, count=10).to_body(), **change})
+    assert (error.kind, error.field) == ("job.profile", field)
+    body = {k: v for k, v in JobProfile("j", offset=0, count=10).to_body().items() if k != field}
+    if field in ("offset", "count"):
+        assert refused(body).field == field  # missing
+
+
+@pytest.mark.parametrize(("labels", "dtype", "rows"), [
+    (10, "<u1", PROFILE_PAGE_BYTES // 10), (10, "<u8", PROFILE_PAGE_BYTES // 80),
+    (0, "<u1", PROFILE_PAGE_BYTES), (1 << 16, "<u8", 6)])
+def test_a_page_holds_what_fits_and_at_least_a_row(labels: int, dtype: str, rows: int) -> None:
+    assert page_rows(PROFILE_PAGE_BYTES, labels, dtype) == rows
+    assert page_rows(1, labels, dtype) == 1
+
+
+@pytest.mark.parametrize(("reply", "field"), [
+    (histogram_reply(np.ones((4, 10), dtype=np.int64), "<u2"), "histogram_dtype"),
+    (histogram_reply(np.ones((5, 10), dtype=np.int64), "<u1"), "histogram_shape"),
+    (histogram_reply(np.ones((4, 9), dtype=np.int64), "<u1"), "histogram_shape"),
+])
+def test_a_page_not_as_asked_is_refused_naming_the_field(reply: dict[str, Any],
+                                                         field: str) -> None:
+    good = histogram_reply(np.ones((4, 10), dtype=np.int64), "<u1")
+    assert read_histograms(good, 4, dtype="<u1", labels=10, what=PROFILE_REPLY).shape == (4, 10)
+    with pytest.raises(ControlMessageError) as caught:
+        read_histograms(over_the_wire(reply), 4, dtype="<u1", labels=10, what=PROFILE_REPLY)
+    assert (caught.value.kind, caught.value.field) == ("job.profile reply", field)
+
+
+def test_a_page_keeps_the_dtype_of_the_whole_cluster() -> None:
+    assert histogram_reply(np.ones((2, 3), dtype=np.int64), "<u4")["histogram_dtype"] == "<u4"
+    with pytest.raises(ValueError, match="does not hold"):
+        histogram_reply(np.full((2, 3), 300, dtype=np.int64), "<u1")

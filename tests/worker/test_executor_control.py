@@ -5,10 +5,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 from fedpilot.loopback import LoopbackMesh
-from proto.control import JobPlan, JobStart, RoundRun, plan_parts, read_histograms
+from proto.control import (
+    PROFILE_REPLY,
+    JobPlan,
+    JobProfile,
+    JobStart,
+    RoundRun,
+    page_rows,
+    plan_parts,
+    read_histograms,
+)
 from proto.job import JobSpec
 from scheduler.errors import JobFailed
 from scheduler.planning.clusters import ClusterSlot
@@ -83,5 +93,48 @@ def test_a_plan_in_parts_is_refused_unless_they_match_its_digest() -> None:
         assert mesh.request("a", by_digest, 60)["clients"] == 3
         assert mesh.request("a", RoundRun("ctl-parts", round=1, deadline=120.0).to_body(),
                             60)["participants"] == 3
+    finally:
+        service.abort("test over")
+
+
+def test_histograms_come_in_pages_of_this_clusters_own_clients_only() -> None:
+    spec = JobSpec.from_dict({
+        "job": {"id": "ctl-profile", "seed": 1},
+        "data": {"number_of_clients": 30, "dirichlet_beta": 0.5},
+        "training": {"federated_learning_rounds": 1, "number_of_epochs": 1},
+        "placement": {"max_materialized": 1}})
+    mesh = LoopbackMesh(["a"], lambda cid: runtime_factory(InProcessContext(), cid), capacity=30)
+    service = mesh.services["a"]
+    try:
+        with pytest.raises(JobFailed, match=r"job.start: field 'client_range': names client 30"):
+            mesh.request("a", JobStart("ctl-profile", job=spec.to_dict(),
+                                       client_range=(0, 31, 2)).to_body(), 60)
+        assert service.spec is None  # refused before anything changed
+        # this cluster holds the odd clients, 15 of them; a reply holds 40 bytes of counts
+        started = mesh.request("a", JobStart("ctl-profile", job=spec.to_dict(),
+                                             client_range=(1, 30, 2), histogram_bytes=40
+                                             ).to_body(), 60)
+        dtype, labels = started["histogram_dtype"], started["histogram_shape"][1]
+        per_page = page_rows(40, labels, dtype)
+        assert 1 <= per_page < 15 and started["histogram_shape"][0] == per_page
+        pages = [read_histograms(started, per_page)]
+        offset = per_page
+        while offset < 15:
+            count = min(per_page, 15 - offset)
+            reply = mesh.request("a", JobProfile("ctl-profile", offset=offset, count=count
+                                                 ).to_body(), 60)
+            pages.append(read_histograms(reply, count, dtype=dtype, labels=labels,
+                                         what=PROFILE_REPLY))
+            offset += count
+        assert service.runtime is not None
+        whole = service.runtime.histograms(list(range(1, 30, 2)))
+        assert np.array_equal(np.concatenate(pages), [whole[c] for c in range(1, 30, 2)])
+
+        for body, field in [({"offset": 15, "count": 1}, "offset"),   # not one of its clients
+                            ({"offset": 14, "count": 2}, "count"),
+                            ({"offset": 0, "count": per_page + 1}, "count")]:
+            with pytest.raises(JobFailed, match=rf"refused job.profile: ControlMessageError: "
+                                                rf"job.profile: field '{field}'"):
+                mesh.request("a", {"kind": "job.profile", "job_id": "ctl-profile", **body}, 60)
     finally:
         service.abort("test over")

@@ -23,6 +23,7 @@ from proto.control import (
     JobModel,
     JobPlan,
     JobPlanPart,
+    JobProfile,
     JobRestore,
     JobStart,
     JobStop,
@@ -30,9 +31,12 @@ from proto.control import (
     PlanAssembly,
     RoundAbort,
     RoundRun,
+    histogram_dtype,
     histogram_reply,
+    page_rows,
     parse_control,
 )
+from proto.errors import ControlMessageError
 from proto.job import JobSpec
 from worker import payload as wire
 from worker.errors import WorkerError
@@ -111,6 +115,10 @@ class ExecutorService:
         self.lease_seconds = FIRST_LEASE
         self._restoring: tuple[str, set[str]] | None = None  # (from cluster, nodes)
         self._plan_parts = PlanAssembly()  # a large plan's parts, until its job.plan
+        #: the job.start's label histograms (a row per client it named), sent in pages
+        self._histograms = np.zeros((0, 0), dtype=np.int64)
+        self._histogram_dtype = "<u1"
+        self._page_bytes = 0
         self._last_contact = time.monotonic()
 
     # -- the lease ---------------------------------------------------------------------------
@@ -145,6 +153,7 @@ class ExecutorService:
             NodeExport: self._export, JobModel: self._model, JobStop: self._stop,
             JobCheckpoint: self._checkpoint, JobRestore: self._restore,
             RoundAbort: self._abort_round, JobPlanPart: self._plan_part,
+            JobProfile: self._profile,
         }
         if not isinstance(message, JobStart) and self.spec is None:
             raise ControlError(f"{message.TYPE} before job.start")
@@ -183,18 +192,51 @@ class ExecutorService:
             raise ControlError(f"job {self.spec.job_id!r} already started on this executor")
         spec = JobSpec.from_dict(message.job, source="job.start message")
         check_job_from_environment(spec, cluster_id=self.cluster_id)  # before any import or open
+        ids = message.client_ids()
+        n = spec.data.number_of_clients
+        if len(ids) and max(ids[0], ids[-1]) >= n:  # a range: O(1); a list: checked below
+            field = "client_range" if message.client_range is not None else "clients"
+            raise ControlMessageError(message.TYPE, field, f"field {field!r}: names client "
+                                      f"{max(ids[0], ids[-1])}; the job has clients 0..{n - 1}")
         self.spec = spec
         self.runtime = self._make_runtime(spec)
-        clients = list(message.clients)
+        clients = list(ids)
         hist = self.runtime.histograms(clients)
         log.info("event=job_started job=%s cluster=%s clients=%d", spec.job_id,
                  self.cluster_id, len(clients))
-        rows = np.array([hist[c] for c in clients], dtype=np.int64)
-        reply: dict[str, Any] = {**histogram_reply(rows), "capacity": self.runtime.capacity()}
+        rows = np.array([hist[c] for c in clients], dtype=np.int64).reshape(len(clients), -1)
+        # every reply gives the counts in this dtype; the first page goes now, the rest on
+        # job.profile (a reply stays under the control cap whatever the client count)
+        self._histograms = rows
+        self._histogram_dtype = histogram_dtype(rows)
+        self._page_bytes = message.histogram_bytes
+        first = page_rows(message.histogram_bytes, rows.shape[1], self._histogram_dtype)
+        reply: dict[str, Any] = {**histogram_reply(rows[:first], self._histogram_dtype),
+                                 "capacity": self.runtime.capacity()}
         data_info = getattr(self.runtime, "data_info", None)
         if data_info is not None:  # classes and shape, which pinned clusters must agree on
             reply["data"] = data_info()
         return reply
+
+    def _profile(self, message: JobProfile) -> dict[str, Any]:
+        """A page of the job.start's histograms: only this cluster's own clients (rows of
+        what job.start named), at most the job.start's histogram_bytes of counts."""
+        rows = self._histograms
+        if message.offset >= len(rows):
+            raise ControlMessageError(message.TYPE, "offset", f"field 'offset': must be in "
+                                      f"0..{len(rows) - 1} (this cluster has {len(rows)} "
+                                      f"clients of the job), got {message.offset}")
+        if message.offset + message.count > len(rows):
+            raise ControlMessageError(message.TYPE, "count", f"field 'count': rows "
+                                      f"{message.offset}..{message.offset + message.count - 1} "
+                                      f"run past this cluster's {len(rows)} clients")
+        most = page_rows(self._page_bytes, rows.shape[1], self._histogram_dtype)
+        if message.count > most:
+            raise ControlMessageError(message.TYPE, "count", f"field 'count': at most {most} "
+                                      f"rows ({self._page_bytes} bytes of counts, the "
+                                      f"job.start's histogram_bytes), got {message.count}")
+        page = rows[message.offset:message.offset + message.count]
+        return histogram_reply(page, self._histogram_dtype)
 
     def _plan_part(self, message: JobPlanPart) -> dict[str, Any]:
         return {"parts": self._plan_parts.add(message)}
