@@ -138,3 +138,19 @@ def test_histograms_come_in_pages_of_this_clusters_own_clients_only() -> None:
                 mesh.request("a", {"kind": "job.profile", "job_id": "ctl-profile", **body}, 60)
     finally:
         service.abort("test over")
+
+
+def test_a_cluster_without_clients_answers_no_rows() -> None:
+    spec = JobSpec.from_dict({
+        "job": {"id": "ctl-none", "seed": 1},
+        "data": {"number_of_clients": 3, "dirichlet_beta": 0.5},
+        "training": {"federated_learning_rounds": 1, "number_of_epochs": 1},
+        "placement": {"max_materialized": 1}})
+    mesh = LoopbackMesh(["a"], lambda cid: runtime_factory(InProcessContext(), cid), capacity=3)
+    try:
+        started = mesh.request("a", JobStart("ctl-none", job=spec.to_dict()).to_body(), 60)
+        assert read_histograms(started, 0).shape[0] == 0
+        with pytest.raises(JobFailed, match=r"job.profile: field 'offset': must be in 0..-1"):
+            mesh.request("a", JobProfile("ctl-none", offset=0, count=1).to_body(), 60)
+    finally:
+        mesh.services["a"].abort("test over")

@@ -204,7 +204,9 @@ class ExecutorService:
         hist = self.runtime.histograms(clients)
         log.info("event=job_started job=%s cluster=%s clients=%d", spec.job_id,
                  self.cluster_id, len(clients))
-        rows = np.array([hist[c] for c in clients], dtype=np.int64).reshape(len(clients), -1)
+        rows = np.array([hist[c] for c in clients], dtype=np.int64)
+        if rows.ndim != 2:  # no clients here (fewer clients than clusters): no row length
+            rows = rows.reshape(len(clients), 0)
         # every reply gives the counts in this dtype; the first page goes now, the rest on
         # job.profile (a reply stays under the control cap whatever the client count)
         self._histograms = rows
