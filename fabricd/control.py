@@ -14,8 +14,9 @@ plan, and refuse nothing on their behalf: the executor checks the digest.
 
 Every body is a signed envelope addressed to one cluster (fabricd.signing). A job is
 owned by the scheduler that sent its ``job.start`` here; job messages for it from any
-other signer are refused (``JobOwners``). Replies travel back on the stream the request
-came in on, so no peer can answer for another.
+other signer are refused (``JobOwners``; every ``job.*``, ``round.*`` and ``node.*`` kind,
+so a new kind such as ``job.profile`` is owner-checked without a list to extend). Replies
+travel back on the stream the request came in on, so no peer can answer for another.
 """
 
 from __future__ import annotations

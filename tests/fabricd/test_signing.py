@@ -108,7 +108,8 @@ def test_only_the_scheduler_that_started_a_job_may_steer_it() -> None:
     owner, other = parse_certificate(cert1), parse_certificate(cert2)
     owners = JobOwners()
     owners.check({"kind": "job.start", "job_id": "j"}, owner)
-    for kind in ("job.stop", "job.plan", "round.run", "node.export", "job.start"):
+    for kind in ("job.stop", "job.plan", "job.plan.part", "job.profile", "round.run",
+                 "node.export", "job.start"):
         with pytest.raises(WrongRole, match="is owned by scheduler peer"):
             owners.check({"kind": kind, "job_id": "j"}, other)
         owners.check({"kind": kind, "job_id": "j"}, owner)
