@@ -67,6 +67,15 @@ The 0.5x probe and 0.35x e2e targets are not met: both daemons are CPU-bound in 
   Receiving into anonymous memory instead of ``bytearray(n)`` (a 64 MiB memset, ~30 ms on
   b's event loop before the body can be read), A/B in alternating runs at loadavg ~9.5:
   median ratio 0.050 / 0.077 (before) vs 0.065 / 0.100 (after); 0.35x is not met.
+- 2026-11-25 09:56-09:58 UTC, the executor's read of a delivery (``proto.bridge.recv_bridge``)
+  as one ``recv(n, MSG_WAITALL)`` into the returned bytes (was: zero-filled bytearray,
+  recv_into, then a ``bytes`` copy): the far executor's CPU per 64 MiB update (this
+  process's ``bench_cpu_s``, its sendall included) 0.089-0.114 s -> 0.041-0.057 s in
+  alternating runs (loadavg 8-12: the wall-clock ratios of those runs, 0.04-0.10, are noise).
+  Why 0.35x is out of reach on this path: per 64 MiB the three processes spend ~0.3 CPU-s
+  (each daemon ~0.12-0.13 s: sha256 of the body by the sender's DigestGate and again by the
+  receiver, 44 ms each; AES-GCM each way; a kernel copy per socket hop), on 2 cores a floor
+  of ~0.15 s, while 0.35x of 2.3-4.5 GB/s raw is 0.04-0.08 s for all of it.
 """
 
 from __future__ import annotations
@@ -290,8 +299,9 @@ def e2e_once(a: Node, b: Node, body: bytes) -> dict[str, Any]:
     job = f"e2e-{uuid.uuid4().hex[:6]}"
     size = len(body)
     digest = hashlib.sha256(body).digest()
+    # a blocking socket, as an executor's (proto.bridge_connection) is
     consumer = BridgeClient(_bridge(b), role="executor", cluster_id=b.name, job_id=job,
-                            max_payload=size, timeout=120, answers_deliveries=True)
+                            max_payload=size, timeout=None, answers_deliveries=True)
     sender = BridgeClient(_bridge(a), role="executor", cluster_id=a.name, job_id=job, timeout=120)
     wait_until(lambda: any(c["job_id"] == job for c in bridge_status(b)["bridge_clients"]), 30)
     got: list[bytes] = []
@@ -321,6 +331,10 @@ def e2e_once(a: Node, b: Node, body: bytes) -> dict[str, Any]:
         thread.join(30)
     finally:
         sender.close()
+        try:
+            consumer.sock.shutdown(socket.SHUT_RDWR)  # wakes the consumer thread if it waits
+        except OSError:
+            pass
         consumer.close()
     ok = isinstance(reply, SendResult) and reply.ok and len(got) == 1
     return {"ok": bool(ok and hashlib.sha256(got[0]).digest() == digest), "seconds": seconds,

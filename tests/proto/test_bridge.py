@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import struct
@@ -184,3 +185,54 @@ def test_delivery_result_refuses_bad_fields() -> None:
     with pytest.raises(InvalidMessage, match="expected true/false"):
         _recv(_frame({**bridge.Hello(role="executor").to_map(), "payload_length": 0,
                       "answers_deliveries": "please"}))
+
+
+def _update_frame(body: bytes) -> bytes:
+    header = HEADER | {"byte_length": len(body), "sha256": hashlib.sha256(body).digest()}
+    return bridge.bridge_header(bridge.SendUpdate(target_cluster="x", **header), len(body)) + body
+
+
+@pytest.mark.parametrize("timeout", [None, 10.0])
+def test_a_payload_arriving_in_pieces_is_read_whole_as_bytes(timeout: float | None) -> None:
+    # blocking sockets take the one-recv path (MSG_WAITALL), sockets with a timeout return
+    # short reads and continue into a buffer: both give the exact bytes, as ``bytes``
+    body = os.urandom(3 * 1024 * 1024 + 7)
+    frame = _update_frame(body)
+    ours, theirs = socket.socketpair()
+    ours.settimeout(timeout)
+
+    def write() -> None:
+        for start in range(0, len(frame), 256 * 1024):
+            theirs.sendall(frame[start:start + 256 * 1024])
+        theirs.close()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        msg, payload = bridge.recv_bridge(ours, len(body))
+    finally:
+        writer.join(10)
+        ours.close()
+    assert type(payload) is bytes and payload == body
+    assert isinstance(msg, bridge.SendUpdate) and msg.byte_length == len(body)
+
+
+@pytest.mark.parametrize("timeout", [None, 10.0])
+def test_a_payload_cut_short_by_the_peer_is_a_malformed_frame(timeout: float | None) -> None:
+    body = os.urandom(1024 * 1024)
+    frame = _update_frame(body)
+    ours, theirs = socket.socketpair()
+    ours.settimeout(timeout)
+
+    def write() -> None:
+        theirs.sendall(frame[:-1000])
+        theirs.close()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        with pytest.raises(MalformedFrame, match=f"payload ended after {len(body) - 1000} of"):
+            bridge.recv_bridge(ours, len(body))
+    finally:
+        writer.join(10)
+        ours.close()
