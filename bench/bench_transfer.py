@@ -76,6 +76,11 @@ The 0.5x probe and 0.35x e2e targets are not met: both daemons are CPU-bound in 
   (each daemon ~0.12-0.13 s: sha256 of the body by the sender's DigestGate and again by the
   receiver, 44 ms each; AES-GCM each way; a kernel copy per socket hop), on 2 cores a floor
   of ~0.15 s, while 0.35x of 2.3-4.5 GB/s raw is 0.04-0.08 s for all of it.
+- 2026-11-25 ~10:15 UTC, quiet (loadavg 1.1-1.4), ``--e2e-only --runs 5`` alternating the
+  code before these two changes (86c09d2) and after: median ratio 0.075 / 0.119 before vs
+  0.130 / 0.140 / 0.145 after (272-302 MB/s, 0.20-0.30 s per 64 MiB; the far executor's
+  CPU 0.10-0.12 -> 0.05-0.06 s); the sender's bridge write is done at ~50 ms, the body is at
+  the far executor at ~200-240 ms. Still below 0.35x (see the CPU floor above).
 """
 
 from __future__ import annotations
