@@ -40,6 +40,7 @@ max_materialized = 3
 """
 
 ROUNDS = 40  # the browser test's job
+STATE_ROUNDS = 10  # the state test's job
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--disable-dev-shm-usage"]
@@ -100,7 +101,8 @@ def run_job(root: Path, rounds: int, while_running: Any = None) -> Job:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
-    yield run_job(tmp_path_factory.mktemp("live"), rounds=4)
+    # enough rounds that the page is seen between two of them however fast they run
+    yield run_job(tmp_path_factory.mktemp("live"), rounds=STATE_ROUNDS)
 
 
 def test_page_is_served_from_the_package(job: Job) -> None:
@@ -120,7 +122,7 @@ def test_state_follows_the_job_and_matches_summary(job: Job) -> None:
     seen_rounds = {s["round"] for s in running}
     assert len(seen_rounds) >= 2, seen_rounds  # it refreshed while the job ran
     for s in running:
-        assert s["job_id"] == "live-page" and s["rounds_total"] == 4
+        assert s["job_id"] == "live-page" and s["rounds_total"] == STATE_ROUNDS
         assert s["round"] == s["rounds"][-1]["round"]
         for r in s["rounds"]:  # every round shown is summary.json's round, as it ended
             want = final[r["round"]]
