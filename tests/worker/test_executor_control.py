@@ -27,13 +27,21 @@ from worker.context import InProcessContext
 from worker.executor.runtime import runtime_factory
 
 
-def test_a_malformed_plan_or_round_is_refused_and_changes_nothing() -> None:
+def one_cluster(job_id: str, clients: int) -> tuple[JobSpec, LoopbackMesh]:
+    """A one-round job of `clients` clients and one in-process cluster "a" that can hold
+    them all."""
     spec = JobSpec.from_dict({
-        "job": {"id": "ctl", "seed": 1},
-        "data": {"number_of_clients": 3, "dirichlet_beta": 0.5},
+        "job": {"id": job_id, "seed": 1},
+        "data": {"number_of_clients": clients, "dirichlet_beta": 0.5},
         "training": {"federated_learning_rounds": 1, "number_of_epochs": 1},
         "placement": {"max_materialized": 1}})
-    mesh = LoopbackMesh(["a"], lambda cid: runtime_factory(InProcessContext(), cid), capacity=3)
+    mesh = LoopbackMesh(["a"], lambda cid: runtime_factory(InProcessContext(), cid),
+                        capacity=clients)
+    return spec, mesh
+
+
+def test_a_malformed_plan_or_round_is_refused_and_changes_nothing() -> None:
+    spec, mesh = one_cluster("ctl", clients=3)
     service = mesh.services["a"]
     try:
         started = mesh.request("a", JobStart("ctl", job=spec.to_dict(), clients=(0, 1, 2))
@@ -64,12 +72,7 @@ def test_a_malformed_plan_or_round_is_refused_and_changes_nothing() -> None:
 
 
 def test_a_plan_in_parts_is_refused_unless_they_match_its_digest() -> None:
-    spec = JobSpec.from_dict({
-        "job": {"id": "ctl-parts", "seed": 1},
-        "data": {"number_of_clients": 3, "dirichlet_beta": 0.5},
-        "training": {"federated_learning_rounds": 1, "number_of_epochs": 1},
-        "placement": {"max_materialized": 1}})
-    mesh = LoopbackMesh(["a"], lambda cid: runtime_factory(InProcessContext(), cid), capacity=3)
+    spec, mesh = one_cluster("ctl-parts", clients=3)
     service = mesh.services["a"]
     try:
         started = mesh.request("a", JobStart("ctl-parts", job=spec.to_dict(),
@@ -98,12 +101,7 @@ def test_a_plan_in_parts_is_refused_unless_they_match_its_digest() -> None:
 
 
 def test_histograms_come_in_pages_of_this_clusters_own_clients_only() -> None:
-    spec = JobSpec.from_dict({
-        "job": {"id": "ctl-profile", "seed": 1},
-        "data": {"number_of_clients": 30, "dirichlet_beta": 0.5},
-        "training": {"federated_learning_rounds": 1, "number_of_epochs": 1},
-        "placement": {"max_materialized": 1}})
-    mesh = LoopbackMesh(["a"], lambda cid: runtime_factory(InProcessContext(), cid), capacity=30)
+    spec, mesh = one_cluster("ctl-profile", clients=30)
     service = mesh.services["a"]
     try:
         with pytest.raises(JobFailed, match=r"job.start: field 'client_range': names client 30"):
@@ -141,12 +139,7 @@ def test_histograms_come_in_pages_of_this_clusters_own_clients_only() -> None:
 
 
 def test_a_cluster_without_clients_answers_no_rows() -> None:
-    spec = JobSpec.from_dict({
-        "job": {"id": "ctl-none", "seed": 1},
-        "data": {"number_of_clients": 3, "dirichlet_beta": 0.5},
-        "training": {"federated_learning_rounds": 1, "number_of_epochs": 1},
-        "placement": {"max_materialized": 1}})
-    mesh = LoopbackMesh(["a"], lambda cid: runtime_factory(InProcessContext(), cid), capacity=3)
+    spec, mesh = one_cluster("ctl-none", clients=3)
     try:
         started = mesh.request("a", JobStart("ctl-none", job=spec.to_dict()).to_body(), 60)
         assert read_histograms(started, 0).shape[0] == 0
