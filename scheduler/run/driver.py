@@ -365,13 +365,10 @@ class Driver(Recovery):
     def _start_body(self, clients: list[int]) -> dict[str, Any]:
         """A cluster's job.start: its clients as a range when they are one (a few bytes
         for any number of clients), the histograms it may put in its reply."""
-        spec = self.spec
         span = client_range(clients)
-        message = (JobStart(spec.job_id, job=spec.to_dict(), client_range=span,
-                            histogram_bytes=self.profile_page_bytes) if span is not None else
-                   JobStart(spec.job_id, job=spec.to_dict(), clients=tuple(clients),
-                            histogram_bytes=self.profile_page_bytes))
-        return message.to_body()
+        return JobStart(self.spec.job_id, job=self.spec.to_dict(), client_range=span,
+                        clients=() if span is not None else tuple(clients),
+                        histogram_bytes=self.profile_page_bytes).to_body()
 
     def _histograms(self, started: Mapping[str, Mapping[str, Any]],
                     holders: Mapping[str, list[int]]) -> np.ndarray:
