@@ -14,6 +14,7 @@ from scheduler.jobfile import load_job
 from scheduler.planning.clusters import ClusterSlot, parse_clusters
 from scheduler.planning.placement.histograms import synthetic_histograms
 from scheduler.planning.plan import Plan, plan_job
+from scheduler.rundir.placement import results_routing, routing_json
 
 COMPARE = ("random", "round_robin")
 
@@ -81,7 +82,7 @@ def write_plan(plan: Plan, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "placement.json").write_text(json.dumps(plan.placement.to_dict(), indent=1) + "\n")
     (out / "routing.msgpack").write_bytes(plan.routing.to_bytes())
-    (out / "routing.json").write_text(plan.routing.to_json() + "\n")
+    (out / "routing.json").write_bytes(routing_json(results_routing(plan.routing)))
     (out / "plan.json").write_text(json.dumps(plan.summary(), indent=1) + "\n")
 
 

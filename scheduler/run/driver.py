@@ -60,6 +60,7 @@ from scheduler.run.checkpoint import Checkpoint
 from scheduler.run.health import LearningWatch
 from scheduler.run.leases import ClusterLost, LeaseKeeper
 from scheduler.run.recovery import Departed, Recovery, node_clusters
+from scheduler.rundir.placement import results_routing
 from scheduler.rundir.results import ClusterRecordSummary, JobSummary
 
 log = logging.getLogger("fedpilot.scheduler")
@@ -359,7 +360,7 @@ class Driver(Recovery):
         summary.final_model = info
         summary.finish()
         placement = plan.placement.to_dict()
-        placement["routing"] = plan.routing.to_dict(readable=True)
+        placement["routing"] = results_routing(plan.routing)
         return JobResult(summary, placement, model, model_info=info)
 
     def _start_body(self, clients: list[int]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from proto.rounds import RoundRecord
+from scheduler.rundir.placement import placement_json
 
 ROUND_FIELDS = ("round", "accuracy", "loss", "personalized_accuracy", "participants",
                 "bytes_intra", "bytes_inter", "seconds")
@@ -89,7 +90,7 @@ def write_results(
     write_metrics_csv(out / "metrics.csv", summary.rounds)
     _atomic_write(out / "summary.json", (json.dumps(summary.to_dict(), indent=2) + "\n").encode())
     if placement is not None:
-        _atomic_write(out / "placement.json", (json.dumps(placement, indent=2) + "\n").encode())
+        _atomic_write(out / "placement.json", placement_json(placement))
     if model_bytes is not None:
         _atomic_write(out / "model.safetensors", model_bytes)
     plot_accuracy(out / "accuracy.png", {summary.job_id: summary.rounds})
