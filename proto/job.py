@@ -45,6 +45,10 @@ MODELS = ("mlp", "cnn", "lenet")            # plus "package.module:Class"
 K_CONNECTED_MODES = ("random", "similarity", "complementary")
 #: topology.mixing_steps at most: each step sends every model over every edge once more
 MAX_MIXING_STEPS = 4
+#: aggregators whose decentralized jobs choose their mixing steps from the graph when
+#: topology.mixing_steps = 0 (plain averaging; measured with fedavg). The others mix once:
+#: fedavgm's momentum diverges with more steps, a robust rule was not measured with them.
+AUTO_MIXING_AGGREGATORS = ("fedavg", "fedprox")
 
 
 class JobSpecError(FabricError, ValueError):
@@ -107,7 +111,7 @@ class TopologySpec:
     hierarchy_branching: int = 5            # children per aggregator
     adjacency_file: str = ""                # for custom: CSV adjacency
     inter_cluster_period: int = 1           # for hybrid: groups exchange every N rounds
-    mixing_steps: int = 1                   # decentralized: neighbour averagings per round
+    mixing_steps: int = 0                   # decentralized: averagings per round; 0 = auto
 
 
 @dataclass(frozen=True)
@@ -420,7 +424,7 @@ _RULES: dict[str, Rule] = {
     "topology.hierarchy_branching": _rule_int(2),
     "topology.adjacency_file": _rule_str,
     "topology.inter_cluster_period": _rule_int(1),
-    "topology.mixing_steps": _rule_int(1, MAX_MIXING_STEPS),
+    "topology.mixing_steps": _rule_int(0, MAX_MIXING_STEPS),
     "aggregation.name": _rule_aggregator,
     "aggregation.server_learning_rate": _rule_optional_positive_float,
     "aggregation.server_momentum": _rule_float(0.0, 1.0, high_open=True),

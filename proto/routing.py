@@ -8,8 +8,10 @@ aggregator nodes named in `aggregators` (e.g. `server`, `agg1_0`, `g:<cluster>`)
 
 The matrix is the whole plan of a round (schema v2): besides the edges it carries the
 topology `kind`, the `parent` of every node (its aggregator in star, hierarchical and
-hybrid; -1 for roots and for every node of a decentralized topology) and the
-`exchange_period` (hybrid groups exchange their models every that many rounds).
+hybrid; -1 for roots and for every node of a decentralized topology), the
+`exchange_period` (hybrid groups exchange their models every that many rounds) and the
+`mixing_steps` (a decentralized node averages with its neighbours that many times a round;
+left out of the wire form when 1).
 Executors run rounds from this object alone.
 
 Wire form (`to_bytes`/`from_bytes`): a msgpack map with `v` and `type` like every proto
@@ -34,7 +36,7 @@ from proto.errors import (
     UnknownMessageType,
     UnsupportedVersion,
 )
-from proto.job import DECENTRALIZED_TOPOLOGIES
+from proto.job import DECENTRALIZED_TOPOLOGIES, MAX_MIXING_STEPS
 
 INTRA_CLUSTER = "INTRA_CLUSTER"
 INTER_CLUSTER = "INTER_CLUSTER"
@@ -47,7 +49,7 @@ MAX_ROUTING_BYTES = 256 * 1024 * 1024
 MAX_CLUSTERS = 65535
 _KEYS = frozenset({"v", "type", "job_id", "epoch", "clusters", "peers", "num_clients",
                    "aggregators", "node_cluster", "indptr", "indices", "communities",
-                   "kind", "parent", "exchange_period"})
+                   "kind", "parent", "exchange_period", "mixing_steps"})
 Node = int | str
 
 
@@ -81,6 +83,7 @@ class RoutingMatrix:
         kind: str = "custom",
         parent: np.ndarray | None = None,
         exchange_period: int = 1,
+        mixing_steps: int = 1,
         _symmetric: bool = False,
     ) -> None:
         self.job_id = job_id
@@ -98,6 +101,7 @@ class RoutingMatrix:
         self.parent = (np.full(len(self.node_cluster), -1, dtype=np.int64) if parent is None
                        else np.asarray(parent, dtype=np.int64))
         self.exchange_period = int(exchange_period)
+        self.mixing_steps = int(mixing_steps)
         _validate(self, check_symmetry=not _symmetric)
         self._agg_index = {name: self.num_clients + i for i, name in enumerate(self.aggregators)}
         self._cluster_index = {c: i for i, c in enumerate(self.clusters)}
@@ -120,6 +124,7 @@ class RoutingMatrix:
         kind: str = "custom",
         parent: np.ndarray | None = None,
         exchange_period: int = 1,
+        mixing_steps: int = 1,
     ) -> RoutingMatrix:
         """Build from undirected edges `[E, 2]` (each listed once, either direction)."""
         e = np.asarray(edges, dtype=np.int64).reshape(-1, 2)
@@ -134,7 +139,8 @@ class RoutingMatrix:
         return cls(job_id=job_id, clusters=clusters, node_cluster=node_cluster, indptr=indptr,
                    indices=dst, num_clients=num_clients, aggregators=aggregators, peers=peers,
                    epoch=epoch, communities=communities, kind=kind, parent=parent,
-                   exchange_period=exchange_period, _symmetric=True)
+                   exchange_period=exchange_period, mixing_steps=mixing_steps,
+                   _symmetric=True)
 
     # -- lookups ----------------------------------------------------------------------
 
@@ -230,6 +236,8 @@ class RoutingMatrix:
                 "kind": self.kind, "parent": self.parent.astype("<i4").tobytes(),
                 "exchange_period": self.exchange_period,
             }
+            if self.mixing_steps != 1:
+                out["mixing_steps"] = self.mixing_steps
             if self.communities is not None:
                 out["communities"] = self.communities.astype("<i4").tobytes()
             return out
@@ -250,6 +258,7 @@ class RoutingMatrix:
                 nodes[self.node_name(i)]["parent"] = self.node_name(p)
         return {"v": ROUTING_VERSION, "type": ROUTING_TYPE, "job_id": self.job_id,
                 "epoch": self.epoch, "kind": self.kind, "exchange_period": self.exchange_period,
+                "mixing_steps": self.mixing_steps,
                 "clusters": dict(zip(self.clusters, self.peers, strict=True)),
                 "edges": {"intra": intra, "inter": inter}, "nodes": nodes}
 
@@ -299,10 +308,11 @@ class RoutingMatrix:
         kind = _field(obj, "kind", str)
         parent = _array(obj, "parent", "<i4")
         exchange_period = _field(obj, "exchange_period", int)
+        mixing_steps = _field(obj, "mixing_steps", int) if "mixing_steps" in obj else 1
         return cls(job_id=job_id, clusters=clusters, node_cluster=node_cluster, indptr=indptr,
                    indices=indices, num_clients=num_clients, aggregators=aggregators,
                    peers=peers, epoch=epoch, communities=communities, kind=kind, parent=parent,
-                   exchange_period=exchange_period)
+                   exchange_period=exchange_period, mixing_steps=mixing_steps)
 
 
 def _field(obj: dict[str, Any], name: str, kind: type) -> Any:
@@ -373,6 +383,9 @@ def _validate(m: RoutingMatrix, *, check_symmetry: bool = True) -> None:
         raise _bad("kind", f"unknown topology kind {m.kind!r}; allowed: {', '.join(TOPOLOGY_KINDS)}")
     if m.exchange_period < 1:
         raise _bad("exchange_period", f"must be >= 1, got {m.exchange_period}")
+    if not 1 <= m.mixing_steps <= (MAX_MIXING_STEPS if m.kind in DECENTRALIZED_KINDS else 1):
+        allowed = f"in 1..{MAX_MIXING_STEPS}" if m.kind in DECENTRALIZED_KINDS else f"1 on {m.kind}"
+        raise _bad("mixing_steps", f"must be {allowed}, got {m.mixing_steps}")
     _validate_parent(m, src)
     if m.communities is not None and len(m.communities) != m.num_clients:
         raise _bad("communities", f"need one per client ({m.num_clients}), "

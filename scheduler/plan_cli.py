@@ -93,7 +93,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"communities: {s['communities']}",
         "clients per cluster: " + ", ".join(f"{c}={k}" for c, k in
                                             s["clients_per_cluster"].items()),
-        f"edges: intra={s['edges']['intra']} inter={s['edges']['inter']}",
+        f"edges: intra={s['edges']['intra']} inter={s['edges']['inter']}"
+        + (f", mixing steps per round: {s['mixing_steps']}" if s.get("mixing_steps", 1) > 1
+           else ""),
         "seconds: " + " ".join(f"{k}={v:.3f}" for k, v in s["stage_seconds"].items()),
     ]
     return "\n".join(lines) + "\n"

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from proto.job import JobSpec
+from proto.job import AUTO_MIXING_AGGREGATORS, JobSpec
 from proto.routing import RoutingMatrix
 from scheduler.errors import AssignmentFileError, CapacityError, PlanError
 from scheduler.planning.clusters import ClusterSlot, as_slots
@@ -95,6 +95,7 @@ class Plan:
             "communities": self.placement.communities,
             "clients_per_cluster": self.placement.clients_per_cluster(),
             "edges": {"intra": intra, "inter": inter},
+            "mixing_steps": self.routing.mixing_steps,
             "stage_seconds": {k: round(v, 4) for k, v in self.stage_seconds.items()},
         }
         if self.compare:
@@ -207,7 +208,11 @@ def pre_placement_topology(spec: JobSpec, histograms: np.ndarray | None, *,
     and hybrid (their aggregators follow the clients)."""
     n = spec.data.number_of_clients
     if spec.topology.kind in _PRE_PLACEMENT:
-        return build_topology(spec.topology, n, histograms=histograms, seed=seed)
+        topology = spec.topology
+        if spec.aggregation.name not in AUTO_MIXING_AGGREGATORS and topology.mixing_steps == 0:
+            topology = replace(topology, mixing_steps=1)
+        return build_topology(topology, n, histograms=histograms, seed=seed,
+                              client_fraction=spec.training.client_fraction)
     if spec.topology.kind == "hierarchical":
         # Siblings under one level-1 aggregator share its traffic: a path through them
         # makes placement keep them together.
@@ -242,7 +247,7 @@ def routing_matrix(spec: JobSpec, placement: PlacementResult, topology: LogicalT
         edges=topology.edges, num_clients=topology.num_clients,
         aggregators=topology.aggregator_names, peers=[s.peer_id for s in slots], epoch=epoch,
         communities=placement.client_community, kind=topology.kind, parent=topology.parent,
-        exchange_period=topology.exchange_period)
+        exchange_period=topology.exchange_period, mixing_steps=topology.mixing_steps)
 
 
 def plan_job(

@@ -150,11 +150,14 @@ def test_fedavg_topologies_that_must_equal_star(kind: str, aggregation: str) -> 
 
 
 def test_decentralized_final_model_is_the_evaluated_consensus() -> None:
-    result, _ = run(job("ring", clients=6, rounds=2))
-    info = result.summary.final_model
-    assert info["node"] == "consensus" and "mean of the node models" in info["model"]
-    assert result.summary.final_accuracy == info["accuracy"]
-    assert all(r.messages_intra + r.messages_inter == 12 for r in result.summary.rounds)
+    # a ring of 6 mixes by 2/3 a step: auto takes 4 steps (2/3 ** 4 <= 0.2), 12 messages each
+    for steps, messages in ((0, 48), (1, 12)):
+        result, _ = run(job("ring", clients=6, rounds=2, topology={"mixing_steps": steps}))
+        info = result.summary.final_model
+        assert info["node"] == "consensus" and "mean of the node models" in info["model"]
+        assert result.summary.final_accuracy == info["accuracy"]
+        assert all(r.messages_intra + r.messages_inter == messages
+                   for r in result.summary.rounds)
 
 
 def test_digits_star_fedavg_30_clients_reaches_080() -> None:

@@ -20,6 +20,7 @@ from proto.control import (
     read_histograms,
 )
 from proto.job import JobSpec
+from proto.routing import RoutingMatrix
 from scheduler.errors import JobFailed
 from scheduler.planning.clusters import ClusterSlot
 from scheduler.run.driver import plan_epoch
@@ -147,3 +148,29 @@ def test_a_cluster_without_clients_answers_no_rows() -> None:
             mesh.request("a", JobProfile("ctl-none", offset=0, count=1).to_body(), 60)
     finally:
         mesh.services["a"].abort("test over")
+
+
+def test_a_plan_whose_mixing_steps_differ_from_the_jobs_is_refused() -> None:
+    spec = JobSpec.from_dict({
+        "job": {"id": "ctl-mix", "seed": 1},
+        "data": {"number_of_clients": 4, "dirichlet_beta": 0.5},
+        "training": {"federated_learning_rounds": 1, "number_of_epochs": 1},
+        "topology": {"kind": "ring", "mixing_steps": 2}, "aggregation": {"name": "fedavg"},
+        "placement": {"max_materialized": 1}})
+    mesh = LoopbackMesh(["a"], lambda cid: runtime_factory(InProcessContext(), cid), capacity=4)
+    service = mesh.services["a"]
+    try:
+        started = mesh.request("a", JobStart("ctl-mix", job=spec.to_dict(), clients=(0, 1, 2, 3))
+                               .to_body(), 60)
+        routing = plan_epoch(spec, read_histograms(started, 4), [ClusterSlot("a", 4)],
+                             epoch=0).routing
+        assert routing.mixing_steps == 2
+        other = RoutingMatrix.from_dict({**routing.to_dict(), "mixing_steps": 3})
+        with pytest.raises(JobFailed, match=r"routing matrix has mixing_steps 3; the job has "
+                                            r"topology.mixing_steps = 2"):
+            mesh.request("a", JobPlan("ctl-mix", routing=other).to_body(), 60)
+        assert service.engine is None
+        mesh.request("a", JobPlan("ctl-mix", routing=routing).to_body(), 60)
+        assert service.engine is not None and service.engine.mixing_steps == 2
+    finally:
+        service.abort("test over")

@@ -20,8 +20,9 @@ Its weights are the plan's sample counts of the node and its neighbours. Measure
 two textbook alternatives (bench_learning, MNIST, k_connected + fedavg, seeds 0 / 1; this
 rule 0.909 / 0.918): Metropolis-Hastings weights, which keep the job's sample-weighted
 mean exactly, 0.898 / 0.880; uniform 1 / (degree + 1), 0.895 / 0.901. Both mix slower.
-With `topology.mixing_steps` = s > 1 the nodes then average with their neighbours s - 1
-more times (the mixed models, kinds peer2, peer3, ...): their disagreement shrinks by the
+With the plan's mixing steps s > 1 (`topology.mixing_steps`, or for 0 what the plan chose
+from the graph's mixing factor) the nodes then average with their neighbours s - 1 more
+times (the mixed models, kinds peer2, peer3, ...): their disagreement shrinks by the
 graph's mixing factor s times a round instead of once, for s times the peer traffic; the
 round's accuracy is taken after the last step.
 Hybrid groups aggregate their clients with the job's aggregator and exchange by FedAvg,

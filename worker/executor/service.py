@@ -255,6 +255,9 @@ class ExecutorService:
         if routing.num_clients != self.spec.data.number_of_clients:
             raise ControlError(f"routing matrix has {routing.num_clients} clients; the job has "
                                f"{self.spec.data.number_of_clients}")
+        if self.spec.topology.mixing_steps not in (0, routing.mixing_steps):
+            raise ControlError(f"routing matrix has mixing_steps {routing.mixing_steps}; the "
+                               f"job has topology.mixing_steps = {self.spec.topology.mixing_steps}")
         graph = RoundGraph.from_routing(routing)
         nodes = {node: routing.cluster_of(node) for node in graph.nodes}
         with self._lock:
@@ -284,7 +287,7 @@ class ExecutorService:
             make_inner_aggregator=self.runtime.make_inner_aggregator,
             evaluate_global=self.runtime.evaluate_global, seed=self.spec.seed,
             client_fraction=self.spec.training.client_fraction, timeout=self.round_timeout,
-            mixing_steps=self.spec.topology.mixing_steps)
+            mixing_steps=routing.mixing_steps)
         self.engine.absent = absent
         if previous is not None:  # nodes that stay here keep their models (and the state)
             self.engine.adopt(previous, [n for n in graph.nodes if nodes[n] == self.cluster_id])
