@@ -118,17 +118,13 @@ def build_gossipsub(heartbeat_interval: float) -> GossipSub:
 
 
 @asynccontextmanager
-async def open_host_stack(
-    key_pair: KeyPair, listen: list[str], announce: list[str] | None, heartbeat_interval: float,
-    dht_validator: Any | None = None,
-) -> AsyncIterator[HostStack]:
+async def open_host_stack(key_pair: KeyPair, listen: list[str], announce: list[str] | None,
+                          heartbeat_interval: float) -> AsyncIterator[HostStack]:
     """Run a listening host with Pubsub/Gossipsub and a server-mode DHT until the block exits."""
     host = build_host(key_pair, announce)
     gossipsub = build_gossipsub(heartbeat_interval)
     pubsub = Pubsub(host, gossipsub)
     dht = KadDHT(host, DHTMode.SERVER, enable_random_walk=False)
-    if dht_validator is not None:
-        dht.register_validator(dht_validator.namespace, dht_validator)
     async with host.run([multiaddr.Multiaddr(a) for a in listen]):
         async with background_trio_service(pubsub), background_trio_service(gossipsub):
             async with background_trio_service(dht):

@@ -47,11 +47,6 @@ def peer_id_of(key_pair: KeyPair) -> ID:
     return ID.from_pubkey(key_pair.public_key)
 
 
-def raw_public_key(key_pair: KeyPair) -> bytes:
-    """The 32 raw bytes of the ed25519 public key (what certificates bind)."""
-    return key_pair.public_key.to_bytes()
-
-
 def raw_private_key(key_pair: KeyPair) -> bytes:
     """The 32-byte ed25519 seed, for signing records with `cryptography`."""
     seed = bytes(key_pair.private_key.impl)  # type: ignore[attr-defined]

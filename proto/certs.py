@@ -153,13 +153,10 @@ def generate_ca() -> Ed25519PrivateKey:
     return Ed25519PrivateKey.generate()
 
 
-def save_ca(directory: str | os.PathLike[str], private_key: Ed25519PrivateKey | None = None
-            ) -> Ed25519PrivateKey:
-    """Write `ca.key` (PEM, mode 0600) and `ca.pub` (PEM) into `directory`; return the key.
-
-    Generates a key when none is given. Refuses to overwrite an existing `ca.key`.
-    """
-    key = private_key if private_key is not None else generate_ca()
+def save_ca(directory: str | os.PathLike[str]) -> Ed25519PrivateKey:
+    """Write a fresh CA key to `ca.key` (PEM, mode 0600) and its `ca.pub` (PEM) into
+    `directory`; return the key. Refuses to overwrite an existing `ca.key`."""
+    key = generate_ca()
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     key_path = root / CA_KEY_FILE

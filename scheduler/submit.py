@@ -106,13 +106,6 @@ def local_capacity(clients: int, clusters: int) -> int:
     return max(share, math.ceil(clients / (clusters - 1))) if clusters > 1 else share
 
 
-def mesh_socket(config_path: str) -> str:
-    """The bridge socket of the scheduler's own daemon, from its config."""
-    from scheduler.testbed import config_socket
-
-    return config_socket(config_path)
-
-
 def _terminate(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -203,7 +196,9 @@ def submit(spec: JobSpec, source: str, args: argparse.Namespace) -> dict[str, An
             clusters = testbed.start(timeout=args.wait)
             socket_path = testbed.bridge_socket("scheduler")
         else:
-            socket_path = mesh_socket(args.mesh)
+            from scheduler.testbed import config_socket
+
+            socket_path = config_socket(args.mesh)  # the scheduler's own daemon's bridge
             expected = args.clusters.split(",") if args.clusters else None
             clusters = wait_for_clusters(socket_path, expected=expected, timeout=args.wait)
         print(f"clusters: {', '.join(c.cluster_id for c in clusters)}", file=sys.stderr)

@@ -18,7 +18,6 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
 from fabricd._host import build_host
 from fabricd._streams import read_message_exact
-from fabricd.identity import raw_public_key
 from proto.certs import issue_certificate, load_ca_private
 from proto.codec import frame
 from proto.ids import PROTOCOL_MEMBER
@@ -26,7 +25,7 @@ from proto.messages import MemberAck, MemberHello
 
 
 def certificate_for(key_pair: KeyPair, ca_dir: Path, cluster: str, role: str = "cluster") -> bytes:
-    return issue_certificate(load_ca_private(ca_dir), raw_public_key(key_pair), cluster, role,
+    return issue_certificate(load_ca_private(ca_dir), key_pair.public_key.to_bytes(), cluster, role,
                              not_before=int(time.time()) - 60)
 
 

@@ -77,14 +77,14 @@ async def test_record_put_by_one_daemon_is_found_by_another() -> None:
     from libp2p.peer.peerinfo import info_from_p2p_addr
 
     from fabricd._host import open_host_stack
-    from fabricd.identity import raw_private_key, raw_public_key
+    from fabricd.identity import raw_private_key
     from proto.codec import decode
 
     ca = generate_ca()
     membership = SimpleNamespace(ca_public=public_key_bytes(ca.public_key()), revoked=frozenset())
     kp_a, kp_b = create_new_key_pair(), create_new_key_pair()
     key_a = Ed25519PrivateKey.from_private_bytes(raw_private_key(kp_a))
-    assert public_key_bytes(key_a.public_key()) == raw_public_key(kp_a)
+    assert public_key_bytes(key_a.public_key()) == kp_a.public_key.to_bytes()
     async with (
         open_host_stack(kp_a, ["/ip4/127.0.0.1/tcp/0"], None, 1.0) as a,
         open_host_stack(kp_b, ["/ip4/127.0.0.1/tcp/0"], None, 1.0) as b,

@@ -26,7 +26,6 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from fabricd._host import build_host
 from fabricd._streams import read_message_exact
 from fabricd.config import load_config
-from fabricd.identity import raw_public_key
 from proto.bridge import (
     Error,
     Hello,
@@ -79,7 +78,7 @@ async def test_bad_frames_on_every_protocol_are_rejected_and_survived(mesh) -> N
     a = mesh.nodes["a"]
     a_info = info_from_p2p_addr(multiaddr.Multiaddr(a.addr()))
     key_pair = create_new_key_pair()
-    cert = issue_certificate(load_ca_private(mesh.ca), raw_public_key(key_pair), "raw",
+    cert = issue_certificate(load_ca_private(mesh.ca), key_pair.public_key.to_bytes(), "raw",
                              not_before=int(time.time()) - 60)
     host = build_host(key_pair)
     async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
