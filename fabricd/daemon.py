@@ -41,6 +41,7 @@ from proto.certs import RevocationList, load_ca_public, public_key_bytes, verify
 from proto.errors import NotAMember, ProtocolError
 from proto.ids import PROBE_JOB_ID
 from proto.messages import UpdateHeader, is_transient_rejection
+from proto.stream import sha256
 
 log = get_logger("fabricd.daemon")
 
@@ -180,8 +181,7 @@ class Daemon:
                                                  revoked=self.membership.revoked))
             self.discovery = Discovery(
                 stack, self.membership, cluster_id=cfg.cluster_id, capacity=cfg.capacity,
-                bootstrap=cfg.bootstrap,
-                signing_key=Ed25519PrivateKey.from_private_bytes(raw_private_key(self.creds.key_pair)),
+                bootstrap=cfg.bootstrap, signing_key=signing_key,
                 heartbeat_interval=lim.heartbeat_interval, heartbeat_timeout=lim.heartbeat_timeout,
             )
             self.membership.metrics = self.updates.metrics = self.metrics
@@ -345,7 +345,7 @@ class Daemon:
             raise RequestFailed(f"a probe may send at most limits.max_update_bytes = {limit} bytes "
                                 f"(asked for {nbytes})")
         peer_id = await self.resolve(cluster_id)
-        empty = self._probe_header(cluster_id, 0, hashlib.sha256(b"").digest())
+        empty = self._probe_header(cluster_id, 0, sha256(b""))
         rtt_start = time.perf_counter()
         await self._send_probe(peer_id, cluster_id, empty, b"")
         rtt_ms = (time.perf_counter() - rtt_start) * 1000
@@ -403,7 +403,7 @@ class Daemon:
     async def send_update(self, target_cluster: str, header: UpdateHeader,
                           payload: bytes | bytearray | FillingBuffer) -> SendResult:
         if not isinstance(payload, FillingBuffer) and len(payload) < INLINE_HASH_BYTES:
-            digest = _sha256(payload)
+            digest = sha256(payload)
             if digest != header.sha256:
                 return self._refused(header, f"payload sha256 {digest.hex()} does not match the "
                                              f"header's {header.sha256.hex()}; nothing was sent")
@@ -450,10 +450,6 @@ class Daemon:
             return ControlResult(request_id=request_id, ok=False, body={},
                                  reason=f"control request to {target_cluster!r} failed: {type(exc).__name__}: {exc}")
         return ControlResult(request_id=request_id, ok=resp.ok, body=resp.body, reason=resp.reason)
-
-
-def _sha256(data: bytes | bytearray) -> bytes:
-    return hashlib.sha256(data).digest()
 
 
 def _probe_body(nbytes: int) -> tuple[RepeatedBody, bytes]:

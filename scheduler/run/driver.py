@@ -78,9 +78,8 @@ def plan_epoch(spec: JobSpec, histograms: np.ndarray, slots: Sequence[ClusterSlo
     planned_spec = spec
     if spec.placement.strategy == "random" and epoch:
         planned_spec = replace(spec, seed=spec.seed + epoch)
-    plan = plan_job(planned_spec, list(slots), histograms=histograms, epoch=epoch,
+    return plan_job(planned_spec, list(slots), histograms=histograms, epoch=epoch,
                     pinned=pinned, overflow=overflow)
-    return plan
 
 
 def merge_failures(failures: Mapping[str, str]) -> str:
