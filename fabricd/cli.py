@@ -41,11 +41,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         creds = load_credentials(config)
     except StartupError as exc:
         raise CliError(str(exc)) from None
-
-    async def main() -> None:
-        await Daemon(config, creds).run()
-
-    trio.run(main)
+    trio.run(Daemon(config, creds).run)  # until SIGTERM/SIGINT
     return 0
 
 
@@ -103,10 +99,10 @@ def cmd_issue(args: argparse.Namespace) -> int:
 
     if args.request:
         request = _read_request(Path(args.request))
-        for flag, key in (("peer_id", "peer_id"), ("cluster_id", "cluster_id")):
-            given = getattr(args, flag)
+        for key in ("peer_id", "cluster_id"):
+            given = getattr(args, key)
             if given and given != request[key]:
-                raise CliError(f"--{flag.replace('_', '-')} {given!r} differs from the request's {request[key]!r}")
+                raise CliError(f"--{key.replace('_', '-')} {given!r} differs from the request's {request[key]!r}")
         args.peer_id, args.cluster_id = request["peer_id"], request["cluster_id"]
         args.role = request["role"] if args.role is None else args.role
     if not args.peer_id or not args.cluster_id:
@@ -122,7 +118,6 @@ def cmd_issue(args: argparse.Namespace) -> int:
 
 def cmd_revoke(args: argparse.Namespace) -> int:
     from proto.certs import RevocationList, parse_certificate
-    from proto.errors import ProtocolError
 
     try:
         cert = parse_certificate(Path(args.cert).read_bytes())
@@ -144,7 +139,6 @@ def cmd_revoke(args: argparse.Namespace) -> int:
 def _revoke_signed(args: argparse.Namespace, serial: int, cluster_id: str, peer_id: str) -> int:
     """Add ``serial`` to the CA-signed revocation list at --out (created if missing)."""
     from proto.certs import load_ca_private, sign_revocations, verify_revocations
-    from proto.errors import ProtocolError
 
     try:
         ca_key = load_ca_private(Path(args.ca), allow_readable=args.allow_readable_ca_key)
@@ -240,7 +234,6 @@ def cmd_id(args: argparse.Namespace) -> int:
 
 def _bridge_request(config_path: str, msg: Any, timeout: float) -> Any:
     from proto.bridge import BridgeClient, Error
-    from proto.errors import ProtocolError
 
     config = load_config(config_path)
     try:

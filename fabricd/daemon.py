@@ -473,10 +473,3 @@ async def _scoped(serve: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) ->
         async with trio.open_nursery() as nursery:
             await nursery.start(serve)
             task_status.started(scope)
-
-
-async def run(config: Config) -> None:
-    """Run the daemon described by ``config`` until SIGTERM/SIGINT (StartupError if it cannot)."""
-    creds = load_credentials(config)
-    daemon = Daemon(config, creds)
-    await daemon.run()
