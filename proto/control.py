@@ -554,30 +554,3 @@ class JobRestore(ControlMessage):
         if self.phase == "expect" and self.source_cluster is None:
             raise self._refuse("source_cluster", "the cluster the states come from is required "
                                "with phase 'expect'")
-
-
-__all__ = [
-    "ControlMessage",
-    "ControlMessageError",
-    "JobCheckpoint",
-    "JobLease",
-    "JobModel",
-    "JobPlan",
-    "JobPlanPart",
-    "JobProfile",
-    "JobRestore",
-    "JobStart",
-    "JobStop",
-    "NodeExport",
-    "PlanAssembly",
-    "RoundAbort",
-    "RoundRun",
-    "client_range",
-    "histogram_dtype",
-    "histogram_layout",
-    "histogram_reply",
-    "page_rows",
-    "parse_control",
-    "plan_parts",
-    "read_histograms",
-]

@@ -92,24 +92,3 @@ class PeerMismatch(NotAMember):
 
 class WrongRole(NotAMember):
     """The certificate's role is not the one this operation requires."""
-
-
-__all__ = [
-    "CertificateExpired",
-    "CertificateRevoked",
-    "ControlMessageError",
-    "DigestMismatch",
-    "ForeignCertificate",
-    "InvalidMessage",
-    "LengthMismatch",
-    "MalformedFrame",
-    "MessageTooLarge",
-    "NotAMember",
-    "PeerMismatch",
-    "ProtocolError",
-    "SignatureError",
-    "StreamClosed",
-    "UnknownMessageType",
-    "UnsupportedVersion",
-    "WrongRole",
-]

@@ -306,21 +306,3 @@ class DataPlaneTicket(Message):
     certificate: bytes = spec(Bin(MAX_CERTIFICATE_BYTES))
     ticket: bytes = spec(Bin(32, exact=(0, 32)))
     reason: str = spec(REASON)
-
-
-__all__ = [
-    "ClusterRecord",
-    "ControlRequest",
-    "ControlResponse",
-    "DataPlaneOffer",
-    "DataPlaneTicket",
-    "Heartbeat",
-    "MemberAck",
-    "MemberHello",
-    "Message",
-    "SignedEnvelope",
-    "UpdateAck",
-    "UpdateHeader",
-    "open_envelope",
-    "sign_envelope",
-]
