@@ -232,24 +232,8 @@ def load_config(path: str | os.PathLike[str]) -> Config:
                    "0 (Ray's default) or at least 81788928 bytes (78 MiB)")
 
     metrics = _section(cfg_path, data, "metrics")
-    metrics_endpoint = _str(cfg_path, metrics, "metrics", "endpoint", "")
-    if metrics_endpoint:
-        from fabricd.metrics import parse_endpoint
-
-        try:
-            parse_endpoint(metrics_endpoint)
-        except ValueError as exc:
-            raise _err(cfg_path, "metrics.endpoint", metrics_endpoint, f"empty (off) or {exc}") from None
-
-    metrics_executor_endpoint = _str(cfg_path, metrics, "metrics", "executor_endpoint", "")
-    if metrics_executor_endpoint:
-        from fabricd.metrics import parse_endpoint
-
-        try:
-            parse_endpoint(metrics_executor_endpoint)
-        except ValueError as exc:
-            raise _err(cfg_path, "metrics.executor_endpoint", metrics_executor_endpoint,
-                       f"empty (off) or {exc}") from None
+    metrics_endpoint = _endpoint(cfg_path, metrics, "endpoint")
+    metrics_executor_endpoint = _endpoint(cfg_path, metrics, "executor_endpoint")
 
     lim = _section(cfg_path, data, "limits")
     defaults = Limits()
@@ -327,6 +311,19 @@ def _datasets(path: Path, sect: dict[str, Any], base: Path,
                        "file or add its directory to [allow] data_roots")
         out.append((name, f"{kind}:{resolved}{hash_}{options}"))
     return tuple(out)
+
+
+def _endpoint(path: Path, metrics: dict[str, Any], key: str) -> str:
+    """metrics.<key>: empty (off) or HOST:PORT."""
+    value = _str(path, metrics, "metrics", key, "")
+    if value:
+        from fabricd.metrics import parse_endpoint
+
+        try:
+            parse_endpoint(value)
+        except ValueError as exc:
+            raise _err(path, f"metrics.{key}", value, f"empty (off) or {exc}") from None
+    return value
 
 
 def _str_list(path: Path, sect: dict[str, Any], key: str, default: list[str]) -> list[str]:

@@ -156,11 +156,6 @@ class ControlService:
         if self.unseal is not None:
             try:
                 cert, body = self.unseal(msg.body, peer)
-            except ProtocolError as exc:
-                await self._reply_error(stream, peer, msg.request_id,
-                                        f"rejected by cluster {self.cluster_id}: {exc}")
-                return
-            try:
                 self.owners.check(body, cert)
             except ProtocolError as exc:
                 await self._reply_error(stream, peer, msg.request_id,

@@ -72,10 +72,7 @@ class FederatedNode:
         """Become client `client_id` (fresh when `state` is None); returns the process id."""
         from worker.serialization import load_weights
 
-        self._client = int(client_id)
-        self._train_idx = np.asarray(train_indices, dtype=np.int64)
-        self._test_idx = np.asarray(test_indices, dtype=np.int64)
-        self._aggregator, self._rounds = None, 0
+        self.bind(client_id, train_indices, test_indices)
         if state is None:
             load_weights(self._model, self._initial)
             return os.getpid()
