@@ -22,7 +22,6 @@ class BoundedDict(OrderedDict[K, V]):
     def __init__(self, limit: int) -> None:
         super().__init__()
         self.limit = limit
-        self.evicted = 0
 
     def __setitem__(self, key: K, value: V) -> None:
         if key in self:
@@ -30,7 +29,6 @@ class BoundedDict(OrderedDict[K, V]):
         super().__setitem__(key, value)
         while len(self) > self.limit:
             self.popitem(last=False)
-            self.evicted += 1
 
 
 class Throttle:

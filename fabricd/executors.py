@@ -58,8 +58,6 @@ class ExecutorLauncher:
         self.command = command or [sys.executable, "-m", "worker.executor"]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.detached: set[str] = set()
-        self.started = 0
-        self.reaped = 0
 
     def command_for(self, job_id: str) -> list[str]:
         bounds = []  # cluster.toml [ray] num_cpus / object_store_memory (embedded Ray)
@@ -94,7 +92,6 @@ class ExecutorLauncher:
                 proc = subprocess.Popen(self.command_for(job_id), stdout=out, env=self.env,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             self.procs[job_id] = proc
-            self.started += 1
             log.info("executor.started", job=job_id, pid=proc.pid, ray=self.ray_address,
                      log=str(path))
         deadline = time.monotonic() + timeout
@@ -142,7 +139,6 @@ class ExecutorLauncher:
                 log.info("executor.finished", job=job_id, code=proc.returncode)
                 del self.procs[job_id]
                 self.detached.discard(job_id)
-                self.reaped += 1
                 gone.append(job_id)
         return gone
 

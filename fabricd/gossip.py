@@ -34,7 +34,6 @@ class ReliableGossip:
     def __init__(self, pubsub: Pubsub, *, max_wait: float = 30.0) -> None:
         self.pubsub = pubsub
         self.max_wait = max_wait
-        self.published = 0
 
     async def subscribe(self, topic: str) -> Any:
         _pubsub_module.SUBSCRIPTION_CHANNEL_SIZE = SUBSCRIPTION_BUFFER  # type: ignore[attr-defined]
@@ -58,5 +57,4 @@ class ReliableGossip:
             while self._busiest_queue() >= _QUEUE_HIGH_WATER:
                 await trio.sleep(0.001)
         await self.pubsub.publish(topic, data)
-        self.published += 1
         await trio.lowlevel.checkpoint()

@@ -104,7 +104,6 @@ class RoutingMatrix:
         self.mixing_steps = int(mixing_steps)
         _validate(self, check_symmetry=not _symmetric)
         self._agg_index = {name: self.num_clients + i for i, name in enumerate(self.aggregators)}
-        self._cluster_index = {c: i for i, c in enumerate(self.clusters)}
 
     # -- construction -----------------------------------------------------------------
 

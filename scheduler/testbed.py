@@ -163,7 +163,6 @@ class LocalTestbed:
             raise JobFailed("--local needs at least one cluster")
         if backend not in ("local", "inprocess"):
             raise JobFailed(f"unknown testbed backend {backend!r}; allowed: local, inprocess")
-        self.n = clusters
         self.backend = backend
         self.capacity = capacity
         self.metrics = metrics  # every daemon serves /metrics on a free port (status says where)

@@ -60,8 +60,6 @@ class BridgeLink:
         self._send_timeout = send_timeout
         self._control_pool = ThreadPoolExecutor(max_workers=CONTROL_WORKERS,
                                                 thread_name_prefix="control")
-        self.bytes_sent = 0
-        self.bytes_delivered = 0
         self._conn = BridgeConnection(
             path, Hello(role="executor", cluster_id=cluster_id, job_id=job_id,
                         answers_deliveries=True),
@@ -86,12 +84,10 @@ class BridgeLink:
         if not result.ok:
             raise RemoteSendError(f"update {message_id} to cluster {target_cluster} was not "
                                   f"delivered: {result.reason}", retry=result.retry)
-        self.bytes_sent += len(payload)
 
     # -- incoming (on the connection's reader thread) ------------------------------------
     def _on_message(self, msg: BridgeMessage, payload: bytes) -> None:
         if isinstance(msg, Delivery):
-            self.bytes_delivered += len(payload)
             self._answer_delivery(msg, payload)
         elif isinstance(msg, ControlDelivery):
             if self._on_control_arrived is not None:  # e.g. renew the lease, even if
