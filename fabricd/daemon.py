@@ -297,7 +297,7 @@ class Daemon:
         if cluster_id == self.config.cluster_id:
             raise RequestFailed(f"cluster {cluster_id!r} is this daemon itself")
         m = self.membership
-        info = self.discovery.find(cluster_id)
+        info = self.discovery.clusters.get(cluster_id)
         refusal = m.refusals.get(cluster_id)
         peer_id: str | None = None
         addrs: tuple[str, ...] = ()

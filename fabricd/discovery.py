@@ -165,9 +165,6 @@ class Discovery:
         fresh = max(info.last_heartbeat, info.joined_at)
         return time.time() - fresh <= self.timeout
 
-    def find(self, cluster_id: str) -> ClusterInfo | None:
-        return self.clusters.get(cluster_id)
-
     def table(self) -> list[dict[str, Any]]:
         now = time.time()
         rows = []

@@ -159,15 +159,13 @@ class InProcessContext(ExecutionContext):
             raise ValueError(f"num_returns={num_returns} exceeds the {len(refs)} refs given")
         pending = list(refs)
         ready: list[Ref] = []
-        deadline = None if timeout is None else _now() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         while len(ready) < num_returns:
-            left = None if deadline is None else max(0.0, deadline - _now())
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             done, _ = futures_wait(pending, timeout=left, return_when=FIRST_COMPLETED)
             if not done:
                 break
-            for ref in pending:
-                if ref in done:
-                    ready.append(ref)
+            ready += [r for r in pending if r in done]
             pending = [r for r in pending if r not in done]
         return ready, pending
 
@@ -229,7 +227,3 @@ class InProcessContext(ExecutionContext):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _now() -> float:
-    return time.monotonic()
