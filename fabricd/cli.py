@@ -232,7 +232,8 @@ def cmd_id(args: argparse.Namespace) -> int:
 
 # ---- talking to the running daemon -----------------------------------------------------
 
-def _bridge_request(config_path: str, msg: Any, timeout: float) -> Any:
+def _bridge_request(config_path: str, msg: Any, reply_type: type, timeout: float) -> Any:
+    """The daemon's reply to `msg`, which must be a `reply_type`; CliError otherwise."""
     from proto.bridge import BridgeClient, Error
 
     config = load_config(config_path)
@@ -248,16 +249,15 @@ def _bridge_request(config_path: str, msg: Any, timeout: float) -> Any:
         raise CliError(f"bad reply from fabricd at {config.bridge_socket}: {exc}") from None
     if isinstance(reply, Error):
         raise CliError(reply.reason)
+    if not isinstance(reply, reply_type):
+        raise CliError(f"unexpected reply {reply.TYPE} to {msg.TYPE}")
     return reply
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from proto.bridge import StatusReply, StatusRequest
 
-    reply = _bridge_request(args.config, StatusRequest(), args.timeout)
-    if not isinstance(reply, StatusReply):
-        raise CliError(f"unexpected reply {reply.TYPE} to StatusRequest")
-    _print_json(reply.status)
+    _print_json(_bridge_request(args.config, StatusRequest(), StatusReply, args.timeout).status)
     return 0
 
 
@@ -265,9 +265,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     from proto.bridge import ProbeReply, ProbeRequest
 
     reply = _bridge_request(args.config, ProbeRequest(cluster_id=args.cluster, bytes=args.bytes),
-                            args.timeout)
-    if not isinstance(reply, ProbeReply):
-        raise CliError(f"unexpected reply {reply.TYPE} to ProbeRequest")
+                            ProbeReply, args.timeout)
     _print_json({"cluster_id": reply.cluster_id, "rtt_ms": round(reply.rtt_ms, 3), "bytes": reply.bytes,
                  "seconds": round(reply.seconds, 6), "throughput_mb_s": round(reply.throughput_mb_s, 2)})
     return 0
