@@ -1,8 +1,8 @@
 """A TCP forwarder that behaves like a long, narrow link: one-way delay plus a rate limit.
 
-    python bench/_linkproxy.py TARGET_PORT DELAY_MS RATE_MBIT STATS_FILE
+    python bench/_linkproxy.py TARGET_PORT DELAY_MS RATE_MBIT STATS_FILE [HOST [PORT]]
 
-Listens on 127.0.0.1 (the port goes to stdout), forwards every connection to
+Listens on HOST (127.0.0.1) and PORT (any; the port goes to stdout), forwards every connection to
 127.0.0.1:TARGET_PORT, and in each direction holds every piece for DELAY_MS after the
 link has serialized it at RATE_MBIT, so a request/response takes 2 x DELAY_MS plus
 transmission. At most QUEUE_BYTES wait per direction (a bottleneck buffer), so a sender
@@ -67,7 +67,8 @@ class Link:
             nursery.start_soon(writer)
 
 
-async def main(target: int, delay_ms: float, rate_mbit: float, stats: Path) -> None:
+async def main(target: int, delay_ms: float, rate_mbit: float, stats: Path, host: str = "127.0.0.1",
+               port: int = 0) -> None:
     link = Link(delay_ms / 1000, rate_mbit * 1e6 / 8)
 
     async def handle(client: trio.SocketStream) -> None:
@@ -86,17 +87,18 @@ async def main(target: int, delay_ms: float, rate_mbit: float, stats: Path) -> N
             stats.write_text(json.dumps({"forwarded_bytes": link.forwarded}))
             await trio.sleep(0.2)
 
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    listeners = await trio.open_tcp_listeners(port, host=host)
     print(listeners[0].socket.getsockname()[1], flush=True)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(report)
         await trio.serve_listeners(handle, listeners)
 
 
-def start(target_port: int, delay_ms: float, rate_mbit: float, stats: Path) -> tuple[subprocess.Popen[str], int]:
+def start(target_port: int, delay_ms: float, rate_mbit: float, stats: Path, host: str = "127.0.0.1",
+          port: int = 0) -> tuple[subprocess.Popen[str], int]:
     """Run a forwarder in its own process (its own core and GIL): (process, listening port)."""
     proc = subprocess.Popen([sys.executable, __file__, str(target_port), str(delay_ms), str(rate_mbit),
-                             str(stats)], stdout=subprocess.PIPE, text=True)
+                             str(stats), host, str(port)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     return proc, int(proc.stdout.readline())
 
@@ -109,4 +111,5 @@ def forwarded(stats: Path) -> int:
 
 
 if __name__ == "__main__":
-    trio.run(main, int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), Path(sys.argv[4]))
+    trio.run(main, int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), Path(sys.argv[4]),
+             sys.argv[5] if len(sys.argv) > 5 else "127.0.0.1", int(sys.argv[6]) if len(sys.argv) > 6 else 0)

@@ -123,6 +123,9 @@ from tests.fabricd._transfer_load import BlastResult, blast  # noqa: E402
 
 MIB = 1024 * 1024
 CHUNK = 4 * MIB
+#: the far end of the long link: another loopback address, so only what a forwarder
+#: passes there reaches b (which listens on 127.0.0.1)
+FAR_HOST = "127.0.0.2"
 
 _RAW_RECEIVER = """
 import socket, sys
@@ -140,9 +143,10 @@ conn.sendall(str(total).encode()); conn.close()
 """
 
 
-def raw_tcp_mb_s(nbytes: int, through: Callable[[int], int] | None = None) -> float:
+def raw_tcp_mb_s(nbytes: int, through: Callable[[int], int] | None = None, host: str = "127.0.0.1") -> float:
     """A trio sender and a plain-socket receiver in another process, loopback, no crypto
-    (``through`` maps the receiver's port to the port to dial, e.g. a link forwarder)."""
+    (``through`` maps the receiver's port to the port to dial on ``host``, e.g. a link
+    forwarder)."""
     proc = subprocess.Popen([sys.executable, "-c", _RAW_RECEIVER], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     port = int(proc.stdout.readline())
@@ -150,7 +154,7 @@ def raw_tcp_mb_s(nbytes: int, through: Callable[[int], int] | None = None) -> fl
         port = through(port)
 
     async def send() -> float:
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        stream = await trio.open_tcp_stream(host, port)
         block = os.urandom(CHUNK)
         start = time.perf_counter()
         sent = 0
@@ -181,8 +185,8 @@ def _last_cpu(log: str, event: str) -> float:
     return float(values[-1]) if values else float("nan")
 
 
-def _start_pair(root: Path, budget: int | None = None, dataplane_min_bytes: int = 0,
-                dataplane_digest: str = "sha256") -> tuple[Node, Node]:
+def _start_pair(root: Path, budget: int | None = None, dataplane_min_bytes: int = MIB,
+                dataplane_digest: str = "blake3") -> tuple[Node, Node]:
     ca = init_ca(root)
     a = init_node(root, "a", ca)
     b = init_node(root, "b", ca, [a.addr()])
@@ -375,32 +379,57 @@ def e2e_runs(a: Node, b: Node, size: int, runs: int) -> dict[str, Any]:
 
 
 def long_link(root: Path, nbytes: int, delay_ms: float = 25.0, rate_mbit: float = 200.0) -> dict[str, Any]:
-    """Probe and per-update cost through a delayed, rate-limited forwarder vs raw TCP on it."""
+    """Probe and per-update cost through a delayed, rate-limited forwarder vs raw TCP on it.
+
+    a reaches b only through a forwarder on 127.0.0.2 (b listens on 127.0.0.1), so a's
+    data-plane dial goes to 127.0.0.2 too. First a second forwarder (same delay and rate)
+    passes b's data-plane port there: the probe goes over the plane through the link.
+    Then that forwarder is gone, as behind a NAT that passes only the libp2p port: the
+    probe falls back to libp2p through the link (``fallback``: the dial refused, the body
+    sent at once over libp2p, the peer remembered as unreachable)."""
     root.mkdir(parents=True, exist_ok=True)
     proxies: list[subprocess.Popen[str]] = []
 
-    def through(port: int) -> int:
-        proc, listen = linkproxy.start(port, delay_ms, rate_mbit, root / f"link{len(proxies)}.json")
+    def through(port: int, listen_port: int = 0) -> int:
+        proc, listen = linkproxy.start(port, delay_ms, rate_mbit, root / f"link{len(proxies)}.json",
+                                       host=FAR_HOST, port=listen_port)
         proxies.append(proc)
         return listen
 
+    def probe_through(stats: Path) -> tuple[dict[str, float], bool]:
+        before = linkproxy.forwarded(stats)
+        probe = probe_runs(a, b, nbytes, 1)[0]
+        time.sleep(0.5)  # the forwarder writes its counter every 0.2 s
+        return probe, linkproxy.forwarded(stats) - before >= nbytes
+
     try:
-        raw = raw_tcp_mb_s(nbytes, through)
+        raw = raw_tcp_mb_s(nbytes, through, FAR_HOST)
         ca = init_ca(root)
         b = init_node(root, "lb", ca)
         b.start()
         b.wait_ready()
-        b_via = b.addr().replace(f"/tcp/{b.port}/", f"/tcp/{through(b.port)}/")
+        b_via = b.addr().replace(f"/tcp/{b.port}/", f"/tcp/{through(b.port)}/").replace(
+            "/ip4/127.0.0.1/", f"/ip4/{FAR_HOST}/")
+        libp2p_stats = root / f"link{len(proxies) - 1}.json"
+        plane_port = int(bridge_status(b)["transfer"]["dataplane_port"])
+        plane_stats = root / f"link{len(proxies)}.json"
+        through(plane_port, plane_port)
+        plane_link = [proxies[-1]]
         a = init_node(root, "la", ca, [b_via])  # a reaches b only through the forwarder
         a.start()
         try:
             a.wait_ready()
             wait_until(lambda: "lb" in connected_fast(a), timeout=60)
-            stats = root / f"link{len(proxies) - 1}.json"
-            before = linkproxy.forwarded(stats)
-            probe = probe_runs(a, b, nbytes, 1)[0]
-            time.sleep(0.5)  # the forwarder writes its counter every 0.2 s
-            went_through = linkproxy.forwarded(stats) - before >= nbytes
+            plane_first, _ = probe_through(plane_stats)  # with the connection's set-up
+            plane, plane_through = probe_through(plane_stats)
+            plane_opened = bridge_status(a)["transfer"].get("dataplane_opened", 0)
+            plane_link[0].kill()
+            plane_link[0].wait(10)
+            # the pooled plane connection is dead and the plane port unreachable: this one
+            # pays the lost connection and the refused dial, the next one neither
+            fallback_first, _ = probe_through(libp2p_stats)
+            probe, went_through = probe_through(libp2p_stats)
+            sent = bridge_status(a)["transfer"]
             fixed_cost(a, b, 3)
             fc = fixed_cost(a, b, 20)
         finally:
@@ -415,6 +444,14 @@ def long_link(root: Path, nbytes: int, delay_ms: float = 25.0, rate_mbit: float 
             "raw_mb_s": round(raw, 2), "probe_mb_s": probe["throughput_mb_s"],
             "ratio_to_raw": round(probe["throughput_mb_s"] / raw, 3), "target_ratio": 0.9,
             "probe_went_through_link": went_through,
+            "over": "libp2p (the data-plane port unreachable)",
+            "first_after_plane_lost_ratio_to_raw": round(fallback_first["throughput_mb_s"] / raw, 3),
+            "dataplane_failed_dials": sent.get("dataplane_failed", 0),
+            "dataplane_fallbacks": sent.get("dataplane_fallbacks", 0),
+            "plane_mb_s": plane["throughput_mb_s"],
+            "plane_ratio_to_raw": round(plane["throughput_mb_s"] / raw, 3),
+            "plane_first_ratio_to_raw": round(plane_first["throughput_mb_s"] / raw, 3),
+            "plane_went_through_link": plane_through, "plane_connections_opened": plane_opened,
             "update_ms": fc["ms_per_update"], "update_in_rtts": round(fc["ms_per_update"] / rtt_ms, 2),
             "target_rtts": 1.2, "updates_failed": fc["failed"]}
 
@@ -446,7 +483,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=None)
     parser.add_argument("--dataplane-min-bytes", type=int, default=MIB,
                         help="limits.dataplane_min_bytes of the measured pair (0: all over libp2p)")
-    parser.add_argument("--dataplane-digest", choices=("sha256", "blake3"), default="sha256",
+    parser.add_argument("--dataplane-digest", choices=("sha256", "blake3"), default="blake3",
                         help="limits.dataplane_digest of the measured pair's receiver")
     parser.add_argument("--libp2p-probe", action="store_true",
                         help="also probe a second pair with the data plane off (the old path)")

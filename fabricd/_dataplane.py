@@ -6,8 +6,15 @@ connection: TLS 1.3 authenticates both ends and carries two fresh keys, then the
 connection leaves TLS and carries AES-256-GCM records (``Records``: what kTLS would do; the
 kernel here has no ``tls`` ULP, and Python's ``ssl`` opens one 16 KiB record per call at
 ~3x the CPU). Socket calls and crypto run in worker threads, and a body is hashed by a
-second thread while the next record is read, so the event loop, decryption and sha256 use
-more than one core. ``dataplane_min_bytes = 0`` (the default) turns it off.
+second thread while the next record is read, so the event loop, decryption and the digest use
+more than one core. It is on by default (``limits.dataplane_min_bytes``, 1 MiB);
+``dataplane_min_bytes = 0`` turns it off.
+
+A peer whose data-plane port cannot be reached (a NAT, firewall or forwarder that passes
+only the libp2p port) costs one short dial (``DIAL_SECONDS``): the update goes over libp2p
+at once, and so does every large update to that peer while it is remembered as
+unreachable (``UNREACHABLE_SECONDS``, doubling per failure again up to
+``UNREACHABLE_MAX_SECONDS``; a success forgets it).
 
 Trust comes only from the membership already proven on libp2p - no new root. Python's
 ``ssl`` has no verify callback, so a TLS certificate cannot be checked against the
@@ -90,8 +97,13 @@ MAX_TICKETS = 1024
 TICKETS_PER_PEER = 16
 #: members whose TLS certificate this daemon trusts (one current certificate each)
 MAX_TRUSTED_PEERS = 4096
-#: after a failed ticket request, a peer's large updates use libp2p for this long
-UNAVAILABLE_SECONDS = 30.0
+#: after a failed ticket request or dial, a peer's large updates use libp2p for this long,
+#: doubled per consecutive failure (a peer behind a NAT keeps failing) up to the maximum
+UNREACHABLE_SECONDS = 60.0
+UNREACHABLE_MAX_SECONDS = 900.0
+#: the TCP connect of a data-plane dial (one SYN retransmission: Linux resends after 1 s);
+#: TLS and the ticket then have HANDSHAKE_SECONDS
+DIAL_SECONDS = 2.0
 #: worker threads of the data plane (socket calls and handshakes)
 MAX_THREADS = 512
 #: how long one blocking socket call may wait before the event loop gets to look at
@@ -116,7 +128,12 @@ T = TypeVar("T")
 
 
 class DataPlaneUnavailable(FabricdError):
-    """No data-plane connection could be made to a peer (the caller falls back to libp2p)."""
+    """No data-plane connection could be made to a peer (the caller falls back to libp2p);
+    ``remembered``: not tried, the peer failed lately."""
+
+    def __init__(self, message: str, remembered: bool = False) -> None:
+        super().__init__(message)
+        self.remembered = remembered
 
 
 class BodyTooSlow(FabricdError):
@@ -273,8 +290,9 @@ def dial(address: str, port: int, ctx: ssl.SSLContext, ticket: bytes) -> Records
     """Connect, run TLS 1.3 (``ctx`` pins the receiver's certificate), present the ticket
     and two fresh record keys inside it, then leave TLS (close_notify both ways): the
     receiver's close_notify is its acceptance. Blocking; OSError/ssl.SSLError if refused."""
-    raw = socket.create_connection((address, port), timeout=HANDSHAKE_SECONDS)
+    raw = socket.create_connection((address, port), timeout=DIAL_SECONDS)
     try:
+        raw.settimeout(HANDSHAKE_SECONDS)
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock = ctx.wrap_socket(raw, server_side=False)
         keys = secrets.token_bytes(2 * KEY_BYTES)
@@ -372,7 +390,7 @@ class TlsStream:
 
         One thread reads and opens each record straight into the destination, a second
         hashes what is already there (hashlib releases the GIL), so decryption and
-        sha256 overlap with no copy and no event-loop hop per record. The rate floor and
+        the digest overlap with no copy and no event-loop hop per record. The rate floor and
         the idle limit are kept by the reading thread: BodyTooSlow says which; StreamEOF
         if the connection ends, breaks or sends a record across the body's end."""
         if self._pending:
@@ -486,8 +504,13 @@ class DataPlane:
         #: the current TLS certificate (DER) of each member that asked for a ticket
         self.client_certs: BoundedDict[str, bytes] = BoundedDict(MAX_TRUSTED_PEERS)
         self.server_ctx = _context(self.identity, server=True)
-        #: peers whose ticket request failed lately -> until when libp2p is used instead
-        self.unavailable: BoundedDict[str, float] = BoundedDict(MAX_TRUSTED_PEERS)
+        #: peers whose ticket request or dial failed lately -> (until when libp2p is used
+        #: instead, consecutive failures)
+        self.unreachable: BoundedDict[str, tuple[float, int]] = BoundedDict(MAX_TRUSTED_PEERS)
+        #: peers a data-plane connection was made to (dials to them may run in parallel)
+        self.reached: BoundedDict[str, bool] = BoundedDict(MAX_TRUSTED_PEERS)
+        #: peers not reached yet -> the one dial to them under way
+        self._first_dial: dict[str, trio.Event] = {}
         #: ticket -> (peer id, client certificate fingerprint, expiry)
         self.tickets: BoundedDict[bytes, tuple[str, bytes, float]] = BoundedDict(MAX_TICKETS)
         self.port = 0
@@ -497,6 +520,8 @@ class DataPlane:
         self.accepted = 0
         self.refused = 0
         self.opened = 0
+        #: connections that could not be made (each is one dial or ticket request)
+        self.failed = 0
         self._nursery: trio.Nursery | None = None
 
     # ---- receiving ---------------------------------------------------------------------
@@ -663,16 +688,34 @@ class DataPlane:
     async def connect(self, peer_id: str) -> TlsStream:
         """A new data-plane connection to member ``peer_id``; DataPlaneUnavailable (naming
         the peer and why) if none can be made - the caller then uses libp2p, and so does
-        every update to that peer for UNAVAILABLE_SECONDS."""
-        until = self.unavailable.get(peer_id, 0.0)
-        if time.monotonic() < until:
+        every update to that peer while it is remembered as unreachable (without trying).
+
+        Until a peer was reached once, one dial to it runs at a time: updates sent together
+        to a peer behind a NAT pay one failed dial, not one each."""
+        while (first := self._first_dial.get(peer_id)) is not None:
+            await first.wait()
+        until, failures = self.unreachable.get(peer_id, (0.0, 0))
+        now = time.monotonic()
+        if now < until:
             raise DataPlaneUnavailable(f"the data plane to {peer_id} failed lately; libp2p for "
-                                       f"{until - time.monotonic():.0f} s more")
+                                       f"{until - now:.0f} s more", remembered=True)
+        first = None
+        if peer_id not in self.reached:
+            first = self._first_dial[peer_id] = trio.Event()
         try:
-            return await self._connect(peer_id)
+            stream = await self._connect(peer_id)
         except DataPlaneUnavailable:
-            self.unavailable[peer_id] = time.monotonic() + UNAVAILABLE_SECONDS
+            self.failed += 1
+            wait = min(UNREACHABLE_MAX_SECONDS, UNREACHABLE_SECONDS * 2 ** min(failures, 16))
+            self.unreachable[peer_id] = (time.monotonic() + wait, failures + 1)
             raise
+        finally:
+            if first is not None:
+                del self._first_dial[peer_id]
+                first.set()
+        self.unreachable.pop(peer_id, None)
+        self.reached[peer_id] = True
+        return stream
 
     async def _connect(self, peer_id: str) -> TlsStream:
         try:
@@ -703,4 +746,7 @@ class DataPlane:
 
     def status(self) -> dict[str, int]:
         return {"dataplane_port": self.port, "dataplane_accepted": self.accepted,
-                "dataplane_refused": self.refused, "dataplane_opened": self.opened}
+                "dataplane_refused": self.refused, "dataplane_opened": self.opened,
+                "dataplane_failed": self.failed,
+                "dataplane_unreachable_peers": sum(1 for until, _ in self.unreachable.values()
+                                                   if until > time.monotonic())}

@@ -50,13 +50,16 @@ class Limits:
     dedup_ids_per_member: int = 65_536
     # rounds behind a sender's newest delivered round that stay open (older: refused)
     dedup_round_window: int = 64
-    # update bodies at least this large go over the TLS 1.3 data plane (fabricd/_dataplane.py);
-    # 0 = off, everything over libp2p
-    dataplane_min_bytes: int = 0
-    # what this daemon verifies a body that reaches it over the data plane by: "sha256"
-    # (the header's digest, recomputed here) or "blake3" (the sending daemon, which checked
-    # the header's sha256 itself, sends the body's BLAKE3 after it: ~4x less CPU here)
-    dataplane_digest: str = "sha256"
+    # update bodies at least this large go over the TLS-keyed data plane (fabricd/_dataplane.py),
+    # smaller ones over libp2p; 0 = off, everything over libp2p. 1 MiB: from there up the
+    # plane takes about half the time per update of libp2p on loopback (bench_transfer).
+    # A peer whose data-plane port cannot be reached gets its large updates over libp2p.
+    dataplane_min_bytes: int = 1024 * 1024
+    # the digest of a body on the data plane: "blake3" (the sending daemon hashes the body
+    # while it sends it and writes the digest after it; this daemon hashes it while it reads
+    # it and verifies before delivery) or "sha256" (the header's digest, recomputed here:
+    # ~3x the receiver's CPU)
+    dataplane_digest: str = "blake3"
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,11 @@ Sender: ``frame(UpdateHeader)``, the body in chunks of at most 4 MiB, then it re
 On /fedpilot/update/1.1.0 the stream then carries the next update (after an ``ok`` ack;
 the sending mechanics - pool, retries, parallelism - are in ``fabricd._sender``).
 Receiver: checks the header (size limit, in-flight memory budget, a consumer for the
-job), reads the body into an ``UpdateReceiver`` (bounded), verifies length and sha256,
-drops repeated message ids, hands the payload to the local executor, and acks ``ok``
-only once the executor accepted it (end to end; a refusal goes back as ``rejected`` with
-the executor's reason). An id counts as delivered only after that acceptance, and one
+job), reads the body into an ``UpdateReceiver`` (bounded), verifies length and digest
+(the header's sha256; on the data plane the sender's BLAKE3 by default), drops repeated
+message ids, hands the payload to the local executor, and acks ``ok`` only once the
+executor accepted it (end to end; a refusal goes back as ``rejected`` with the
+executor's reason). An id counts as delivered only after that acceptance, and one
 copy of an id is delivered at a time (a second copy meanwhile is told ``busy:``, so it
 comes back later and is then a ``duplicate``). Probe updates (job ``_probe``) are hashed
 and discarded, never stored.
@@ -181,10 +182,10 @@ class UpdateService:
         for protocol in (PROTOCOL_UPDATE, PROTOCOL_UPDATE_POOLED):
             self.host.set_stream_handler(protocol, handler)  # type: ignore[arg-type]
 
-    def use_dataplane(self, dataplane: DataPlane, min_bytes: int, digest: str = "sha256") -> None:
+    def use_dataplane(self, dataplane: DataPlane, min_bytes: int, digest: str = "blake3") -> None:
         """Send bodies of at least ``min_bytes`` over ``dataplane``, and serve its
         connections like pooled update streams (same admission, floors, dedup; bodies
-        verified by ``digest``: "sha256", the header's, or "blake3", the sender's trailer)."""
+        verified by ``digest``: "blake3", the sender's trailer, or "sha256", the header's)."""
         self.dataplane = dataplane
         self.dataplane_min_bytes = min_bytes
         self.dataplane_blake3 = digest == "blake3"
@@ -526,9 +527,12 @@ class UpdateService:
             try:
                 stream, reused = await pool.take(peer_id)
             except DataPlaneUnavailable as exc:
-                bulk = False  # this update goes over libp2p instead
+                bulk = False  # this update goes over libp2p instead, at once
                 self.dataplane_fallbacks += 1
-                log.info("update.dataplane_fallback", peer=peer_id, message_id=header.message_id, reason=str(exc))
+                if not exc.remembered:  # one line per failed dial, not per update after it
+                    log.warning("update.dataplane_fallback", peer=peer_id, message_id=header.message_id,
+                                reason=str(exc), action="large updates to this peer use libp2p for a while; "
+                                "open the peer's data-plane port or set limits.dataplane_min_bytes = 0")
                 continue
             except Exception as exc:  # noqa: BLE001 - StreamFailure after the open retries
                 failures += 1

@@ -85,7 +85,7 @@ def test_large_update_goes_over_the_dataplane_verified(pair: tuple[Node, Node]) 
     # libp2p update streams carried none of them
     assert (after_a["streams_opened"] + after_a["streams_reused"]
             == before_a["streams_opened"] + before_a["streams_reused"]), (before_a, after_a)
-    assert f"job={result.job}" in b.log() and "verified=sha256" in b.log()
+    assert f"job={result.job}" in b.log() and "verified=blake3" in b.log()
 
 
 def test_small_update_stays_on_libp2p(pair: tuple[Node, Node]) -> None:

@@ -39,8 +39,9 @@ def test_probe_256_mib_is_verified_at_the_far_end(mesh) -> None:
     assert out["cluster_id"] == "b" and out["bytes"] == 256 * MIB
     assert out["seconds"] > 0 and out["throughput_mb_s"] > 0
     print("probe a->b:", out)
-    # The far end logs the verified receipt (length and sha256 checked before the ack).
-    wait_until(lambda: re.search(r"event=update\.received .*job=_probe .*bytes=268435456 .*verified=sha256",
+    # The far end logs the verified receipt (length and digest checked before the ack; the
+    # probe goes over the data plane, whose default digest is BLAKE3).
+    wait_until(lambda: re.search(r"event=update\.received .*job=_probe .*bytes=268435456 .*verified=blake3",
                                  b.log()), timeout=10)
     counters = cli_json("status", "--config", a.config)["jobs"]["_probe"]
     assert counters["sent_bytes"] >= 256 * MIB
@@ -90,7 +91,7 @@ def test_sigterm_shuts_down_in_order_and_removes_the_socket(mesh) -> None:
     assert e.stop() == 0
     events = re.findall(r"event=(service\.stopped service=\w+|daemon\.stopped|daemon\.signal)", e.log())
     assert events == ["daemon.signal", "service.stopped service=executor_reaper", "service.stopped service=bridge",
-                      "service.stopped service=revocations", "service.stopped service=discovery",
+                      "service.stopped service=dataplane", "service.stopped service=revocations", "service.stopped service=discovery",
                       "service.stopped service=membership", "daemon.stopped"], events
     assert not sock.exists()
     wait_until(lambda: "e" not in connected_fast(mesh.nodes["a"]), timeout=30)
