@@ -41,6 +41,8 @@ log = get_logger("fabricd.sender")
 HEADER_LIMIT = 64 * 1024
 #: An idle pooled stream older than this is closed instead of reused.
 IDLE_SECONDS = 20.0
+#: A body up to this size is written together with its header.
+COALESCE_BYTES = 64 * 1024
 #: Idle streams kept per peer (also the number of updates sent to one peer at a time).
 PARALLEL_PER_PEER = 8
 OPEN_ATTEMPTS = 8
@@ -320,7 +322,13 @@ async def exchange(stream: INetStream, header: UpdateHeader, body: Body, chunk_b
             chunks = list(body_chunks(body, chunk_bytes))
             refused = await gate() if gate is not None and len(chunks) <= 1 else None
             if refused is None:
-                await stream.write(frame(header))
+                head = frame(header)
+                if len(chunks) == 1 and len(chunks[0]) <= COALESCE_BYTES:
+                    # A small body rides in the header's write (its gate, if any, has
+                    # spoken): one yamux and Noise frame, one wake-up of the receiver.
+                    await stream.write(head + chunks.pop())
+                else:
+                    await stream.write(head)
             offset = 0
             for i, chunk in enumerate(chunks):
                 if got_ack.is_set() or refused is not None:

@@ -38,6 +38,8 @@ from proto.errors import InvalidMessage, MalformedFrame, MessageTooLarge, Stream
 from proto.ids import MAX_BRIDGE_HEADER_BYTES
 
 PAYLOAD_LENGTH = "payload_length"
+#: a payload up to this size is written together with its frame's header
+COALESCE_BYTES = 64 * 1024
 
 # ---- framing ----------------------------------------------------------------------------
 
@@ -150,9 +152,12 @@ def connect_bridge(path: str, hello: Hello, timeout: float | None = None) -> soc
 
 def send_bridge(sock: socket.socket, msg: BridgeMessage, payload: bytes = b"") -> None:
     """Write one frame to a blocking socket."""
-    sock.sendall(bridge_header(msg, len(payload)))
-    if payload:
-        sock.sendall(payload)
+    head = bridge_header(msg, len(payload))
+    if len(payload) <= COALESCE_BYTES:
+        sock.sendall(head + payload)  # one write, one wake-up of the reader
+        return
+    sock.sendall(head)
+    sock.sendall(payload)
 
 
 def recv_bridge(sock: socket.socket, max_payload: int,
@@ -187,9 +192,12 @@ class BridgeStream:
         self._reader = ExactReader(stream.receive_some)
 
     async def send(self, msg: BridgeMessage, payload: bytes | bytearray | memoryview = b"") -> None:
-        await self.stream.send_all(bridge_header(msg, len(payload)))
-        if payload:
-            await self.stream.send_all(payload)
+        head = bridge_header(msg, len(payload))
+        if len(payload) <= COALESCE_BYTES:
+            await self.stream.send_all(head + payload)  # one write, one wake-up of the reader
+            return
+        await self.stream.send_all(head)
+        await self.stream.send_all(payload)
 
     async def recv(self) -> tuple[BridgeMessage, bytes]:
         """One whole frame; the same errors as `recv_bridge`."""
