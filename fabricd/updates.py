@@ -72,6 +72,8 @@ DRAIN_SECONDS = 2.0
 #: IDLE_SECONDS, so the sender stops reusing a stream before we close it).
 IDLE_WAIT_SECONDS = 60.0
 BUSY_RETRY_TIMEOUTS = 4
+#: how a receiver words a rate-floor cut (fabricd.admission.RateFloor.too_slow)
+TOO_SLOW = "too slow:"
 #: update streams one peer may have open here at once (its sender keeps at most 8)
 MAX_STREAMS_PER_MEMBER = 32
 _HEADER_ENDED: tuple[type[BaseException], ...] = (EOFError, trio.TooSlowError, *STREAM_ERRORS)
@@ -569,6 +571,17 @@ class UpdateService:
                 pool.give_back(peer_id, stream)
             else:
                 await discard(stream, clean=True)
+            if result.status == "rejected" and result.reason.startswith(TOO_SLOW) and not completed:
+                # The receiver cut the body at its rate floor and freed its budget: this
+                # end was starved (a loaded machine, a local client slow to hand over the
+                # payload). Sent again under its message id, it cannot be delivered twice.
+                failures += 1
+                if failures < SEND_ATTEMPTS:
+                    self.send_retries += 1
+                    log.info("update.retry", peer=peer_id, job=header.job_id, message_id=header.message_id,
+                             reused=reused, reason=result.reason)
+                    await trio.sleep(backoff(failures))
+                    continue
             if (result.status == "rejected" and result.reason.startswith("busy:")
                     and time.monotonic() < busy_until):
                 busy += 1
