@@ -162,7 +162,7 @@ def auto_mixing_steps(edges: np.ndarray, samples: np.ndarray, client_fraction: f
         remap = np.cumsum(inside) - 1
         edges = edges[inside[edges[:, 0]] & inside[edges[:, 1]]]
         edges, samples, n = remap[edges], samples[keep], len(keep)
-    factor = mixing_factor(edges, samples)
+    factor = mixing_factor(edges, samples, stop_above=MIXING_USEFUL ** (1 / MAX_MIXING_STEPS))
     if factor <= MIXING_TARGET:
         return 1
     if factor >= 1.0 - 1e-9:
@@ -173,12 +173,16 @@ def auto_mixing_steps(edges: np.ndarray, samples: np.ndarray, client_fraction: f
     return MAX_MIXING_STEPS if factor ** MAX_MIXING_STEPS <= MIXING_USEFUL else 1
 
 
-def mixing_factor(edges: np.ndarray, samples: np.ndarray, iterations: int = 60) -> float:
+def mixing_factor(edges: np.ndarray, samples: np.ndarray, iterations: int | None = None,
+                  stop_above: float = 1.0) -> float:
     """How much one averaging step shrinks the nodes' disagreement: the second-largest
     eigenvalue modulus of the engine's mixing matrix, where a node averages itself and its
     neighbours weighted by their samples (a reversible walk with edge weights s_u s_v, so
     its symmetric form has the same spectrum). Exact up to DENSE_MIXING_LIMIT nodes; above,
-    seeded power iteration, which approaches the factor from below."""
+    seeded power iteration, which approaches the factor from below: 40 iterations, 15 above
+    100,000 nodes (about 1 s at 1,000,000 clients with k = 3; enough to tell the step
+    counts apart, whose bounds lie 0.1-0.2 apart). Every iterate is a lower bound, so the
+    iteration stops once one reaches `stop_above`."""
     s = np.maximum(np.asarray(samples, dtype=np.float64), 1e-12)
     n = len(s)
     if n < 2:
@@ -186,23 +190,29 @@ def mixing_factor(edges: np.ndarray, samples: np.ndarray, iterations: int = 60) 
     e = np.asarray(edges, dtype=np.int64).reshape(-1, 2)
     u = np.concatenate([e[:, 0], e[:, 1], np.arange(n)])
     v = np.concatenate([e[:, 1], e[:, 0], np.arange(n)])
-    w = sparse.csr_matrix((s[u] * s[v], (u, v)), shape=(n, n))  # edges are unique (_make)
-    d = np.asarray(w.sum(axis=1)).ravel()
-    scale = 1.0 / np.sqrt(d)
-    sym = sparse.diags(scale) @ w @ sparse.diags(scale)
-    top = np.sqrt(d) / np.linalg.norm(np.sqrt(d))   # eigenvector of eigenvalue 1
+    weight = s[u] * s[v]                             # edges are unique (_make)
+    d = np.bincount(u, weights=weight, minlength=n)
+    root = np.sqrt(d)
+    top = root / np.linalg.norm(root)               # the eigenvector of eigenvalue 1
+    weight /= root[u] * root[v]                      # the symmetric form D^-1/2 W D^-1/2
     if n <= DENSE_MIXING_LIMIT:
-        values = np.linalg.eigvalsh(sym.toarray() - np.outer(top, top))
+        dense = np.zeros((n, n))
+        dense[u, v] = weight
+        values = np.linalg.eigvalsh(dense - np.outer(top, top))
         return float(np.max(np.abs(values)))
-    x = np.random.default_rng(0).standard_normal(n)
+    sym = sparse.csr_matrix((weight.astype(np.float32), (u, v)), shape=(n, n))
+    top = top.astype(np.float32)
+    x = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
     factor = 0.0
-    for _ in range(iterations):
+    for _ in range(iterations or (40 if n <= 100_000 else 15)):
         x -= top * (top @ x)
         norm = float(np.linalg.norm(x))
         if norm == 0.0:
             return 0.0
         x = sym @ (x / norm)
         factor = float(np.linalg.norm(x))
+        if factor >= stop_above:
+            break
     return factor
 
 
