@@ -1,10 +1,14 @@
 """Stage 3: Affinity Propagation finds the data communities without a preset count.
 
 Up to `max_candidates` clients, AP runs on the full cosine-similarity matrix. Above that
-(AP is O(n²) in time and memory), it runs on candidate histograms — the distinct label
-proportions at 1/QUANTISE_LEVELS resolution, or a count-weighted sample of them when there
-are still too many — each weighted by how many clients it stands for, with the preference
-estimated from client pairs; every client then joins its most similar exemplar.
+(AP is O(n²) in time and memory), clients are put in at most `max_candidates` groups (the
+distinct label proportions at 1/QUANTISE_LEVELS resolution, or a count-weighted sample of
+them that every other distinct proportion joins by similarity), and AP runs on the groups:
+group j choosing group k as exemplar is worth the summed similarity of all j's clients to
+k's representative (its most central client), computed exactly from summed unit vectors,
+with the preference estimated from client pairs. Every client then joins its most similar
+exemplar, and, as sklearn's AP ends, each community re-elects its most central client and
+the clients join the nearest again.
 """
 
 from __future__ import annotations
@@ -49,24 +53,18 @@ class Communities:
 
 
 def affinity_propagation(
-    similarity: np.ndarray, *, damping: float, preference: float | None, seed: int,
-    weights: np.ndarray | None = None,
+    similarity: np.ndarray, *, damping: float, preference: float | np.ndarray | None,
+    seed: int,
 ) -> np.ndarray:
     """Exemplar index of every row of a precomputed similarity matrix (sklearn AP,
-    deterministic for `seed`). `weights[i]` (>= 1) makes row i stand for that many
-    identical points: its similarities count that many times and, as an exemplar, it
-    already serves its own copies. If AP does not converge it retries with heavier damping;
-    if that fails too, all rows join the row with the highest total similarity."""
+    deterministic for `seed`); `preference` is one value, one per row, or None for the
+    median similarity. If AP does not converge it retries with heavier damping; if that
+    fails too, all rows join the row with the highest total similarity."""
     n = similarity.shape[0]
     if n == 1:
         return np.zeros(1, dtype=np.int64)
     s = np.asarray(similarity, dtype=np.float64)
-    base = float(np.median(s)) if preference is None else preference
-    pref: float | np.ndarray = base
-    if weights is not None:
-        w = np.maximum(np.asarray(weights, dtype=np.float64), 1.0)
-        s = s * w[:, None]
-        pref = base + (w - 1.0) * np.diag(similarity)
+    pref = float(np.median(s)) if preference is None else preference
     for d, iters in ((damping, 200), (max(damping, 0.9), 1000)):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
@@ -83,20 +81,27 @@ def affinity_propagation(
     return np.full(n, int(np.argmax(s.sum(axis=1))), dtype=np.int64)
 
 
-def distinct_rows(codes: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct rows of small non-negative integer codes (< base) and their counts, in
-    lexicographic order. Packs rows into one int64 when they fit (a 1-D sort is ~10x
-    faster than `np.unique(axis=0)` at 100k rows)."""
+def distinct_rows(codes: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Distinct rows of small non-negative integer codes (< base), their counts and each
+    input row's index among them, in lexicographic order. Packs rows into one int64 when
+    they fit (a 1-D sort is ~10x faster than `np.unique(axis=0)` at 100k rows)."""
     width = codes.shape[1]
     if width * np.log2(base) >= 62:
-        return np.unique(codes, axis=0, return_counts=True)
+        rows, inverse, counts = np.unique(codes, axis=0, return_inverse=True,
+                                          return_counts=True)
+        return rows, counts, inverse.reshape(-1)
     weights = base ** np.arange(width - 1, -1, -1, dtype=np.int64)
-    keys = np.sort(codes.astype(np.int64) @ weights)
-    starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
+    packed = codes.astype(np.int64) @ weights
+    order = np.argsort(packed, kind="stable")
+    keys = packed[order]
+    first = np.concatenate(([True], keys[1:] != keys[:-1]))
+    starts = np.flatnonzero(first)
     counts = np.diff(np.append(starts, len(keys)))
+    inverse = np.empty(len(keys), dtype=np.int64)
+    inverse[order] = np.cumsum(first) - 1
     uniq = keys[starts]
     rows = (uniq[:, None] // weights[None, :]) % base
-    return rows.astype(codes.dtype), counts
+    return rows.astype(codes.dtype), counts, inverse
 
 
 def population_median_similarity(histograms: np.ndarray, *, seed: int,
@@ -132,25 +137,48 @@ def find_communities(
         exemplars, labels = np.unique(exemplar_of, return_inverse=True)
         return Communities(labels.astype(np.int64), props[exemplars], "full", n)
     codes = quantise(hist, QUANTISE_LEVELS)
-    distinct, counts = distinct_rows(codes, QUANTISE_LEVELS + 1)
+    distinct, counts, row_of = distinct_rows(codes, QUANTISE_LEVELS + 1)
     method = "distinct"
+    group_of_row = np.arange(len(distinct))
     if len(distinct) > max_candidates:
         rng = np.random.default_rng(seed)
         pick = np.sort(rng.choice(len(distinct), size=max_candidates, replace=False,
                                   p=counts / counts.sum()))
-        distinct, counts = distinct[pick], counts[pick]
+        group_of_row = nearest_rows(distinct, distinct[pick])
         method = "sampled"
-    candidates = distinct.astype(np.float64) / QUANTISE_LEVELS
-    weights = counts * (n / counts.sum())  # clients each candidate stands for
+    unit = unit_rows(hist)
+    group = np.unique(group_of_row[row_of], return_inverse=True)[1].reshape(-1)
     if preference is None:
-        # Full AP's default is the median similarity over all client pairs; distinct
-        # candidates are more spread out than the clients, so estimate it from the clients.
+        # Full AP's default is the median similarity over all client pairs.
         preference = population_median_similarity(hist, seed=seed)
-    exemplar_of = affinity_propagation(
-        cosine_similarity(candidates), damping=damping, preference=preference, seed=seed,
-        weights=weights)
-    centroids = candidates[np.unique(exemplar_of)]
-    labels = nearest_rows(hist, centroids)
-    # Drop exemplars no client chose, keeping labels dense.
+    representative, sums = _most_central(unit, group)
+    similarity = sums @ unit[representative].T.astype(np.float64)
+    # A group that is its own exemplar: its representative earns the preference, its
+    # other clients their similarity to the representative.
+    self_preference = preference + np.diag(similarity) - 1.0
+    exemplar_of = affinity_propagation(similarity, damping=damping,
+                                       preference=self_preference, seed=seed)
+    # Each community re-elects its most central client among the clients AP gave it
+    # (their groups'), as sklearn's AP ends; then every client joins the nearest exemplar.
+    community = np.unique(exemplar_of, return_inverse=True)[1].reshape(-1)
+    exemplars = _most_central(unit, community[group])[0]
+    labels = nearest_rows(hist, hist[exemplars])
     used, labels = np.unique(labels, return_inverse=True)
-    return Communities(labels.astype(np.int64), centroids[used], method, len(candidates))
+    return Communities(labels.reshape(-1).astype(np.int64), props[exemplars[used]], method,
+                       len(representative))
+
+
+def _most_central(unit: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For groups 0..k-1 of unit rows (every group non-empty): the row of each group with
+    the highest summed cosine similarity to its group (sklearn AP's exemplar re-election;
+    ties to the lowest index), and each group's sum of unit rows. O(n·C): the summed
+    similarity of row i to its group is `unit[i] · sum`."""
+    k = int(group.max()) + 1
+    sums = np.stack([np.bincount(group, weights=unit[:, c], minlength=k)
+                     for c in range(unit.shape[1])], axis=1)
+    direction = unit_rows(sums)
+    cosine = np.einsum("ij,ij->i", unit, direction[group])
+    # one sort key: the group, then the cosine to the group's direction, descending
+    order = np.argsort(group + 0.5 * (1.0 - np.clip(cosine, 0.0, 1.0)), kind="stable")
+    first = order[np.flatnonzero(np.diff(group[order], prepend=-1))]
+    return first, sums
