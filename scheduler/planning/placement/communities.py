@@ -162,10 +162,23 @@ def find_communities(
     # (their groups'), as sklearn's AP ends; then every client joins the nearest exemplar.
     community = np.unique(exemplar_of, return_inverse=True)[1].reshape(-1)
     exemplars = _most_central(unit, community[group])[0]
-    labels = nearest_rows(hist, hist[exemplars])
+    labels = _nearest_exemplar(hist, hist[exemplars])
     used, labels = np.unique(labels, return_inverse=True)
     return Communities(labels.reshape(-1).astype(np.int64), props[exemplars[used]], method,
                        len(representative))
+
+
+def _nearest_exemplar(hist: np.ndarray, exemplars: np.ndarray) -> np.ndarray:
+    """`nearest_rows(hist, exemplars)`, computed once per distinct histogram when the
+    counts pack into one int64 (clients with few samples repeat histograms often: 61% of
+    a million 50-sample Dirichlet(0.1) histograms are distinct)."""
+    if not np.issubdtype(hist.dtype, np.integer) or hist.min() < 0:
+        return nearest_rows(hist, exemplars)
+    base = int(hist.max()) + 1
+    if hist.shape[1] * np.log2(base) >= 62:
+        return nearest_rows(hist, exemplars)
+    rows, _, row_of = distinct_rows(hist, base)
+    return nearest_rows(rows, exemplars)[row_of]
 
 
 def _most_central(unit: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
