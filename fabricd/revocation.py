@@ -114,20 +114,17 @@ class RevocationGossip:
         self.revocations = revocations
         self.is_member = is_member
         self.own_peer = own_peer
-        self.rejected = 0
         self._throttle = Throttle(log)
 
     def _validate(self, forwarder: ID, msg: Any) -> bool:
         fwd = str(forwarder)
         if fwd != self.own_peer and not self.is_member(fwd):
-            self.rejected += 1
             self._throttle.warning("gossip.rejected", peer=fwd, topic=TOPIC_REVOCATIONS,
                                    reason="forwarder is not a member")
             return False
         try:
             verify_revocations(bytes(msg.data), self.revocations.ca_public)
         except ProtocolError as exc:
-            self.rejected += 1
             self._throttle.warning("gossip.rejected", peer=fwd, topic=TOPIC_REVOCATIONS,
                                    reason=f"revocation list refused: {type(exc).__name__}: {exc}")
             return False

@@ -226,8 +226,7 @@ class LocalTestbed:
             self.configs[name] = config
             if first_addr is None:
                 ids = json.loads(_run(["id", "--config", str(config)], f"reading {name}'s id"))
-                addrs = ids["addrs"] if isinstance(ids, dict) else ids
-                first_addr = addrs[0]
+                first_addr = ids["addrs"][0]  # `fabricd id` prints {cluster_id, peer_id, addrs}
         return self.configs
 
     def _spawn(self, name: str, config: Path) -> None:
