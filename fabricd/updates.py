@@ -571,10 +571,12 @@ class UpdateService:
                 pool.give_back(peer_id, stream)
             else:
                 await discard(stream, clean=True)
-            if result.status == "rejected" and result.reason.startswith(TOO_SLOW) and not completed:
-                # The receiver cut the body at its rate floor and freed its budget: this
-                # end was starved (a loaded machine, a local client slow to hand over the
-                # payload). Sent again under its message id, it cannot be delivered twice.
+            if result.status == "rejected" and result.reason.startswith(TOO_SLOW):
+                # The receiver cut the body at its rate floor and freed its budget: one end
+                # was starved (a loaded machine, a local client slow to hand over the
+                # payload; on the data plane the whole body may already have been written
+                # when the receiver, itself starved, cut it). Sent again under its message
+                # id, it cannot be delivered twice.
                 failures += 1
                 if failures < SEND_ATTEMPTS:
                     self.send_retries += 1

@@ -74,8 +74,10 @@ TOO_SLOW = "too slow: 0 bytes in 5.1 s, below the minimum rate of 262144 bytes/s
 
 
 @pytest.mark.trio
-async def test_a_body_cut_at_the_rate_floor_is_sent_again_under_its_id(monkeypatch: pytest.MonkeyPatch) -> None:
-    sent = _answers(monkeypatch, [("rejected", TOO_SLOW, False), ("ok", "", True)])
+@pytest.mark.parametrize("written", [False, True], ids=["cut mid-body", "cut after the whole body"])
+async def test_a_body_cut_at_the_rate_floor_is_sent_again_under_its_id(
+        monkeypatch: pytest.MonkeyPatch, written: bool) -> None:
+    sent = _answers(monkeypatch, [("rejected", TOO_SLOW, written), ("ok", "", True)])
     service, pool = _service()
     ack = await service._send_retrying("peer", _header(), BODY, None)
     assert ack.status == "ok"
