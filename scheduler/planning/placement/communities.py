@@ -92,7 +92,7 @@ def distinct_rows(codes: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray,
         return rows, counts, inverse.reshape(-1)
     weights = base ** np.arange(width - 1, -1, -1, dtype=np.int64)
     packed = codes.astype(np.int64) @ weights
-    order = np.argsort(packed, kind="stable")
+    order = np.argsort(packed)  # any order among equal keys: only the grouping matters
     keys = packed[order]
     first = np.concatenate(([True], keys[1:] != keys[:-1]))
     starts = np.flatnonzero(first)
