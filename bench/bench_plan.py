@@ -11,9 +11,12 @@ the inter-cluster edges each partition leads to, and the scalable k-similar neig
 search vs the exact one), and how stable full AP is itself (its partition at damping 0.7
 against 0.8). Quoted baseline: Flame's TAG expansion of 100k workers took 32 s.
 
-Measured here (2 cores, other agents' tests running, load average ~4): 1,000,000 clients
-planned in 8.1-8.7 s (goal 10 s; 6.8-7.6 s with the weighted-candidate AP this replaced,
-same runs), peak RSS 1.96 GB (goal 4 GB; most of it the synthetic histograms). At 5,000
+Measured here (2 cores, other agents' tests running, load average 3-4): 1,000,000 clients
+planned in 8.1-8.7 s in 2 of 5 runs and 10.7-12.8 s in 3 (goal 10 s), 8.1-8.8 s of CPU;
+the weighted-candidate AP this replaced, alternating in the same sessions: 6.8-8.4 s in 3
+of 4 runs, 12.7 s in one, 7.3-8.3 s of CPU. Peak RSS 1.96 GB (goal 4 GB; most of it the
+synthetic histograms). Wall time here follows the other agents' load (the k-nearest
+topology stage alone varied 3.1-5.4 s). At 5,000
 clients the sampled path (800 groups) has ARI 0.83 against full AP (was 0.76 when AP ran on
 weighted quantised candidates; now AP runs on client groups with their exact summed
 similarities and each community re-elects its most central client), but full AP against
