@@ -16,6 +16,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,11 @@ def _body_prefix(index: int) -> bytes:
 
 
 def blast(sender: Node, receiver: Node, count: int, size: int, *, sockets: int = 4,
-          timeout: float = 600.0, sample_status: bool = False) -> BlastResult:
+          timeout: float = 600.0, sample_status: bool = False,
+          hold_first_until: Callable[[], bool] | None = None) -> BlastResult:
+    """Send ``count`` updates of ``size`` bytes from ``sender``'s executors to one on
+    ``receiver``. ``hold_first_until``: the receiving executor reads nothing until it is
+    true (or 30 s passed), so the receiver holds its first update meanwhile."""
     assert size >= PREFIX
     job = f"blast-{uuid.uuid4().hex[:8]}"
     base = os.urandom(size)
@@ -100,6 +105,10 @@ def blast(sender: Node, receiver: Node, count: int, size: int, *, sockets: int =
     wait_until(lambda: any(c["job_id"] == job for c in bridge_status(receiver)["bridge_clients"]), 30)
 
     def consume() -> None:
+        if hold_first_until is not None:
+            held_until = time.monotonic() + 30
+            while not hold_first_until() and time.monotonic() < held_until:
+                time.sleep(0.05)
         try:
             while result.delivered < count:
                 msg, body = consumer.recv()
