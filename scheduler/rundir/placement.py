@@ -34,7 +34,7 @@ def results_routing(routing: RoutingMatrix, *,
     intra, inter = routing.edge_counts()
     return {"v": ROUTING_VERSION, "type": ROUTING_TYPE, "job_id": routing.job_id,
             "epoch": routing.epoch, "kind": routing.kind,
-            "exchange_period": routing.exchange_period,
+            "exchange_period": routing.exchange_period, "mixing_steps": routing.mixing_steps,
             "clusters": dict(zip(routing.clusters, routing.peers, strict=True)),
             "edges": {"intra": intra, "inter": inter},
             "form": ARRAYS_FORM, "num_clients": routing.num_clients,

@@ -48,7 +48,8 @@ def test_array_form_reads_back_as_the_readable_form(kind: str) -> None:
     assert arrays["form"] == ARRAYS_FORM and "nodes" not in arrays
     assert routing_nodes(arrays) == readable["nodes"]
     assert list(routing_nodes(arrays)) == list(readable["nodes"])
-    for key in ("v", "type", "job_id", "epoch", "kind", "exchange_period", "clusters", "edges"):
+    for key in ("v", "type", "job_id", "epoch", "kind", "exchange_period", "mixing_steps",
+                "clusters", "edges"):
         assert arrays[key] == readable[key], key
     assert routing_nodes(json.loads(json.dumps(readable))) == readable["nodes"]
 
