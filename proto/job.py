@@ -248,6 +248,19 @@ _SECTIONS: dict[str, type] = {
 Rule = Callable[[str, str, Any], Any]
 
 
+def fixed_mixing_steps(spec: JobSpec) -> int | None:
+    """The mixing steps a job fixes, or None when its plan chooses them from the graph
+    (topology.mixing_steps = 0 on a decentralized topology with one of the
+    AUTO_MIXING_AGGREGATORS). The scheduler's plan and every executor's check of a routing
+    matrix use this one rule, so an executor refuses auto steps for fedavgm too."""
+    topo = spec.topology
+    if topo.mixing_steps:
+        return topo.mixing_steps
+    if topo.kind in DECENTRALIZED_TOPOLOGIES and spec.aggregation.name in AUTO_MIXING_AGGREGATORS:
+        return None
+    return 1
+
+
 def k_neighbors(topology: TopologySpec, n: int) -> int:
     """The k of a k_connected graph on n clients: the job's, or for 0 (the default) one
     that grows with the federation, ceil(log2 n) + 1 and at least 3. A decentralized

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from proto.job import AUTO_MIXING_AGGREGATORS, JobSpec
+from proto.job import JobSpec, fixed_mixing_steps
 from proto.routing import RoutingMatrix
 from scheduler.errors import AssignmentFileError, CapacityError, PlanError
 from scheduler.planning.clusters import ClusterSlot, as_slots
@@ -208,9 +208,7 @@ def pre_placement_topology(spec: JobSpec, histograms: np.ndarray | None, *,
     and hybrid (their aggregators follow the clients)."""
     n = spec.data.number_of_clients
     if spec.topology.kind in _PRE_PLACEMENT:
-        topology = spec.topology
-        if spec.aggregation.name not in AUTO_MIXING_AGGREGATORS and topology.mixing_steps == 0:
-            topology = replace(topology, mixing_steps=1)
+        topology = replace(spec.topology, mixing_steps=fixed_mixing_steps(spec) or 0)
         return build_topology(topology, n, histograms=histograms, seed=seed,
                               client_fraction=spec.training.client_fraction)
     if spec.topology.kind == "hierarchical":

@@ -150,12 +150,17 @@ def test_a_cluster_without_clients_answers_no_rows() -> None:
         mesh.services["a"].abort("test over")
 
 
-def test_a_plan_whose_mixing_steps_differ_from_the_jobs_is_refused() -> None:
+@pytest.mark.parametrize(("aggregator", "job_steps", "fixed"), [
+    ("fedavg", 2, 2),    # explicit steps
+    ("fedavgm", 0, 1),   # auto, but fedavgm mixes once: a plan with more is refused too
+])
+def test_a_plan_whose_mixing_steps_differ_from_the_jobs_is_refused(aggregator: str, job_steps: int,
+                                                                   fixed: int) -> None:
     spec = JobSpec.from_dict({
         "job": {"id": "ctl-mix", "seed": 1},
         "data": {"number_of_clients": 4, "dirichlet_beta": 0.5},
         "training": {"federated_learning_rounds": 1, "number_of_epochs": 1},
-        "topology": {"kind": "ring", "mixing_steps": 2}, "aggregation": {"name": "fedavg"},
+        "topology": {"kind": "ring", "mixing_steps": job_steps}, "aggregation": {"name": aggregator},
         "placement": {"max_materialized": 1}})
     mesh = LoopbackMesh(["a"], lambda cid: runtime_factory(InProcessContext(), cid), capacity=4)
     service = mesh.services["a"]
@@ -164,13 +169,14 @@ def test_a_plan_whose_mixing_steps_differ_from_the_jobs_is_refused() -> None:
                                .to_body(), 60)
         routing = plan_epoch(spec, read_histograms(started, 4), [ClusterSlot("a", 4)],
                              epoch=0).routing
-        assert routing.mixing_steps == 2
+        assert routing.mixing_steps == fixed
         other = RoutingMatrix.from_dict({**routing.to_dict(), "mixing_steps": 3})
-        with pytest.raises(JobFailed, match=r"routing matrix has mixing_steps 3; the job has "
-                                            r"topology.mixing_steps = 2"):
+        with pytest.raises(JobFailed, match=rf"routing matrix has mixing_steps 3; the job fixes "
+                                            rf"{fixed} \(topology.mixing_steps = {job_steps}, "
+                                            rf"aggregation.name = '{aggregator}'\)"):
             mesh.request("a", JobPlan("ctl-mix", routing=other).to_body(), 60)
         assert service.engine is None
         mesh.request("a", JobPlan("ctl-mix", routing=routing).to_body(), 60)
-        assert service.engine is not None and service.engine.mixing_steps == 2
+        assert service.engine is not None and service.engine.mixing_steps == fixed
     finally:
         service.abort("test over")

@@ -37,7 +37,7 @@ from proto.control import (
     parse_control,
 )
 from proto.errors import ControlMessageError
-from proto.job import JobSpec
+from proto.job import JobSpec, fixed_mixing_steps
 from worker import payload as wire
 from worker.errors import WorkerError
 from worker.executor.allowlist import check_job_from_environment
@@ -255,9 +255,12 @@ class ExecutorService:
         if routing.num_clients != self.spec.data.number_of_clients:
             raise ControlError(f"routing matrix has {routing.num_clients} clients; the job has "
                                f"{self.spec.data.number_of_clients}")
-        if self.spec.topology.mixing_steps not in (0, routing.mixing_steps):
+        fixed = fixed_mixing_steps(self.spec)
+        if fixed not in (None, routing.mixing_steps):
             raise ControlError(f"routing matrix has mixing_steps {routing.mixing_steps}; the "
-                               f"job has topology.mixing_steps = {self.spec.topology.mixing_steps}")
+                               f"job fixes {fixed} (topology.mixing_steps = "
+                               f"{self.spec.topology.mixing_steps}, aggregation.name = "
+                               f"{self.spec.aggregation.name!r})")
         graph = RoundGraph.from_routing(routing)
         nodes = {node: routing.cluster_of(node) for node in graph.nodes}
         with self._lock:
