@@ -373,6 +373,9 @@ GO = "go"
 #: the same, and send the body's 32-byte BLAKE3 right after it (the receiver verifies that
 #: instead of recomputing the header's sha256, which this sender checked: see DigestGate)
 GO_BLAKE3 = "go blake3"
+#: a body up to this size rides in its header's record on a half-duplex connection (no go);
+#: the receiver takes one only if it is exactly the rest of that record
+INLINE_BODY_BYTES = 64 * 1024
 #: body bytes a half-duplex sender hands to one write_many call at most
 WRITE_BATCH_BYTES = 32 * 1024 * 1024
 
@@ -440,6 +443,37 @@ async def exchange_half_duplex(stream: INetStream, header: UpdateHeader, body: B
     if not isinstance(final, UpdateAck):
         raise StreamLost(f"expected UpdateAck, got {final.TYPE}")
     return final, True
+
+
+def inline_body(body: Body) -> bytes | None:
+    """The body as bytes if it may ride in its header's record (exchange_inline), else None."""
+    if isinstance(body, FillingBuffer) or not 0 < len(body) <= INLINE_BODY_BYTES:
+        return None
+    if isinstance(body, RepeatedBody):
+        return b"".join(body.chunks(INLINE_BODY_BYTES))
+    return bytes(body)
+
+
+async def exchange_inline(stream: INetStream, header: UpdateHeader, body: bytes, ack_timeout: float,
+                          gate: Gate | None = None) -> tuple[UpdateAck, bool]:
+    """``exchange`` for a small body on a half-duplex connection: header and body in one
+    write (one data-plane record), then the one ack - no go. The receiver reads the body
+    with the header and may still refuse it; it checks the header's sha256 itself."""
+    if gate is not None:
+        refused = await gate()
+        if refused is not None:
+            raise BodyRefused(refused)
+    try:
+        await stream.write(frame(header) + body)
+        with trio.fail_after(ack_timeout):
+            ack = await read_message_exact(stream, HEADER_LIMIT)
+    except trio.TooSlowError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - resets, closed connections
+        raise StreamLost(f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(ack, UpdateAck):
+        raise StreamLost(f"expected UpdateAck, got {ack.TYPE}")
+    return ack, True
 
 
 async def discard(stream: INetStream, clean: bool) -> None:

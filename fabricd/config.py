@@ -51,7 +51,7 @@ class Limits:
     # rounds behind a sender's newest delivered round that stay open (older: refused)
     dedup_round_window: int = 64
     # update bodies at least this large go over the TLS-keyed data plane (fabricd/_dataplane.py),
-    # smaller ones over libp2p; 0 = off, everything over libp2p. 1 MiB: from there up the
+    # smaller ones over libp2p (but see dataplane_small_bytes); 0 = off, everything over libp2p. 1 MiB: from there up the
     # plane takes about half the time per update of libp2p on loopback (bench_transfer).
     # A peer whose data-plane port cannot be reached gets its large updates over libp2p.
     dataplane_min_bytes: int = 1024 * 1024
@@ -60,6 +60,12 @@ class Limits:
     # it and verifies before delivery) or "sha256" (the header's digest, recomputed here:
     # ~3x the receiver's CPU)
     dataplane_digest: str = "blake3"
+    # update bodies of at most this many bytes (<= 65536) go over the data plane too, each in
+    # one record with its header and one ack back (no go): ~1/3 of libp2p's daemon CPU per
+    # 1 KiB update (bench_transfer fixed_cost); 0 = they use libp2p. Ignored when
+    # dataplane_min_bytes = 0 (no data plane). A peer whose plane is unreachable gets them
+    # over libp2p.
+    dataplane_small_bytes: int = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -259,6 +265,8 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         dataplane_min_bytes=_num(cfg_path, lim, "limits", "dataplane_min_bytes", defaults.dataplane_min_bytes,
                                  0, 1 << 40, True),
         dataplane_digest=_str(cfg_path, lim, "limits", "dataplane_digest", defaults.dataplane_digest),
+        dataplane_small_bytes=_num(cfg_path, lim, "limits", "dataplane_small_bytes",
+                                   defaults.dataplane_small_bytes, 0, 64 * 1024, True),
     )
     if limits.dataplane_digest not in ("sha256", "blake3"):
         raise _err(cfg_path, "limits.dataplane_digest", limits.dataplane_digest, "'sha256' or 'blake3'")

@@ -194,7 +194,8 @@ class Daemon:
                     host, listen_ip=_listen_ip(cfg.listen[0]),
                     is_member=lambda peer: self.membership.member_certificate(peer) is not None,
                     serve=self.updates.serve_dataplane, state_dir=cfg.path.parent)
-                self.updates.use_dataplane(self.dataplane, lim.dataplane_min_bytes, lim.dataplane_digest)
+                self.updates.use_dataplane(self.dataplane, lim.dataplane_min_bytes, lim.dataplane_digest,
+                                           lim.dataplane_small_bytes)
                 self.dataplane.register(self.membership.guard)
             self.updates.register()
             self.control_service.register()

@@ -35,6 +35,7 @@ from fabricd._dedup import DUPLICATE, IDS_PER_SCOPE, ROUND_WINDOW, DeliveredWind
 from fabricd._sender import (
     GO,
     GO_BLAKE3,
+    INLINE_BODY_BYTES,
     SEND_ATTEMPTS,
     Body,
     Gate,
@@ -44,6 +45,8 @@ from fabricd._sender import (
     discard,
     exchange,
     exchange_half_duplex,
+    exchange_inline,
+    inline_body,
 )
 from fabricd._streams import (
     STREAM_ERRORS,
@@ -169,6 +172,7 @@ class UpdateService:
         self.dataplane: DataPlane | None = None
         self.bulk_pool: StreamPool | None = None
         self.dataplane_min_bytes = 0
+        self.dataplane_small_bytes = 0
         self.dataplane_blake3 = False
         self.dataplane_fallbacks = 0
         self.send_retries = 0
@@ -184,12 +188,16 @@ class UpdateService:
         for protocol in (PROTOCOL_UPDATE, PROTOCOL_UPDATE_POOLED):
             self.host.set_stream_handler(protocol, handler)  # type: ignore[arg-type]
 
-    def use_dataplane(self, dataplane: DataPlane, min_bytes: int, digest: str = "blake3") -> None:
-        """Send bodies of at least ``min_bytes`` over ``dataplane``, and serve its
-        connections like pooled update streams (same admission, floors, dedup; bodies
-        verified by ``digest``: "blake3", the sender's trailer, or "sha256", the header's)."""
+    def use_dataplane(self, dataplane: DataPlane, min_bytes: int, digest: str = "blake3",
+                      small_bytes: int = INLINE_BODY_BYTES) -> None:
+        """Send bodies of at least ``min_bytes``, and those of at most ``small_bytes`` (in
+        their header's record, no go), over ``dataplane``, and serve its connections like
+        pooled update streams (same admission, floors, dedup; large bodies verified by
+        ``digest``: "blake3", the sender's trailer, or "sha256", the header's; small ones by
+        the header's sha256)."""
         self.dataplane = dataplane
         self.dataplane_min_bytes = min_bytes
+        self.dataplane_small_bytes = min(small_bytes, INLINE_BODY_BYTES)
         self.dataplane_blake3 = digest == "blake3"
         self.bulk_pool = StreamPool(self.host, opener=dataplane.connect)  # type: ignore[arg-type]
 
@@ -303,6 +311,16 @@ class UpdateService:
         if not isinstance(header, UpdateHeader):
             await self._reject(stream, peer, None, f"expected UpdateHeader, got {header.TYPE}")
             return False
+        # On the data plane a small body may ride in its header's record (no go): it must be
+        # exactly the rest of that record; anything else there is a framing error.
+        extra = stream.pending if isinstance(stream, TlsStream) else 0
+        inline = extra > 0
+        if inline and not 0 < header.byte_length == extra <= INLINE_BODY_BYTES:
+            await self._reject(stream, peer, header, f"{extra} bytes followed the header in its data-plane "
+                                                     f"record; an inline body must be all of them "
+                                                     f"(byte_length {header.byte_length}, at most "
+                                                     f"{INLINE_BODY_BYTES})")
+            return False
         try:
             receiver = UpdateReceiver(header, self.max_update_bytes)
         except MessageTooLarge as exc:
@@ -341,9 +359,10 @@ class UpdateService:
         self.peer_inflight[peer] = self.peer_inflight.get(peer, 0) + reserved
         self.metrics.stream_opened("received")
         try:
-            if getattr(stream, "half_duplex", False):
+            if getattr(stream, "half_duplex", False) and not inline:
                 await self._ack(stream, header, "ok", GO_BLAKE3 if self.dataplane_blake3 else GO, 0)
-            return await self._receive_body(stream, peer, header, receiver, probe, source_cluster, floor)
+            return await self._receive_body(stream, peer, header, receiver, probe, source_cluster, floor,
+                                            inline)
         finally:
             self.inflight -= reserved
             left = self.peer_inflight.get(peer, reserved) - reserved
@@ -378,7 +397,7 @@ class UpdateService:
 
     async def _receive_body(self, stream: INetStream, peer: str, header: UpdateHeader,
                             receiver: UpdateReceiver, probe: bool, source_cluster: str,
-                            floor: RateFloor) -> bool:
+                            floor: RateFloor, inline: bool = False) -> bool:
         started = time.perf_counter()
         cpu_started = time.process_time()
         digest = hashlib.sha256()
@@ -386,7 +405,7 @@ class UpdateService:
         received = 0
         # The data plane reads straight into the body's buffer and hashes it in a second
         # thread (fabricd._dataplane.TlsStream.receive_body); libp2p streams feed chunks.
-        direct = isinstance(stream, TlsStream)
+        direct = isinstance(stream, TlsStream) and not inline
         # Anonymous memory, not bytearray(n): the kernel zeroes each page as the reading
         # thread first writes it, instead of this thread memsetting all of it up front
         # (holding the GIL the hashing thread needs).
@@ -395,7 +414,12 @@ class UpdateService:
         # with "go blake3" the sender's trailer is what the body is verified against
         trailer: bytes | None = None
         try:
-            if isinstance(stream, TlsStream):
+            if inline and isinstance(stream, TlsStream):
+                # read with its header; small, so hashed right here (the header's sha256)
+                small = stream.take_pending()
+                received = len(small)
+                sink(small)
+            elif isinstance(stream, TlsStream):
                 if self.dataplane_blake3:
                     digest = blake3.blake3()  # type: ignore[assignment]
                 received = await stream.receive_body(header.byte_length, body, digest, floor,
@@ -523,7 +547,9 @@ class UpdateService:
         # (several stream timeouts), so a burst queues up instead of failing.
         busy_until = time.monotonic() + BUSY_RETRY_TIMEOUTS * self.stream_timeout
         failures = busy = 0
-        bulk = self.bulk_pool is not None and len(body) >= self.dataplane_min_bytes
+        # a small body rides in its header's data-plane record (exchange_inline)
+        small = inline_body(body) if 0 < len(body) <= self.dataplane_small_bytes else None
+        bulk = self.bulk_pool is not None and (len(body) >= self.dataplane_min_bytes or small is not None)
         while True:
             pool = self.bulk_pool if bulk and self.bulk_pool is not None else self.pool
             try:
@@ -533,7 +559,7 @@ class UpdateService:
                 self.dataplane_fallbacks += 1
                 if not exc.remembered:  # one line per failed dial, not per update after it
                     log.warning("update.dataplane_fallback", peer=peer_id, message_id=header.message_id,
-                                reason=str(exc), action="large updates to this peer use libp2p for a while; "
+                                reason=str(exc), action="updates to this peer use libp2p for a while; "
                                 "open the peer's data-plane port or set limits.dataplane_min_bytes = 0")
                 continue
             except Exception as exc:  # noqa: BLE001 - StreamFailure after the open retries
@@ -548,6 +574,8 @@ class UpdateService:
             try:
                 if pool is self.pool:
                     result, completed = await exchange(stream, header, body, self.chunk_bytes, ack_timeout, gate)
+                elif small is not None:
+                    result, completed = await exchange_inline(stream, header, small, ack_timeout, gate)
                 else:
                     result, completed = await exchange_half_duplex(
                         stream, header, body, self.chunk_bytes, self.stream_timeout, ack_timeout, gate)

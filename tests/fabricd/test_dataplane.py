@@ -1,6 +1,7 @@
 """The TLS 1.3 bulk data plane between two real daemons (fabricd/_dataplane.py): large
-updates go over it with their digest verified, small ones stay on libp2p, a stranger's or
-a thief's TLS connection changes nothing, and a sender killed mid-body delivers nothing."""
+updates go over it with their digest verified, small ones too (in their header's record),
+mid-sized ones stay on libp2p, a stranger's or a thief's TLS connection changes nothing,
+and a sender killed mid-body delivers nothing."""
 
 from __future__ import annotations
 
@@ -88,16 +89,25 @@ def test_large_update_goes_over_the_dataplane_verified(pair: tuple[Node, Node]) 
     assert f"job={result.job}" in b.log() and "verified=blake3" in b.log()
 
 
-def test_small_update_stays_on_libp2p(pair: tuple[Node, Node]) -> None:
+def test_small_updates_ride_the_plane_and_mid_sized_ones_libp2p(pair: tuple[Node, Node]) -> None:
     a, b = pair
     before = _transfer(a)
     result = blast(a, b, count=4, size=64 * 1024, sockets=1)
     assert result.failed == [] and result.delivered == 4 and result.digest_mismatch == 0, result.summary()
     after = _transfer(a)
+    # up to limits.dataplane_small_bytes (64 KiB): over the plane, each in its header's record
     assert (after["dataplane_streams_opened"] + after["dataplane_streams_reused"]
-            == before["dataplane_streams_opened"] + before["dataplane_streams_reused"]), (before, after)
+            - before["dataplane_streams_opened"] - before["dataplane_streams_reused"]) == 4, (before, after)
     assert (after["streams_opened"] + after["streams_reused"]
-            - before["streams_opened"] - before["streams_reused"]) == 4, (before, after)
+            == before["streams_opened"] + before["streams_reused"]), (before, after)
+    mid = blast(a, b, count=2, size=128 * 1024, sockets=1)
+    assert mid.failed == [] and mid.delivered == 2 and mid.digest_mismatch == 0, mid.summary()
+    last = _transfer(a)
+    # above it and below limits.dataplane_min_bytes: libp2p
+    assert (last["dataplane_streams_opened"] + last["dataplane_streams_reused"]
+            == after["dataplane_streams_opened"] + after["dataplane_streams_reused"]), (after, last)
+    assert (last["streams_opened"] + last["streams_reused"]
+            - after["streams_opened"] - after["streams_reused"]) == 2, (after, last)
 
 
 def _tls_client(port: int, cert: Path | None, key: Path | None, first_bytes: bytes) -> str:

@@ -1,7 +1,8 @@
 """The data plane's digest contract, in one process against a real listener on 127.0.0.1
 (fabricd/updates.py serving fabricd/_dataplane.py connections): a receiver with
 ``limits.dataplane_digest = "blake3"`` answers ``go blake3`` and verifies the body against
-the BLAKE3 trailer the sender writes after it; a wrong trailer is refused, not acked."""
+the BLAKE3 trailer the sender writes after it; a wrong trailer is refused, not acked. A
+small body in its header's record must be all of that record and match the header's sha256."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import trio
 
 from fabricd._dataplane import DataPlane, TlsStream, dial
-from fabricd._sender import GO_BLAKE3, exchange_half_duplex
+from fabricd._sender import GO_BLAKE3, exchange_half_duplex, exchange_inline
 from fabricd._streams import read_message_exact
 from fabricd.updates import UpdateService
 from proto.codec import frame
@@ -82,3 +83,48 @@ async def test_blake3_receiver_checks_the_senders_trailer(tmp_path: Path) -> Non
         await stream.close()
         nursery.cancel_scope.cancel()
     assert service.jobs[PROBE_JOB_ID].received_updates == 1
+
+
+@pytest.mark.trio
+async def test_an_inline_body_is_all_of_its_record_and_checked_against_the_header(tmp_path: Path) -> None:
+    alice = _peer()
+    host = _Host()
+    service = UpdateService(host, _Members(str(alice)), None, cluster_id="b",  # type: ignore[arg-type]
+                            max_update_bytes=1 << 30, max_inflight_bytes=1 << 30)
+    plane = DataPlane(host, listen_ip="127.0.0.1", is_member=lambda p: p == str(alice),  # type: ignore[arg-type]
+                      serve=service.serve_dataplane, state_dir=tmp_path)
+    service.use_dataplane(plane, 1 << 20, "blake3")
+    alice_tls = _identity(str(alice), tmp_path / "alice")
+    small = os.urandom(3000)
+
+    def header(length: int, digest: bytes) -> UpdateHeader:
+        return UpdateHeader(job_id=PROBE_JOB_ID, round=0, source_node="a", target_node="b",
+                            message_id=os.urandom(8).hex(), tensor_count=0, byte_length=length, sha256=digest)
+
+    async def connect() -> TlsStream:
+        answer = await _ticket(plane, alice, alice_tls)
+        ctx = _context(alice_tls, server=False, pinned=answer.certificate)
+        records = await trio.to_thread.run_sync(dial, "127.0.0.1", plane.port, ctx, answer.ticket)
+        return TlsStream(records, alice, plane.limiter)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(plane.run)
+        # honest: header and body in one record, one ack (no go), and the next one on it
+        stream = await connect()
+        for _ in range(2):
+            ack, completed = await exchange_inline(stream, header(len(small), hashlib.sha256(small).digest()),
+                                                   small, 30)
+            assert completed and ack.status == "ok" and ack.reason == "", ack
+        await stream.close()
+        # the record holds less than the header declares: refused, not waited for
+        stream = await connect()
+        ack, _ = await exchange_inline(stream, header(len(small) + 1, hashlib.sha256(small).digest()), small, 30)
+        assert ack.status == "rejected" and "followed the header" in ack.reason, ack
+        await stream.close()
+        # a body that does not match the header's sha256: refused
+        stream = await connect()
+        ack, _ = await exchange_inline(stream, header(len(small), hashlib.sha256(b"other").digest()), small, 30)
+        assert ack.status == "rejected" and "sha256 of the body" in ack.reason, ack
+        await stream.close()
+        nursery.cancel_scope.cancel()
+    assert service.jobs[PROBE_JOB_ID].received_updates == 2
