@@ -325,22 +325,26 @@ def fixed_cost(a: Node, b: Node, count: int, size: int = 1024) -> dict[str, Any]
             "updates_per_s": round(count / seconds, 1), "ms_per_update": round(seconds / count * 1000, 3)}
 
 
-def e2e_once(a: Node, b: Node, body: bytes) -> dict[str, Any]:
+def e2e_once(a: Node, b: Node, body: bytes, via_fd: bool = True) -> dict[str, Any]:
     """One update of ``len(body)`` bytes from an executor on a to one on b, which answers the
     Delivery as a real executor does (``answers_deliveries``), so a's SendResult ok comes
     only after b's executor has read the whole body. Timed from the first SendUpdate byte
     written to that SendResult; the far executor's copy of the body is hashed after the
     clock (the daemon already verified it before delivery: this is the bench's check).
-    Also when each step was done (ms from the start) and this process's CPU meanwhile."""
+    Also when each step was done (ms from the start) and this process's CPU meanwhile.
+    ``via_fd``: both executors pass the body as a sealed memfd, as ``BridgeLink`` does
+    (the sender's copy into the memfd is inside the clock); else as bytes through the
+    sockets (a client that passes no descriptors)."""
     job = f"e2e-{uuid.uuid4().hex[:6]}"
     size = len(body)
     digest = hashlib.sha256(body).digest()
     # a blocking socket, as an executor's (proto.bridge_connection) is
     consumer = BridgeClient(_bridge(b), role="executor", cluster_id=b.name, job_id=job,
-                            max_payload=size, timeout=None, answers_deliveries=True)
+                            max_payload=size, timeout=None, answers_deliveries=True,
+                            accepts_fds=via_fd)
     sender = BridgeClient(_bridge(a), role="executor", cluster_id=a.name, job_id=job, timeout=120)
     wait_until(lambda: any(c["job_id"] == job for c in bridge_status(b)["bridge_clients"]), 30)
-    got: list[bytes] = []
+    got: list[Any] = []
     at: dict[str, float] = {}
 
     def consume() -> None:
@@ -359,7 +363,10 @@ def e2e_once(a: Node, b: Node, body: bytes) -> dict[str, Any]:
                      message_id=f"{job}-0", tensor_count=1, byte_length=size, sha256=digest)
     try:
         cpu, start = time.process_time(), time.perf_counter()
-        sender.send(msg, body)
+        if via_fd:
+            sender.send_update(msg, body)
+        else:
+            sender.send(msg, body)
         at["written"] = time.perf_counter()
         reply, _ = sender.recv()
         seconds = time.perf_counter() - start
@@ -373,26 +380,41 @@ def e2e_once(a: Node, b: Node, body: bytes) -> dict[str, Any]:
             pass
         consumer.close()
     ok = isinstance(reply, SendResult) and reply.ok and len(got) == 1
-    return {"ok": bool(ok and hashlib.sha256(got[0]).digest() == digest), "seconds": seconds,
+    ok = bool(ok and hashlib.sha256(got[0]).digest() == digest)
+    if got and hasattr(got[0], "close"):
+        got[0].close()  # a mapping of the delivered memfd
+    return {"ok": ok, "seconds": seconds, "via_fd": via_fd,
             "mb_s": size / seconds / 1e6, "bench_cpu_s": round(cpu, 3),
             "written_ms": round((at["written"] - start) * 1000, 1),
             "delivered_ms": round((at.get("delivered", float("nan")) - start) * 1000, 1)}
 
 
 def e2e_runs(a: Node, b: Node, size: int, runs: int) -> dict[str, Any]:
-    """``runs`` e2e updates, each beside a raw TCP run of the same size just before it."""
+    """``runs`` rounds of: a raw TCP run of ``size``, an e2e update with the body passed as
+    memfds (as executors do), the same with the body as bytes through both bridges (the
+    path of a client that passes no descriptors), in that order, so the two e2e figures
+    come from the same moments of a shared machine."""
     body = os.urandom(size)
     e2e_once(a, b, body)  # warm-up: the data-plane connection and code paths
-    rows = []
+    e2e_once(a, b, body, via_fd=False)
+    rows: list[dict[str, Any]] = []
+    rows_bytes: list[dict[str, Any]] = []
     for _ in range(runs):
         raw = raw_tcp_mb_s(size)
-        row = e2e_once(a, b, body)
-        row["raw_mb_s"] = raw
-        row["ratio"] = row["mb_s"] / raw
-        rows.append(row)
+        for via_fd, into in ((True, rows), (False, rows_bytes)):
+            row = e2e_once(a, b, body, via_fd=via_fd)
+            row["raw_mb_s"] = raw
+            row["ratio"] = row["mb_s"] / raw
+            into.append(row)
+    report = _e2e_summary(rows, size)
+    report["bytes_path"] = _e2e_summary(rows_bytes, size)
+    return report
+
+
+def _e2e_summary(rows: list[dict[str, Any]], size: int) -> dict[str, Any]:
     med = statistics.median
     return {
-        "bytes": size, "ok": all(r["ok"] for r in rows),
+        "bytes": size, "ok": all(r["ok"] for r in rows), "via_fd": rows[0]["via_fd"],
         "runs_mb_s": [round(r["mb_s"], 1) for r in rows],
         "raw_runs_mb_s": [round(r["raw_mb_s"], 1) for r in rows],
         "runs_ratio": [round(r["ratio"], 3) for r in rows],

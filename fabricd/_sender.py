@@ -158,7 +158,7 @@ class DigestGate:
 
     STEP = 8 * 1024 * 1024
 
-    def __init__(self, payload: bytes | bytearray | FillingBuffer, expected: bytes) -> None:
+    def __init__(self, payload: bytes | bytearray | memoryview | FillingBuffer, expected: bytes) -> None:
         self.payload = payload
         self.expected = expected
         self.reason: str | None = None
@@ -203,7 +203,7 @@ class DigestGate:
         return self.reason
 
 
-def _sha256(data: bytes | bytearray) -> bytes:
+def _sha256(data: bytes | bytearray | memoryview) -> bytes:
     return hashlib.sha256(data).digest()
 
 

@@ -4,9 +4,15 @@ Every client first sends ``Hello(role, cluster_id, job_id)`` (no reply). Then:
 
 - ``StatusRequest`` -> ``StatusReply``; ``ProbeRequest`` -> ``ProbeReply`` or ``Error``.
 - ``SendUpdate`` + payload -> the update is streamed to ``target_cluster`` -> ``SendResult``.
+  The payload may come as a sealed memfd with the frame (proto.bridge ``payload_fd``): it
+  is checked (sealed against write/grow/shrink, exactly ``byte_length`` bytes), mapped
+  read-only and sent from the mapping; a descriptor that fails the check is closed and
+  the update refused (``SendResult`` not ok, the reason names the problem), nothing sent.
 - ``ControlSend`` -> relayed to ``target_cluster`` -> ``ControlResult``.
 - A client with role ``executor`` (or ``scheduler``) and a ``job_id`` (``*`` = every job)
-  receives ``Delivery`` + payload for that job's updates and ``ControlDelivery`` for
+  receives ``Delivery`` + payload for that job's updates (as a memfd if its Hello says
+  ``accepts_fds`` and the body is at least ``FD_MIN_BYTES``: the buffer the data plane
+  received it into, sealed against further writes, so the bytes are not streamed again) and ``ControlDelivery`` for
   control requests addressed to it, and answers the latter with ``ControlReply``.
 - A consumer whose Hello says ``answers_deliveries`` answers each ``Delivery`` with
   ``DeliveryResult``; the update is acknowledged to its sender only when that answer
@@ -37,6 +43,7 @@ from fabricd.errors import FabricdError
 from fabricd.executors import ExecutorLauncher
 from fabricd.updates import DeliveryError
 from fedcore.logs import get_logger
+from proto._bridge_fds import FD_MIN_BYTES, FdRefused, SharedMapping, take_checked
 from proto.bridge import (
     BridgeMessage,
     BridgeStream,
@@ -76,7 +83,7 @@ class BridgeBackend(Protocol):
     async def probe(self, cluster_id: str, nbytes: int) -> ProbeReply: ...
 
     async def send_update(self, target_cluster: str, header: UpdateHeader,
-                          payload: bytes | bytearray | FillingBuffer) -> SendResult: ...
+                          payload: bytes | bytearray | memoryview | FillingBuffer) -> SendResult: ...
 
     async def send_control(self, target_cluster: str, request_id: str, body: dict[str, Any]) -> ControlResult: ...
 
@@ -97,14 +104,16 @@ class BridgeClient:
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     pending: dict[str, trio.MemorySendChannel[ControlReply]] = field(default_factory=dict)
     answers_deliveries: bool = False
+    accepts_fds: bool = False
     #: Deliveries waiting for this client's DeliveryResult, by (source cluster, message id)
     deliveries: dict[tuple[str, str], trio.MemorySendChannel[DeliveryResult]] = field(
         default_factory=dict)
     connected_at: float = field(default_factory=time.time)
 
-    async def send(self, msg: BridgeMessage, payload: bytes | bytearray | memoryview = b"") -> None:
+    async def send(self, msg: BridgeMessage, payload: bytes | bytearray | memoryview = b"",
+                   *, fd: int | None = None) -> None:
         async with self.send_lock:
-            await self.stream.send(msg, payload)
+            await self.stream.send(msg, payload, fd=fd)
 
     def takes_job(self, job_id: str) -> bool:
         return self.role in CONSUMER_ROLES and self.job_id in (job_id, "*")
@@ -192,6 +201,7 @@ class BridgeServer:
                 channel.close()
             for waiting in client.deliveries.values():
                 waiting.close()
+            client.stream.close_fds()
             await stream.aclose()
 
     async def _read_loop(self, client: BridgeClient, nursery: trio.Nursery) -> None:
@@ -221,6 +231,7 @@ class BridgeServer:
                     return
                 client.role, client.cluster_id, client.job_id = msg.role, msg.cluster_id, msg.job_id
                 client.answers_deliveries = msg.answers_deliveries
+                client.accepts_fds = msg.accepts_fds
                 self.clients.append(client)
                 log.info("bridge.client_joined", client=client.number, role=msg.role, job=msg.job_id or "-")
                 continue
@@ -255,14 +266,17 @@ class BridgeServer:
             nursery.start_soon(self._serve_request, client, msg, payload, release)
 
     async def _next_frame(self, client: BridgeClient, nursery: trio.Nursery
-                          ) -> tuple[BridgeMessage | None, bytes | bytearray, Callable[[], None]]:
+                          ) -> tuple[BridgeMessage | None, bytes | bytearray | memoryview, Callable[[], None]]:
         """The next frame: (message, payload, release its share of the outgoing budget).
 
         A payload waits for room in the budget before it is read (backpressure). A large
         SendUpdate is served while its payload still arrives (cut-through: the network send
         starts at once); then the message returned is None.
         """
-        msg, length = await client.stream.recv_header()
+        head = await client.stream.recv_frame_header()
+        msg, length = head.msg, head.length
+        if head.in_fd:
+            return await self._fd_frame(client, msg, length)
         if not length:
             return msg, b"", _nothing
         await self.outgoing.acquire(length)
@@ -288,6 +302,58 @@ class BridgeServer:
             release()
             raise
 
+    async def _fd_frame(self, client: BridgeClient, msg: BridgeMessage, length: int
+                        ) -> tuple[BridgeMessage | None, bytes | bytearray | memoryview, Callable[[], None]]:
+        """A SendUpdate whose payload is the memfd that came with it: checked, mapped
+        read-only (counted against the outgoing budget like bytes read) and its descriptor
+        closed. A bad descriptor is closed and the update refused right here (message None);
+        the connection stays (no payload bytes follow, so the framing is intact)."""
+        if not isinstance(msg, SendUpdate) or not client.role:
+            raise FdRefused(f"only a SendUpdate after Hello may pass its payload in a file "
+                            f"descriptor, not {msg.TYPE}")  # its fd: closed with the connection
+        await self.outgoing.acquire(length)
+        # taken only now: while it waits for the budget it stays in the connection's queue,
+        # which is closed however the connection ends
+        fd = client.stream.take_fd()
+        if fd is None:
+            self.outgoing.release(length)
+            reason = ("bridge: the SendUpdate says its payload is in a file descriptor, but none "
+                      "came with the frame (send it with SCM_RIGHTS on the frame's first byte); "
+                      "nothing was sent")
+            await self._refuse_update(client, msg, reason)
+            return None, b"", _nothing
+        try:
+            mapping = take_checked(fd, length)  # closes fd on every path
+        except FdRefused as exc:
+            self.outgoing.release(length)
+            await self._refuse_update(client, msg, f"bridge: {exc}; nothing was sent")
+            return None, b"", _nothing
+        except BaseException:
+            self.outgoing.release(length)
+            raise
+        view = memoryview(mapping)
+        release = self._releaser(length, 1)
+
+        def unmap_and_release() -> None:
+            view.release()
+            try:
+                mapping.close()
+            except BufferError:
+                pass  # a sender's chunk still refers to it; unmapped when that goes
+            release()
+
+        return msg, view, unmap_and_release
+
+    async def _refuse_update(self, client: BridgeClient, msg: SendUpdate, reason: str) -> None:
+        self.rejected_frames += 1
+        log.warning("bridge.rejected", client=client.number, role=client.role or "?",
+                    message_id=msg.message_id, reason=reason)
+        try:
+            await client.send(SendResult(message_id=msg.message_id, ok=False, reason=reason[:1000],
+                                         bytes=0))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
     def _releaser(self, nbytes: int, holders: int) -> Callable[[], None]:
         left = [holders]
 
@@ -299,7 +365,7 @@ class BridgeServer:
         return release
 
     async def _serve_request(self, client: BridgeClient, msg: BridgeMessage,
-                             payload: bytes | bytearray | FillingBuffer,
+                             payload: bytes | bytearray | memoryview | FillingBuffer,
                              release: Callable[[], None] = lambda: None) -> None:
         try:
             reply, reply_payload = await self._dispatch(msg, payload)
@@ -313,7 +379,7 @@ class BridgeServer:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             log.info("bridge.client_gone", client=client.number, reply=reply.TYPE)
 
-    async def _dispatch(self, msg: BridgeMessage, payload: bytes | bytearray | FillingBuffer
+    async def _dispatch(self, msg: BridgeMessage, payload: bytes | bytearray | memoryview | FillingBuffer
                         ) -> tuple[BridgeMessage, bytes]:
         if isinstance(msg, StatusRequest):
             return StatusReply(status=self.backend.status()), b""
@@ -369,9 +435,12 @@ class BridgeServer:
         if client is None:
             raise DeliveryError(self._no_consumer(header.job_id))
         gone = f"unavailable: the {client.role} for job {header.job_id!r} went away"
+        fd = _delivery_fd(payload) if client.accepts_fds else None
+        if fd is not None:
+            payload = b""
         if not client.answers_deliveries:
             try:
-                await client.send(Delivery.from_header(header, source_cluster), payload)
+                await client.send(Delivery.from_header(header, source_cluster), payload, fd=fd)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 raise DeliveryError(f"{gone}: {exc}") from None
             return
@@ -381,7 +450,7 @@ class BridgeServer:
         send, receive = trio.open_memory_channel[DeliveryResult](1)
         client.deliveries[key] = send
         try:
-            await client.send(Delivery.from_header(header, source_cluster), payload)
+            await client.send(Delivery.from_header(header, source_cluster), payload, fd=fd)
             with trio.move_on_after(self.delivery_timeout):
                 try:
                     answer = await receive.receive()
@@ -446,3 +515,14 @@ class BridgeServer:
         return [{"client": c.number, "role": c.role, "job_id": c.job_id, "cluster_id": c.cluster_id}
                 for c in self.clients]
 
+
+
+def _delivery_fd(payload: bytes | bytearray | memoryview) -> int | None:
+    """The memfd behind ``payload`` if it is a large enough shared mapping (the data plane
+    received the body into one), sealed against new writes; None: send the bytes."""
+    mapping = payload.obj if isinstance(payload, memoryview) else None
+    if not isinstance(mapping, SharedMapping) or len(payload) < FD_MIN_BYTES:
+        return None
+    if len(payload) != len(mapping):
+        return None  # a part of a mapping: the descriptor would hand over more than the body
+    return mapping.seal_for_reading()

@@ -402,7 +402,7 @@ class Daemon:
             raise _ConnectionLost(f"{type(exc).__name__}: {exc}") from None
 
     async def send_update(self, target_cluster: str, header: UpdateHeader,
-                          payload: bytes | bytearray | FillingBuffer) -> SendResult:
+                          payload: bytes | bytearray | memoryview | FillingBuffer) -> SendResult:
         if not isinstance(payload, FillingBuffer) and len(payload) < INLINE_HASH_BYTES:
             digest = sha256(payload)
             if digest != header.sha256:
@@ -423,7 +423,7 @@ class Daemon:
         return SendResult(message_id=header.message_id, ok=False, reason=reason, bytes=0)
 
     async def _send_checked(self, target_cluster: str, header: UpdateHeader,
-                            payload: bytes | bytearray | FillingBuffer, gate: Gate | None) -> SendResult:
+                            payload: bytes | bytearray | memoryview | FillingBuffer, gate: Gate | None) -> SendResult:
         try:
             peer_id = await self.resolve(target_cluster)
             ack = await self._send(peer_id, target_cluster, header, payload, gate)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import mmap
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -62,6 +61,7 @@ from fabricd.errors import FabricdError
 from fabricd.membership import Membership
 from fabricd.metrics import UNWIRED, DaemonMetrics
 from fedcore.logs import get_logger
+from proto._bridge_fds import SharedMapping
 from proto.errors import DigestMismatch, LengthMismatch, MessageTooLarge, ProtocolError
 from proto.ids import DEFAULT_CHUNK_BYTES, PROBE_JOB_ID, PROTOCOL_UPDATE, PROTOCOL_UPDATE_POOLED
 from proto.messages import UpdateAck, UpdateHeader
@@ -406,10 +406,11 @@ class UpdateService:
         # The data plane reads straight into the body's buffer and hashes it in a second
         # thread (fabricd._dataplane.TlsStream.receive_body); libp2p streams feed chunks.
         direct = isinstance(stream, TlsStream) and not inline
-        # Anonymous memory, not bytearray(n): the kernel zeroes each page as the reading
+        # A memfd mapping, not bytearray(n): the kernel zeroes each page as the reading
         # thread first writes it, instead of this thread memsetting all of it up front
-        # (holding the GIL the hashing thread needs).
-        body = (memoryview(mmap.mmap(-1, header.byte_length))
+        # (holding the GIL the hashing thread needs); and the bridge can hand the verified
+        # body to the executor as the memfd itself (fabricd.bridge), not as a byte stream.
+        body = (memoryview(SharedMapping.allocate(header.byte_length))
                 if direct and not probe and header.byte_length else None)
         # with "go blake3" the sender's trailer is what the body is verified against
         trailer: bytes | None = None

@@ -39,6 +39,8 @@ class Hello(BridgeMessage):
     ``answers_deliveries``: the client answers every Delivery with a DeliveryResult, and
     the daemon acknowledges an update to its sender only after that answer (accepted); a
     client without it is acknowledged as soon as the Delivery is written to it.
+    ``accepts_fds``: the client reads large Delivery payloads from a sealed memfd passed
+    with the frame (proto.bridge); a client without it gets every payload as bytes.
     """
 
     TYPE: ClassVar[str] = "Hello"
@@ -46,6 +48,8 @@ class Hello(BridgeMessage):
     cluster_id: str = spec(OPTIONAL_CLUSTER_ID, default="")
     job_id: str = spec(Text(128), default="")
     answers_deliveries: bool = spec(Bool(), default=False)
+    #: Deliveries of at least FD_MIN_BYTES may come as a memfd (SCM_RIGHTS), not as bytes
+    accepts_fds: bool = spec(Bool(), default=False)
 
 
 @dataclass(frozen=True)

@@ -3,17 +3,34 @@
 Frame = u32 big-endian header length + msgpack header map (`v`, `type`, fields...,
 `payload_length`) + `payload_length` raw bytes. Only SendUpdate and Delivery carry a
 payload (the safetensors body, `payload_length == byte_length`); every other type has
-`payload_length == 0`. An executor that said `answers_deliveries` in its Hello answers
+`payload_length == 0`. A large payload may instead come as a sealed memfd passed with the
+frame's first byte (SCM_RIGHTS): the header then says `payload_fd: true` and no payload
+bytes follow (see proto._bridge_fds; the daemon takes such SendUpdates from any client
+and sends Deliveries so only to a client whose Hello says `accepts_fds`). An executor that said `answers_deliveries` in its Hello answers
 each Delivery with a DeliveryResult. Blocking helpers serve a plain socket, async ones a
 trio stream.
 """
 
 from __future__ import annotations
 
+import array
+import mmap
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from proto._bridge_fds import (
+    ANC_BYTES,
+    FD_MIN_BYTES,
+    FdQueue,
+    FdRefused,
+    fds_from_ancillary,
+    recvmsg_fds,
+    sealed_memfd,
+    take_checked,
+)
+from proto._bridge_fds import close_quietly as close_fd
 from proto._bridge_messages import (
     BridgeMessage,
     ControlDelivery,
@@ -34,23 +51,36 @@ from proto._bridge_messages import (
 from proto._schema import I64_MAX, Int, from_map, pack, unpack_limited
 from proto.codec import LENGTH_PREFIX as HEADER_PREFIX
 from proto.codec import ExactReader, parse_length_prefix
-from proto.errors import InvalidMessage, MalformedFrame, MessageTooLarge, StreamClosed
+from proto.errors import (
+    InvalidMessage,
+    MalformedFrame,
+    MessageTooLarge,
+    ProtocolError,
+    StreamClosed,
+)
 from proto.ids import MAX_BRIDGE_HEADER_BYTES
 
 PAYLOAD_LENGTH = "payload_length"
+#: header key: the payload is in the file descriptor that came with the frame
+PAYLOAD_FD = "payload_fd"
 #: a payload up to this size is written together with its frame's header
 COALESCE_BYTES = 64 * 1024
 
 # ---- framing ----------------------------------------------------------------------------
 
 def bridge_header(msg: BridgeMessage, payload_length: int,
-                  *, max_header: int = MAX_BRIDGE_HEADER_BYTES) -> bytes:
-    """The length prefix + header of a frame whose payload has `payload_length` bytes."""
+                  *, max_header: int = MAX_BRIDGE_HEADER_BYTES, in_fd: bool = False) -> bytes:
+    """The length prefix + header of a frame whose payload has `payload_length` bytes
+    (``in_fd``: they are in a descriptor sent with the frame, not after the header)."""
     if not isinstance(msg, BridgeMessage):
         raise TypeError(f"expected a proto.bridge message, got {type(msg).__name__}")
     _check_payload_length(msg, payload_length)
+    if in_fd and not (msg.CARRIES_PAYLOAD and payload_length):
+        raise ValueError(f"bridge {msg.TYPE} with {payload_length} payload bytes cannot pass them in a descriptor")
     header = msg.to_map()
     header[PAYLOAD_LENGTH] = payload_length
+    if in_fd:
+        header[PAYLOAD_FD] = True
     data = pack(header)
     if len(data) > max_header:
         raise MessageTooLarge(
@@ -59,14 +89,35 @@ def bridge_header(msg: BridgeMessage, payload_length: int,
     return HEADER_PREFIX.pack(len(data)) + data
 
 
+@dataclass(frozen=True)
+class FrameHeader:
+    """A decoded frame header: its payload is ``length`` bytes, after the header or (``in_fd``)
+    in the descriptor that came with the frame."""
+
+    msg: BridgeMessage
+    length: int
+    in_fd: bool = False
+
+
 def decode_bridge_header(data: bytes, max_payload: int,
                          *, max_header: int = MAX_BRIDGE_HEADER_BYTES
                          ) -> tuple[BridgeMessage, int]:
-    """(message, payload_length) from a header (without its prefix); ProtocolError if bad."""
+    """(message, payload_length) from a header (without its prefix); ProtocolError if bad
+    (also if its payload is in a descriptor: see ``decode_frame_header``)."""
+    head = decode_frame_header(data, max_payload, max_header=max_header)
+    if head.in_fd:
+        raise InvalidMessage(f"bridge {head.msg.TYPE}: its payload is in a file descriptor, which "
+                             "this reader does not take", field=PAYLOAD_FD)
+    return head.msg, head.length
+
+
+def decode_frame_header(data: bytes, max_payload: int,
+                        *, max_header: int = MAX_BRIDGE_HEADER_BYTES) -> FrameHeader:
+    """The frame header in ``data`` (without its prefix); ProtocolError if bad."""
     obj = unpack_limited(data, max_header)
     if not isinstance(obj, dict):
         raise MalformedFrame(f"bridge header must be a msgpack map, got {type(obj).__name__}")
-    msg = from_map(BridgeMessage.REGISTRY, obj, extra=frozenset({PAYLOAD_LENGTH}))
+    msg = from_map(BridgeMessage.REGISTRY, obj, extra=frozenset({PAYLOAD_LENGTH, PAYLOAD_FD}))
     assert isinstance(msg, BridgeMessage)
     if PAYLOAD_LENGTH not in obj:
         raise InvalidMessage(f"{msg.TYPE}: missing field '{PAYLOAD_LENGTH}'", field=PAYLOAD_LENGTH)
@@ -76,7 +127,11 @@ def decode_bridge_header(data: bytes, max_payload: int,
             f"bridge {msg.TYPE} payload of {length} bytes is over the limit of {max_payload}"
         )
     _check_payload_length(msg, length)
-    return msg, length
+    in_fd = obj.get(PAYLOAD_FD, False)
+    if in_fd is not False and not (in_fd is True and msg.CARRIES_PAYLOAD and length):
+        raise InvalidMessage(f"{msg.TYPE}: '{PAYLOAD_FD}' must be true (and only on a frame "
+                             f"with payload bytes) or absent, got {in_fd!r}", field=PAYLOAD_FD)
+    return FrameHeader(msg, length, in_fd)
 
 
 def _check_payload_length(msg: BridgeMessage, length: int) -> None:
@@ -150,29 +205,84 @@ def connect_bridge(path: str, hello: Hello, timeout: float | None = None) -> soc
     return sock
 
 
-def send_bridge(sock: socket.socket, msg: BridgeMessage, payload: bytes = b"") -> None:
-    """Write one frame to a blocking socket."""
+def send_bridge(sock: socket.socket, msg: BridgeMessage, payload: bytes | bytearray | memoryview = b"",
+                *, fd: int | None = None) -> None:
+    """Write one frame to a blocking socket; with ``fd`` (a sealed memfd of
+    ``msg.byte_length`` bytes, still the caller's to close) instead of payload bytes."""
+    if fd is not None:
+        if payload:
+            raise ValueError("a frame carries its payload as bytes or in a descriptor, not both")
+        head = bridge_header(msg, msg.byte_length, in_fd=True)  # type: ignore[attr-defined]
+        sent = socket.send_fds(sock, [head], [fd])
+        if sent < len(head):
+            sock.sendall(head[sent:])
+        return
     head = bridge_header(msg, len(payload))
     if len(payload) <= COALESCE_BYTES:
-        sock.sendall(head + payload)  # one write, one wake-up of the reader
+        sock.sendall(head + bytes(payload))  # one write, one wake-up of the reader
         return
     sock.sendall(head)
     sock.sendall(payload)
 
 
+def send_payload(sock: socket.socket, msg: BridgeMessage,
+                 payload: bytes | bytearray | memoryview) -> None:
+    """``send_bridge``, the payload in a sealed memfd (closed here once sent) if it is at
+    least FD_MIN_BYTES: the daemon maps it instead of reading it through the socket."""
+    if len(payload) < FD_MIN_BYTES:
+        send_bridge(sock, msg, payload)  # type: ignore[arg-type]
+        return
+    fd = sealed_memfd(payload)
+    try:
+        send_bridge(sock, msg, fd=fd)
+    finally:
+        close_fd(fd)
+
+
+#: a frame's payload: bytes read from the socket, or a read-only mapping of the memfd
+#: that came with it
+Payload = bytes | mmap.mmap
+
+
 def recv_bridge(sock: socket.socket, max_payload: int,
-                *, max_header: int = MAX_BRIDGE_HEADER_BYTES) -> tuple[BridgeMessage, bytes]:
+                *, max_header: int = MAX_BRIDGE_HEADER_BYTES,
+                fds: FdQueue | None = None) -> tuple[BridgeMessage, Payload]:
     """Read one frame from a blocking socket: (message, payload).
 
     StreamClosed (an EOFError and a ConnectionError) if the peer closed before a frame;
     MalformedFrame if it closed inside one; other ProtocolErrors for bad content.
-    Oversized lengths are refused before reading.
+    Oversized lengths are refused before reading. With ``fds`` (the connection's queue of
+    received descriptors) a payload may come as a memfd: it is checked (sealed, its size),
+    returned as a read-only mapping, and its descriptor closed; without, any descriptor
+    sent along is dropped by the kernel and such a frame is refused.
     """
-    prefix = _recv_exactly(sock, HEADER_PREFIX.size)
+    if fds is None:
+        prefix = _recv_exactly(sock, HEADER_PREFIX.size)
+    else:
+        prefix = bytearray(recvmsg_fds(sock, HEADER_PREFIX.size, fds, socket.MSG_WAITALL))
+        if prefix and len(prefix) < HEADER_PREFIX.size:
+            prefix += _recv_exactly(sock, HEADER_PREFIX.size - len(prefix))
     if not prefix:
         raise StreamClosed("bridge closed by the other side")
     header = _recv_exactly(sock, parse_length_prefix(bytes(prefix), max_header, what="bridge header"))
-    msg, length = decode_bridge_header(bytes(header), max_payload, max_header=max_header)
+    try:
+        head = decode_frame_header(bytes(header), max_payload, max_header=max_header)
+    except ProtocolError:
+        if fds is not None:
+            fds.close_all()
+        raise
+    msg, length = head.msg, head.length
+    if fds is not None and len(fds) != int(head.in_fd):
+        # a blocking reader reads one frame at a time: what came with it is all there is
+        fds.close_all()
+        raise MalformedFrame(f"bridge {msg.TYPE}: the header says {int(head.in_fd)} file "
+                             f"descriptor(s) came with it, {'none' if head.in_fd else 'some'} did")
+    if head.in_fd:
+        fd = fds.take() if fds is not None else None
+        if fd is None:
+            raise MalformedFrame(f"bridge {msg.TYPE}: the header says its payload is in a file "
+                                 "descriptor, which this reader does not take")
+        return msg, take_checked(fd, length, future_write=True)
     payload = _recv_payload(sock, length) if length else b""
     if len(payload) != length:
         raise MalformedFrame(f"bridge {msg.TYPE}: payload ended after {len(payload)} of {length}")
@@ -189,9 +299,43 @@ class BridgeStream:
         self.stream = stream
         self.max_payload = max_payload
         self.max_header = max_header
-        self._reader = ExactReader(stream.receive_some)
+        #: descriptors received (SCM_RIGHTS) and not yet claimed by a frame; on a Unix
+        #: socket every read outside a payload is a recvmsg, so none is dropped unseen
+        self.fds = FdQueue()
+        self._sock = getattr(stream, "socket", None)
+        unix = self._sock is not None and self._sock.family == socket.AF_UNIX
+        self._reader = ExactReader(self._receive_with_fds if unix else stream.receive_some)
 
-    async def send(self, msg: BridgeMessage, payload: bytes | bytearray | memoryview = b"") -> None:
+    async def _receive_with_fds(self, n: int) -> bytes:
+        assert self._sock is not None  # only set as the reader on a socket
+        data, ancdata, flags, _ = await self._sock.recvmsg(n, ANC_BYTES)
+        if ancdata or flags & socket.MSG_CTRUNC:
+            fds, why = fds_from_ancillary(ancdata, flags)
+            if why is not None:
+                for fd in fds:
+                    close_fd(fd)
+                self.fds.close_all()
+                raise FdRefused(why)
+            self.fds.add(fds)
+        return bytes(data)
+
+    def close_fds(self) -> None:
+        """Close every descriptor received and not claimed (the connection's end)."""
+        self.fds.close_all()
+
+    async def send(self, msg: BridgeMessage, payload: bytes | bytearray | memoryview = b"",
+                   *, fd: int | None = None) -> None:
+        """One frame; with ``fd`` (a sealed memfd of ``msg.byte_length`` bytes, still the
+        caller's) instead of payload bytes (Unix sockets only)."""
+        if fd is not None:
+            if self._sock is None:
+                raise ValueError("a descriptor can only be passed on a Unix socket")
+            head = bridge_header(msg, msg.byte_length, in_fd=True)  # type: ignore[attr-defined]
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
+            sent = await self._sock.sendmsg([head], rights)
+            if sent < len(head):
+                await self.stream.send_all(head[sent:])
+            return
         head = bridge_header(msg, len(payload))
         if len(payload) <= COALESCE_BYTES:
             await self.stream.send_all(head + payload)  # one write, one wake-up of the reader
@@ -209,13 +353,28 @@ class BridgeStream:
 
     async def recv_header(self) -> tuple[BridgeMessage, int]:
         """The next frame's message and payload length; the payload is still unread, so
-        the caller can wait (backpressure) before taking it with ``recv_payload``."""
+        the caller can wait (backpressure) before taking it with ``recv_payload``.
+        A frame whose payload is in a descriptor is refused (``recv_frame_header`` takes it)."""
+        head = await self.recv_frame_header()
+        if head.in_fd:
+            raise InvalidMessage(f"bridge {head.msg.TYPE}: its payload is in a file descriptor, "
+                                 "which this reader does not take", field=PAYLOAD_FD)
+        return head.msg, head.length
+
+    async def recv_frame_header(self) -> FrameHeader:
+        """The next frame's header; if ``in_fd``, its descriptor is ``take_fd()``'s."""
         prefix = await self._reader.read_exactly(HEADER_PREFIX.size)
         if not prefix:
             raise StreamClosed("bridge closed by the other side")
         length = parse_length_prefix(prefix, self.max_header, what="bridge header")
         header = await self._reader.read_exactly(length)
-        return decode_bridge_header(header, self.max_payload, max_header=self.max_header)
+        return decode_frame_header(header, self.max_payload, max_header=self.max_header)
+
+    def take_fd(self) -> int | None:
+        """The oldest descriptor received and not yet claimed (the caller closes it), or
+        None: the one a frame with ``in_fd`` came with (it came with the frame's first
+        byte, so it is here once the header is)."""
+        return self.fds.take()
 
     async def recv_payload(self, msg: BridgeMessage, length: int, into: bytearray | memoryview | None = None,
                            progress: Callable[[int], None] | None = None) -> bytearray | memoryview:
@@ -258,23 +417,34 @@ class BridgeClient:
 
     def __init__(self, path: str, *, role: str, cluster_id: str = "", job_id: str = "",
                  max_payload: int = 1 << 31, timeout: float | None = None,
-                 answers_deliveries: bool = False) -> None:
+                 answers_deliveries: bool = False, accepts_fds: bool = False) -> None:
         self.max_payload = max_payload
+        #: descriptors received (only with ``accepts_fds``: Deliveries as memfds)
+        self.fds = FdQueue() if accepts_fds else None
         self.sock = connect_bridge(path, Hello(role=role, cluster_id=cluster_id, job_id=job_id,
-                                               answers_deliveries=answers_deliveries), timeout)
+                                               answers_deliveries=answers_deliveries,
+                                               accepts_fds=accepts_fds), timeout)
 
-    def send(self, msg: BridgeMessage, payload: bytes = b"") -> None:
-        send_bridge(self.sock, msg, payload)
+    def send(self, msg: BridgeMessage, payload: bytes | bytearray | memoryview = b"",
+             *, fd: int | None = None) -> None:
+        send_bridge(self.sock, msg, payload, fd=fd)
 
-    def recv(self) -> tuple[BridgeMessage, bytes]:
-        return recv_bridge(self.sock, self.max_payload)
+    def send_update(self, msg: BridgeMessage, payload: bytes | bytearray | memoryview) -> None:
+        """A SendUpdate (or Delivery) frame, its payload in a sealed memfd if it is at least
+        FD_MIN_BYTES (no byte stream through the socket), else as bytes."""
+        send_payload(self.sock, msg, payload)
 
-    def request(self, msg: BridgeMessage, payload: bytes = b"") -> tuple[BridgeMessage, bytes]:
+    def recv(self) -> tuple[BridgeMessage, Payload]:
+        return recv_bridge(self.sock, self.max_payload, fds=self.fds)
+
+    def request(self, msg: BridgeMessage, payload: bytes = b"") -> tuple[BridgeMessage, Payload]:
         """Send one frame and return the next frame received."""
         self.send(msg, payload)
         return self.recv()
 
     def close(self) -> None:
+        if self.fds is not None:
+            self.fds.close_all()
         self.sock.close()
 
     def __enter__(self) -> BridgeClient:
@@ -285,8 +455,13 @@ class BridgeClient:
 
 
 __all__ = [
+    "FD_MIN_BYTES",
     "BridgeClient",
     "BridgeMessage",
+    "FdQueue",
+    "FdRefused",
+    "FrameHeader",
+    "Payload",
     "BridgeStream",
     "ControlDelivery",
     "ControlReply",
@@ -306,6 +481,8 @@ __all__ = [
     "connect_bridge",
     "tune_socket",
     "decode_bridge_header",
+    "decode_frame_header",
+    "send_payload",
     "recv_bridge",
     "send_bridge",
 ]

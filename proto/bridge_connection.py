@@ -18,11 +18,14 @@ from typing import TypeVar
 from proto.bridge import (
     BridgeMessage,
     ControlResult,
+    FdQueue,
     Hello,
+    Payload,
     SendResult,
     connect_bridge,
     recv_bridge,
     send_bridge,
+    send_payload,
 )
 from proto.errors import ProtocolError, StreamClosed
 
@@ -36,7 +39,7 @@ class BridgeConnection:
     after `close()`."""
 
     def __init__(self, path: str, hello: Hello, *, max_payload: int,
-                 on_message: Callable[[BridgeMessage, bytes], None],
+                 on_message: Callable[[BridgeMessage, bytes], None] | Callable[[BridgeMessage, Payload], None],
                  on_closed: Callable[[BaseException | None], None] | None = None,
                  name: str = "bridge-reader") -> None:
         self.path = path
@@ -49,6 +52,8 @@ class BridgeConnection:
         self._lost = ""  # why the socket ended, once it has
         self._closing = False
         self.closed = threading.Event()
+        #: descriptors received (Deliveries as memfds, if ``hello.accepts_fds``)
+        self._fds = FdQueue() if hello.accepts_fds else None
         self._sock = connect_bridge(path, hello)
         self._reader = threading.Thread(target=self._read_loop, name=name, daemon=True)
 
@@ -56,9 +61,13 @@ class BridgeConnection:
         self._reader.start()
 
     def send(self, msg: BridgeMessage, payload: bytes = b"") -> None:
-        """Write one frame (never interleaved with another thread's); OSError if it fails."""
+        """Write one frame (never interleaved with another thread's); OSError if it fails.
+        A payload of at least FD_MIN_BYTES goes as a sealed memfd (proto.bridge.send_payload)."""
         with self._write:
-            send_bridge(self._sock, msg, payload)
+            if payload:
+                send_payload(self._sock, msg, payload)
+            else:
+                send_bridge(self._sock, msg)
 
     def exchange(self, msg: BridgeMessage, reply: type[Reply], reply_id: str, timeout: float,
                  payload: bytes = b"") -> Reply:
@@ -83,7 +92,7 @@ class BridgeConnection:
         why: BaseException = StreamClosed("its reader stopped")  # unless the socket says
         try:
             while True:
-                msg, payload = recv_bridge(self._sock, self._max_payload)
+                msg, payload = recv_bridge(self._sock, self._max_payload, fds=self._fds)
                 if isinstance(msg, ControlResult | SendResult):
                     rid = msg.request_id if isinstance(msg, ControlResult) else msg.message_id
                     with self._lock:
@@ -91,7 +100,9 @@ class BridgeConnection:
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
                 else:
-                    self._on_message(msg, payload)
+                    # a mapping comes only if the Hello said accepts_fds, i.e. to an
+                    # on_message that takes Payload
+                    self._on_message(msg, payload)  # type: ignore[arg-type]
         except (OSError, ProtocolError) as exc:
             why = exc
         finally:
@@ -101,6 +112,8 @@ class BridgeConnection:
             for fut in waiting:
                 if not fut.done():
                     fut.set_exception(StreamClosed(self._lost))
+            if self._fds is not None:
+                self._fds.close_all()
             self.closed.set()
             if self._on_closed is not None:
                 self._on_closed(None if self._closing else why)

@@ -1,6 +1,8 @@
 """The executor's side of fabricd's bridge: one Unix socket, a reader thread.
 
-Outgoing updates wait for the daemon's SendResult (the far cluster's executor accepted
+Large payloads cross the socket as sealed memfds both ways (proto.bridge: the daemon maps
+what the executor wrote; a delivery is the daemon's own receive buffer, mapped read-only
+here), small ones as bytes. Outgoing updates wait for the daemon's SendResult (the far cluster's executor accepted
 the update: end-to-end delivery); incoming deliveries go straight to the transport and
 each is answered with a DeliveryResult (accepted, a duplicate, or refused and why), on
 which the daemon acks it to its sender; control requests from the scheduler are answered
@@ -22,6 +24,7 @@ from proto.bridge import (
     DeliveryResult,
     Error,
     Hello,
+    Payload,
     SendResult,
     SendUpdate,
 )
@@ -44,7 +47,7 @@ class BridgeLink:
         *,
         cluster_id: str,
         job_id: str,
-        on_delivery: Callable[[Delivery, bytes], bool],
+        on_delivery: Callable[[Delivery, Payload], bool],
         on_control: Callable[[ControlDelivery], tuple[bool, dict[str, Any], str]],
         on_replied: Callable[[ControlDelivery], None] | None = None,
         on_control_arrived: Callable[[ControlDelivery], None] | None = None,
@@ -62,7 +65,7 @@ class BridgeLink:
                                                 thread_name_prefix="control")
         self._conn = BridgeConnection(
             path, Hello(role="executor", cluster_id=cluster_id, job_id=job_id,
-                        answers_deliveries=True),
+                        answers_deliveries=True, accepts_fds=True),
             max_payload=max_payload, on_message=self._on_message, on_closed=self._on_closed)
         self._conn.start()
 
@@ -86,7 +89,7 @@ class BridgeLink:
                                   f"delivered: {result.reason}", retry=result.retry)
 
     # -- incoming (on the connection's reader thread) ------------------------------------
-    def _on_message(self, msg: BridgeMessage, payload: bytes) -> None:
+    def _on_message(self, msg: BridgeMessage, payload: Payload) -> None:
         if isinstance(msg, Delivery):
             self._answer_delivery(msg, payload)
         elif isinstance(msg, ControlDelivery):
@@ -103,7 +106,7 @@ class BridgeLink:
         if exc is not None:
             log.error("event=bridge_lost cluster=%s reason=%s", self.cluster_id, exc)
 
-    def _answer_delivery(self, msg: Delivery, payload: bytes) -> None:
+    def _answer_delivery(self, msg: Delivery, payload: Payload) -> None:
         """Apply one delivery and tell the daemon: it acks the sender only on ``ok``."""
         retry = False
         try:

@@ -1,0 +1,203 @@
+"""Large bridge payloads passed as sealed memfds (SCM_RIGHTS) instead of a byte stream.
+
+The bridge is a Unix socket between processes of one user on one host, so a body of
+tens of MiB need not be copied through it: the writer puts it into a memfd, seals it
+(no write, grow or shrink: the reader may map it and trust that it never changes) and
+passes the descriptor with the frame's first byte. The reader checks the seals and the
+size before it maps anything, and maps read-only. Nothing here is unpickled: a
+descriptor carries bytes, checked like any payload.
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import mmap
+import os
+import socket
+import stat
+import weakref
+from collections import deque
+
+from proto.errors import ProtocolError
+
+#: payloads at least this large go as a memfd when both ends can (smaller ones cost more
+#: in memfd set-up and mapping than in copying; measured: see bench/bench_transfer.py)
+FD_MIN_BYTES = 1024 * 1024
+#: the seals that make a memfd's content immutable for as long as anyone maps it
+REQUIRED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
+#: Linux >= 5.1: no new write() or writable mapping; the daemon's own mapping (the one
+#: it received the body into, and verified) stays, so it need not copy or unmap it
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+#: what a delivery from the daemon must carry (the daemon vouches for its own mapping)
+DELIVERY_SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
+#: descriptors one recvmsg may bring (more is a flood: the connection is dropped)
+MAX_FDS_PER_READ = 4
+#: descriptors a bridge connection may hold that no frame has claimed yet
+MAX_PENDING_FDS = 8
+_ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_READ * array.array("i").itemsize)
+
+
+class FdRefused(ProtocolError):
+    """A descriptor that is not a sealed memfd of the declared size (the reason says which)."""
+
+
+def sealed_memfd(data: bytes | bytearray | memoryview, name: str = "fedpilot-update") -> int:
+    """A new memfd holding ``data``, sealed against write, grow and shrink; the caller
+    closes it (after sending it: the receiver has its own reference by then)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data).cast("B")
+        os.ftruncate(fd, len(view))
+        written = 0
+        while written < len(view):
+            written += os.pwrite(fd, view[written:], written)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_sealed(fd: int, size: int, *, future_write: bool = False) -> None:
+    """FdRefused unless ``fd`` is a regular file sealed against write/grow/shrink and
+    exactly ``size`` (> 0) bytes long (``future_write``: F_SEAL_FUTURE_WRITE will do
+    instead of F_SEAL_WRITE, for deliveries from the daemon)."""
+    try:
+        info = os.fstat(fd)
+    except OSError as exc:
+        raise FdRefused(f"the descriptor cannot be inspected ({exc})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise FdRefused("the descriptor is not a memfd (not a regular file); send a sealed "
+                        "memfd or the payload bytes")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise FdRefused("the descriptor is not a memfd (it cannot carry seals); send a sealed "
+                        "memfd or the payload bytes") from None
+    if future_write and seals & F_SEAL_FUTURE_WRITE:
+        seals |= fcntl.F_SEAL_WRITE
+    missing = REQUIRED_SEALS & ~seals
+    if missing:
+        names = [n for n, bit in (("F_SEAL_WRITE", fcntl.F_SEAL_WRITE), ("F_SEAL_GROW", fcntl.F_SEAL_GROW),
+                                  ("F_SEAL_SHRINK", fcntl.F_SEAL_SHRINK)) if missing & bit]
+        raise FdRefused(f"the memfd is not sealed ({', '.join(names)} missing): its content "
+                        "could change while it is read; seal it (fcntl F_ADD_SEALS) before sending")
+    if info.st_size != size or size == 0:
+        raise FdRefused(f"the memfd holds {info.st_size} bytes, the frame declares {size}")
+
+
+def map_readonly(fd: int, size: int) -> mmap.mmap:
+    """A read-only shared mapping of a checked memfd (the fd may be closed afterwards)."""
+    return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+
+
+def take_checked(fd: int, size: int, *, future_write: bool = False) -> mmap.mmap:
+    """Check ``fd`` (``check_sealed``), map it read-only and close it, on every path."""
+    try:
+        check_sealed(fd, size, future_write=future_write)
+        return map_readonly(fd, size)
+    finally:
+        close_quietly(fd)
+
+
+class SharedMapping(mmap.mmap):
+    """A writable shared mapping of a fresh memfd (``fd``), so that what is received into
+    it can be handed on as a descriptor without a copy. The memfd is closed with the
+    mapping (``close``) or when the object is collected."""
+
+    fd: int
+
+    @classmethod
+    def allocate(cls, size: int, name: str = "fedpilot-delivery") -> SharedMapping:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            mapping = cls(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        mapping.fd = fd
+        mapping._closer = weakref.finalize(mapping, os.close, fd)
+        return mapping
+
+    def seal_for_reading(self) -> int:
+        """Seal the memfd against new writes, growing and shrinking, and return it (still
+        ours: it is closed with the mapping). Only once the bytes are complete: this
+        mapping stays writable, so the daemon vouches for not writing it again."""
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, DELIVERY_SEALS)
+        return self.fd
+
+    def close(self) -> None:
+        mmap.mmap.close(self)
+        self._closer()
+
+    _closer: weakref.finalize
+
+
+class FdQueue:
+    """Descriptors received on one stream socket, in arrival order, until a frame claims
+    one. Every descriptor it holds is closed by ``close_all`` (the connection's end)."""
+
+    def __init__(self) -> None:
+        self._fds: deque[int] = deque()
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def add(self, fds: list[int]) -> None:
+        self._fds.extend(fds)
+        if len(self._fds) > MAX_PENDING_FDS:
+            self.close_all()
+            raise FdRefused(f"more than {MAX_PENDING_FDS} file descriptors arrived that no frame "
+                            "claimed (a flood); the connection is closed")
+
+    def take(self) -> int | None:
+        return self._fds.popleft() if self._fds else None
+
+    def close_all(self) -> None:
+        while self._fds:
+            close_quietly(self._fds.popleft())
+
+
+def close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def fds_from_ancillary(ancdata: list[tuple[int, int, bytes]], flags: int) -> tuple[list[int], str | None]:
+    """The descriptors in recvmsg's ancillary data, and a reason to drop the connection if
+    any came that do not fit (they are closed by the kernel then) or were not SCM_RIGHTS."""
+    fds: list[int] = []
+    why = None
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[:len(data) - len(data) % arr.itemsize])
+            fds.extend(arr)
+        else:
+            why = f"unexpected ancillary data (level {level}, type {kind}) on the bridge"
+    if flags & socket.MSG_CTRUNC:
+        why = (f"more than {MAX_FDS_PER_READ} file descriptors came with one read (a flood); "
+               "the connection is closed")
+    return fds, why
+
+
+def recvmsg_fds(sock: socket.socket, n: int, queue: FdQueue, flags: int = 0) -> bytes:
+    """``sock.recv(n)`` that keeps SCM_RIGHTS descriptors in ``queue`` (FdRefused if they
+    flood it or break the limits; every descriptor received is closed then)."""
+    data, ancdata, mflags, _ = sock.recvmsg(n, _ANC_BYTES, flags)
+    fds, why = fds_from_ancillary(ancdata, mflags)
+    if why is not None:
+        for fd in fds:
+            close_quietly(fd)
+        queue.close_all()
+        raise FdRefused(why)
+    if fds:
+        queue.add(fds)
+    return data
+
+
+ANC_BYTES = _ANC_BYTES
