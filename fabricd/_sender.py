@@ -8,6 +8,11 @@ discards it, so the two ends never disagree about where the next header starts. 
 is reused only if it idled less than ``IDLE_SECONDS`` (the receiver waits longer, so it
 is not closing it under us); a reused stream that turns out dead costs one retry.
 
+On a half-duplex data-plane connection (``exchange_half_duplex``) the receiver answers the
+header with a go before the body, so a refused large body is never sent; a small body
+(``exchange_inline``, at most ``INLINE_BODY_BYTES``) rides in its header's record instead
+and the one ack comes back - one round trip, no go.
+
 Why retry: py-libp2p 0.8.1 fails ``new_stream`` (``StreamFailure``) when protocol
 negotiation is slow under load. Every update carries a message id the receiver
 de-duplicates, so sending it again after a failure cannot deliver it twice.
