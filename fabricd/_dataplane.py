@@ -218,6 +218,10 @@ class Records:
     altered, dropped, replayed or reordered fails its tag and ends the connection."""
 
     def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes) -> None:
+        if isinstance(sock, ssl.SSLSocket):  # left TLS: a plain socket skips ssl's wrappers
+            timeout = sock.gettimeout()
+            sock = socket.socket(fileno=sock.detach())
+            sock.settimeout(timeout)
         self.sock = sock
         self._tx, self._rx = AESGCM(send_key), AESGCM(recv_key)
         self._sent = self._got = 0
@@ -420,17 +424,23 @@ class TlsStream:
         the socket's buffer at most WRITE_SECONDS)."""
         if self.closed:
             raise StreamEOF("data-plane connection closed")
+        await trio.lowlevel.checkpoint_if_cancelled()  # before the record is sealed
         record = memoryview(self.records.seal(data))
         sock = self.records.sock
         sent = 0
         try:
             self.records._timeout(0.0)
-            with trio.fail_after(WRITE_SECONDS):
-                while sent < len(record):
-                    try:
-                        sent += sock.send(record[sent:])
-                    except BlockingIOError:
-                        await trio.lowlevel.wait_writable(sock.fileno())
+            try:
+                sent = sock.send(record)  # most often all of it: no deadline to set up
+            except BlockingIOError:
+                pass
+            if sent < len(record):
+                with trio.fail_after(WRITE_SECONDS):
+                    while sent < len(record):
+                        try:
+                            sent += sock.send(record[sent:])
+                        except BlockingIOError:
+                            await trio.lowlevel.wait_writable(sock.fileno())
         except BaseException as exc:
             await self.close()  # the record was sealed: unsent, the nonces disagree
             if isinstance(exc, (OSError, trio.TooSlowError, trio.ClosedResourceError)):
