@@ -11,7 +11,10 @@ Prints one JSON object with, each against raw loopback TCP measured in the same 
   per update; ``over``: the data plane, up to ``--dataplane-small-bytes``, or libp2p);
 - ``e2e_64mib``: one 64 MiB update from an executor's bridge client on a to one on b that
   answers the delivery (both bridges, end-to-end ack), each run beside a raw TCP run of the
-  same size; the ratio is the median of the per-run ratios (``--e2e-only``: just this);
+  same size; the ratio is the median of the per-run ratios (``--e2e-only``: just this). The
+  body crosses both bridges as sealed memfds, as executors pass it; ``bytes_path``: the same
+  runs with the body streamed through both sockets (a client that passes no descriptors),
+  each right after its memfd run;
 - ``concurrent_1mib`` / ``concurrent_64mib``: 200 x 1 MiB and 50 x 64 MiB written at
   once (failed must be 0, every delivered body's sha256 recomputed), peak RSS of both
   daemons against their peak bytes in flight, and bridge status latency meanwhile;
@@ -102,6 +105,25 @@ The 0.5x probe and 0.35x e2e targets are not met: both daemons are CPU-bound in 
   chose 1 MiB (ms per update, one at a time, end-to-end acked, libp2p vs plane, loadavg
   ~3-4): 256 KiB 6-12 vs 4-9, 512 KiB 7-13 vs 5-7, 1 MiB 11-13 vs 7-8, 2 MiB 17-27 vs
   10-14, 4 MiB 34-93 vs 19-28, 8 MiB 110-153 vs 38-51.
+- 2026-11-25 15:02-15:11 UTC, large bodies cross both bridges as sealed memfds
+  (proto/_bridge_fds.py, SCM_RIGHTS; executors from 1 MiB): daemon a maps the executor's
+  memfd read-only and sends from the mapping; daemon b receives the plane body into a memfd
+  and hands the verified Delivery as that descriptor (no second byte stream). ``--e2e-only
+  --runs 5``, each round raw / memfd / bytes, alternating with the code before (deb5014) in
+  5 windows at loadavg 5-8 (raw 0.5-3.4 GB/s within a run: noisy): median ratio before
+  0.078 / 0.113 / 0.082 / 0.071 / 0.119 (76-200 MB/s); after, memfd 0.133 / 0.089 / 0.130 /
+  0.097 / 0.206 (140-199 MB/s), bytes path 0.103 / 0.072 / 0.078 / 0.084 / 0.096 (102-161
+  MB/s): in every run the memfd path beat the bytes path, 1.2-1.7x in MB/s. Timeline of one
+  64 MiB update (a copy with timestamps, loadavg ~5): b hands the Delivery to its executor in
+  1-5 ms (bytes: 90-135 ms); the sending executor's part is its memfd write, 25-90 ms
+  (sendall: 60-390 ms); what is left is daemon a, header to the body's last record 230-540
+  ms, on a CPU shared by its writer thread (BLAKE3 + AES-GCM), its DigestGate thread (sha256
+  of the body: the executor's claim checked before the last chunk) and b's two threads. With
+  the gate skipped for a sealed memfd (an experiment, not landed: the header's sha256 would
+  then be checked by no one when b verifies BLAKE3) that span is 170-240 ms. 0.35x is not met.
+  Threshold: ms per update end to end, memfd vs bytes, loadavg ~12: 1 MiB 5.9-6.1 / 6.0,
+  2 MiB 9.2-10.1 / 9.0-10.4; 4 MiB two sweeps 25-37 / 17-30, a third (loadavg ~11) 15-20 /
+  20-26: 1 MiB kept (no loss below 4 MiB, the gain grows with size).
 - Per-update fixed cost (must-show 2, <= 2 ms) is not met: 3.1-3.9 ms at loadavg ~1, the
   same before and after writing a small body with its header (alternating runs, 3 x 500
   each). Each daemon spends 1.4-1.9 ms of CPU per 1 KiB update (/proc, 1000 updates; idle
