@@ -69,19 +69,28 @@ def _bridge_up(node: Node) -> bool:
     return True
 
 
-def test_a_broken_pooled_stream_is_retried_transparently(mesh) -> None:
+@pytest.mark.parametrize("size", [64 * 1024, 128 * 1024], ids=["dataplane-inline", "libp2p"])
+def test_a_broken_pooled_stream_is_retried_transparently(mesh, size: int) -> None:
     """Kill -9 the receiver between two batches: the streams pooled to it are dead; after
-    it restarts, the next updates go on fresh streams and each is delivered once."""
+    it restarts, the next updates go on fresh streams and each is delivered once. 64 KiB
+    bodies ride pooled data-plane connections (limits.dataplane_small_bytes), 128 KiB
+    bodies pooled libp2p streams."""
     a = mesh.nodes["a"]
-    r = mesh.add("r", [a.addr()])
-    wait_until(lambda: "r" in connected_fast(a), timeout=60)
-    first = blast(a, r, count=4, size=64 * 1024, sockets=1)
+    name = f"r{size // 1024}"
+    r = mesh.add(name, [a.addr()])
+    wait_until(lambda: name in connected_fast(a), timeout=60)
+    key = "dataplane_streams" if size <= 64 * 1024 else "streams"
+    before = bridge_status(a)["transfer"]
+    first = blast(a, r, count=4, size=size, sockets=1)
     assert first.ok == 4 and first.delivered == 4, first.summary()
+    after = bridge_status(a)["transfer"]
+    assert (after[f"{key}_opened"] + after[f"{key}_reused"]
+            - before[f"{key}_opened"] - before[f"{key}_reused"]) == 4, (key, before, after)
     r.kill9()
     r.start()
     wait_until(lambda: _bridge_up(r), timeout=60)
-    wait_until(lambda: "r" in connected_fast(a), timeout=60)
-    second = blast(a, r, count=4, size=64 * 1024, sockets=1)
+    wait_until(lambda: name in connected_fast(a), timeout=60)
+    second = blast(a, r, count=4, size=size, sockets=1)
     assert second.ok == 4 and second.delivered == 4 and second.digest_mismatch == 0, second.summary()
     # The sender's own retry handled the dead streams; none of the sends failed outright.
     assert f"event=update.send_failed peer={bridge_status(r)['peer_id']} message_id={second.job}" not in a.log()
