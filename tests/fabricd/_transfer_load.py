@@ -12,6 +12,7 @@ are sampled while it runs (used by bench/bench_transfer.py; tests check only cor
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import threading
 import time
@@ -75,10 +76,11 @@ def _body_prefix(index: int) -> bytes:
 
 def blast(sender: Node, receiver: Node, count: int, size: int, *, sockets: int = 4,
           timeout: float = 600.0, sample_status: bool = False,
-          hold_first_until: Callable[[], bool] | None = None) -> BlastResult:
+          hold_first_until: Callable[[], bool] | None = None, fds: bool = False) -> BlastResult:
     """Send ``count`` updates of ``size`` bytes from ``sender``'s executors to one on
     ``receiver``. ``hold_first_until``: the receiving executor reads nothing until it is
-    true (or 30 s passed), so the receiver holds its first update meanwhile."""
+    true (or 30 s passed), so the receiver holds its first update meanwhile. ``fds``: both
+    executors pass bodies as sealed memfds (proto.bridge), not as bytes."""
     assert size >= PREFIX
     job = f"blast-{uuid.uuid4().hex[:8]}"
     base = os.urandom(size)
@@ -101,7 +103,7 @@ def blast(sender: Node, receiver: Node, count: int, size: int, *, sockets: int =
         expected[mid(i)] = digest(i)
 
     consumer = BridgeClient(_socket(receiver), role="executor", cluster_id=receiver.name,
-                            job_id=job, max_payload=size + 1, timeout=timeout)
+                            job_id=job, max_payload=size + 1, timeout=timeout, accepts_fds=fds)
     wait_until(lambda: any(c["job_id"] == job for c in bridge_status(receiver)["bridge_clients"]), 30)
 
     def consume() -> None:
@@ -115,6 +117,8 @@ def blast(sender: Node, receiver: Node, count: int, size: int, *, sockets: int =
                 if not isinstance(msg, Delivery):
                     continue
                 good = hashlib.sha256(body).digest() == expected.get(msg.message_id)
+                if isinstance(body, mmap.mmap):
+                    body.close()
                 with lock:
                     result.delivered += 1
                     result.digest_mismatch += 0 if good else 1
@@ -130,6 +134,9 @@ def blast(sender: Node, receiver: Node, count: int, size: int, *, sockets: int =
             msg = SendUpdate(target_cluster=receiver.name, job_id=job, round=1, source_node="s",
                              target_node="t", message_id=mid(i), tensor_count=1, byte_length=size,
                              sha256=expected[mid(i)])
+            if fds:
+                client.send_update(msg, _body_prefix(i) + rest)
+                continue
             client.sock.sendall(bridge_header(msg, size))
             client.sock.sendall(_body_prefix(i))
             client.sock.sendall(rest)

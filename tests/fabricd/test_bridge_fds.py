@@ -29,6 +29,7 @@ from proto.bridge import (
     bridge_header,
 )
 from tests.fabricd._harness import Node, bridge_status, wait_until
+from tests.fabricd._transfer_load import blast
 
 pytestmark = pytest.mark.slow
 
@@ -193,3 +194,13 @@ def test_bad_descriptors_are_refused_and_the_daemon_keeps_serving(mesh) -> None:
     wait_until(lambda: _memfds(a.proc.pid) == (0, 0), 10)
     assert b.proc is not None
     wait_until(lambda: _memfds(b.proc.pid) == (0, 0), 10)
+
+
+def test_concurrent_memfd_updates_all_arrive_and_release_everything(mesh) -> None:  # type: ignore[no-untyped-def]
+    a, b = mesh.nodes["a"], mesh.nodes["b"]
+    assert a.proc is not None and b.proc is not None
+    result = blast(a, b, count=12, size=4 * MIB, sockets=4, fds=True)
+    assert result.failed == [] and result.ok == 12, result.summary()
+    assert result.delivered == 12 and result.digest_mismatch == 0, result.summary()
+    for pid in (a.proc.pid, b.proc.pid):
+        wait_until(lambda pid=pid: _memfds(pid) == (0, 0), 10)
