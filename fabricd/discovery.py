@@ -349,10 +349,12 @@ class Discovery:
 
         py-libp2p adds a peer to the routing table only when it sends a DHT request, so
         members are added as they are verified; the record is re-put when a member joins
-        and every RECORD_REFRESH seconds.
+        and every RECORD_REFRESH seconds. Only a cluster has a record: a scheduler's
+        daemon (role "scheduler") would have its own put refused by every validator.
         """
         in_table: set[str] = set()
         last_put = 0.0
+        publishes = self.m.own.role == "cluster"
         while True:
             added = False
             for info in list(self.clusters.values()):
@@ -364,7 +366,7 @@ class Discovery:
                     added = True
                 except Exception as exc:  # noqa: BLE001 - retried next second
                     log.debug("dht.add_peer_failed", peer=info.peer_id, reason=str(exc))
-            if in_table and (added or time.monotonic() - last_put > RECORD_REFRESH):
+            if publishes and in_table and (added or time.monotonic() - last_put > RECORD_REFRESH):
                 last_put = time.monotonic()
                 try:
                     with trio.move_on_after(10):

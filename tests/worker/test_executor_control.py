@@ -3,6 +3,8 @@ scheduler's reply names the kind and the field, and the next valid message works
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -180,3 +182,47 @@ def test_a_plan_whose_mixing_steps_differ_from_the_jobs_is_refused(aggregator: s
         assert service.engine is not None and service.engine.mixing_steps == fixed
     finally:
         service.abort("test over")
+
+
+def test_a_new_plan_ends_the_round_still_running_before_it_changes_the_job() -> None:
+    """A round whose training outlasted the scheduler's abort (a loaded machine: compose,
+    a cluster falsely lost) must not run on under the next plan: its late sends went to a
+    node the new plan no longer had, and its failure aborted the repeated round."""
+    spec = JobSpec.from_dict({
+        "job": {"id": "ctl-stale", "seed": 1},
+        "data": {"number_of_clients": 4, "dirichlet_beta": 0.5},
+        "training": {"federated_learning_rounds": 2, "number_of_epochs": 1},
+        "topology": {"kind": "hybrid"}, "placement": {"max_materialized": 1}})
+    mesh = LoopbackMesh(["a", "b"], lambda cid: runtime_factory(InProcessContext(), cid),
+                        capacity=4)
+    a = mesh.services["a"]
+    try:
+        started = mesh.request("a", JobStart("ctl-stale", job=spec.to_dict(), clients=(0, 1, 2, 3))
+                               .to_body(), 60)
+        mesh.request("b", JobStart("ctl-stale", job=spec.to_dict(), clients=(0, 1, 2, 3))
+                     .to_body(), 60)
+        histograms = read_histograms(started, 4)
+        two = plan_epoch(spec, histograms, [ClusterSlot("a", 2), ClusterSlot("b", 2)], epoch=0)
+        assert set(two.routing.clusters) == {"a", "b"}
+        for cid in ("a", "b"):
+            mesh.request(cid, JobPlan("ctl-stale", routing=two.routing).to_body(), 60)
+        # round 1 on a only: a's group waits for b's, which never runs it
+        with ThreadPoolExecutor(1) as pool:
+            stale = pool.submit(mesh.request, "a",
+                                RoundRun("ctl-stale", round=1, deadline=120.0).to_body(), 120)
+            deadline = time.monotonic() + 60
+            while a._running is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert a._running == (1, 0) and not stale.done()
+            # b is "lost": the job goes on with a alone
+            one = plan_epoch(spec, histograms, [ClusterSlot("a", 4)], epoch=1)
+            mesh.request("a", JobPlan("ctl-stale", routing=one.routing).to_body(), 60)
+            assert stale.done(), "job.plan returned while the old round still ran under it"
+            with pytest.raises(JobFailed, match=r"re-planned \(epoch 1\) while round 1 ran here"):
+                stale.result()
+        record = mesh.request("a", RoundRun("ctl-stale", round=1, attempt=1, deadline=120.0)
+                              .to_body(), 120)
+        assert record["round"] == 1 and record["participants"] == 4
+    finally:
+        for service in mesh.services.values():
+            service.abort("test over")

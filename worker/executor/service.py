@@ -8,10 +8,11 @@ lease; one whose lease runs out (its scheduler is gone) releases its actors and 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -38,6 +39,7 @@ from proto.control import (
 )
 from proto.errors import ControlMessageError
 from proto.job import JobSpec, fixed_mixing_steps
+from proto.routing import RoutingMatrix
 from worker import payload as wire
 from worker.errors import WorkerError
 from worker.executor.allowlist import check_job_from_environment
@@ -112,6 +114,9 @@ class ExecutorService:
         #: a fedcore.metrics.RunMetrics to report every round to (or None)
         self.metrics: Any = None
         self._lock = threading.Lock()
+        #: held while the engine runs a round or is changed (a plan, an export, a restore)
+        self._engine_lock = threading.Lock()
+        self._running: tuple[int, int] | None = None  # (round, attempt) running now
         self.lease_seconds = FIRST_LEASE
         self._restoring: tuple[str, set[str]] | None = None  # (from cluster, nodes)
         self._plan_parts = PlanAssembly()  # a large plan's parts, until its job.plan
@@ -261,6 +266,12 @@ class ExecutorService:
                                f"job fixes {fixed} (topology.mixing_steps = "
                                f"{self.spec.topology.mixing_steps}, aggregation.name = "
                                f"{self.spec.aggregation.name!r})")
+        with self._exclusive(f"re-planned (epoch {routing.epoch}) while round "
+                             "{round} ran here"):
+            return self._install(message, routing)
+
+    def _install(self, message: JobPlan, routing: RoutingMatrix) -> dict[str, Any]:
+        assert self.spec is not None and self.runtime is not None
         graph = RoundGraph.from_routing(routing)
         nodes = {node: routing.cluster_of(node) for node in graph.nodes}
         with self._lock:
@@ -321,18 +332,49 @@ class ExecutorService:
             except KeyError:
                 raise ControlError(f"node {node!r} is not in the job's placement") from None
 
+    @contextlib.contextmanager
+    def _exclusive(self, supersedes: str | None) -> Iterator[None]:
+        """Hold the engine alone. With `supersedes` (a reason; "{round}" is filled in), a
+        round still running here is ended first: the scheduler aborts an interrupted round
+        before it re-plans, but a round whose training outlasts that wait would otherwise
+        send along a plan that is gone and fail the repeated round under it."""
+        with self._lock:
+            running = self._running
+        if supersedes is not None and running is not None and self.transport is not None:
+            reason = supersedes.format(round=running[0])
+            log.warning("event=round_superseded cluster=%s round=%d attempt=%d reason=%s",
+                        self.cluster_id, running[0], running[1], reason)
+            self.transport.abort_round(running[0], reason)
+        if not self._engine_lock.acquire(timeout=self.round_timeout):
+            raise ControlError(f"round {running[0] if running else '?'} is still running on "
+                               f"cluster {self.cluster_id} after {self.round_timeout:.0f} s")
+        try:
+            yield
+        finally:
+            self._engine_lock.release()
+
     def _round(self, message: RoundRun) -> dict[str, Any]:
         if self.engine is None:
             raise ControlError("round.run before job.plan")
         r, attempt, deadline = message.round, message.attempt, message.deadline
-        if self.transport is not None and attempt != self.transport.attempt:
-            # the round is repeated (a cluster was lost): its waits may be taken again
-            self.transport.attempt = attempt
-            self.mailbox.reopen_round(r)
-        try:
-            record = self.engine.run_round(r, None if deadline is None else float(deadline))
-        except Exception as exc:
-            raise ControlError(explain_failure(exc, self.cluster_id, r, self.spec)) from exc
+        with self._lock:
+            stale = self._running is not None and self._running[1] != attempt
+        with self._exclusive(f"round {{round}} is run again (attempt {attempt})" if stale
+                             else None):
+            assert self.engine is not None
+            if self.transport is not None and attempt != self.transport.attempt:
+                # the round is repeated (a cluster was lost): its waits may be taken again
+                self.transport.attempt = attempt
+                self.mailbox.reopen_round(r)
+            with self._lock:
+                self._running = (r, attempt)
+            try:
+                record = self.engine.run_round(r, None if deadline is None else float(deadline))
+            except Exception as exc:
+                raise ControlError(explain_failure(exc, self.cluster_id, r, self.spec)) from exc
+            finally:
+                with self._lock:
+                    self._running = None
         if self.metrics is not None and self.spec is not None and self.runtime is not None:
             self.metrics.round_finished(
                 self.spec.job_id, record.round, seconds=record.seconds,
@@ -354,6 +396,11 @@ class ExecutorService:
         if self.engine is None or self.transport is None:
             raise ControlError("node.export before job.plan")
         epoch = self._epoch + 1 if message.epoch is None else message.epoch
+        with self._exclusive(f"nodes move away (epoch {epoch}) while round {{round}} ran here"):
+            return self._send_nodes(message, epoch)
+
+    def _send_nodes(self, message: NodeExport, epoch: int) -> dict[str, Any]:
+        assert self.engine is not None and self.transport is not None
         sent: list[str] = []
         for node, target in message.nodes.items():
             exported = self.engine.export_node(node)
