@@ -525,4 +525,8 @@ def _delivery_fd(payload: bytes | bytearray | memoryview) -> int | None:
         return None
     if len(payload) != len(mapping):
         return None  # a part of a mapping: the descriptor would hand over more than the body
-    return mapping.seal_for_reading()
+    try:
+        return mapping.seal_for_reading()
+    except OSError as exc:  # e.g. a kernel before 5.1 (no F_SEAL_FUTURE_WRITE): send bytes
+        log.info("bridge.delivery_as_bytes", reason=f"cannot seal the delivery's memfd: {exc}")
+        return None
