@@ -125,6 +125,12 @@ The 0.5x probe and 0.35x e2e targets are not met: both daemons are CPU-bound in 
   Threshold: ms per update end to end, memfd vs bytes, loadavg ~12: 1 MiB 5.9-6.1 / 6.0,
   2 MiB 9.2-10.1 / 9.0-10.4; 4 MiB two sweeps 25-37 / 17-30, a third (loadavg ~11) 15-20 /
   20-26: 1 MiB kept (no loss below 4 MiB, the gain grows with size).
+  Quiet (15:30-15:31 UTC, loadavg 0.9-2.1), 4 windows alternating before (deb5014) / after
+  (with the data plane's later changes): median ratio before 0.086 / 0.080 / 0.140 / 0.097
+  (209-333 MB/s); after, memfd 0.129 / 0.237 / 0.186 / 0.163 (328-489 MB/s, best run 556
+  MB/s), bytes path 0.094 / 0.119 / 0.132 / 0.082 (228-316 MB/s). The body at the far
+  executor after 112-245 ms (before 172-409 ms); the sender's memfd written in 24-41 ms
+  (sendall before: 40-169 ms).
   Concurrent with memfds (``blast(fds=True)``, budget 1 GiB, loadavg 6-12): 200 x 1 MiB
   200 ok, 0 mismatches, peak RSS 332/125 MB (sender/receiver) for 210/8 MB in flight; 50 x
   64 MiB 50 ok, 0 mismatches, 116 MB/s, peak RSS 503/361 MB for 537/537 MB in flight (bytes
