@@ -26,7 +26,12 @@ from scheduler.planning.placement.mapping import (
     cut_traffic,
 )
 from scheduler.planning.placement.refine import refine_assignment
-from scheduler.planning.placement.similarity import unit_rows
+from scheduler.planning.placement.similarity import (
+    nearest_rows,
+    nearest_rows_grouped,
+    quantise,
+    unit_rows,
+)
 from scheduler.planning.placement.strategies import random_assignment, round_robin
 from scheduler.planning.plan import plan_job, plan_placement
 from scheduler.planning.topology import LogicalTopology, build_topology
@@ -346,6 +351,24 @@ def test_most_central_client_of_each_group() -> None:
         summed = (unit[members] @ unit[members].T).sum(axis=0)
         assert central[g] == members[np.argmax(summed)]
         assert np.allclose(sums[g], unit[members].sum(axis=0), atol=1e-5)
+
+
+def test_grouped_nearest_rows_is_nearest_rows() -> None:
+    """The angle-bounded search gives nearest_rows' answer for tight groups (quantised
+    proportions, as the scale path makes them), arbitrary groups, all-zero query rows and
+    an all-zero target."""
+    hist = synthetic_histograms(20_000, beta=0.1, seed=4)
+    hist[:5] = 0
+    codes = quantise(hist, 10)
+    tight = distinct_rows(codes, 11)[2]
+    arbitrary = np.random.default_rng(0).integers(0, 40, size=len(hist))
+    targets = hist[np.random.default_rng(1).choice(len(hist), 300, replace=False)]
+    expected = nearest_rows(hist, targets)
+    for group in (tight, arbitrary):
+        assert np.array_equal(nearest_rows_grouped(hist, group, targets), expected)
+    zero_target = np.vstack([targets, np.zeros((1, hist.shape[1]), dtype=hist.dtype)])
+    assert np.array_equal(nearest_rows_grouped(hist, tight, zero_target),
+                          nearest_rows(hist, zero_target))
 
 
 def test_distinct_rows_inverse_rebuilds_the_rows() -> None:
