@@ -23,6 +23,29 @@ similarities and each community re-elects its most central client), but full AP 
 itself at damping 0.8 is only 0.90, and what placement is for is met: inter-cluster edges
 9,108 against full AP's 9,611 (-5%; goal within 10%).
 
+Issue 20 must-show 2, second pass (2026-11-25 ~15:00-15:30 UTC): the final nearest-exemplar
+pass checks, per client group, only the exemplars an angle bound leaves possible (a third
+of them at 1M), with one BLAS thread; same labels. 1M clients, before/after alternating at
+load average ~1: 9.2 and 8.4 s wall (10.7 and 8.5 s CPU) before, 7.3 and 7.3 s (8.2 and
+7.0 s CPU) after; the communities stage 2.5-3.0 s -> 1.9-2.0 s. Full runs of this script:
+before 10.5 s wall, 8.4 s CPU at load 4.5; after 9.9 s wall, 7.3 s CPU at load 11.4. Peak
+RSS 1.96 GB both. Quality, unchanged by this: at 5,000 clients ARI 0.834 (data seed 1) and
+0.819 (seed 2); inter-cluster edges 9,108 vs 9,611 (-5.2%) and 9,450 vs 9,383 (+0.7%).
+ARI 0.9 is out of reach for any path cheaper than O(n^2), because full AP's exemplars
+depend on every client being a candidate: full AP with a random 20% of the clients barred
+from being exemplars agrees with unrestricted full AP at 0.888 / 0.875 (50% barred: 0.857
+/ 0.856), and full AP at damping 0.8 vs 0.7 scores 0.900 / 0.922. Tried on the 5,000
+clients and dropped (ARI seed 1 / seed 2): AP with every client responding and the 800
+group representatives as candidates (O(n*800) per iteration, 4 s at 5,000) 0.848 / 0.822,
+0.872 on seed 1 even with full AP's exemplars added to the candidates; group AP at damping
+0.5 0.845 / 0.795; k-means groups 0.820 / 0.832; groups around random clients 0.860 /
+0.810; five k-medoids rounds after AP +0.008 / +0.007 (one more 1M pass each); dropping
+communities under a quarter of the mean size +0.009 / +0.004 (under 40% of it: -0.06 at
+1,000 clients); greedy local search on AP's net similarity adds exemplars without end
+(299 after 200 moves, ARI 0.51), so full AP's answer is not a local optimum of it. At 1M,
+AP keeps 791 of the 800 groups as communities: full AP's count grows with n (40 at 1,000,
+95 at 5,000), so there `ap_max_exemplar_candidates`, not AP, sets the count.
+
 Usage: python bench/bench_plan.py [--quick]   (prints one JSON object)
 """
 
