@@ -185,10 +185,13 @@ class Recovery:
             raise JobFailed(f"{lost}; the surviving clusters cannot hold the job's clients: "
                             f"{exc}") from None
         # nodes of a lost cluster start again from the checkpoint, wherever they go now
-        # (also onto the same cluster come back: its new executor holds nothing)
+        # (also onto the same cluster come back: its new executor holds nothing). A node
+        # the new plan does not have stays behind: hybrid's group of the lost cluster
+        # (g:<cluster>), whose clients now belong to the surviving groups
         kept = {n: c for n, c in before.items() if c not in gone}
         moved = self._migrate(kept, new_plan)
-        orphans = sorted(n for n, c in before.items() if c in gone)
+        planned = node_clusters(new_plan.routing)
+        orphans = sorted(n for n, c in before.items() if c in gone and n in planned)
         restored = {n: self._last_models[n] for n in orphans if n in self._last_models}
         if restored:
             self._restore(new_plan, restored)
