@@ -35,7 +35,7 @@ DELIVERY_SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
 MAX_FDS_PER_READ = 4
 #: descriptors a bridge connection may hold that no frame has claimed yet
 MAX_PENDING_FDS = 8
-_ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_READ * array.array("i").itemsize)
+ANC_BYTES = socket.CMSG_SPACE(MAX_FDS_PER_READ * array.array("i").itemsize)
 
 
 class FdRefused(ProtocolError):
@@ -185,19 +185,23 @@ def fds_from_ancillary(ancdata: list[tuple[int, int, bytes]], flags: int) -> tup
     return fds, why
 
 
-def recvmsg_fds(sock: socket.socket, n: int, queue: FdQueue, flags: int = 0) -> bytes:
-    """``sock.recv(n)`` that keeps SCM_RIGHTS descriptors in ``queue`` (FdRefused if they
+def keep_fds(ancdata: list[tuple[int, int, bytes]], flags: int, queue: FdQueue) -> None:
+    """Put the SCM_RIGHTS descriptors of one recvmsg into ``queue`` (FdRefused if they
     flood it or break the limits; every descriptor received is closed then)."""
-    data, ancdata, mflags, _ = sock.recvmsg(n, _ANC_BYTES, flags)
-    fds, why = fds_from_ancillary(ancdata, mflags)
+    if not ancdata and not flags & socket.MSG_CTRUNC:
+        return
+    fds, why = fds_from_ancillary(ancdata, flags)
     if why is not None:
         for fd in fds:
             close_quietly(fd)
         queue.close_all()
         raise FdRefused(why)
-    if fds:
-        queue.add(fds)
+    queue.add(fds)
+
+
+def recvmsg_fds(sock: socket.socket, n: int, queue: FdQueue, flags: int = 0) -> bytes:
+    """``sock.recv(n)`` that keeps SCM_RIGHTS descriptors in ``queue`` (``keep_fds``)."""
+    data, ancdata, mflags, _ = sock.recvmsg(n, ANC_BYTES, flags)
+    keep_fds(ancdata, mflags, queue)
     return data
 
-
-ANC_BYTES = _ANC_BYTES

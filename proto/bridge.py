@@ -25,7 +25,7 @@ from proto._bridge_fds import (
     FD_MIN_BYTES,
     FdQueue,
     FdRefused,
-    fds_from_ancillary,
+    keep_fds,
     recvmsg_fds,
     sealed_memfd,
     take_checked,
@@ -309,14 +309,7 @@ class BridgeStream:
     async def _receive_with_fds(self, n: int) -> bytes:
         assert self._sock is not None  # only set as the reader on a socket
         data, ancdata, flags, _ = await self._sock.recvmsg(n, ANC_BYTES)
-        if ancdata or flags & socket.MSG_CTRUNC:
-            fds, why = fds_from_ancillary(ancdata, flags)
-            if why is not None:
-                for fd in fds:
-                    close_fd(fd)
-                self.fds.close_all()
-                raise FdRefused(why)
-            self.fds.add(fds)
+        keep_fds(ancdata, flags, self.fds)
         return bytes(data)
 
     def close_fds(self) -> None:

@@ -24,7 +24,6 @@ from proto.bridge import (
     SendResult,
     connect_bridge,
     recv_bridge,
-    send_bridge,
     send_payload,
 )
 from proto.errors import ProtocolError, StreamClosed
@@ -64,10 +63,7 @@ class BridgeConnection:
         """Write one frame (never interleaved with another thread's); OSError if it fails.
         A payload of at least FD_MIN_BYTES goes as a sealed memfd (proto.bridge.send_payload)."""
         with self._write:
-            if payload:
-                send_payload(self._sock, msg, payload)
-            else:
-                send_bridge(self._sock, msg)
+            send_payload(self._sock, msg, payload)
 
     def exchange(self, msg: BridgeMessage, reply: type[Reply], reply_id: str, timeout: float,
                  payload: bytes = b"") -> Reply:
