@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,15 +47,16 @@ def _header() -> UpdateHeader:
                         sha256=hashlib.sha256(BODY).digest())
 
 
-@pytest.mark.trio
-async def test_blake3_receiver_checks_the_senders_trailer(tmp_path: Path) -> None:
+def _receiver(tmp_path: Path, min_bytes: int) -> tuple[UpdateService, DataPlane, Callable[[], Awaitable[TlsStream]]]:
+    """Cluster b's update service and data plane (digest blake3, large bodies from
+    ``min_bytes``), and how alice, its one member, opens a connection to it."""
     alice = _peer()
     host = _Host()
     service = UpdateService(host, _Members(str(alice)), None, cluster_id="b",  # type: ignore[arg-type]
                             max_update_bytes=1 << 30, max_inflight_bytes=1 << 30)
     plane = DataPlane(host, listen_ip="127.0.0.1", is_member=lambda p: p == str(alice),  # type: ignore[arg-type]
                       serve=service.serve_dataplane, state_dir=tmp_path)
-    service.use_dataplane(plane, 1, "blake3")
+    service.use_dataplane(plane, min_bytes, "blake3")
     alice_tls = _identity(str(alice), tmp_path / "alice")
 
     async def connect() -> TlsStream:
@@ -62,6 +64,13 @@ async def test_blake3_receiver_checks_the_senders_trailer(tmp_path: Path) -> Non
         ctx = _context(alice_tls, server=False, pinned=answer.certificate)
         records = await trio.to_thread.run_sync(dial, "127.0.0.1", plane.port, ctx, answer.ticket)
         return TlsStream(records, alice, plane.limiter)
+
+    return service, plane, connect
+
+
+@pytest.mark.trio
+async def test_blake3_receiver_checks_the_senders_trailer(tmp_path: Path) -> None:
+    service, plane, connect = _receiver(tmp_path, 1)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(plane.run)
@@ -87,25 +96,12 @@ async def test_blake3_receiver_checks_the_senders_trailer(tmp_path: Path) -> Non
 
 @pytest.mark.trio
 async def test_an_inline_body_is_all_of_its_record_and_checked_against_the_header(tmp_path: Path) -> None:
-    alice = _peer()
-    host = _Host()
-    service = UpdateService(host, _Members(str(alice)), None, cluster_id="b",  # type: ignore[arg-type]
-                            max_update_bytes=1 << 30, max_inflight_bytes=1 << 30)
-    plane = DataPlane(host, listen_ip="127.0.0.1", is_member=lambda p: p == str(alice),  # type: ignore[arg-type]
-                      serve=service.serve_dataplane, state_dir=tmp_path)
-    service.use_dataplane(plane, 1 << 20, "blake3")
-    alice_tls = _identity(str(alice), tmp_path / "alice")
+    service, plane, connect = _receiver(tmp_path, 1 << 20)
     small = os.urandom(3000)
 
     def header(length: int, digest: bytes) -> UpdateHeader:
         return UpdateHeader(job_id=PROBE_JOB_ID, round=0, source_node="a", target_node="b",
                             message_id=os.urandom(8).hex(), tensor_count=0, byte_length=length, sha256=digest)
-
-    async def connect() -> TlsStream:
-        answer = await _ticket(plane, alice, alice_tls)
-        ctx = _context(alice_tls, server=False, pinned=answer.certificate)
-        records = await trio.to_thread.run_sync(dial, "127.0.0.1", plane.port, ctx, answer.ticket)
-        return TlsStream(records, alice, plane.limiter)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(plane.run)
