@@ -114,7 +114,7 @@ class ExecutorService:
         #: a fedcore.metrics.RunMetrics to report every round to (or None)
         self.metrics: Any = None
         self._lock = threading.Lock()
-        #: held while the engine runs a round or is changed (a plan, an export, a restore)
+        #: held while the engine runs a round or is changed (a plan, a node export)
         self._engine_lock = threading.Lock()
         self._running: tuple[int, int] | None = None  # (round, attempt) running now
         self.lease_seconds = FIRST_LEASE
