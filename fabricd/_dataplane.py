@@ -492,12 +492,35 @@ class TlsStream:
             raise
 
     async def write_many(self, pieces: list[memoryview], digest: Any = None) -> None:
-        """``write`` each piece, all in one worker-thread call (and feed it to ``digest``)."""
-        def send(stop: threading.Event) -> None:
-            for piece in pieces:
-                if digest is not None:
-                    digest.update(piece)
-                self.records.send(piece)
+        """``write`` each piece, all in one worker-thread call, and feed them to ``digest``
+        in a second thread meanwhile (BLAKE3 and AES-GCM both release the GIL: the body is
+        hashed while it is encrypted and sent, not before); returns when both are done."""
+        if digest is None or len(pieces) < 2:
+            def send(stop: threading.Event) -> None:
+                for piece in pieces:
+                    if digest is not None:
+                        digest.update(piece)
+                    self.records.send(piece)
+        else:
+            def send(stop: threading.Event) -> None:
+                failed: list[BaseException] = []
+
+                def hash_pieces() -> None:
+                    try:
+                        for piece in pieces:
+                            digest.update(piece)
+                    except BaseException as exc:  # noqa: BLE001 - re-raised by the sender
+                        failed.append(exc)
+
+                hasher = threading.Thread(target=hash_pieces, name="fabricd-dataplane-hash", daemon=True)
+                hasher.start()
+                try:
+                    for piece in pieces:
+                        self.records.send(piece)
+                finally:
+                    hasher.join()
+                if failed:
+                    raise failed[0]
 
         await self._in_thread(send)
 

@@ -20,7 +20,6 @@ de-duplicates, so sending it again after a failure cannot deliver it twice.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import time
 from collections import defaultdict
@@ -39,7 +38,7 @@ from proto.codec import frame
 from proto.errors import ProtocolError
 from proto.ids import PROTOCOL_UPDATE_POOLED
 from proto.messages import UpdateAck, UpdateHeader
-from proto.stream import iter_chunks
+from proto.stream import body_digest, claimed_digest, iter_chunks
 
 log = get_logger("fabricd.sender")
 
@@ -155,39 +154,74 @@ Gate = Callable[[], Awaitable[str | None]]
 
 
 class DigestGate:
-    """The payload's sha256, computed in a worker thread while the body is already being
-    sent; ``check`` (awaited before the last chunk) says why not to finish, or None.
+    """The sending daemon's check of a large payload against its header's digest claim
+    (blake3 or sha256), awaited (``gate()``) before the last chunk goes out: a payload that
+    does not match its header is never delivered.
 
-    So a payload that does not match its header is never delivered, and hashing overlaps
-    the network instead of preceding it."""
+    On libp2p streams the exchange calls ``start()`` as the body starts going out, and a
+    worker thread hashes the payload meanwhile (hashing overlaps the network instead of
+    preceding it). A data-plane sender with a BLAKE3 claim (``streams_blake3``) hashes each
+    chunk anyway as it encrypts it: it ``settle``s the gate with that digest before the last
+    chunk instead, so the body is hashed once on this side, not twice."""
 
     STEP = 8 * 1024 * 1024
 
-    def __init__(self, payload: bytes | bytearray | memoryview | FillingBuffer, expected: bytes) -> None:
+    def __init__(self, payload: bytes | bytearray | memoryview | FillingBuffer, header: UpdateHeader,
+                 nursery: trio.Nursery) -> None:
         self.payload = payload
-        self.expected = expected
+        self.algorithm, _, self.expected = claimed_digest(header)
+        self._header = header
+        self._nursery = nursery
         self.reason: str | None = None
-        self._digest = b""
+        self._started = False
         self._done = trio.Event()
 
-    async def run(self) -> None:
+    @property
+    def streams_blake3(self) -> bool:
+        """A half-duplex sender may verify the claim itself as it sends (and ``settle``)."""
+        return self.algorithm == "blake3" and not self._started
+
+    def start(self) -> None:
+        """Hash the payload in the background (once; no-op if already started or settled)."""
+        if not self._started:
+            self._started = True
+            self._nursery.start_soon(self._run)
+
+    def settle(self, digest: bytes) -> str | None:
+        """The payload's digest as its sender computed it: the verdict, kept for retries."""
+        if not self._done.is_set():
+            self._started = True
+            self.reason = self._verdict(digest)
+            self._done.set()
+        return self.reason
+
+    async def __call__(self) -> str | None:
+        self.start()
+        await self._done.wait()
+        return self.reason
+
+    def _verdict(self, digest: bytes) -> str | None:
+        if digest == self.expected:
+            return None
+        return (f"payload {self.algorithm} {digest.hex()} does not match the header's "
+                f"{self.expected.hex()}; nothing was delivered")
+
+    async def _run(self) -> None:
         try:
             if isinstance(self.payload, FillingBuffer):
-                self.reason = await self._hash_while_filling(self.payload)
-                if self.reason is not None:
+                why = await self._hash_while_filling(self.payload)
+                if why is not None:
+                    self.reason = why
                     return
-                digest = self._digest
             else:
-                digest = await trio.to_thread.run_sync(_sha256, self.payload)
-            if digest != self.expected:
-                self.reason = (f"payload sha256 {digest.hex()} does not match the header's "
-                               f"{self.expected.hex()}; nothing was delivered")
+                self.reason = self._verdict(await trio.to_thread.run_sync(
+                    body_digest, self._header, self.payload))
         finally:
             self._done.set()
 
     async def _hash_while_filling(self, body: FillingBuffer) -> str | None:
         """Hash the bytes as they arrive, STEP at a time; the reason if they never all do."""
-        state = hashlib.sha256()
+        _, state, _ = claimed_digest(self._header)
         view = memoryview(body.buf)
         pos = 0
         try:
@@ -200,16 +234,8 @@ class DigestGate:
                 pos = end
         finally:
             view.release()
-        self._digest = state.digest()
-        return None
-
-    async def check(self) -> str | None:
-        await self._done.wait()
+        self.reason = self._verdict(state.digest())
         return self.reason
-
-
-def _sha256(data: bytes | bytearray | memoryview) -> bytes:
-    return hashlib.sha256(data).digest()
 
 
 def backoff(attempt: int) -> float:
@@ -321,6 +347,8 @@ async def exchange(stream: INetStream, header: UpdateHeader, body: Body, chunk_b
 
     completed = False
     failure: BaseException | None = None
+    if isinstance(gate, DigestGate):
+        gate.start()  # hashed while the body goes out
     async with trio.open_nursery() as nursery:
         nursery.start_soon(read_ack)
         try:
@@ -403,7 +431,11 @@ async def exchange_half_duplex(stream: INetStream, header: UpdateHeader, body: B
         raise StreamLost(f"expected UpdateAck, got {first.TYPE}")
     if not (first.status == "ok" and first.reason in (GO, GO_BLAKE3)):
         return first, False
-    trailer = blake3.blake3() if first.reason == GO_BLAKE3 else None
+    # A BLAKE3 claim is checked here, on the digest of the chunks as they are encrypted
+    # (the gate is settled with it before the last chunk), not by hashing the body twice;
+    # that digest is also the trailer if the receiver asked for one.
+    inline = isinstance(gate, DigestGate) and gate.streams_blake3
+    trailer = blake3.blake3() if first.reason == GO_BLAKE3 or inline else None
     chunks = list(body_chunks(body, chunk_bytes))
     offset = 0
     # Chunks already there go out together, in one worker-thread call (write_many).
@@ -424,6 +456,14 @@ async def exchange_half_duplex(stream: INetStream, header: UpdateHeader, body: B
                     raise BodyRefused(refused)
             if gate is not None and i == len(chunks) - 1:
                 await flush()
+                if inline:
+                    assert isinstance(gate, DigestGate) and trailer is not None
+                    await trio.to_thread.run_sync(trailer.update, chunk)
+                    refused = gate.settle(trailer.digest())
+                    if refused is not None:
+                        raise BodyRefused(refused)
+                    await stream.write_many([chunk], None)  # type: ignore[attr-defined]
+                    continue
                 refused = await gate()
                 if refused is not None:
                     raise BodyRefused(refused)
@@ -431,7 +471,7 @@ async def exchange_half_duplex(stream: INetStream, header: UpdateHeader, body: B
             if len(batch) * chunk_bytes >= WRITE_BATCH_BYTES:
                 await flush()
         await flush()
-        if trailer is not None:
+        if first.reason == GO_BLAKE3 and trailer is not None:
             await stream.write(trailer.digest())
         if not chunks and gate is not None:
             refused = await gate()

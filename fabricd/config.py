@@ -66,6 +66,11 @@ class Limits:
     # dataplane_min_bytes = 0 (no data plane). A peer whose plane is unreachable gets them
     # over libp2p.
     dataplane_small_bytes: int = 64 * 1024
+    # memfds allocated ahead (in idle time, after a large data-plane body) for the next one,
+    # at most this many bytes and two memfds: a fresh memfd's pages cost more to fault in
+    # than the copy into them (proto/_bridge_fds.py SpareMemfds); unused ones are freed
+    # after 60 s. 0 = none.
+    dataplane_spare_bytes: int = 128 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -267,6 +272,8 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         dataplane_digest=_str(cfg_path, lim, "limits", "dataplane_digest", defaults.dataplane_digest),
         dataplane_small_bytes=_num(cfg_path, lim, "limits", "dataplane_small_bytes",
                                    defaults.dataplane_small_bytes, 0, 64 * 1024, True),
+        dataplane_spare_bytes=_num(cfg_path, lim, "limits", "dataplane_spare_bytes",
+                                   defaults.dataplane_spare_bytes, 0, 1 << 40, True),
     )
     if limits.dataplane_digest not in ("sha256", "blake3"):
         raise _err(cfg_path, "limits.dataplane_digest", limits.dataplane_digest, "'sha256' or 'blake3'")

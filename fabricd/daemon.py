@@ -7,7 +7,6 @@ SIGTERM/SIGINT -> stop services in reverse order -> close the host.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import time
@@ -15,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import blake3
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from libp2p.crypto.keys import KeyPair
@@ -41,7 +41,7 @@ from proto.certs import RevocationList, load_ca_public, public_key_bytes, verify
 from proto.errors import NotAMember, ProtocolError
 from proto.ids import PROBE_JOB_ID
 from proto.messages import UpdateHeader, is_transient_rejection
-from proto.stream import sha256
+from proto.stream import body_digest, claimed_digest
 
 log = get_logger("fabricd.daemon")
 
@@ -195,7 +195,7 @@ class Daemon:
                     is_member=lambda peer: self.membership.member_certificate(peer) is not None,
                     serve=self.updates.serve_dataplane, state_dir=cfg.path.parent)
                 self.updates.use_dataplane(self.dataplane, lim.dataplane_min_bytes, lim.dataplane_digest,
-                                           lim.dataplane_small_bytes)
+                                           lim.dataplane_small_bytes, lim.dataplane_spare_bytes)
                 self.dataplane.register(self.membership.guard)
             self.updates.register()
             self.control_service.register()
@@ -346,7 +346,7 @@ class Daemon:
             raise RequestFailed(f"a probe may send at most limits.max_update_bytes = {limit} bytes "
                                 f"(asked for {nbytes})")
         peer_id = await self.resolve(cluster_id)
-        empty = self._probe_header(cluster_id, 0, sha256(b""))
+        empty = self._probe_header(cluster_id, 0, blake3.blake3(b"").digest())
         rtt_start = time.perf_counter()
         await self._send_probe(peer_id, cluster_id, empty, b"")
         rtt_ms = (time.perf_counter() - rtt_start) * 1000
@@ -365,7 +365,7 @@ class Daemon:
     def _probe_header(self, cluster_id: str, nbytes: int, digest: bytes) -> UpdateHeader:
         return UpdateHeader(job_id=PROBE_JOB_ID, round=0, source_node=self.config.cluster_id,
                             target_node=cluster_id, message_id=uuid.uuid4().hex,
-                            tensor_count=0, byte_length=nbytes, sha256=digest)
+                            tensor_count=0, byte_length=nbytes, blake3=digest)
 
     async def _send_probe(self, peer_id: str, cluster_id: str, header: UpdateHeader, body: Body) -> None:
         ack = await self._send(peer_id, cluster_id, header, body)
@@ -404,18 +404,19 @@ class Daemon:
     async def send_update(self, target_cluster: str, header: UpdateHeader,
                           payload: bytes | bytearray | memoryview | FillingBuffer) -> SendResult:
         if not isinstance(payload, FillingBuffer) and len(payload) < INLINE_HASH_BYTES:
-            digest = sha256(payload)
-            if digest != header.sha256:
-                return self._refused(header, f"payload sha256 {digest.hex()} does not match the "
-                                             f"header's {header.sha256.hex()}; nothing was sent")
+            algorithm, _, expected = claimed_digest(header)
+            digest = body_digest(header, payload)
+            if digest != expected:
+                return self._refused(header, f"payload {algorithm} {digest.hex()} does not match the "
+                                             f"header's {expected.hex()}; nothing was sent")
             return await self._send_checked(target_cluster, header, payload, None)
-        # A large payload is hashed in a thread while it is already being sent (and may
-        # still be arriving from the bridge); the last chunk waits for the result, so a
-        # mismatching or incomplete one is never delivered.
-        gate = DigestGate(payload, header.sha256)
+        # A large payload is checked against its header's claim before its last chunk goes
+        # out (DigestGate: hashed while it is being sent, and may still be arriving from the
+        # bridge), so a mismatching or incomplete one is never delivered.
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(gate.run)
-            result = await self._send_checked(target_cluster, header, payload, gate.check)
+            gate = DigestGate(payload, header, nursery)
+            result = await self._send_checked(target_cluster, header, payload, gate)
+            nursery.cancel_scope.cancel()  # a gate the data plane settled never started
         return result
 
     def _refused(self, header: UpdateHeader, reason: str) -> SendResult:
@@ -455,9 +456,10 @@ class Daemon:
 
 def _probe_body(nbytes: int) -> tuple[RepeatedBody, bytes]:
     """``nbytes`` of incompressible-looking data (one random MiB repeated, never built in
-    full: a probe holds 1 MiB however large it is) and their sha256."""
+    full: a probe holds 1 MiB however large it is) and their BLAKE3 (the receiver checks
+    it; this daemon made the body, so it sends it unhashed)."""
     body = RepeatedBody(os.urandom(min(nbytes, 1 << 20)), nbytes)
-    digest = hashlib.sha256()
+    digest = blake3.blake3()
     for chunk in body.chunks(1 << 20):
         digest.update(chunk)
     return body, digest.digest()

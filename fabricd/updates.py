@@ -17,7 +17,6 @@ and discarded, never stored.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import time
 from collections import defaultdict
@@ -61,11 +60,11 @@ from fabricd.errors import FabricdError
 from fabricd.membership import Membership
 from fabricd.metrics import UNWIRED, DaemonMetrics
 from fedcore.logs import get_logger
-from proto._bridge_fds import SharedMapping
+from proto._bridge_fds import SharedMapping, SpareMemfds
 from proto.errors import DigestMismatch, LengthMismatch, MessageTooLarge, ProtocolError
 from proto.ids import DEFAULT_CHUNK_BYTES, PROBE_JOB_ID, PROTOCOL_UPDATE, PROTOCOL_UPDATE_POOLED
 from proto.messages import UpdateAck, UpdateHeader
-from proto.stream import UpdateReceiver
+from proto.stream import UpdateReceiver, claimed_digest
 
 log = get_logger("fabricd.updates")
 
@@ -174,6 +173,8 @@ class UpdateService:
         self.dataplane_min_bytes = 0
         self.dataplane_small_bytes = 0
         self.dataplane_blake3 = False
+        #: memfds allocated ahead for the next large data-plane body (off until use_dataplane)
+        self.spares = SpareMemfds(0)
         self.dataplane_fallbacks = 0
         self.send_retries = 0
 
@@ -189,17 +190,25 @@ class UpdateService:
             self.host.set_stream_handler(protocol, handler)  # type: ignore[arg-type]
 
     def use_dataplane(self, dataplane: DataPlane, min_bytes: int, digest: str = "blake3",
-                      small_bytes: int = INLINE_BODY_BYTES) -> None:
+                      small_bytes: int = INLINE_BODY_BYTES, spare_bytes: int = 0) -> None:
         """Send bodies of at least ``min_bytes``, and those of at most ``small_bytes`` (in
         their header's record, no go), over ``dataplane``, and serve its connections like
         pooled update streams (same admission, floors, dedup; large bodies verified by
         ``digest``: "blake3", the sender's trailer, or "sha256", the header's; small ones by
-        the header's sha256)."""
+        the header's sha256). Up to ``spare_bytes`` of memfds are allocated ahead, after a
+        large body, for the next one (``proto._bridge_fds.SpareMemfds``)."""
         self.dataplane = dataplane
+        self.spares = SpareMemfds(spare_bytes)
         self.dataplane_min_bytes = min_bytes
         self.dataplane_small_bytes = min(small_bytes, INLINE_BODY_BYTES)
         self.dataplane_blake3 = digest == "blake3"
         self.bulk_pool = StreamPool(self.host, opener=dataplane.connect)  # type: ignore[arg-type]
+
+    def _wants_trailer(self, header: UpdateHeader) -> bool:
+        """A large data-plane body is verified against its sender's BLAKE3 trailer
+        ("go blake3") only when the header claims a sha256 (which the sending daemon
+        checked): a BLAKE3 claim is verified as it is."""
+        return self.dataplane_blake3 and not header.blake3
 
     async def serve_dataplane(self, stream: TlsStream) -> None:
         try:
@@ -215,6 +224,8 @@ class UpdateService:
         return {**plane, "dataplane_streams_opened": bulk.opened if bulk else 0,
                 "dataplane_streams_reused": bulk.reused if bulk else 0,
                 "dataplane_fallbacks": self.dataplane_fallbacks,
+                "spare_memfds_taken": self.spares.taken, "spare_memfds_missed": self.spares.missed,
+                "spare_memfds": self.spares.held, "spare_memfd_bytes": self.spares.held_bytes,
                 "streams_opened": self.pool.opened, "streams_reused": self.pool.reused,
                 "send_retries": self.send_retries, "inflight_in_bytes": self.inflight,
                 "inflight_in_peak_bytes": self.inflight_peak, "dedup_ids": len(self.delivered),
@@ -360,10 +371,12 @@ class UpdateService:
         self.metrics.stream_opened("received")
         try:
             if getattr(stream, "half_duplex", False) and not inline:
-                await self._ack(stream, header, "ok", GO_BLAKE3 if self.dataplane_blake3 else GO, 0)
+                await self._ack(stream, header, "ok", GO_BLAKE3 if self._wants_trailer(header) else GO, 0)
             return await self._receive_body(stream, peer, header, receiver, probe, source_cluster, floor,
                                             inline)
         finally:
+            if isinstance(stream, TlsStream) and not (probe or inline):
+                self.spares.refill(header.byte_length)  # for the next body, in idle time
             self.inflight -= reserved
             left = self.peer_inflight.get(peer, reserved) - reserved
             if left > 0:
@@ -400,7 +413,7 @@ class UpdateService:
                             floor: RateFloor, inline: bool = False) -> bool:
         started = time.perf_counter()
         cpu_started = time.process_time()
-        digest = hashlib.sha256()
+        algorithm, digest, claimed = claimed_digest(header)
         sink = digest.update if probe else receiver.feed
         received = 0
         # The data plane reads straight into the body's buffer and hashes it in a second
@@ -410,22 +423,22 @@ class UpdateService:
         # thread first writes it, instead of this thread memsetting all of it up front
         # (holding the GIL the hashing thread needs); and the bridge can hand the verified
         # body to the executor as the memfd itself (fabricd.bridge), not as a byte stream.
-        body = (memoryview(SharedMapping.allocate(header.byte_length))
+        body = (memoryview(SharedMapping.allocate(header.byte_length, spares=self.spares))
                 if direct and not probe and header.byte_length else None)
         # with "go blake3" the sender's trailer is what the body is verified against
         trailer: bytes | None = None
         try:
             if inline and isinstance(stream, TlsStream):
-                # read with its header; small, so hashed right here (the header's sha256)
+                # read with its header; small, so hashed right here (the header's claim)
                 small = stream.take_pending()
                 received = len(small)
                 sink(small)
             elif isinstance(stream, TlsStream):
-                if self.dataplane_blake3:
-                    digest = blake3.blake3()  # type: ignore[assignment]
+                if self._wants_trailer(header):
+                    algorithm, digest = "blake3", blake3.blake3()
                 received = await stream.receive_body(header.byte_length, body, digest, floor,
                                                      self.stream_timeout)
-                if self.dataplane_blake3:
+                if self._wants_trailer(header):
                     with trio.fail_after(floor.wait_budget(received, self.stream_timeout)):
                         trailer = await read_exactly(stream, 32)
             else:
@@ -465,14 +478,13 @@ class UpdateService:
             await self._reject(stream, peer, header, str(exc), received)
             return False
         self.jobs[header.job_id].received_bytes += received
-        verified = "blake3" if trailer is not None else "sha256"
         try:
             if probe or direct:
                 expected, says = (trailer, "the sender's trailer") if trailer is not None else (
-                    header.sha256, "the header")
+                    claimed, "the header")
                 if not hmac.compare_digest(digest.digest(), expected):
                     raise DigestMismatch(
-                        f"update {header.message_id!r}: {verified} of the body is {digest.hexdigest()}, "
+                        f"update {header.message_id!r}: {algorithm} of the body is {digest.hexdigest()}, "
                         f"{says} says {expected.hex()}")
                 payload: bytes | bytearray | memoryview = body if body is not None else bytearray()
             else:
@@ -510,7 +522,7 @@ class UpdateService:
         log.info("update.received", peer=peer, cluster=source_cluster, job=header.job_id,
                  round=header.round, message_id=header.message_id, bytes=received,
                  seconds=round(seconds, 4), cpu_s=round(time.process_time() - cpu_started, 4),
-                 verified=verified)
+                 verified=algorithm)
         await self._ack(stream, header, "ok", "", received)
         return True
 

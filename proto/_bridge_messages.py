@@ -9,16 +9,17 @@ from proto._schema import I64_MAX, Bool, Data, Float, Int, Schema, Text, spec
 from proto.messages import (
     BYTE_LENGTH,
     CLUSTER_ID,
+    DIGEST,
     JOB_ID,
     MESSAGE_ID,
     NODE_ID,
     REASON,
     REQUEST_ID,
     ROUND,
-    SHA256,
     TENSOR_COUNT,
     UPDATE_HEADER_FIELDS,
     UpdateHeader,
+    check_digest_claim,
 )
 
 OPTIONAL_CLUSTER_ID = Text(64, 0, pattern=r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -98,7 +99,12 @@ class SendUpdate(BridgeMessage):
     message_id: str = spec(MESSAGE_ID)
     tensor_count: int = spec(TENSOR_COUNT)
     byte_length: int = spec(BYTE_LENGTH)
-    sha256: bytes = spec(SHA256)
+    sha256: bytes = spec(DIGEST, default=b"")
+    blake3: bytes = spec(DIGEST, default=b"")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_digest_claim(self)
 
     def header(self) -> UpdateHeader:
         """The UpdateHeader to put on the wire."""
@@ -113,17 +119,19 @@ class SendUpdate(BridgeMessage):
     def for_payload(cls, payload: bytes, *, target_cluster: str, job_id: str, round: int,
                     source_node: str, target_node: str, message_id: str) -> SendUpdate:
         """The request to stream `payload` (safetensors bytes): its tensor count, length
-        and digest taken from the payload itself (the one place a client computes them)."""
-        import hashlib
+        and BLAKE3 digest taken from the payload itself (the one place a client computes
+        them)."""
         import json
         import struct
+
+        import blake3
 
         (size,) = struct.unpack_from("<Q", payload)
         count = sum(1 for k in json.loads(payload[8:8 + size]) if k != "__metadata__")
         return cls(target_cluster=target_cluster, job_id=job_id, round=round,
                    source_node=source_node, target_node=target_node, message_id=message_id,
                    tensor_count=count, byte_length=len(payload),
-                   sha256=hashlib.sha256(payload).digest())
+                   blake3=blake3.blake3(payload).digest())
 
 
 @dataclass(frozen=True)
@@ -156,8 +164,13 @@ class Delivery(BridgeMessage):
     message_id: str = spec(MESSAGE_ID)
     tensor_count: int = spec(TENSOR_COUNT)
     byte_length: int = spec(BYTE_LENGTH)
-    sha256: bytes = spec(SHA256)
+    sha256: bytes = spec(DIGEST, default=b"")
+    blake3: bytes = spec(DIGEST, default=b"")
     source_cluster: str = spec(OPTIONAL_CLUSTER_ID, default="")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_digest_claim(self)
 
     def header(self) -> UpdateHeader:
         return UpdateHeader(**{k: getattr(self, k) for k in UPDATE_HEADER_FIELDS})

@@ -25,6 +25,7 @@ from proto._bridge_fds import (
     FD_MIN_BYTES,
     FdQueue,
     FdRefused,
+    SpareMemfds,
     keep_fds,
     recvmsg_fds,
     sealed_memfd,
@@ -225,6 +226,11 @@ def send_bridge(sock: socket.socket, msg: BridgeMessage, payload: bytes | bytear
     sock.sendall(payload)
 
 
+#: memfds an executor's process makes ahead for its next large payload (one, of the size
+#: it last sent: an executor sends updates of one model, round after round)
+SEND_SPARES = SpareMemfds(limit=256 * 1024 * 1024, count=1, name="fedpilot-update")
+
+
 def send_payload(sock: socket.socket, msg: BridgeMessage,
                  payload: bytes | bytearray | memoryview) -> None:
     """``send_bridge``, the payload in a sealed memfd (closed here once sent) if it is at
@@ -232,7 +238,7 @@ def send_payload(sock: socket.socket, msg: BridgeMessage,
     if len(payload) < FD_MIN_BYTES:
         send_bridge(sock, msg, payload)  # type: ignore[arg-type]
         return
-    fd = sealed_memfd(payload)
+    fd = sealed_memfd(payload, spares=SEND_SPARES)
     try:
         send_bridge(sock, msg, fd=fd)
     finally:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Iterator
+from typing import Any
+
+import blake3
 
 from proto.errors import DigestMismatch, LengthMismatch, MessageTooLarge
 from proto.ids import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
@@ -35,7 +38,7 @@ class UpdateReceiver:
         # One buffer of the announced size, filled in place: a single copy of each chunk
         # and no join at the end (allocated on the first byte, after admission).
         self._buf: bytearray | None = None
-        self._hash = hashlib.sha256()
+        self._algorithm, self._hash, self._expected = claimed_digest(header)
         self._finished = False
 
     @property
@@ -61,7 +64,7 @@ class UpdateReceiver:
             self.received += n
 
     def finish(self) -> bytearray:
-        """The whole body, after checking its length and sha256 against the header.
+        """The whole body, after checking its length and digest against the header.
 
         Raises LengthMismatch (short body) or DigestMismatch; can be called once.
         """
@@ -74,10 +77,10 @@ class UpdateReceiver:
                 f"update {self.header.message_id!r}: body ended after {self.received} of "
                 f"{self.header.byte_length} bytes"
             )
-        if not hmac.compare_digest(self._hash.digest(), self.header.sha256):
+        if not hmac.compare_digest(self._hash.digest(), self._expected):
             raise DigestMismatch(
-                f"update {self.header.message_id!r}: sha256 of the body is "
-                f"{self._hash.hexdigest()}, header says {self.header.sha256.hex()}"
+                f"update {self.header.message_id!r}: {self._algorithm} of the body is "
+                f"{self._hash.hexdigest()}, header says {self._expected.hex()}"
             )
         return buf if buf is not None else bytearray()
 
@@ -92,6 +95,21 @@ def iter_chunks(
     view = memoryview(body).cast("B")
     for start in range(0, len(view), chunk_size):
         yield view[start:start + chunk_size]
+
+
+def claimed_digest(header: Any) -> tuple[str, Any, bytes]:
+    """(algorithm, a fresh hasher, the claimed digest) of an update header (an
+    UpdateHeader, SendUpdate or Delivery: exactly one of its sha256 and blake3 is set)."""
+    if header.blake3:
+        return "blake3", blake3.blake3(), header.blake3
+    return "sha256", hashlib.sha256(), header.sha256
+
+
+def body_digest(header: Any, data: bytes | bytearray | memoryview) -> bytes:
+    """``data``'s digest under the algorithm ``header`` claims it with."""
+    _, hasher, _ = claimed_digest(header)
+    hasher.update(data)
+    return bytes(hasher.digest())
 
 
 def sha256(data: bytes | bytearray | memoryview) -> bytes:

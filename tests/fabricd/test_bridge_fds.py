@@ -8,9 +8,11 @@ from __future__ import annotations
 import array
 import fcntl
 import hashlib
+import json
 import mmap
 import os
 import socket
+import struct
 import threading
 import uuid
 from pathlib import Path
@@ -18,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from fabricd.config import load_config
-from proto._bridge_fds import MAX_FDS_PER_READ, REQUIRED_SEALS
+from proto import bridge
+from proto._bridge_fds import MAX_FDS_PER_READ, REQUIRED_SEALS, SpareMemfds
 from proto.bridge import (
     BridgeClient,
     Delivery,
@@ -41,15 +44,21 @@ def _path(node: Node) -> str:
     return str(load_config(node.config).bridge_socket)
 
 
-def _memfds(pid: int) -> tuple[int, int]:
-    """(descriptors, mappings) of process ``pid`` that are fedpilot memfds."""
-    fds = 0
+def _memfds(node: Node) -> tuple[int, int]:
+    """(descriptors, mappings) of ``node``'s daemon that are fedpilot memfds, other than its
+    spares (made ahead for the next large body: proto._bridge_fds.SpareMemfds, at most two;
+    each one mapping and two descriptors: its memfd and the one mmap keeps)."""
+    assert node.proc is not None
+    pid = node.proc.pid
+    spares = bridge_status(node)["transfer"]["spare_memfds"]
+    assert spares <= 2, spares
+    fds = -2 * spares
     for entry in Path(f"/proc/{pid}/fd").iterdir():
         try:
             fds += os.readlink(entry).startswith("/memfd:fedpilot")
         except OSError:
             pass  # closed while listed
-    maps = Path(f"/proc/{pid}/maps").read_text().count("/memfd:fedpilot")
+    maps = Path(f"/proc/{pid}/maps").read_text().count("/memfd:fedpilot") - spares
     return fds, maps
 
 
@@ -58,6 +67,13 @@ def _update(job: str, body: bytes, target: str = "b", size: int | None = None) -
                       message_id=f"{job}-{uuid.uuid4().hex[:6]}", tensor_count=1,
                       byte_length=len(body) if size is None else size,
                       sha256=hashlib.sha256(body).digest())
+
+
+@pytest.fixture(autouse=True)
+def _no_send_spares(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's descriptors are counted here: it makes no spare memfd for its next
+    payload (proto.bridge.SEND_SPARES; tests/proto/test_bridge_fds.py tests them)."""
+    monkeypatch.setattr(bridge, "SEND_SPARES", SpareMemfds(0))
 
 
 def _send_with_fds(sock: socket.socket, frame: bytes, fds: list[int]) -> None:
@@ -99,30 +115,49 @@ class Consumer:
 
 
 def test_large_update_passes_as_memfds_both_ways_verified(mesh) -> None:  # type: ignore[no-untyped-def]
+    """Twice, the same size: first claiming a sha256, then a BLAKE3 (what executors claim),
+    received into the spare memfd b made after the first."""
     a, b = mesh.nodes["a"], mesh.nodes["b"]
     job = f"fd-{uuid.uuid4().hex[:6]}"
-    body = os.urandom(SIZE)
+    bodies = [os.urandom(SIZE), os.urandom(SIZE)]
     consumer = Consumer(b, job)
     own_fds_before = len(os.listdir("/proc/self/fd"))
+    sent: list[SendUpdate] = []
     try:
         with BridgeClient(_path(a), role="executor", cluster_id="a", job_id=job, timeout=60) as sender:
-            msg = _update(job, body)
-            sender.send_update(msg, body)
-            reply, _ = sender.recv()
-        assert isinstance(reply, SendResult) and reply.ok, reply
-        wait_until(lambda: consumer.got, 10)
+            for i, body in enumerate(bodies):
+                if i:  # b made a spare of this size after the first body went through
+                    wait_until(lambda: bridge_status(b)["transfer"]["spare_memfd_bytes"] == SIZE, 30)
+                    taken = bridge_status(b)["transfer"]["spare_memfds_taken"]
+                sent.append(_update(job, body) if i == 0 else SendUpdate.for_payload(
+                    _safetensors(body), target_cluster="b", job_id=job, round=1, source_node="s",
+                    target_node="t", message_id=f"{job}-{i}"))
+                sender.send_update(sent[-1], body if i == 0 else _safetensors(body))
+                reply, _ = sender.recv()
+                assert isinstance(reply, SendResult) and reply.ok, reply
+        wait_until(lambda: len(consumer.got) == 2, 10)
     finally:
         consumer.close()
-    delivery, as_mapping, digest = consumer.got[0]
-    assert delivery.message_id == msg.message_id and delivery.source_cluster == "a"
-    assert as_mapping, "a large delivery to a client that accepts fds came as bytes"
-    assert digest == hashlib.sha256(body).digest()
-    assert "verified=blake3" in b.log().split(msg.message_id, 1)[1].split("\n", 1)[0]
+    assert bridge_status(b)["transfer"]["spare_memfds_taken"] == taken + 1
+    for i, (msg, (delivery, as_mapping, digest)) in enumerate(zip(sent, consumer.got, strict=True)):
+        assert delivery.message_id == msg.message_id and delivery.source_cluster == "a"
+        assert (delivery.sha256, delivery.blake3) == (msg.sha256, msg.blake3)
+        assert as_mapping, "a large delivery to a client that accepts fds came as bytes"
+        assert digest == hashlib.sha256(bodies[0] if i == 0 else _safetensors(bodies[1])).digest()
+        assert "verified=blake3" in b.log().split(msg.message_id, 1)[1].split("\n", 1)[0]
+    assert sent[1].blake3 and not sent[1].sha256
     # every descriptor and mapping released: here, on a (sent) and on b (delivered)
     assert len(os.listdir("/proc/self/fd")) <= own_fds_before
     for node in (a, b):
-        assert node.proc is not None
-        wait_until(lambda node=node: _memfds(node.proc.pid) == (0, 0), 10)
+        wait_until(lambda node=node: _memfds(node) == (0, 0), 10)
+
+
+def _safetensors(body: bytes) -> bytes:
+    """SIZE bytes shaped like a safetensors file (a length, a JSON header naming one
+    tensor, then ``body``'s bytes): what SendUpdate.for_payload reads its count from."""
+    data = SIZE - 8 - 128
+    head = json.dumps({"w": {"dtype": "U8", "shape": [data], "data_offsets": [0, data]}}).encode()
+    return struct.pack("<Q", 128) + head.ljust(128, b" ") + body[:data]
 
 
 def _refused(sock: socket.socket, what: str) -> str:
@@ -191,9 +226,8 @@ def test_bad_descriptors_are_refused_and_the_daemon_keeps_serving(mesh) -> None:
     # only the good update went out; the daemon serves on, and holds no descriptor
     assert bridge_status(a)["cluster_id"] == "a"
     assert [m.message_id for m, _, _ in consumer.got] == [good.message_id]
-    wait_until(lambda: _memfds(a.proc.pid) == (0, 0), 10)
-    assert b.proc is not None
-    wait_until(lambda: _memfds(b.proc.pid) == (0, 0), 10)
+    wait_until(lambda: _memfds(a) == (0, 0), 10)
+    wait_until(lambda: _memfds(b) == (0, 0), 10)
 
 
 def test_concurrent_memfd_updates_all_arrive_and_release_everything(mesh) -> None:  # type: ignore[no-untyped-def]
@@ -202,5 +236,5 @@ def test_concurrent_memfd_updates_all_arrive_and_release_everything(mesh) -> Non
     result = blast(a, b, count=12, size=4 * MIB, sockets=4, fds=True)
     assert result.failed == [] and result.ok == 12, result.summary()
     assert result.delivered == 12 and result.digest_mismatch == 0, result.summary()
-    for pid in (a.proc.pid, b.proc.pid):
-        wait_until(lambda pid=pid: _memfds(pid) == (0, 0), 10)
+    for node in (a, b):
+        wait_until(lambda node=node: _memfds(node) == (0, 0), 10)

@@ -2,7 +2,10 @@
 (fabricd/updates.py serving fabricd/_dataplane.py connections): a receiver with
 ``limits.dataplane_digest = "blake3"`` answers ``go blake3`` and verifies the body against
 the BLAKE3 trailer the sender writes after it; a wrong trailer is refused, not acked. A
-small body in its header's record must be all of that record and match the header's sha256."""
+header that claims a BLAKE3 (what executors send) gets a plain go and is verified against
+that claim; its sender checks the claim on the digest it computes while it encrypts, before
+the last chunk, instead of hashing the body a second time. A small body in its header's
+record must be all of that record and match the header's claim."""
 
 from __future__ import annotations
 
@@ -16,8 +19,16 @@ import blake3
 import pytest
 import trio
 
+from fabricd import _sender
 from fabricd._dataplane import DataPlane, TlsStream, dial
-from fabricd._sender import GO_BLAKE3, exchange_half_duplex, exchange_inline
+from fabricd._sender import (
+    GO,
+    GO_BLAKE3,
+    BodyRefused,
+    DigestGate,
+    exchange_half_duplex,
+    exchange_inline,
+)
 from fabricd._streams import read_message_exact
 from fabricd.updates import UpdateService
 from proto.codec import frame
@@ -41,10 +52,10 @@ class _Members:
         return _Cert("a") if peer == self.peer else None
 
 
-def _header() -> UpdateHeader:
+def _header(**claim: bytes) -> UpdateHeader:
     return UpdateHeader(job_id=PROBE_JOB_ID, round=0, source_node="a", target_node="b",
                         message_id=os.urandom(8).hex(), tensor_count=0, byte_length=len(BODY),
-                        sha256=hashlib.sha256(BODY).digest())
+                        **(claim or {"sha256": hashlib.sha256(BODY).digest()}))
 
 
 def _receiver(tmp_path: Path, min_bytes: int) -> tuple[UpdateService, DataPlane, Callable[[], Awaitable[TlsStream]]]:
@@ -90,6 +101,74 @@ async def test_blake3_receiver_checks_the_senders_trailer(tmp_path: Path) -> Non
         assert isinstance(final, UpdateAck) and final.status == "rejected", final
         assert "blake3 of the body" in final.reason and "the sender's trailer" in final.reason, final.reason
         await stream.close()
+        nursery.cancel_scope.cancel()
+    assert service.jobs[PROBE_JOB_ID].received_updates == 1
+
+
+@pytest.mark.trio
+async def test_a_blake3_claim_is_checked_by_the_sender_as_it_encrypts_and_by_the_receiver(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    service, plane, connect = _receiver(tmp_path, 1)
+    hashed_apart: list[int] = []  # bodies the sender's gate hashed in a thread of its own
+    body_digest = _sender.body_digest
+    monkeypatch.setattr(_sender, "body_digest", lambda h, d: hashed_apart.append(len(d)) or body_digest(h, d))
+    claim = blake3.blake3(BODY).digest()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(plane.run)
+        # honest: the gate is settled with the digest of the chunks as they were sent
+        stream = await connect()
+        async with trio.open_nursery() as gates:
+            gate = DigestGate(BODY, _header(blake3=claim), gates)
+            ack, completed = await exchange_half_duplex(stream, _header(blake3=claim), BODY, 1024 * 1024,
+                                                        10, 30, gate)
+            assert completed and ack.status == "ok", ack
+            assert await gate() is None and hashed_apart == []
+        # a payload that is not what its header claims: the sender stops before the last
+        # chunk, so the receiver never has all of it (and delivers nothing)
+        stream = await connect()
+        wrong = blake3.blake3(BODY[1:]).digest()
+        async with trio.open_nursery() as gates:
+            gate = DigestGate(BODY, _header(blake3=wrong), gates)
+            with pytest.raises(BodyRefused, match="payload blake3 .* does not match the header's"):
+                await exchange_half_duplex(stream, _header(blake3=wrong), BODY, 1024 * 1024, 10, 30, gate)
+            assert hashed_apart == []
+        await stream.close()
+        # a sender that skips the check: a plain go (no trailer), and the receiver refuses
+        # the body against the header's claim
+        stream = await connect()
+        await stream.write(frame(_header(blake3=wrong)))
+        go = await read_message_exact(stream, 65536)
+        assert isinstance(go, UpdateAck) and go.reason == GO, go
+        await stream.write_many([memoryview(BODY)])
+        final = await read_message_exact(stream, 65536)
+        assert isinstance(final, UpdateAck) and final.status == "rejected", final
+        assert "blake3 of the body" in final.reason and "the header says" in final.reason, final.reason
+        await stream.close()
+        nursery.cancel_scope.cancel()
+    assert service.jobs[PROBE_JOB_ID].received_updates == 1
+
+
+@pytest.mark.trio
+async def test_a_sha256_claim_is_hashed_by_the_gate_while_the_body_goes_out(tmp_path: Path) -> None:
+    """The path of a client that claims sha256: the gate hashes the body in a thread of
+    its own (the receiver asks for the trailer) and refuses a mismatch before the last chunk."""
+    service, plane, connect = _receiver(tmp_path, 1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(plane.run)
+        for digest, delivered in ((hashlib.sha256(BODY).digest(), True), (hashlib.sha256(b"x").digest(), False)):
+            stream = await connect()
+            async with trio.open_nursery() as gates:
+                gate = DigestGate(BODY, _header(sha256=digest), gates)
+                assert not gate.streams_blake3
+                if delivered:
+                    ack, completed = await exchange_half_duplex(stream, _header(sha256=digest), BODY,
+                                                                1024 * 1024, 10, 30, gate)
+                    assert completed and ack.status == "ok", ack
+                else:
+                    with pytest.raises(BodyRefused, match="payload sha256 .* does not match"):
+                        await exchange_half_duplex(stream, _header(sha256=digest), BODY, 1024 * 1024, 10, 30, gate)
+            await stream.close()
         nursery.cancel_scope.cancel()
     assert service.jobs[PROBE_JOB_ID].received_updates == 1
 

@@ -9,6 +9,7 @@ import hashlib
 import mmap
 import os
 import socket
+import time
 
 import pytest
 
@@ -17,6 +18,7 @@ from proto._bridge_fds import (
     FdQueue,
     FdRefused,
     SharedMapping,
+    SpareMemfds,
     check_sealed,
     sealed_memfd,
     take_checked,
@@ -31,6 +33,13 @@ DELIVERY = bridge.Delivery(job_id="j", round=1, source_node="s", target_node="t"
 
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture(autouse=True)
+def _no_send_spares(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's descriptors are counted here: no spare is made behind the tests'
+    backs (the spares have tests of their own below)."""
+    monkeypatch.setattr(bridge, "SEND_SPARES", SpareMemfds(0))
 
 
 def test_sealed_memfd_passes_the_check_and_maps_read_only() -> None:
@@ -128,3 +137,65 @@ def test_fd_flood_is_refused_and_closed() -> None:
         for fd in fds:
             queue.add([fd])
     assert len(queue) == 0 and _open_fds() < before
+
+
+def _settled(spares: SpareMemfds) -> int:
+    """The bytes ``spares`` holds once its background thread is done."""
+    deadline = time.monotonic() + 30
+    while spares._making:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return spares.held_bytes
+
+
+def test_a_spare_is_made_ahead_given_once_and_sealed_like_a_fresh_one() -> None:
+    fds = _open_fds()
+    spares = SpareMemfds(limit=8 * 1024 * 1024, count=2)
+    assert SharedMapping.allocate(len(BODY), spares=spares) is not None and spares.missed == 1
+    spares.refill(len(BODY))
+    assert _settled(spares) == len(BODY)
+    spare = spares.take(len(BODY))
+    assert spare is not None and len(spare) == len(BODY) and spares.taken == 1
+    assert spares.take(len(BODY)) is None and spares.held_bytes == 0  # handed out once
+    spare[:] = BODY
+    fd = spare.seal_for_reading()
+    check_sealed(fd, len(BODY), future_write=True)
+    assert hashlib.sha256(take_checked(os.dup(fd), len(BODY), future_write=True)).digest() == hashlib.sha256(BODY).digest()
+    spare.close()
+    assert _open_fds() == fds
+
+
+def test_spares_stay_within_their_bounds_and_go_when_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    size = 2 * 1024 * 1024
+    spares = SpareMemfds(limit=5 * 1024 * 1024, count=2)
+    for _ in range(4):  # one at a time, at most 2 and 5 MiB
+        spares.refill(size)
+        _settled(spares)
+    assert spares.held_bytes == 2 * size
+    assert spares.take(size + 4096) is None  # only the exact size is taken
+    SpareMemfds(limit=1024 * 1024).refill(2 * 1024 * 1024)  # over its limit: nothing made
+    off = SpareMemfds(limit=0)
+    off.refill(size)
+    assert off.held_bytes == 0 and off.take(size) is None and off.missed == 0
+    spares.refill(100)  # small bodies need none
+    monkeypatch.setattr(SpareMemfds, "IDLE_SECONDS", 0.0)
+    time.sleep(0.01)
+    assert spares.take(size) is None and spares.held_bytes == 0  # idle ones were closed
+
+
+def test_a_sealed_payload_goes_into_a_spare_made_for_the_next_one() -> None:
+    fds = _open_fds()
+    spares = SpareMemfds(limit=8 * 1024 * 1024, count=1, name="fedpilot-update")
+    first = sealed_memfd(BODY, spares=spares)  # a new memfd; a spare made for the next
+    assert _settled(spares) == len(BODY) and spares.taken == 0
+    other = os.urandom(len(BODY))
+    second = sealed_memfd(other, spares=spares)  # into the spare (no write may remain)
+    assert spares.taken == 1
+    for fd, body in ((first, BODY), (second, other)):
+        check_sealed(fd, len(BODY))
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", 0)
+        assert take_checked(fd, len(BODY))[:] == body  # closes fd
+    _settled(spares)
+    spares.close()
+    assert _open_fds() == fds

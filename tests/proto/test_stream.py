@@ -2,9 +2,12 @@ from __future__ import annotations
 
 import hashlib
 
+import blake3
 import pytest
 
-from proto.errors import DigestMismatch, LengthMismatch, MessageTooLarge
+from proto.bridge import Delivery, SendUpdate
+from proto.codec import decode, frame
+from proto.errors import DigestMismatch, InvalidMessage, LengthMismatch, MessageTooLarge
 from proto.ids import MIB
 from proto.messages import UpdateHeader
 from proto.stream import UpdateReceiver, iter_chunks, sha256
@@ -61,6 +64,49 @@ def test_wrong_digest() -> None:
     rx.feed(b"abcdef")
     with pytest.raises(DigestMismatch, match="header says"):
         rx.finish()
+
+
+def test_a_blake3_claim_is_verified_as_blake3() -> None:
+    body = bytes(range(256)) * 300
+    rx = UpdateReceiver(_header(body, sha256=b"", blake3=blake3.blake3(body).digest()), max_bytes=len(body))
+    rx.feed(body)
+    assert rx.finish() == body
+    rx = UpdateReceiver(_header(body, sha256=b"", blake3=blake3.blake3(body[1:]).digest()), max_bytes=len(body))
+    rx.feed(body)
+    with pytest.raises(DigestMismatch, match="blake3 of the body is .* header says"):
+        rx.finish()
+
+
+@pytest.mark.parametrize("claim", [{"sha256": b"", "blake3": b""},
+                                   {"sha256": b"\1" * 32, "blake3": b"\2" * 32},
+                                   {"sha256": b"", "blake3": b"\2" * 31}])
+def test_an_update_claims_exactly_one_digest(claim: dict[str, bytes]) -> None:
+    with pytest.raises(InvalidMessage):
+        _header(b"abc", **claim)
+    for cls in (SendUpdate, Delivery):
+        fields = dict(job_id="j", round=0, source_node="a", target_node="b", message_id="m1",
+                      tensor_count=1, byte_length=3, **claim)
+        if cls is SendUpdate:
+            fields["target_cluster"] = "b"
+        with pytest.raises(InvalidMessage):
+            cls(**fields)  # type: ignore[arg-type]
+
+
+def test_a_blake3_header_crosses_the_wire_and_executors_claim_blake3() -> None:
+    header = _header(b"abc", sha256=b"", blake3=blake3.blake3(b"abc").digest())
+    assert decode(frame(header)[4:]) == header
+    payload = _safetensors()
+    msg = SendUpdate.for_payload(payload, target_cluster="b", job_id="j", round=1, source_node="a",
+                                 target_node="b", message_id="m")
+    assert msg.blake3 == blake3.blake3(payload).digest() and msg.sha256 == b""
+    assert Delivery.from_header(msg.header()).blake3 == msg.blake3
+
+
+def _safetensors() -> bytes:
+    import torch
+    from safetensors.torch import save
+
+    return save({"w": torch.zeros(4)})
 
 
 def test_iter_chunks_sizes_and_limits() -> None:
