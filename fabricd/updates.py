@@ -6,7 +6,8 @@ On /fedpilot/update/1.1.0 the stream then carries the next update (after an ``ok
 the sending mechanics - pool, retries, parallelism - are in ``fabricd._sender``).
 Receiver: checks the header (size limit, in-flight memory budget, a consumer for the
 job), reads the body into an ``UpdateReceiver`` (bounded), verifies length and digest
-(the header's sha256; on the data plane the sender's BLAKE3 by default), drops repeated
+(the header's claim, BLAKE3 or sha256; on the data plane a sha256 claim by the sender's
+BLAKE3 trailer by default), drops repeated
 message ids, hands the payload to the local executor, and acks ``ok`` only once the
 executor accepted it (end to end; a refusal goes back as ``rejected`` with the
 executor's reason). An id counts as delivered only after that acceptance, and one
