@@ -189,6 +189,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import blake3
 import trio
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -196,6 +197,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench import _linkproxy as linkproxy  # noqa: E402
 from fabricd.config import load_config  # noqa: E402
+from proto import bridge  # noqa: E402
+from proto._bridge_fds import SpareMemfds  # noqa: E402
 from proto.bridge import BridgeClient, Delivery, DeliveryResult, SendResult, SendUpdate  # noqa: E402
 from tests.fabricd._harness import (  # noqa: E402
     Node,
@@ -273,7 +276,8 @@ def _last_cpu(log: str, event: str) -> float:
 
 
 def _start_pair(root: Path, budget: int | None = None, dataplane_min_bytes: int = MIB,
-                dataplane_digest: str = "blake3", dataplane_small_bytes: int = 64 * 1024) -> tuple[Node, Node]:
+                dataplane_digest: str = "blake3", dataplane_small_bytes: int = 64 * 1024,
+                dataplane_spare_bytes: int = 128 * MIB) -> tuple[Node, Node]:
     ca = init_ca(root)
     a = init_node(root, "a", ca)
     b = init_node(root, "b", ca, [a.addr()])
@@ -281,7 +285,8 @@ def _start_pair(root: Path, budget: int | None = None, dataplane_min_bytes: int 
         path = node.dir / "cluster.toml"
         text = path.read_text().replace("[limits]\n", f"[limits]\ndataplane_min_bytes = {dataplane_min_bytes}\n"
                                         f"dataplane_digest = \"{dataplane_digest}\"\n"
-                                        f"dataplane_small_bytes = {dataplane_small_bytes}\n", 1)
+                                        f"dataplane_small_bytes = {dataplane_small_bytes}\n"
+                                        f"dataplane_spare_bytes = {dataplane_spare_bytes}\n", 1)
         if budget is not None:
             text = (text.replace("max_inflight_bytes = 2147483648", f"max_inflight_bytes = {budget}")
                     .replace("max_update_bytes = 1073741824", f"max_update_bytes = {budget}"))
@@ -352,7 +357,7 @@ def fixed_cost(a: Node, b: Node, count: int, size: int = 1024) -> dict[str, Any]
     each daemon's CPU per update and which path carried them (``over``)."""
     job = f"seq-{uuid.uuid4().hex[:6]}"
     body = os.urandom(size)
-    digest = hashlib.sha256(body).digest()
+    digest = blake3.blake3(body).digest()  # the claim executors make (SendUpdate.for_payload)
     # it answers every Delivery as a real executor does: the sender's ok waits for that
     consumer = BridgeClient(_bridge(b), role="executor", cluster_id=b.name, job_id=job, timeout=60,
                             answers_deliveries=True)
@@ -364,7 +369,7 @@ def fixed_cost(a: Node, b: Node, count: int, size: int = 1024) -> dict[str, Any]
         while len(delivered) < count:
             msg, payload = consumer.recv()
             if isinstance(msg, Delivery):
-                delivered.append(hashlib.sha256(payload).digest() == digest)
+                delivered.append(blake3.blake3(payload).digest() == digest)
                 consumer.send(DeliveryResult(message_id=msg.message_id, ok=True, reason="",
                                              source_cluster=msg.source_cluster))
 
@@ -378,7 +383,7 @@ def fixed_cost(a: Node, b: Node, count: int, size: int = 1024) -> dict[str, Any]
         start = time.perf_counter()
         for i in range(count):
             msg = SendUpdate(target_cluster=b.name, job_id=job, round=1, source_node="s", target_node="t",
-                             message_id=f"{job}-{i}", tensor_count=1, byte_length=size, sha256=digest)
+                             message_id=f"{job}-{i}", tensor_count=1, byte_length=size, blake3=digest)
             reply, _ = sender.request(msg, body)
             failed += not (isinstance(reply, SendResult) and reply.ok)
         seconds = time.perf_counter() - start
@@ -397,7 +402,7 @@ def fixed_cost(a: Node, b: Node, count: int, size: int = 1024) -> dict[str, Any]
             "over": "dataplane" if plane >= count else "libp2p" if plane == 0 else f"dataplane {plane}/{count}"}
 
 
-def e2e_once(a: Node, b: Node, body: bytes, via_fd: bool = True) -> dict[str, Any]:
+def e2e_once(a: Node, b: Node, body: bytes, via_fd: bool = True, claim: str = "blake3") -> dict[str, Any]:
     """One update of ``len(body)`` bytes from an executor on a to one on b, which answers the
     Delivery as a real executor does (``answers_deliveries``), so a's SendResult ok comes
     only after b's executor has read the whole body. Timed from the first SendUpdate byte
@@ -406,10 +411,13 @@ def e2e_once(a: Node, b: Node, body: bytes, via_fd: bool = True) -> dict[str, An
     Also when each step was done (ms from the start) and this process's CPU meanwhile.
     ``via_fd``: both executors pass the body as a sealed memfd, as ``BridgeLink`` does
     (the sender's copy into the memfd is inside the clock); else as bytes through the
-    sockets (a client that passes no descriptors)."""
+    sockets (a client that passes no descriptors). ``claim``: the header's digest, "blake3"
+    as executors make it (``SendUpdate.for_payload``; computed before the clock, as the
+    executor does before it sends) or "sha256" (a client that claims sha256: the sending
+    daemon then hashes the body apart from sending it)."""
     job = f"e2e-{uuid.uuid4().hex[:6]}"
     size = len(body)
-    digest = hashlib.sha256(body).digest()
+    digest = (blake3.blake3 if claim == "blake3" else hashlib.sha256)(body).digest()
     # a blocking socket, as an executor's (proto.bridge_connection) is
     consumer = BridgeClient(_bridge(b), role="executor", cluster_id=b.name, job_id=job,
                             max_payload=size, timeout=None, answers_deliveries=True,
@@ -432,8 +440,10 @@ def e2e_once(a: Node, b: Node, body: bytes, via_fd: bool = True) -> dict[str, An
     thread = threading.Thread(target=consume, daemon=True)
     thread.start()
     msg = SendUpdate(target_cluster=b.name, job_id=job, round=1, source_node="s", target_node="t",
-                     message_id=f"{job}-0", tensor_count=1, byte_length=size, sha256=digest)
+                     message_id=f"{job}-0", tensor_count=1, byte_length=size, **{claim: digest})
+    assert a.proc is not None and b.proc is not None
     try:
+        daemons = (_cpu_seconds(a.proc.pid), _cpu_seconds(b.proc.pid))
         cpu, start = time.process_time(), time.perf_counter()
         if via_fd:
             sender.send_update(msg, body)
@@ -443,6 +453,7 @@ def e2e_once(a: Node, b: Node, body: bytes, via_fd: bool = True) -> dict[str, An
         reply, _ = sender.recv()
         seconds = time.perf_counter() - start
         cpu = time.process_time() - cpu
+        daemons = (_cpu_seconds(a.proc.pid) - daemons[0], _cpu_seconds(b.proc.pid) - daemons[1])
         thread.join(30)
     finally:
         sender.close()
@@ -452,41 +463,58 @@ def e2e_once(a: Node, b: Node, body: bytes, via_fd: bool = True) -> dict[str, An
             pass
         consumer.close()
     ok = isinstance(reply, SendResult) and reply.ok and len(got) == 1
-    ok = bool(ok and hashlib.sha256(got[0]).digest() == digest)
+    ok = bool(ok and (blake3.blake3 if claim == "blake3" else hashlib.sha256)(got[0]).digest() == digest)
     if got and hasattr(got[0], "close"):
         got[0].close()  # a mapping of the delivered memfd
-    return {"ok": ok, "seconds": seconds, "via_fd": via_fd,
+    return {"ok": ok, "seconds": seconds, "via_fd": via_fd, "claim": claim,
             "mb_s": size / seconds / 1e6, "bench_cpu_s": round(cpu, 3),
+            "cpu_s_a": round(daemons[0], 3), "cpu_s_b": round(daemons[1], 3),
             "written_ms": round((at["written"] - start) * 1000, 1),
             "delivered_ms": round((at.get("delivered", float("nan")) - start) * 1000, 1)}
 
 
-def e2e_runs(a: Node, b: Node, size: int, runs: int) -> dict[str, Any]:
+def e2e_runs(a: Node, b: Node, size: int, runs: int,
+             unspared: tuple[Node, Node] | None = None) -> dict[str, Any]:
     """``runs`` rounds of: a raw TCP run of ``size``, an e2e update with the body passed as
-    memfds (as executors do), the same with the body as bytes through both bridges (the
-    path of a client that passes no descriptors), in that order, so the two e2e figures
-    come from the same moments of a shared machine."""
+    memfds and a BLAKE3 claim (as executors do), the same with the body as bytes through
+    both bridges (the path of a client that passes no descriptors), and memfds with a
+    sha256 claim (``sha256_claim``: the sending daemon hashes the body apart from sending
+    it, as every update did before executors claimed BLAKE3), in that order, so the e2e
+    figures come from the same moments of a shared machine. With ``unspared`` (a second
+    pair with ``limits.dataplane_spare_bytes = 0``) also the memfd path without spare
+    memfds (``no_spares``), in the same rounds."""
     body = os.urandom(size)
     e2e_once(a, b, body)  # warm-up: the data-plane connection and code paths
     e2e_once(a, b, body, via_fd=False)
-    rows: list[dict[str, Any]] = []
-    rows_bytes: list[dict[str, Any]] = []
+    kinds = {"memfd": (a, b, True, "blake3"), "bytes": (a, b, False, "blake3"),
+             "sha256": (a, b, True, "sha256")}
+    if unspared is not None:
+        kinds["no_spares"] = (*unspared, True, "blake3")
+        e2e_once(*unspared, body)
+    rows: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+    spares = bridge.SEND_SPARES
     for _ in range(runs):
         raw = raw_tcp_mb_s(size)
-        for via_fd, into in ((True, rows), (False, rows_bytes)):
-            row = e2e_once(a, b, body, via_fd=via_fd)
+        for kind, (x, y, via_fd, claim) in kinds.items():
+            # no_spares: neither the daemon nor this executor makes memfds ahead
+            bridge.SEND_SPARES = SpareMemfds(0) if kind == "no_spares" else spares
+            row = e2e_once(x, y, body, via_fd=via_fd, claim=claim)
+            bridge.SEND_SPARES = spares
             row["raw_mb_s"] = raw
             row["ratio"] = row["mb_s"] / raw
-            into.append(row)
-    report = _e2e_summary(rows, size)
-    report["bytes_path"] = _e2e_summary(rows_bytes, size)
+            rows[kind].append(row)
+    report = _e2e_summary(rows["memfd"], size)
+    report["bytes_path"] = _e2e_summary(rows["bytes"], size)
+    report["sha256_claim"] = _e2e_summary(rows["sha256"], size)
+    if unspared is not None:
+        report["no_spares"] = _e2e_summary(rows["no_spares"], size)
     return report
 
 
 def _e2e_summary(rows: list[dict[str, Any]], size: int) -> dict[str, Any]:
     med = statistics.median
     return {
-        "bytes": size, "ok": all(r["ok"] for r in rows), "via_fd": rows[0]["via_fd"],
+        "bytes": size, "ok": all(r["ok"] for r in rows), "via_fd": rows[0]["via_fd"], "claim": rows[0]["claim"],
         "runs_mb_s": [round(r["mb_s"], 1) for r in rows],
         "raw_runs_mb_s": [round(r["raw_mb_s"], 1) for r in rows],
         "runs_ratio": [round(r["ratio"], 3) for r in rows],
@@ -496,6 +524,8 @@ def _e2e_summary(rows: list[dict[str, Any]], size: int) -> dict[str, Any]:
         "delivered_ms": [r["delivered_ms"] for r in rows],
         "seconds": [round(r["seconds"], 3) for r in rows],
         "bench_cpu_s": [r["bench_cpu_s"] for r in rows],
+        # CPU of the sending and the receiving daemon per update (clock ticks: 10 ms steps)
+        "cpu_s_a": [r["cpu_s_a"] for r in rows], "cpu_s_b": [r["cpu_s_b"] for r in rows],
     }
 
 
@@ -608,6 +638,10 @@ def main() -> None:
                         help="limits.dataplane_digest of the measured pair's receiver")
     parser.add_argument("--dataplane-small-bytes", type=int, default=64 * 1024,
                         help="limits.dataplane_small_bytes of the measured pair (0: small updates over libp2p)")
+    parser.add_argument("--dataplane-spare-bytes", type=int, default=128 * MIB,
+                        help="limits.dataplane_spare_bytes of the measured pair (0: no memfds made ahead)")
+    parser.add_argument("--compare-spares", action="store_true",
+                        help="with --e2e-only: also a pair with dataplane_spare_bytes = 0, in the same rounds")
     parser.add_argument("--libp2p-probe", action="store_true",
                         help="also probe a second pair with the data plane off (the old path)")
     parser.add_argument("--e2e-only", action="store_true",
@@ -621,12 +655,17 @@ def main() -> None:
     if args.e2e_only:
         with tempfile.TemporaryDirectory(prefix="fbench") as tmp:
             a, b = _start_pair(Path(tmp), budget, dataplane_min_bytes=args.dataplane_min_bytes,
-                               dataplane_digest=args.dataplane_digest)
+                               dataplane_digest=args.dataplane_digest,
+                               dataplane_spare_bytes=args.dataplane_spare_bytes)
+            unspared: tuple[Node, Node] | None = None
             try:
-                e2e = e2e_runs(a, b, big, args.runs or 5)
+                if args.compare_spares:
+                    (Path(tmp) / "unspared").mkdir()
+                    unspared = _start_pair(Path(tmp) / "unspared", budget, dataplane_spare_bytes=0)
+                e2e = e2e_runs(a, b, big, args.runs or 5, unspared)
             finally:
-                a.stop()
-                b.stop()
+                for node in (a, b, *(unspared or ())):
+                    node.stop()
         print(json.dumps({"benchmark": "transfer", "quick": q, "e2e_64mib": e2e,
                           "dataplane_min_bytes": args.dataplane_min_bytes,
                           "dataplane_digest": args.dataplane_digest,
@@ -648,7 +687,8 @@ def main() -> None:
                 a.stop()
                 b.stop()
         a, b = _start_pair(Path(tmp), budget, dataplane_min_bytes=args.dataplane_min_bytes,
-                           dataplane_digest=args.dataplane_digest, dataplane_small_bytes=args.dataplane_small_bytes)
+                           dataplane_digest=args.dataplane_digest, dataplane_small_bytes=args.dataplane_small_bytes,
+                           dataplane_spare_bytes=args.dataplane_spare_bytes)
         try:
             probes = probe_runs(a, b, probe_bytes, runs)
             raw.append(raw_tcp_mb_s(probe_bytes))
