@@ -160,9 +160,11 @@ class DigestGate:
 
     On libp2p streams the exchange calls ``start()`` as the body starts going out, and a
     worker thread hashes the payload meanwhile (hashing overlaps the network instead of
-    preceding it). A data-plane sender with a BLAKE3 claim (``streams_blake3``) hashes each
-    chunk anyway as it encrypts it: it ``settle``s the gate with that digest before the last
-    chunk instead, so the body is hashed once on this side, not twice."""
+    preceding it). On the data plane a BLAKE3 claim is not gated at all: the receiver
+    answers a plain go and verifies the header's claim itself before delivery
+    (``exchange_half_duplex``), so the sending daemon does not hash the body; if it is asked
+    for a trailer instead (``streams_blake3``), it hashes each chunk as it encrypts it and
+    ``settle``s the gate with that digest before the last chunk."""
 
     STEP = 8 * 1024 * 1024
 
@@ -431,9 +433,14 @@ async def exchange_half_duplex(stream: INetStream, header: UpdateHeader, body: B
         raise StreamLost(f"expected UpdateAck, got {first.TYPE}")
     if not (first.status == "ok" and first.reason in (GO, GO_BLAKE3)):
         return first, False
-    # A BLAKE3 claim is checked here, on the digest of the chunks as they are encrypted
-    # (the gate is settled with it before the last chunk), not by hashing the body twice;
-    # that digest is also the trailer if the receiver asked for one.
+    if first.reason == GO and header.blake3:
+        # The receiver verifies a BLAKE3 claim against the header itself before delivery (a
+        # plain go): a payload that does not match it is refused there, never delivered, so
+        # this side does not hash the body at all (the executor did, to claim it).
+        gate = None
+    # A BLAKE3 claim with a trailer asked for is checked here, on the digest of the chunks
+    # as they are encrypted (the gate is settled with it before the last chunk), not by
+    # hashing the body twice.
     inline = isinstance(gate, DigestGate) and gate.streams_blake3
     trailer = blake3.blake3() if first.reason == GO_BLAKE3 or inline else None
     chunks = list(body_chunks(body, chunk_bytes))

@@ -3,14 +3,14 @@
 ``limits.dataplane_digest = "blake3"`` answers ``go blake3`` and verifies the body against
 the BLAKE3 trailer the sender writes after it; a wrong trailer is refused, not acked. A
 header that claims a BLAKE3 (what executors send) gets a plain go and is verified against
-that claim; its sender checks the claim on the digest it computes while it encrypts, before
-the last chunk, instead of hashing the body a second time. A small body in its header's
+that claim, and the sending daemon does not hash the body at all (the executor did). A small body in its header's
 record must be all of that record and match the header's claim."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import types
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,44 +106,49 @@ async def test_blake3_receiver_checks_the_senders_trailer(tmp_path: Path) -> Non
 
 
 @pytest.mark.trio
-async def test_a_blake3_claim_is_checked_by_the_sender_as_it_encrypts_and_by_the_receiver(
+async def test_a_blake3_claim_is_verified_by_the_receiver_and_not_hashed_by_the_sending_daemon(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     service, plane, connect = _receiver(tmp_path, 1)
-    hashed_apart: list[int] = []  # bodies the sender's gate hashed in a thread of its own
+    hashed: list[int] = []  # bodies the sending daemon hashed (gate or streaming digest)
     body_digest = _sender.body_digest
-    monkeypatch.setattr(_sender, "body_digest", lambda h, d: hashed_apart.append(len(d)) or body_digest(h, d))
-    claim = blake3.blake3(BODY).digest()
+    monkeypatch.setattr(_sender, "body_digest", lambda h, d: hashed.append(len(d)) or body_digest(h, d))
+    real_blake3 = blake3.blake3
+
+    class Counted:
+        def __init__(self) -> None:
+            hashed.append(-1)
+            self._h = real_blake3()
+
+        def update(self, data: object) -> None:
+            self._h.update(data)
+
+        def digest(self) -> bytes:
+            return bytes(self._h.digest())
+
+    monkeypatch.setattr(_sender, "blake3", types.SimpleNamespace(blake3=Counted))  # the sender's only
+    claim = real_blake3(BODY).digest()
+    wrong = real_blake3(BODY[1:]).digest()
 
     async with trio.open_nursery() as nursery:
         await nursery.start(plane.run)
-        # honest: the gate is settled with the digest of the chunks as they were sent
         stream = await connect()
-        async with trio.open_nursery() as gates:
-            gate = DigestGate(BODY, _header(blake3=claim), gates)
-            ack, completed = await exchange_half_duplex(stream, _header(blake3=claim), BODY, 1024 * 1024,
-                                                        10, 30, gate)
-            assert completed and ack.status == "ok", ack
-            assert await gate() is None and hashed_apart == []
-        # a payload that is not what its header claims: the sender stops before the last
-        # chunk, so the receiver never has all of it (and delivers nothing)
-        stream = await connect()
-        wrong = blake3.blake3(BODY[1:]).digest()
-        async with trio.open_nursery() as gates:
-            gate = DigestGate(BODY, _header(blake3=wrong), gates)
-            with pytest.raises(BodyRefused, match="payload blake3 .* does not match the header's"):
-                await exchange_half_duplex(stream, _header(blake3=wrong), BODY, 1024 * 1024, 10, 30, gate)
-            assert hashed_apart == []
-        await stream.close()
-        # a sender that skips the check: a plain go (no trailer), and the receiver refuses
-        # the body against the header's claim
-        stream = await connect()
-        await stream.write(frame(_header(blake3=wrong)))
+        for digest, delivered in ((claim, True), (wrong, False)):
+            async with trio.open_nursery() as gates:
+                gate = DigestGate(BODY, _header(blake3=digest), gates)
+                ack, completed = await exchange_half_duplex(stream, _header(blake3=digest), BODY, 1024 * 1024,
+                                                            10, 30, gate)
+                gates.cancel_scope.cancel()  # as the daemon does: a gate nobody asked for
+            if delivered:
+                assert completed and ack.status == "ok", ack
+            else:  # refused against the header's claim; nothing delivered
+                assert ack.status == "rejected", ack
+                assert "blake3 of the body" in ack.reason and "the header says" in ack.reason, ack.reason
+            assert hashed == [], "the sending daemon hashed a body whose BLAKE3 claim the receiver checks"
+            stream = await connect()
+        # the receiver's go for a BLAKE3 claim is a plain go (no trailer expected)
+        await stream.write(frame(_header(blake3=claim)))
         go = await read_message_exact(stream, 65536)
         assert isinstance(go, UpdateAck) and go.reason == GO, go
-        await stream.write_many([memoryview(BODY)])
-        final = await read_message_exact(stream, 65536)
-        assert isinstance(final, UpdateAck) and final.status == "rejected", final
-        assert "blake3 of the body" in final.reason and "the header says" in final.reason, final.reason
         await stream.close()
         nursery.cancel_scope.cancel()
     assert service.jobs[PROBE_JOB_ID].received_updates == 1
