@@ -168,6 +168,25 @@ The 0.5x probe and 0.35x e2e targets are not met: both daemons are CPU-bound in 
   meanwhile: 1 KiB 3.09 ms (CPU 0.60 / 0.74 ms, over the plane, 500/500 verified); e2e 64
   MiB 0.134x; 200 x 1 MiB and 50 x 64 MiB 0 failed, 0 mismatches, RSS bound held; long link
   1.01x (libp2p) / 0.995x (plane through it), 1.23 RTT per 1 KiB update; probe 0.149x.
+- 2026-11-25 19:20-19:24 UTC, quiet (loadavg 0.3-2.7, nothing else running), after executors
+  claim BLAKE3 (the data-plane receiver verifies the claim; the sending daemon hashes
+  nothing), the receiving daemon takes a spare memfd mapping made ahead and the sender
+  hashes in a second thread. ``--e2e-only --runs 9 --compare-spares``, same rounds: e2e 64
+  MiB (memfd, BLAKE3 claim, spares) 760-868 MB/s, daemon CPU per update a 40 / b 50 ms;
+  without spares 496-630 MB/s (b 80 ms); a sha256 claim (the old path) 497-587 MB/s (a 100
+  ms); bytes through both bridges 231-503 MB/s. Raw TCP in those rounds swung between
+  1605-1860 and 3088-3543 MB/s, so the per-round ratios were 0.23-0.48. Full run
+  ``--runs 3``: raw 3036-3186 MB/s (stop 28: 2204-2476); probe 0.649x; 1 KiB 1.05 ms (CPU
+  0.42 / 0.48 ms); e2e 64 MiB 789-869 MB/s = 0.234-0.276x (goal 0.35x: not met; stop 28
+  494-550 MB/s = 0.20-0.22x of a slower raw), timeline: the executor's memfd written at 12
+  ms, the delivery read at 64-73 ms, done at 77-85 ms; 200 x 1 MiB and 50 x 64 MiB, bytes
+  and memfds: 0 failed, 0 mismatches, RSS bound held (memfds 595 / 399 MB peak for 50 x 64
+  MiB); long link 0.998x (libp2p) / 0.975x (plane). A timeline at loadavg ~4.5 (trace lines
+  in both daemons, not landed): header and go 1 ms, the 64 MiB body 77-97 ms, delivery and
+  the far executor's answer 1-18 ms. What is left is the body itself on 2 cores: a's
+  sending thread (AES-GCM, the copy into the kernel, ~8.5 ms of page mapping faults on the
+  executor's memfd), b's reading thread (the copy out, AES-GCM into the spare) and b's
+  BLAKE3 thread (~15 ms per 64 MiB).
 """
 
 from __future__ import annotations
