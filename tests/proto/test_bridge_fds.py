@@ -9,17 +9,20 @@ import hashlib
 import mmap
 import os
 import socket
+import sys
+import threading
 import time
 
 import pytest
 
-from proto import bridge
+from proto import _bridge_fds, bridge
 from proto._bridge_fds import (
     FdQueue,
     FdRefused,
     SharedMapping,
     SpareMemfds,
     check_sealed,
+    populate_for_writing,
     sealed_memfd,
     take_checked,
 )
@@ -199,3 +202,43 @@ def test_a_sealed_payload_goes_into_a_spare_made_for_the_next_one() -> None:
     _settled(spares)
     spares.close()
     assert _open_fds() == fds
+
+
+def test_pages_are_populated_with_the_gil_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spare's pages are made while a daemon's event loop runs in the same process: the
+    population must not hold the GIL (mmap.madvise does, for all of it). With a switch
+    interval longer than the test, the GIL changes threads only when the holder gives it up,
+    so the main thread ticks while the pages are populated only if that call released it
+    (holding it, the main thread gets exactly one tick: after the call is over)."""
+    mapping = SharedMapping.allocate(128 * 1024 * 1024, "fedpilot-test")
+    go, done = threading.Event(), threading.Event()
+
+    def populate() -> None:
+        go.wait()
+        try:
+            populate_for_writing(mapping)
+        finally:
+            done.set()
+
+    ticks = 0
+    worker = threading.Thread(target=populate)
+    worker.start()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        go.set()
+        while not done.is_set():
+            time.sleep(0.0005)  # gives the GIL up; the populating thread takes it
+            ticks += 1
+    finally:
+        sys.setswitchinterval(interval)
+    worker.join()
+    mapping.close()
+    assert ticks >= 3, f"the main thread stood still while the pages were populated ({ticks} ticks)"
+    # and a spare is made this way
+    called: list[int] = []
+    monkeypatch.setattr(_bridge_fds, "populate_for_writing", lambda m: called.append(len(m)))
+    spares = SpareMemfds(limit=8 * 1024 * 1024, count=1)
+    spares.refill(len(BODY))
+    assert _settled(spares) == len(BODY) and called == [len(BODY)]
+    spares.close()
