@@ -227,6 +227,7 @@ class UpdateService:
                 "dataplane_fallbacks": self.dataplane_fallbacks,
                 "spare_memfds_taken": self.spares.taken, "spare_memfds_missed": self.spares.missed,
                 "spare_memfds": self.spares.held, "spare_memfd_bytes": self.spares.held_bytes,
+                "spare_memfd_bytes_making": self.spares.making_bytes,
                 "streams_opened": self.pool.opened, "streams_reused": self.pool.reused,
                 "send_retries": self.send_retries, "inflight_in_bytes": self.inflight,
                 "inflight_in_peak_bytes": self.inflight_peak, "dedup_ids": len(self.delivered),

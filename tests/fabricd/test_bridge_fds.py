@@ -127,7 +127,9 @@ def test_large_update_passes_as_memfds_both_ways_verified(mesh) -> None:  # type
         with BridgeClient(_path(a), role="executor", cluster_id="a", job_id=job, timeout=60) as sender:
             for i, body in enumerate(bodies):
                 if i:  # b made a spare of this size after the first body went through
-                    wait_until(lambda: bridge_status(b)["transfer"]["spare_memfd_bytes"] == SIZE, 30)
+                    # (made, not only being made: that runs beside the event loop)
+                    wait_until(lambda: (bridge_status(b)["transfer"]["spare_memfd_bytes"],
+                                        bridge_status(b)["transfer"]["spare_memfd_bytes_making"]) == (SIZE, 0), 30)
                     taken = bridge_status(b)["transfer"]["spare_memfds_taken"]
                 sent.append(_update(job, body) if i == 0 else SendUpdate.for_payload(
                     _safetensors(body), target_cluster="b", job_id=job, round=1, source_node="s",
