@@ -69,7 +69,7 @@ class Limits:
     # memfds allocated ahead (in idle time, after a large data-plane body) for the next one,
     # at most this many bytes and two memfds: a fresh memfd's pages cost more to fault in
     # than the copy into them (proto/_bridge_fds.py SpareMemfds); unused ones are freed
-    # after 60 s. 0 = none.
+    # after 60 s. 0 = none, here and in the executors this daemon starts (--spare-bytes 0).
     dataplane_spare_bytes: int = 128 * 1024 * 1024
 
 

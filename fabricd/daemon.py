@@ -152,7 +152,7 @@ class Daemon:
                 num_cpus=cfg.ray_num_cpus, object_store_memory=cfg.ray_object_store_memory,
                 metrics_endpoint=cfg.metrics_executor_endpoint,
                 allow_models=cfg.allow_models, data_roots=cfg.data_roots,
-                datasets=cfg.datasets)
+                datasets=cfg.datasets, spares=lim.dataplane_spare_bytes > 0)
             self.bridge = BridgeServer(cfg.bridge_socket, self, cluster_id=cfg.cluster_id,
                                        max_payload=lim.max_update_bytes,
                                        control_timeout=lim.control_timeout,

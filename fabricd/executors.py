@@ -43,7 +43,7 @@ class ExecutorLauncher:
                  log_dir: Path, command: list[str] | None = None, num_cpus: float = 0.0,
                  object_store_memory: int = 0, metrics_endpoint: str = "",
                  allow_models: tuple[str, ...] = (), data_roots: tuple[Path, ...] = (),
-                 datasets: tuple[tuple[str, str], ...] = ()) -> None:
+                 datasets: tuple[tuple[str, str], ...] = (), spares: bool = True) -> None:
         self.cluster_id = cluster_id
         # The cluster operator's allow-lists, read by worker/executor/allowlist.py.
         self.env = {**os.environ, ENV_ALLOWED_MODULES: json.dumps(list(allow_models)),
@@ -55,6 +55,7 @@ class ExecutorLauncher:
         self.object_store_memory = object_store_memory
         self.metrics_endpoint = metrics_endpoint
         self.datasets = datasets
+        self.spares = spares
         self.command = command or [sys.executable, "-m", "worker.executor"]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.detached: set[str] = set()
@@ -67,6 +68,8 @@ class ExecutorLauncher:
             bounds += ["--object-store-memory", str(self.object_store_memory)]
         if self.metrics_endpoint:  # cluster.toml [metrics] executor_endpoint
             bounds += ["--metrics", self.metrics_endpoint]
+        if not self.spares:  # cluster.toml limits.dataplane_spare_bytes = 0: none anywhere
+            bounds += ["--spare-bytes", "0"]
         for name, dataset in self.datasets:  # cluster.toml [datasets] (pinned jobs)
             bounds += ["--dataset", f"{name}={dataset}"]
         return [*self.command, "--bridge", str(self.bridge_socket), "--cluster-id",

@@ -9,8 +9,10 @@ import pytest
 
 from fabricd.config import ConfigError, load_config
 from fabricd.executors import ExecutorLauncher
+from proto import bridge
+from proto._bridge_fds import SpareMemfds
 from tests.fabricd._harness import cli_inprocess
-from worker.executor.__main__ import parse_args
+from worker.executor.__main__ import apply_spare_bytes, parse_args
 
 
 @pytest.fixture
@@ -68,3 +70,23 @@ def test_a_symlink_out_of_the_data_roots_is_refused(cfg_path: Path, tmp_path: Pa
     (cfg_path.parent / "data" / "link.npz").symlink_to(tmp_path / "secret.npz")
     with pytest.raises(ConfigError, match="inside \\[allow\\] data_roots"):
         load_config(with_datasets(cfg_path, 'site = "npz:data/link.npz"\n'))
+
+
+def test_no_spares_on_the_daemon_means_none_in_its_executors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """limits.dataplane_spare_bytes = 0 reaches the executors fabricd starts as --spare-bytes
+    0, which turns their memfds made ahead off; by default they keep theirs."""
+    monkeypatch.setattr(bridge, "SEND_SPARES", SpareMemfds(limit=256 * 1024 * 1024, count=1))
+    common = {"cluster_id": "a", "bridge_socket": Path("/tmp/b.sock"), "ray_address": "inprocess",
+              "log_dir": Path("/tmp")}
+    default = ExecutorLauncher(**common).command_for("job-1")  # type: ignore[arg-type]
+    off = ExecutorLauncher(**common, spares=False).command_for("job-1")  # type: ignore[arg-type]
+    assert parse_args(default[default.index("--bridge"):]).spare_bytes is None
+    args = parse_args(off[off.index("--bridge"):])
+    assert args.spare_bytes == 0
+    apply_spare_bytes(None)
+    assert bridge.SEND_SPARES.limit == 256 * 1024 * 1024
+    apply_spare_bytes(args.spare_bytes)
+    bridge.SEND_SPARES.refill(4 * 1024 * 1024)
+    assert bridge.SEND_SPARES.limit == 0 and bridge.SEND_SPARES.held_bytes == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--bridge", "b", "--cluster-id", "a", "--job", "j", "--spare-bytes", "-1"])

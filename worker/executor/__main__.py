@@ -41,6 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dataset", metavar="NAME=KIND:PATH", action="append", default=[],
                         help="a dataset this cluster holds, for jobs with data.placement = "
                              "'pinned' (cluster.toml [datasets]; repeatable)")
+    parser.add_argument("--spare-bytes", type=int, default=None, metavar="BYTES",
+                        help="memfd bytes this process makes ahead, in idle time, for its next "
+                             "large update (one spare, default 256 MiB; 0: none; fabricd passes 0 "
+                             "when cluster.toml limits.dataplane_spare_bytes = 0)")
     parser.add_argument("--log-format", choices=LOG_FORMATS,
                         default=os.environ.get(LOG_FORMAT_ENV, "kv"),
                         help="key=value (kv, text) or json lines; default: the daemon's "
@@ -53,7 +57,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--dataset {item!r}: expected NAME=KIND:PATH")
         datasets[name] = dataset
     args.datasets = datasets
+    if args.spare_bytes is not None and args.spare_bytes < 0:
+        parser.error(f"--spare-bytes {args.spare_bytes}: expected 0 (none) or a number of bytes")
     return args
+
+
+def apply_spare_bytes(spare_bytes: int | None) -> None:
+    """``--spare-bytes``: the bound of this process's memfds made ahead (None: the default)."""
+    if spare_bytes is not None:
+        from proto import bridge
+
+        bridge.SEND_SPARES.limit = spare_bytes
 
 
 def daemon_job_counters(bridge: str, job_id: str) -> dict[str, int]:
@@ -75,6 +89,7 @@ def daemon_job_counters(bridge: str, job_id: str) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_format)
+    apply_spare_bytes(args.spare_bytes)
     from worker.executor.runtime import open_context, runtime_factory
 
     context = open_context(args.ray, num_cpus=args.num_cpus,
