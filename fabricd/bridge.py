@@ -119,6 +119,26 @@ class BridgeClient:
         return self.role in CONSUMER_ROLES and self.job_id in (job_id, "*")
 
 
+class _Unmapping:
+    """Releases a SendUpdate's memfd payload: its mapping (``unmap``: no event loop needed,
+    so it may run in a worker thread; again is a no-op) and then its share of the outgoing
+    budget (calling the object: on the event loop)."""
+
+    def __init__(self, view: memoryview, mapping: mmap.mmap, release: Callable[[], None]) -> None:
+        self.view, self.mapping, self.release = view, mapping, release
+
+    def unmap(self) -> None:
+        self.view.release()
+        try:
+            self.mapping.close()
+        except BufferError:
+            pass  # a sender's chunk still refers to it; unmapped when that goes
+
+    def __call__(self) -> None:
+        self.unmap()
+        self.release()
+
+
 class BridgeServer:
     """Serves the bridge socket; also the local consumer of updates and control requests."""
 
@@ -332,17 +352,7 @@ class BridgeServer:
             self.outgoing.release(length)
             raise
         view = memoryview(mapping)
-        release = self._releaser(length, 1)
-
-        def unmap_and_release() -> None:
-            view.release()
-            try:
-                mapping.close()
-            except BufferError:
-                pass  # a sender's chunk still refers to it; unmapped when that goes
-            release()
-
-        return msg, view, unmap_and_release
+        return msg, view, _Unmapping(view, mapping, self._releaser(length, 1))
 
     async def _refuse_update(self, client: BridgeClient, msg: SendUpdate, reason: str) -> None:
         self.rejected_frames += 1
@@ -368,16 +378,23 @@ class BridgeServer:
                              payload: bytes | bytearray | memoryview | FillingBuffer,
                              release: Callable[[], None] = lambda: None) -> None:
         try:
-            reply, reply_payload = await self._dispatch(msg, payload)
-        except RequestFailed as exc:
-            reply, reply_payload = Error(reason=str(exc)), b""
+            try:
+                reply, reply_payload = await self._dispatch(msg, payload)
+            except RequestFailed as exc:
+                reply, reply_payload = Error(reason=str(exc)), b""
+            finally:
+                del payload
+            try:
+                await client.send(reply, reply_payload)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                log.info("bridge.client_gone", client=client.number, reply=reply.TYPE)
         finally:
-            del payload
+            # after the reply: unmapping a large payload takes milliseconds (10-20 ms for
+            # 64 MiB here), in a worker thread so that this loop goes on meanwhile
+            if isinstance(release, _Unmapping):
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(release.unmap)
             release()
-        try:
-            await client.send(reply, reply_payload)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            log.info("bridge.client_gone", client=client.number, reply=reply.TYPE)
 
     async def _dispatch(self, msg: BridgeMessage, payload: bytes | bytearray | memoryview | FillingBuffer
                         ) -> tuple[BridgeMessage, bytes]:
