@@ -44,6 +44,9 @@ log = get_logger("fabricd.discovery")
 HEARTBEAT_MAX_BYTES = 16 * 1024
 RECORD_MAX_BYTES = 16 * 1024
 DIAL_TIMEOUT = 10.0
+#: a member we learnt of (not a bootstrap peer) is dialled at once only by the side with the
+#: smaller peer id; the other side waits this long for that dial before dialling itself
+DIAL_DEFER = 5.0
 RECORD_REFRESH = 30.0
 #: dial hints kept (peers we heard of but are not connected to) and addresses per hint
 MAX_DIAL_HINTS = 256
@@ -125,6 +128,8 @@ class Discovery:
         self._seq = 0
         self.dial_hints: BoundedDict[str, tuple[str, ...]] = BoundedDict(MAX_DIAL_HINTS)
         self._next_dial: BoundedDict[str, float] = BoundedDict(MAX_DIAL_HINTS * 4)
+        #: since when each peer we would dial has been unconnected (for the dial tie-break)
+        self._unconnected_since: BoundedDict[str, float] = BoundedDict(MAX_DIAL_HINTS * 4)
         self._certs: BoundedDict[bytes, Certificate] = BoundedDict(CERT_CACHE)
         self.rejected_heartbeats = 0
         self._throttle = Throttle(log)
@@ -178,6 +183,7 @@ class Discovery:
                 "capacity": info.capacity,
                 "last_heartbeat_age_s": round(now - info.last_heartbeat, 3) if info.last_heartbeat else None,
                 "joins": info.joins,
+                "links": _links_to(self.host, info.peer_id),
             })
         return rows
 
@@ -305,17 +311,34 @@ class Discovery:
         return [t for pid, t in targets.items() if pid != own]
 
     async def _dial_loop(self) -> None:
+        own = str(self.host.get_id())
         async with trio.open_nursery() as nursery:
             while True:
                 connected = {str(p) for p in self.host.get_connected_peers()}
+                bootstrap = self._bootstrap_ids()
                 now = time.monotonic()
                 for target in self._dial_targets():
                     pid = str(target.peer_id)
-                    if pid in connected or self._next_dial.get(pid, 0.0) > now:
+                    if pid in connected:
+                        self._unconnected_since.pop(pid, None)
+                        continue
+                    since = self._unconnected_since.setdefault(pid, now)
+                    if self._next_dial.get(pid, 0.0) > now:
+                        continue
+                    if _defers_to(own, pid) and pid not in bootstrap and now - since < DIAL_DEFER:
                         continue
                     self._next_dial[pid] = now + 3600  # until the attempt finishes
                     nursery.start_soon(self._dial, target)
                 await trio.sleep(0.25)
+
+    def _bootstrap_ids(self) -> set[str]:
+        ids = set()
+        for addr in self.bootstrap:
+            try:
+                ids.add(str(_bootstrap_info(addr).peer_id))
+            except Exception:  # noqa: BLE001, S112 - reported by _dial_targets
+                continue
+        return ids
 
     async def _dial(self, target: PeerInfo) -> None:
         pid = str(target.peer_id)
@@ -408,6 +431,26 @@ def _peer_info(peer_id: str, addrs: tuple[str, ...]) -> PeerInfo:
 @functools.lru_cache(maxsize=256)
 def _bootstrap_info(addr: str) -> PeerInfo:
     return info_from_p2p_addr(multiaddr.Multiaddr(addr))
+
+
+def _defers_to(own: str, peer: str) -> bool:
+    """Whether this side leaves the first dial to ``peer`` (the one with the smaller id).
+
+    Two members that learn of each other at the same moment (each other's heartbeat) would
+    otherwise dial each other at once, and py-libp2p 0.8.1 keeps both connections: it
+    trims a peer's extra connection only when it is added, and neither is older than the
+    grace period then (members are protected from trimming afterwards). Each side then
+    opens its streams on the connection it prefers - the one with more streams - so the
+    pair runs two yamux sessions with their own windows and buffers for one link."""
+    return own > peer
+
+
+def _links_to(host: Any, peer_id: str) -> int:
+    """libp2p connections to ``peer_id`` (one when all is well)."""
+    try:
+        return len(host.get_network().get_connections(ID.from_base58(peer_id)))
+    except Exception:  # noqa: BLE001
+        return 0
 
 
 def _addrs_of(host: Any, peer_id: str) -> tuple[str, ...]:
