@@ -23,9 +23,10 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import PUBSUB_SIGNING_PREFIX
 
-from fabricd._host import open_host_stack
+from fabricd._host import GOSSIPSUB_PROTOCOLS, open_host_stack
 from fabricd._member_tables import MAX_UNVERIFIED_CLAIMS
 from fabricd._preauth import MAX_PENDING_PEERS
+from fabricd.discovery import DIAL_DEFER
 from proto.codec import encode
 from proto.ids import PROTOCOL_CONTROL, PROTOCOL_MEMBER, PROTOCOL_UPDATE, TOPIC_HEARTBEAT
 from proto.messages import Heartbeat
@@ -146,28 +147,31 @@ async def test_forged_heartbeats_relayed_by_a_member_cause_no_dials(mesh) -> Non
     async with open_host_stack(key_pair, ["/ip4/127.0.0.1/tcp/0"], None, 1.0) as stack:
         await stack.host.connect(target)
         assert (await hello(stack.host, target.peer_id, cert)).accepted
-        await stack.pubsub.subscribe(TOPIC_HEARTBEAT)
-        with trio.fail_after(30):
-            while target.peer_id not in stack.gossipsub.mesh.get(TOPIC_HEARTBEAT, set()):
-                await trio.sleep(0.05)
+        # The liar writes the forged messages on its own pubsub stream to a, as a hostile
+        # forwarder would, and subscribes to nothing: a then sends it no heartbeats of its
+        # own (py-libp2p 0.8.1 can raise "Nursery is closed to new arrivals" out of the
+        # liar's host when one arrives while it shuts down: once in CI), and no mesh of the
+        # liar's router decides whether they reach a.
+        stream = await stack.host.new_stream(target.peer_id, list(GOSSIPSUB_PROTOCOLS))
         forged = 200
-        for _ in range(forged):
-            await stack.pubsub.push_msg(stack.host.get_id(), _forged_heartbeat(create_new_key_pair(), victim_port))
-            # libp2p drops RPCs beyond a 32-deep per-peer queue: let it drain.
-            while max((len(q) for q in stack.pubsub.peer_queues.values()), default=0) >= 8:
-                await trio.sleep(0.005)
-        # Wait until a has judged them: its counter rises, then stays put (gossipsub's
-        # peer scoring may mute the liar after a while, which is fine too).
-        # On a loaded machine the judgements can trickle in for minutes: what matters is
-        # that some were judged (asserted below) and that none led to a dial.
+        for _ in range(forged // 10):
+            rpc = rpc_pb2.RPC(publish=[_forged_heartbeat(create_new_key_pair(), victim_port) for _ in range(10)])
+            assert await stack.pubsub.write_msg(stream, rpc)
+        # Wait until a has judged them: its counter rises by as many, or rises and then
+        # stays put (gossipsub's peer scoring may mute the liar after a while, which is
+        # fine too). Other members' rejected heartbeats count too: in the session mesh the
+        # counter may never stay put. On a loaded machine the judgements can trickle in:
+        # what matters is that some were judged (asserted below) and none led to a dial.
         last, stable_since = before, time.monotonic()
         with trio.move_on_after(120):
-            while last == before or time.monotonic() - stable_since < 3:
+            while last - before < forged and (last == before or time.monotonic() - stable_since < 3):
                 now = (await trio.to_thread.run_sync(lambda: bridge_status(a)))["gossip"]["rejected_heartbeats"]
                 if now != last:
                     last, stable_since = now, time.monotonic()
                 await trio.sleep(0.2)
-        # The dial loop runs every 0.25 s: by now it has had many rounds to (wrongly) use a hint.
+        # The dial loop runs every 0.25 s, and waits DIAL_DEFER before dialling a member that
+        # should dial it: after that it has had many rounds to (wrongly) use a hint.
+        await trio.sleep(DIAL_DEFER + 1)
     assert last > before, "the member never judged the forged heartbeats"
     dials = 0
     while True:
