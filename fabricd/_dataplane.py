@@ -697,6 +697,10 @@ class DataPlane:
                                                         ticket=ticket, reason=""))
         except (ssl.SSLError, ValueError) as exc:
             await self._refuse(stream, f"bad data-plane certificate: {exc}")
+        except trio.TooSlowError:
+            # a member that opens the stream and offers nothing: not a crash of ours
+            log.info("dataplane.refused", peer=peer,
+                     reason=f"no DataPlaneOffer within {HANDSHAKE_SECONDS:g} s")
         finally:
             await close_quietly(stream)
 

@@ -153,3 +153,23 @@ async def test_tickets_are_single_use_bound_to_peer_and_certificate(tmp_path: Pa
                 await trio.sleep(0.01)
         assert plane.refused == 6 and plane.accepted == 1, plane.status()
         nursery.cancel_scope.cancel()
+
+
+class _SilentStream(_FakeStream):
+    """A member's stream that never sends its offer."""
+
+    async def read(self, n: int | None = None) -> bytes:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.trio
+async def test_a_member_that_offers_nothing_gets_no_ticket_and_crashes_nothing(
+        tmp_path: Path, autojump_clock: Any) -> None:
+    plane = DataPlane(_Host(), listen_ip="127.0.0.1", is_member=lambda p: True,  # type: ignore[arg-type]
+                      serve=lambda s: trio.sleep(0), state_dir=tmp_path)  # type: ignore[arg-type,return-value]
+    plane.port = 1
+    stream = _SilentStream(_peer(), b"")
+    with trio.fail_after(60):
+        await plane._issue(stream)  # type: ignore[arg-type]  # returns after its 5 s, no exception
+    assert not plane.tickets and not stream.written
