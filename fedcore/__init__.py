@@ -9,3 +9,5 @@
 Named for what it is, the core of the federation that every side shares (`fed` as in
 `fedpilot`); it sits above `proto` and below `worker`, `scheduler` and `fedpilot`.
 """
+
+from fedcore import _ast_lock  # noqa: E402, F401 - CPython 3.11: one ast.parse at a time
