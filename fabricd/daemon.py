@@ -7,6 +7,7 @@ SIGTERM/SIGINT -> stop services in reverse order -> close the host.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -19,7 +20,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from libp2p.crypto.keys import KeyPair
 
-from fabricd import _muxguard
+from fabricd import _muxguard, _taskdump
 from fabricd._dataplane import DataPlane
 from fabricd._host import HostStack, open_host_stack
 from fabricd._sender import Body, BodyRefused, DigestGate, FillingBuffer, Gate, RepeatedBody
@@ -207,7 +208,9 @@ class Daemon:
                             ("discovery", self.discovery.serve),
                             ("revocations", self.revocation_gossip.serve),
                             ("bridge", self.bridge.serve),
-                            ("executor_reaper", self.launcher.reap_loop)]
+                            ("executor_reaper", self.launcher.reap_loop),
+                            # kill -USR1: what every task waits on, to a file (fabricd/_taskdump.py)
+                            ("taskdump", functools.partial(_taskdump.serve, cfg.path.parent))]
                 if self.dataplane is not None:
                     services.insert(3, ("dataplane", self.dataplane.run))
                 if self.metrics_server is not None:
