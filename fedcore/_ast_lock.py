@@ -1,4 +1,4 @@
-"""One ``ast.parse`` at a time in this process, on CPython before 3.12.
+"""One ``ast.parse`` at a time in this process.
 
 CPython 3.11 keeps the recursion depth of its AST constructor in per-interpreter state, so
 two threads that parse at once (``ast.parse``, and every traceback that ``traceback``
@@ -7,13 +7,13 @@ raise ``SystemError: AST constructor recursion depth mismatch`` (python/cpython#
 the reports around it). Our processes run threads that do both: executors that serve
 several clusters' requests (the loopback mesh: one per cluster), Ray's and the bridges'
 threads logging failures. Seen once in CI: a job.start on cluster b failed with it.
-3.12 made the depth a local of each conversion; there this module does nothing.
+Reproduced on 3.11.7 (tests/test_ast_lock.py); later versions were not checked, so the
+lock applies on every version (parsing is never on a hot path here).
 """
 
 from __future__ import annotations
 
 import ast
-import sys
 import threading
 from typing import Any
 
@@ -21,7 +21,7 @@ _LOCK = threading.RLock()
 
 
 def _install() -> None:
-    if sys.version_info >= (3, 12) or getattr(ast.parse, "_fedpilot_locked", False):
+    if getattr(ast.parse, "_fedpilot_locked", False):
         return
     parse = ast.parse
 

@@ -12,7 +12,6 @@ these tests check the turn-taking itself."""
 from __future__ import annotations
 
 import ast
-import sys
 import threading
 
 import pytest
@@ -21,7 +20,6 @@ import fedcore  # noqa: F401 - installs the lock
 from fedcore import _ast_lock
 
 
-@pytest.mark.skipif(sys.version_info >= (3, 12), reason="3.12 keeps the depth per conversion")
 def test_a_parse_waits_while_another_thread_parses() -> None:
     assert getattr(ast.parse, "_fedpilot_locked", False)
     done = threading.Event()
