@@ -32,6 +32,9 @@ from libp2p.stream_muxer.yamux import yamux as _yamux
 from libp2p.tools.anyio_service.context import background_trio_service
 
 from fabricd import _fastpath
+from fedcore.logs import get_logger
+
+log = get_logger("fabricd.host")
 
 GOSSIPSUB_PROTOCOLS = ("/meshsub/1.1.0", "/meshsub/1.0.0")
 YAMUX_FRAME = 4 * 1024 * 1024 + _yamux.HEADER_SIZE
@@ -125,9 +128,31 @@ async def open_host_stack(key_pair: KeyPair, listen: list[str], announce: list[s
     gossipsub = build_gossipsub(heartbeat_interval)
     pubsub = Pubsub(host, gossipsub)
     dht = KadDHT(host, DHTMode.SERVER, enable_random_walk=False)
-    async with host.run([multiaddr.Multiaddr(a) for a in listen]):
-        async with background_trio_service(pubsub), background_trio_service(gossipsub):
-            async with background_trio_service(dht):
-                await pubsub.wait_until_ready()
-                yield HostStack(host=host, pubsub=pubsub, gossipsub=gossipsub, dht=dht)
-        await trio.lowlevel.checkpoint()
+    try:
+        async with host.run([multiaddr.Multiaddr(a) for a in listen]):
+            async with background_trio_service(pubsub), background_trio_service(gossipsub):
+                async with background_trio_service(dht):
+                    await pubsub.wait_until_ready()
+                    yield HostStack(host=host, pubsub=pubsub, gossipsub=gossipsub, dht=dht)
+            await trio.lowlevel.checkpoint()
+    except* RuntimeError as group:
+        # py-libp2p 0.8.1: a pubsub message that arrives while Pubsub's service is stopping
+        # is handed to its closed nursery, and the RuntimeError escapes from the
+        # connection's task (3 of 15 stops of a host that was being sent gossip, here). The
+        # host is going away anyway: that is not a failure of the stop; anything else is.
+        rest = group.subgroup(lambda e: not isinstance(e, BaseExceptionGroup) and not _late_arrival(e))
+        if rest is not None:
+            raise rest from None
+        log.info("host.stopped", late_messages=len(_leaves(group)),
+                 reason="pubsub messages arrived while it stopped; dropped")
+
+
+def _late_arrival(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and "Nursery is closed to new arrivals" in str(exc)
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
