@@ -7,9 +7,7 @@ effort), a real Prometheus server scrapes the job and its HTTP API returns the s
 
 from __future__ import annotations
 
-import contextlib
 import http.client
-import io
 import json
 import re
 import shutil
@@ -32,7 +30,7 @@ from scheduler.cli import main as cli_main
 from scheduler.run.driver import Driver
 from scheduler.run.mesh import BridgeChannel, daemon_status
 from scheduler.rundir.results import write_results
-from scheduler.rundir.status import RunRecorder
+from scheduler.rundir.status import RunRecorder, read_run
 from scheduler.testbed import LocalTestbed, fabricd_command, free_port, set_toml_value
 
 pytestmark = pytest.mark.slow
@@ -139,7 +137,19 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ran]:
             thread = threading.Thread(target=drive)
             thread.start()
             scrapes_during = 0
-            status_seen = []
+            status_seen: list[tuple[str, int]] = []
+
+            def watch_status() -> None:
+                # in a thread of its own, often: a round of this small job can take less
+                # than one pass of the scrapes below (once in CI every sample said round 0)
+                while thread.is_alive():
+                    if (run_dir / "summary.json").exists():
+                        seen = read_run(run_dir).to_dict()
+                        status_seen.append((seen["state"], seen["round"]))
+                    time.sleep(0.02)
+
+            watcher = threading.Thread(target=watch_status)
+            watcher.start()
             executors: dict[str, list[Samples]] = {n: [] for n in tb.executor_endpoints}
             while thread.is_alive():
                 for endpoint in [*endpoints.values(), job_endpoint]:
@@ -150,14 +160,9 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ran]:
                         executors[n].append(scrape(endpoint))  # port may answer otherwise
                     except (OSError, http.client.HTTPException):
                         pass
-                if (run_dir / "summary.json").exists():
-                    out_text = io.StringIO()
-                    with contextlib.redirect_stdout(out_text):
-                        cli_main(["status", str(run_dir), "--json"])
-                    seen = json.loads(out_text.getvalue())
-                    status_seen.append((seen["state"], seen["round"]))
                 time.sleep(0.1)
             thread.join()
+            watcher.join()
             assert "error" not in result, result.get("error")
             out = Ran(tb, names, endpoints, result["summary"], scrapes_during,
                       prometheus=prometheus[1] if prometheus else "", run_dir=run_dir,
@@ -236,6 +241,9 @@ def test_status_shows_the_running_jobs_current_round(ran: Ran, capsys: pytest.Ca
     assert cli_main(["status", str(ran.run_dir)]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"job metrics-job: finished, round 3, accuracy {ran.summary.rounds[-1].accuracy:.4f}")
+    assert cli_main(["status", str(ran.run_dir), "--json"]) == 0
+    seen = json.loads(capsys.readouterr().out)
+    assert (seen["state"], seen["round"]) == ("finished", 3), seen
 
 
 def test_prometheus_server_scraped_the_job(ran: Ran) -> None:

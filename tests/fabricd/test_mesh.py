@@ -90,7 +90,7 @@ def test_sigterm_shuts_down_in_order_and_removes_the_socket(mesh) -> None:
     assert sock.exists()
     assert e.stop() == 0
     events = re.findall(r"event=(service\.stopped service=\w+|daemon\.stopped|daemon\.signal)", e.log())
-    assert events == ["daemon.signal", "service.stopped service=executor_reaper", "service.stopped service=bridge",
+    assert events == ["daemon.signal", "service.stopped service=taskdump", "service.stopped service=executor_reaper", "service.stopped service=bridge",
                       "service.stopped service=dataplane", "service.stopped service=revocations", "service.stopped service=discovery",
                       "service.stopped service=membership", "daemon.stopped"], events
     assert not sock.exists()
