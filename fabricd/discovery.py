@@ -312,10 +312,10 @@ class Discovery:
 
     async def _dial_loop(self) -> None:
         own = str(self.host.get_id())
+        bootstrap = self._bootstrap_ids()  # fixed for the daemon's life
         async with trio.open_nursery() as nursery:
             while True:
                 connected = {str(p) for p in self.host.get_connected_peers()}
-                bootstrap = self._bootstrap_ids()
                 now = time.monotonic()
                 for target in self._dial_targets():
                     pid = str(target.peer_id)
