@@ -11,16 +11,9 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import PeerInfo
 
-from fabricd._host import open_host_stack
+from fabricd._host import _leaves, open_host_stack
 
 LATE = "Nursery is closed to new arrivals"
-
-
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return out
 
 
 @pytest.mark.trio
