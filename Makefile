@@ -9,7 +9,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 export RAY_DISABLE_DOCKER_CPU_WARNING := 1
 
-.PHONY: install test test-fast test-slow lint demo demo-mesh compose-demo bench clean
+.PHONY: install test test-tools test-fast test-slow lint demo demo-mesh compose-demo bench clean
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or run: make PYTHON=/path/to/python3.11)"; exit 1; }
@@ -29,11 +29,17 @@ lint: install
 	$(VENV)/bin/ruff check proto fabricd worker scheduler fedpilot fedcore tests bench
 	$(VENV)/bin/mypy
 
-test: install lint
+# the optional tests' tools (chromium, prometheus, docker-compose), best effort: installed
+# as root with apt-get, else one line names the tests that skip and how to bring them in
+test-tools:
+	@.ci/test-tools
+
+test: install lint test-tools
 	$(VENV)/bin/pytest -q -ra --durations=15
 
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow"
+	@.ci/test-tools --note
 
 test-slow: install
 	$(VENV)/bin/pytest -q -m slow

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = [ROOT / ".ci" / "run", *sorted((ROOT / "deploy").glob("*.sh"))]
+SCRIPTS = [ROOT / ".ci" / "run", ROOT / ".ci" / "test-tools",
+           *sorted((ROOT / "deploy").glob("*.sh"))]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))

@@ -1,6 +1,6 @@
 """The live page of `submit --metrics HOST:PORT`: `/` and `/api/state` over 127.0.0.1 during
 a real 3-cluster job (--local 3, in-process executors, real daemons); the rounds the page
-reports are summary.json's. Where Debian's chromium is installed (.ci/run installs it best
+reports are summary.json's. Where Debian's chromium is installed (`make test` installs it best
 effort) a headless browser renders the page mid-job; its DOM and screenshot are checked."""
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def chromium() -> str | None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(chromium() is None, reason="Debian's chromium is not installed "
-                    "(apt-get install chromium; .ci/run installs it best effort)")
+                    "(apt-get install chromium; make test installs it best effort)")
 def test_headless_browser_renders_the_rounds_mid_job(tmp_path: Path) -> None:
     exe = chromium()
     assert exe is not None

@@ -2,7 +2,7 @@
 endpoint is scraped and parsed during and after the job, the byte counters match the
 daemons' status and summary.json's per-cluster figures, and a foreign peer is counted.
 Must-show 5 on the same job: `fedpilot-scheduler status` on its run directory shows the
-current round while it runs. Where a `prometheus` binary is installed (Debian's package; .ci/run installs it best
+current round while it runs. Where a `prometheus` binary is installed (Debian's package; `make test` installs it best
 effort), a real Prometheus server scrapes the job and its HTTP API returns the series."""
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def test_status_shows_the_running_jobs_current_round(ran: Ran, capsys: pytest.Ca
 
 def test_prometheus_server_scraped_the_job(ran: Ran) -> None:
     if not ran.prometheus:
-        pytest.skip("no prometheus binary (Debian: apt-get install prometheus); .ci/run installs it best effort")
+        pytest.skip("no prometheus binary (Debian: apt-get install prometheus); make test installs it best effort")
     query = urllib.parse.urlencode({"query": "fabricd_update_sent_bytes_total"})
     want = {(ran.endpoints[x], cluster): v for x in ran.names
             for cluster, v in by_cluster(ran.after[x], "fabricd_update_sent_bytes_total").items()}
