@@ -373,7 +373,7 @@ def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: i
             break
     for _kind, name, _job in pending:
         results[name] = {"error": "its worker process died twice"}
-    from scheduler.run.health import CHANCE_MARGIN  # the progress line's own rule
+    from proto.rounds import CHANCE_MARGIN  # the progress line's own rule
 
     central = results.pop("centralized")
     reference = results.pop("reference_fedavg")

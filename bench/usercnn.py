@@ -1,6 +1,14 @@
-"""A model as a user would bring one (`model.name = "usercnn:SmallCNN"`): two 3x3 conv
-layers (16 and 32 channels), each followed by a 2x2 max-pool, then 64 hidden units.
-bench_learning trains it on MNIST; it is not one of worker/models' built-ins on purpose."""
+"""Models as users would bring them (`model.name = "usercnn:SmallCNN"`, ...), not among
+worker/models' built-ins on purpose; bench_learning trains them on MNIST and the tests
+train them through the engine.
+
+- SmallCNN: two 3x3 conv layers (16 and 32 channels), each followed by a 2x2 max-pool,
+  then 64 hidden units.
+- WideCNN: two 5x5 conv layers (32 and 64 channels) and 128 hidden units: weights of a
+  smaller scale than SmallCNN's (more fan-in per unit).
+- BNCNN: conv + BatchNorm blocks and dropout before the classifier, the kind most users
+  write: running statistics (buffers) and a train/eval difference.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +16,70 @@ import torch
 from torch import nn
 
 
+def _chw(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
+    c, h, w = input_shape if len(input_shape) == 3 else (1, *input_shape)
+    return int(c), int(h), int(w)
+
+
 class SmallCNN(nn.Module):
     """Two conv layers and two dense layers, for (channels, height, width) images."""
 
     def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
         super().__init__()
-        c, h, w = input_shape if len(input_shape) == 3 else (1, *input_shape)
-        self.shape = (c, h, w)
+        c, h, w = self.shape = _chw(input_shape)
         self.net = nn.Sequential(
             nn.Conv2d(c, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
             nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
             nn.Flatten(), nn.Linear(32 * (h // 4) * (w // 4), 64), nn.ReLU(),
             nn.Linear(64, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.reshape(x.shape[0], *self.shape))
+
+
+class WideCNN(nn.Module):
+    """Two 5x5 conv layers (32, 64 channels), 128 hidden units."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        c, h, w = self.shape = _chw(input_shape)
+        self.net = nn.Sequential(
+            nn.Conv2d(c, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(64 * (h // 4) * (w // 4), 128), nn.ReLU(),
+            nn.Linear(128, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.reshape(x.shape[0], *self.shape))
+
+
+class BNCNN(nn.Module):
+    """Conv-BatchNorm-ReLU blocks, dropout 0.25 before the classifier."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        c, h, w = self.shape = _chw(input_shape)
+        self.net = nn.Sequential(
+            nn.Conv2d(c, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Dropout(0.25), nn.Linear(32 * (h // 4) * (w // 4), 64),
+            nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.25), nn.Linear(64, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.reshape(x.shape[0], *self.shape))
+
+
+class WideBNCNN(nn.Module):
+    """WideCNN with BatchNorm after every conv and dense layer and dropout 0.5."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        c, h, w = self.shape = _chw(input_shape)
+        self.net = nn.Sequential(
+            nn.Conv2d(c, 32, 5, padding=2), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 5, padding=2), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(64 * (h // 4) * (w // 4), 128), nn.BatchNorm1d(128),
+            nn.ReLU(), nn.Dropout(0.5), nn.Linear(128, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x.reshape(x.shape[0], *self.shape))

@@ -30,6 +30,8 @@ AGGREGATORS = (
 )
 #: server optimizers with a per-coordinate adaptive step (Reddi et al.)
 ADAPTIVE_AGGREGATORS = ("fedadam", "fedyogi", "fedadagrad")
+SERVER_STEPS = ("scaled", "plain")
+STALL_ACTIONS = ("restore", "warn")
 PLACEMENT_STRATEGIES = ("locality", "round_robin", "random", "precomputed")
 PLACEMENT_GROUP_STRATEGIES = ("SPREAD", "PACK")
 COMPRESSIONS = ("none", "fp16", "int8", "topk")
@@ -122,6 +124,11 @@ class AggregationSpec:
     beta1: float = 0.9                      # fedadam / fedyogi
     beta2: float = 0.99
     tau: float = 1e-3                       # adaptivity (fedadam / fedyogi / fedadagrad)
+    # server optimizers: "scaled" (each tensor's step follows its own pseudo-gradient and is
+    # at most max_step_ratio x FedAvg's) or "plain" (the literature's form, tuned per model)
+    server_step: str = "scaled"
+    max_step_ratio: float = 2.0             # 0 = unbounded
+    on_stall: str = "restore"               # restore (the best model, half the step) | warn
     trim_ratio: float = 0.1                 # trimmed_mean
     krum_byzantine: int = 1                 # krum: f
 
@@ -444,6 +451,9 @@ _RULES: dict[str, Rule] = {
     "aggregation.beta1": _rule_float(0.0, 1.0, high_open=True),
     "aggregation.beta2": _rule_float(0.0, 1.0, high_open=True),
     "aggregation.tau": _rule_float(0.0, low_open=True),
+    "aggregation.server_step": _rule_choice(SERVER_STEPS),
+    "aggregation.max_step_ratio": _rule_float(0.0),
+    "aggregation.on_stall": _rule_choice(STALL_ACTIONS),
     "aggregation.trim_ratio": _rule_float(0.0, 0.5, high_open=True),
     "aggregation.krum_byzantine": _rule_int(0),
     "placement.strategy": _rule_choice(PLACEMENT_STRATEGIES),

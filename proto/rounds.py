@@ -19,6 +19,11 @@ from proto.errors import InvalidMessage
 NAN = float("nan")
 
 
+#: accuracy within this of chance (1 / classes) counts as chance: the progress line's
+#: warning (scheduler/run/health.py) and an aggregator's on_stall action use this one rule
+CHANCE_MARGIN = 0.05
+
+
 @dataclass
 class RoundRecord:
     """One round, of one cluster (from its engine) or of the whole job (combined).
@@ -43,6 +48,8 @@ class RoundRecord:
     eval_weight: int = 0
     personal_correct: int = 0
     personal_total: int = 0
+    #: models an aggregator replaced this round (aggregation.on_stall): the job had stalled
+    stalls: int = 0
     # per cluster: {"bytes_inter": sent to other clusters, "bytes_intra": kept inside, ...}
     by_cluster: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -76,6 +83,7 @@ class RoundRecord:
             out.bytes_inter += rec.bytes_inter
             out.messages_intra += rec.messages_intra
             out.messages_inter += rec.messages_inter
+            out.stalls += rec.stalls
             out.by_cluster[cluster_id] = {"bytes_inter": rec.bytes_inter,
                                           "bytes_intra": rec.bytes_intra,
                                           "participants": rec.participants}

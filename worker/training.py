@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -155,13 +156,15 @@ def train_local(
     model.train()
     # the shuffle is drawn on the cpu (the same order on every device), then indexes there
     last_loss = 0.0
+    starts = batch_starts(n, batch_size)
     for _ in range(epochs):
         order = torch.randperm(n, generator=gen).to(xt.device)
         total = 0.0
-        for start in range(0, n, batch_size):
-            batch = order[start : start + batch_size]
+        for start, end in zip(starts, starts[1:], strict=False):
+            batch = order[start:end]
             optimizer.zero_grad(set_to_none=True)
-            data_loss = F.cross_entropy(model(xt[batch]), yt[batch])
+            with _batch_statistics_frozen(model, len(batch) == 1):
+                data_loss = F.cross_entropy(model(xt[batch]), yt[batch])
             loss = data_loss
             if anchors:
                 prox = sum(((p - a) ** 2).sum() for p, a in anchors)
@@ -174,6 +177,31 @@ def train_local(
         log.warning("event=train_diverged samples=%d loss=%s lr=%s", n, last_loss,
                     training.learning_rate)
     return TrainResult(num_samples=n, loss=last_loss)
+
+
+def batch_starts(n: int, batch_size: int) -> list[int]:
+    """Boundaries of the mini-batches over n samples: batches of `batch_size`, except that
+    a last batch of one sample joins the one before (BatchNorm cannot normalize a batch of
+    one in training mode: torch raises, and its statistics would be meaningless)."""
+    starts = list(range(0, n, batch_size)) + [n]
+    if len(starts) > 2 and n - starts[-2] == 1:
+        del starts[-2]
+    return starts
+
+
+@contextmanager
+def _batch_statistics_frozen(model: nn.Module, frozen: bool) -> Iterator[None]:
+    """A client with a single sample trains with its normalization layers in eval mode
+    (their running statistics normalize, and stay as they are)."""
+    norms = [m for m in model.modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training] if frozen else []
+    for m in norms:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m in norms:
+            m.train()
 
 
 def _proximal_anchors(

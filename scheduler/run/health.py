@@ -16,11 +16,10 @@ import logging
 import math
 
 from proto.job import ADAPTIVE_AGGREGATORS, JobSpec
-from proto.rounds import RoundRecord
+from proto.rounds import CHANCE_MARGIN, RoundRecord
 
 log = logging.getLogger("fedpilot.scheduler")
 
-CHANCE_MARGIN = 0.05
 CHANCE_ROUNDS = 5
 EXPLODE_FACTOR = 3.0
 #: the aggregators that take a server step of their own size (aggregation.server_learning_rate)

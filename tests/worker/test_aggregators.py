@@ -49,7 +49,7 @@ def test_fedavg_and_fedprox_weight_by_samples(name: str) -> None:
 
 
 def test_fedavgm_server_momentum_by_hand() -> None:
-    agg = _agg("fedavgm", server_momentum=0.5, server_learning_rate=1.0)
+    agg = _agg("fedavgm", server_momentum=0.5, server_learning_rate=1.0, server_step="plain")
     # round 1: g = 0 - [1, 2]; v = g; w = 0 - v = [1, 2]
     w1 = agg.aggregate(_w([0, 0]), [(_w([1, 2]), 5)])
     np.testing.assert_allclose(w1["w"], [1, 2])
@@ -61,7 +61,8 @@ def test_fedavgm_server_momentum_by_hand() -> None:
 
 
 def _adaptive_two_rounds(name: str) -> tuple[float, float]:
-    agg = _agg(name, server_learning_rate=1.0, beta1=0.9, beta2=0.99, tau=0.1)
+    agg = _agg(name, server_learning_rate=1.0, beta1=0.9, beta2=0.99, tau=0.1,
+               server_step="plain")
     # scalar model: round 1 moves the average to +1 from 0, round 2 to +2 beyond the new global
     w1 = agg.aggregate({"w": np.array([0.0])}, [(_w([1.0]), 1), (_w([1.0]), 3)])
     w1f = float(w1["w"][0])
@@ -79,7 +80,7 @@ def _adaptive_two_rounds(name: str) -> tuple[float, float]:
 )
 def test_adaptive_optimizers_by_hand(name: str, v2: float, v_correction: bool) -> None:
     """Reddi et al.'s Algorithm 2 with Adam's bias correction: m_hat = m / (1 - beta1^t),
-    v_hat = v / (1 - beta2^t) for the exponential averages."""
+    v_hat = v / (1 - beta2^t) for the exponential averages (server_step = "plain")."""
     v1 = {"fedadagrad": 1.0}.get(name, 0.01)  # first round: delta = 1
     m1 = 0.1
     v1_hat = v1 / (1 - 0.99) if v_correction else v1
@@ -179,10 +180,16 @@ def test_weighted_aggregators_need_some_samples() -> None:
 def test_server_learning_rate_none_means_the_algorithm_default(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    assert _agg("fedadam", server_learning_rate=None).server_lr == 0.05
-    assert _agg("fedyogi", server_learning_rate=None).server_lr == 0.05
-    assert _agg("fedadagrad", server_learning_rate=None).server_lr == 0.03
-    assert _agg("fedavgm", server_learning_rate=None).server_lr == 1.0
+    # the scaled step's rate is a share of the pseudo-gradient's length: 1.0 for every one
+    for name in ("fedadam", "fedyogi", "fedadagrad", "fedavgm"):
+        assert _agg(name, server_learning_rate=None).server_lr == 1.0
+    # the literature's plain step: Reddi et al.'s region
+    assert _agg("fedadam", server_learning_rate=None, server_step="plain").server_lr == 0.05
+    assert _agg("fedyogi", server_learning_rate=None, server_step="plain").server_lr == 0.05
+    assert _agg("fedadagrad", server_learning_rate=None, server_step="plain").server_lr == 0.03
     with caplog.at_level("WARNING"):
         _agg("fedadam", server_learning_rate=1.0)
+    assert "large_server_learning_rate" not in caplog.text
+    with caplog.at_level("WARNING"):
+        _agg("fedadam", server_learning_rate=1.0, server_step="plain")
     assert "large_server_learning_rate aggregator=fedadam" in caplog.text

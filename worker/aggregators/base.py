@@ -5,10 +5,19 @@ An aggregator turns the current global weights and a list of client updates
 `dict[str, np.ndarray]`; arithmetic is float64 and results take the global tensors' dtypes.
 Stateful algorithms (server momentum, adaptive moments) keep their state in the instance
 and expose it through `state_dict`/`load_state_dict` so it can move with a migrating node.
+
+Buffers (BatchNorm's running statistics, counters, any tensor of the model that is not a
+trained parameter) are statistics, not weights: a server optimizer never steps them, they
+take the sample-weighted mean, and a normalization layer's running variance is the variance
+of the pooled clients, sum_i s_i (var_i + (mean_i - mean)^2), not the mean of the
+variances (which leaves out how far the clients' means are apart: with label-skewed
+clients it is several times too small, and the averaged model's activations come out
+several times too large).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -16,6 +25,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
+from proto.rounds import CHANCE_MARGIN
 from worker.errors import WorkerError
 
 if TYPE_CHECKING:
@@ -23,6 +33,16 @@ if TYPE_CHECKING:
 
 Weights = dict[str, np.ndarray]
 Update = tuple[Mapping[str, np.ndarray], int]
+
+log = logging.getLogger(__name__)
+#: a job that never left chance is restored after this many rounds at it
+STALL_ROUNDS = 2
+#: state slots of `Aggregator.observe`
+GUARD, BEST, START = "guard", "best", "start"
+
+#: the buffers torch's normalization layers keep (BatchNorm, InstanceNorm with running
+#: stats, SyncBatchNorm): recognised by name when the model's own buffer list is not known
+NORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 class AggregationError(WorkerError, ValueError):
@@ -39,10 +59,65 @@ class Aggregator(ABC):
     #: the individual client updates: where clients are first averaged in groups (hybrid),
     #: it is applied once to the mean of the groups, so the job follows one trajectory
     server_optimizer: ClassVar[bool] = False
+    #: names of the model's buffers (`get_aggregator(spec, buffers=...)` sets it from the
+    #: model); buffers are averaged, never stepped (`is_buffer`)
+    buffers: frozenset[str] = frozenset()
+    #: the job's number of classes (chance = 1 / classes), for `observe`; 0 = unknown
+    classes: int = 0
 
     def __init__(self, spec: AggregationSpec) -> None:
         self.spec = spec
         self._state: dict[str, Weights] = {}
+
+    @property
+    def step_scale(self) -> float:
+        """What `on_stall` backoffs left of the server step (1.0 until the first)."""
+        return float(self._state.get(GUARD, {}).get("scale", 1.0))
+
+    def observe(self, model: Mapping[str, np.ndarray], accuracy: float, loss: float
+                ) -> Weights | None:
+        """Called with each model this aggregator produced, once it was evaluated. Returns
+        None to keep it, or (`aggregation.on_stall = "restore"`, the default) the model to
+        go on from instead when the job stalled: the accuracy fell to chance (within
+        CHANCE_MARGIN) or the loss is not finite, after it had learned (at once: the best
+        model so far comes back) or from the start for STALL_ROUNDS rounds (the first
+        model comes back). Either way the server step is halved and the optimizer's moments
+        are forgotten (they point where it went wrong); a FedAvg-family aggregator has no
+        server step and only restores."""
+        guard = self._state.setdefault(GUARD, {})
+        if "start" not in guard:    # the first model this aggregator saw, as a last resort
+            self._state[START] = {k: np.array(v) for k, v in model.items()}
+            guard["start"] = np.asarray(1)
+        if getattr(self.spec, "on_stall", "restore") != "restore" or self.classes < 2:
+            return None
+        chance = 1.0 / self.classes
+        stalled = not math.isfinite(loss) or not accuracy > chance + CHANCE_MARGIN
+        best = float(guard.get("best_accuracy", -1.0))
+        if not stalled:
+            guard["streak"] = np.asarray(0)
+            if accuracy > best:
+                self._state[BEST] = {k: np.array(v) for k, v in model.items()}
+                guard["best_accuracy"] = np.asarray(accuracy, dtype=np.float64)
+            return None
+        streak = int(guard.get("streak", 0)) + 1
+        guard["streak"] = np.asarray(streak)
+        if BEST not in self._state and streak < STALL_ROUNDS:
+            return None
+        back = self._state.get(BEST) or self._state[START]
+        guard["scale"] = np.asarray(self.step_scale * 0.5, dtype=np.float64)
+        guard["stalls"] = np.asarray(int(guard.get("stalls", 0)) + 1)
+        guard["streak"] = np.asarray(0)
+        for slot in [s for s in self._state if s not in (GUARD, BEST, START)]:
+            del self._state[slot]
+        log.warning("event=learning_stalled_action aggregator=%s accuracy=%.4f loss=%s "
+                    "action=restore restored=%s step_scale=%g", self.name, accuracy, loss,
+                    "best" if BEST in self._state else "first", self.step_scale)
+        return cast_like(back, model)
+
+    def is_buffer(self, name: str, value: np.ndarray) -> bool:
+        """Whether tensor `name` is a statistic or counter rather than a trained weight."""
+        return (name in self.buffers or not is_float(value)
+                or name.rpartition(".")[2] in NORM_STATISTICS)
 
     @abstractmethod
     def aggregate(self, global_weights: Mapping[str, np.ndarray], updates: Sequence[Update]) -> Weights:
@@ -69,9 +144,14 @@ class Aggregator(ABC):
 
 
 def server_learning_rate(spec: AggregationSpec, cls: type[Aggregator]) -> float:
-    """`spec.server_learning_rate`, or the algorithm's own default when it is None."""
+    """`spec.server_learning_rate`, or the algorithm's own default for the job's
+    `server_step` when it is None."""
     value = getattr(spec, "server_learning_rate", None)
-    return cls.default_server_learning_rate if value is None else float(value)
+    if value is not None:
+        return float(value)
+    if getattr(spec, "server_step", "scaled") == "plain":
+        return float(getattr(cls, "plain_server_learning_rate", cls.default_server_learning_rate))
+    return cls.default_server_learning_rate
 
 
 def check_updates(global_weights: Mapping[str, np.ndarray], updates: Sequence[Update],
@@ -123,6 +203,40 @@ def weighted_average(updates: Sequence[Update], shares: np.ndarray) -> Weights:
             acc += share * np.asarray(weights[name], dtype=np.float64)
         out[name] = acc
     return out
+
+
+def pool_statistics(mean: Weights, updates: Sequence[Update], shares: np.ndarray) -> Weights:
+    """`mean` (the weighted average of `updates`) with every normalization layer's
+    `running_var` replaced by the pooled variance of the clients' populations:
+    sum_i s_i (var_i + (mean_i - mean)^2), from the sibling `running_mean`."""
+    out = dict(mean)
+    for name in mean:
+        prefix, _, leaf = name.rpartition(".")
+        mean_name = f"{prefix}.running_mean" if prefix else "running_mean"
+        if leaf != "running_var" or mean_name not in mean:
+            continue
+        pooled = np.array(mean[name], dtype=np.float64)
+        for (weights, _), share in zip(updates, shares, strict=True):
+            spread = np.asarray(weights[mean_name], dtype=np.float64) - mean[mean_name]
+            pooled += share * spread**2
+        out[name] = pooled
+    return out
+
+
+def pooled_mean(updates: Sequence[Update], algorithm: str) -> Weights:
+    """The sample-weighted mean of `updates` with pooled normalization statistics."""
+    shares = sample_weights(updates, algorithm)
+    return pool_statistics(weighted_average(updates, shares), updates, shares)
+
+
+def bounded_step(step: np.ndarray, delta: np.ndarray, ratio: float) -> np.ndarray:
+    """`step`, shrunk (never grown) so that its norm is at most `ratio` times the norm of
+    `delta`, FedAvg's own step for the tensor; `ratio` 0 leaves it as it is."""
+    if ratio <= 0:
+        return step
+    norm = float(np.linalg.norm(step))
+    limit = ratio * float(np.linalg.norm(delta))
+    return step * (limit / norm) if norm > limit else step
 
 
 def stack(updates: Sequence[Update], name: str) -> np.ndarray:

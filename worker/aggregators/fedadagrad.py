@@ -11,7 +11,7 @@ class FedAdagrad(AdaptiveAggregator):
     """Adaptive server optimizer with Adagrad's accumulated second moment (see `adaptive`)."""
 
     name = "fedadagrad"
-    default_server_learning_rate = 0.03
+    plain_server_learning_rate = 0.03
     bias_corrected_v = False
 
     def second_moment(self, v: np.ndarray, delta: np.ndarray) -> np.ndarray:

@@ -11,7 +11,6 @@ class FedAdam(AdaptiveAggregator):
     """Adaptive server optimizer with Adam's second moment (see `adaptive`)."""
 
     name = "fedadam"
-    default_server_learning_rate = 0.05
 
     def second_moment(self, v: np.ndarray, delta: np.ndarray) -> np.ndarray:
         return self.beta2 * v + (1 - self.beta2) * delta**2

@@ -1,4 +1,5 @@
-"""FedAvg (McMahan et al., 2017): the sample-weighted mean of the client weights."""
+"""FedAvg (McMahan et al., 2017): the sample-weighted mean of the client weights
+(normalization statistics pooled, `base.pool_statistics`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from .base import (
     Weights,
     cast_like,
     check_updates,
-    sample_weights,
-    weighted_average,
+    pooled_mean,
 )
 
 
@@ -24,5 +24,4 @@ class FedAvg(Aggregator):
 
     def aggregate(self, global_weights: Mapping[str, np.ndarray], updates: Sequence[Update]) -> Weights:
         check_updates(global_weights, updates, self.name)
-        return cast_like(weighted_average(updates, sample_weights(updates, self.name)),
-                         global_weights)
+        return cast_like(pooled_mean(updates, self.name), global_weights)

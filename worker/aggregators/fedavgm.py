@@ -1,4 +1,10 @@
-"""FedAvgM (Hsu et al., 2019): FedAvg with server momentum on the pseudo-gradient."""
+"""FedAvgM (Hsu et al., 2019): FedAvg with server momentum on the pseudo-gradient.
+
+With momentum 0.9 the literature's step (`aggregation.server_step = "plain"`) grows to ten
+times FedAvg's once the pseudo-gradients line up. By default (`server_step = "scaled"`)
+each tensor's step is at most `max_step_ratio` (2) times FedAvg's own step for it
+(`base.bounded_step`): momentum still carries the direction through noisy rounds.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +17,12 @@ from .base import (
     Aggregator,
     Update,
     Weights,
+    bounded_step,
     cast_like,
     check_updates,
-    is_float,
+    pooled_mean,
     require,
-    sample_weights,
     server_learning_rate,
-    weighted_average,
 )
 
 if TYPE_CHECKING:
@@ -27,7 +32,7 @@ if TYPE_CHECKING:
 class FedAvgM(Aggregator):
     """g = w_global - avg; v = momentum * v + g; w = w_global - server_lr * v.
 
-    Non-float tensors (counters) take the plain weighted average.
+    Buffers (normalization statistics, counters) take the pooled mean, never a step.
     """
 
     name = "fedavgm"
@@ -37,21 +42,24 @@ class FedAvgM(Aggregator):
         super().__init__(spec)
         self.server_lr = server_learning_rate(spec, type(self))
         self.momentum = float(spec.server_momentum)
+        self.max_step_ratio = (0.0 if getattr(spec, "server_step", "scaled") == "plain"
+                               else float(getattr(spec, "max_step_ratio", 2.0)))
         require(self.server_lr > 0, self.name, "server_learning_rate", self.server_lr, "> 0")
         require(0 <= self.momentum < 1, self.name, "server_momentum", self.momentum, "0 <= m < 1")
 
     def aggregate(self, global_weights: Mapping[str, np.ndarray], updates: Sequence[Update]) -> Weights:
         check_updates(global_weights, updates, self.name)
-        avg = weighted_average(updates, sample_weights(updates, self.name))
+        avg = pooled_mean(updates, self.name)
         velocity = self._state.setdefault("velocity", {})
         out: Weights = {}
         for name, mean in avg.items():
             current = np.asarray(global_weights[name], dtype=np.float64)
-            if not is_float(global_weights[name]):
+            if self.is_buffer(name, global_weights[name]):
                 out[name] = mean
                 continue
             grad = current - mean
             v = self.momentum * velocity[name] + grad if name in velocity else grad
             velocity[name] = v
-            out[name] = current - self.server_lr * v
+            out[name] = current - bounded_step(self.server_lr * self.step_scale * v, grad,
+                                                    self.max_step_ratio)
         return cast_like(out, global_weights)

@@ -11,7 +11,6 @@ class FedYogi(AdaptiveAggregator):
     """Adaptive server optimizer with Yogi's additive second moment (see `adaptive`)."""
 
     name = "fedyogi"
-    default_server_learning_rate = 0.05
 
     def second_moment(self, v: np.ndarray, delta: np.ndarray) -> np.ndarray:
         sq = delta**2

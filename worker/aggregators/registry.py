@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from .base import AggregationError, Aggregator
@@ -26,10 +27,13 @@ AGGREGATORS: dict[str, type[Aggregator]] = {
 AGGREGATOR_NAMES = tuple(AGGREGATORS)
 
 
-def get_aggregator(spec: AggregationSpec) -> Aggregator:
+def get_aggregator(spec: AggregationSpec, buffers: Iterable[str] = (), classes: int = 0
+                   ) -> Aggregator:
     """A fresh aggregator for `spec.name` (a built-in name or a user class
     `package.module:Class`); unknown names raise `AggregationError` listing the valid ones,
-    bad settings raise it naming the `aggregation.*` key."""
+    bad settings raise it naming the `aggregation.*` key. `buffers` names the model's
+    buffers (averaged, never stepped by a server optimizer); `classes` the job's classes
+    (for `Aggregator.observe`, the on_stall rule)."""
     cls = AGGREGATORS.get(spec.name) or (user_aggregator(spec.name) if ":" in spec.name else None)
     if cls is None:
         raise AggregationError(
@@ -37,9 +41,12 @@ def get_aggregator(spec: AggregationSpec) -> Aggregator:
             "or a user class as 'package.module:Class'"
         )
     try:
-        return cls(spec)
+        aggregator = cls(spec)
     except TypeError as exc:  # e.g. an abstract method left out, or another __init__
         raise AggregationError(f"aggregation.name {spec.name!r}: cannot create it: {exc}") from None
+    aggregator.buffers = frozenset(buffers)
+    aggregator.classes = int(classes)
+    return aggregator
 
 
 def user_aggregator(name: str) -> type[Aggregator]:

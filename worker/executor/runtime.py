@@ -106,6 +106,7 @@ class NodeRuntime:
                                   seed=spec.seed)
         self._check(spec)
         self.initial_weights: Weights = model_weights(self._model)
+        self._buffers = frozenset(name for name, _ in self._model.named_buffers())
         self._eval_lock = threading.Lock()
         self._config = NodeConfig(job_id=spec.job_id, seed=spec.seed, model=spec.model,
                                   training=spec.training, aggregation=spec.aggregation,
@@ -266,12 +267,12 @@ class NodeRuntime:
     def make_aggregator(self, node: str) -> Any:
         from worker.aggregators import get_aggregator
 
-        return get_aggregator(self.spec.aggregation)
+        return get_aggregator(self.spec.aggregation, self._buffers, self.dataset.num_classes)
 
     def make_inner_aggregator(self) -> Any:
         from worker.aggregators import get_aggregator
 
-        return get_aggregator(replace(self.spec.aggregation, name="fedavg"))
+        return get_aggregator(replace(self.spec.aggregation, name="fedavg"), self._buffers)
 
     def make_codec(self) -> EdgeCodec:
         return EdgeCodec(self.spec.transfer, self.initial_weights)

@@ -81,7 +81,8 @@ class FederatedNode:
         if state.aggregator is not None:
             from worker.aggregators import get_aggregator
 
-            self._aggregator = get_aggregator(self._config.aggregation)
+            self._aggregator = get_aggregator(self._config.aggregation,
+                                              (n for n, _ in self._model.named_buffers()))
             self._aggregator.load_state_dict(state.aggregator)
         return os.getpid()
 
