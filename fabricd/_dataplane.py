@@ -84,6 +84,7 @@ from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 
 from fabricd._bounded import BoundedDict, Throttle
+from fabricd._relay import link_kind
 from fabricd._sender import INLINE_BODY_BYTES, open_stream
 from fabricd._streams import close_quietly, read_message_exact, remote_peer, write_message
 from fabricd.admission import RateFloor
@@ -663,6 +664,8 @@ class DataPlane:
         self.opened = 0
         #: connections that could not be made (each is one dial or ticket request)
         self.failed = 0
+        #: network.reachability = "private": nobody can dial our port, so no tickets
+        self.behind_nat = False
         self._nursery: trio.Nursery | None = None
 
     # ---- receiving ---------------------------------------------------------------------
@@ -682,8 +685,9 @@ class DataPlane:
             if not isinstance(offer, DataPlaneOffer):
                 await self._refuse(stream, f"expected DataPlaneOffer, got {offer.TYPE}")
                 return
-            if not self.port:
-                await self._refuse(stream, "unavailable: the data plane is not listening")
+            if not self.port or self.behind_nat:
+                await self._refuse(stream, "unavailable: the data plane is not listening" if not self.port else
+                                   "unavailable: this daemon is behind NAT (network.reachability = private)")
                 return
             outstanding = sum(1 for p, _, _ in self.tickets.values() if p == peer)
             if outstanding >= TICKETS_PER_PEER:
@@ -837,6 +841,8 @@ class DataPlane:
 
         Until a peer was reached once, one dial to it runs at a time: updates sent together
         to a peer behind a NAT pay one failed dial, not one each."""
+        if link_kind(self.host, peer_id) == "relayed":  # a site behind NAT: its port is out of reach
+            raise DataPlaneUnavailable(f"the link to {peer_id} is relayed", remembered=True)
         while (first := self._first_dial.get(peer_id)) is not None:
             await first.wait()
         until, failures = self.unreachable.get(peer_id, (0.0, 0))

@@ -21,6 +21,7 @@ from proto.job import DATASET_PREFIXES
 
 ROLES = ("cluster", "scheduler")
 RAY_ADDRESS_KINDS = ("local", "auto", "inprocess")
+REACHABILITY = ("public", "private", "auto")
 # AF_UNIX sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_SOCKET_PATH = 100
 MAX_FRAME_LIMIT = 16 * 1024 * 1024
@@ -74,6 +75,24 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Relay:
+    """``[network]`` relay settings (fabricd/_relay.py, docs/deploy.md "Sites behind NAT")."""
+
+    #: public: dialable as announced; private: keeps reservations at the bootstrap relays
+    #: and announces only /p2p-circuit addresses; auto: both (direct addresses first)
+    reachability: str = "public"
+    #: serve circuit relay v2 to members (a gateway with a public address)
+    service: bool = False
+    #: reservations held at once (one per member)
+    max_reservations: int = 64
+    #: circuits at once per member (as source, and as destination)
+    max_circuits: int = 16
+    #: bytes and seconds per circuit (0 = unlimited)
+    circuit_bytes: int = 0
+    circuit_seconds: int = 0
+
+
+@dataclass(frozen=True)
 class Config:
     path: Path
     cluster_id: str
@@ -103,6 +122,7 @@ class Config:
     #: [datasets] NAME = "KIND:PATH[#options]": the data this cluster holds, for jobs with
     #: data.placement = "pinned" (paths absolute, inside data_roots)
     datasets: tuple[tuple[str, str], ...] = ()
+    relay: Relay = field(default_factory=Relay)
 
 
 def _err(path: Path, key: str, value: Any, allowed: str) -> ConfigError:
@@ -219,6 +239,7 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         raise ConfigError(f"{cfg_path}: missing key 'network.listen' (e.g. [\"/ip4/0.0.0.0/tcp/4001\"])")
     announce = _addr_list(cfg_path, net, "network", "announce", need_p2p=False)
     bootstrap = _addr_list(cfg_path, net, "network", "bootstrap", need_p2p=True)
+    relay = _relay(cfg_path, net, bool(bootstrap))
 
     ident = _section(cfg_path, data, "identity")
     identity_key = _path(base, _str(cfg_path, ident, "identity", "key", "identity.key"))
@@ -299,8 +320,30 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         ray_address=ray_address, metrics_endpoint=metrics_endpoint, limits=limits,
         metrics_executor_endpoint=metrics_executor_endpoint,
         ray_num_cpus=float(ray_num_cpus), ray_object_store_memory=int(ray_object_store_memory),
-        allow_models=tuple(allow_models), data_roots=data_roots, datasets=datasets,
+        allow_models=tuple(allow_models), data_roots=data_roots, datasets=datasets, relay=relay,
     )
+
+
+def _relay(path: Path, net: dict[str, Any], has_bootstrap: bool) -> Relay:
+    d = Relay()
+    reach = _str(path, net, "network", "reachability", d.reachability)
+    if reach not in REACHABILITY:
+        raise _err(path, "network.reachability", reach, " or ".join(REACHABILITY))
+    if reach != "public" and not has_bootstrap:
+        raise _err(path, "network.reachability", reach, "'public' for a daemon without network.bootstrap "
+                   "(a private daemon holds its relay reservations at its bootstrap gateways)")
+    service = net.get("relay_service", d.service)
+    if not isinstance(service, bool):
+        raise _err(path, "network.relay_service", service, "true or false")
+
+    def num(key: str, default: int, lo: int, hi: int) -> int:
+        return int(_num(path, net, "network", key, default, lo, hi, True))
+
+    return Relay(reachability=reach, service=service,
+                 max_reservations=num("relay_max_reservations", d.max_reservations, 1, 1 << 16),
+                 max_circuits=num("relay_max_circuits", d.max_circuits, 1, 1 << 16),
+                 circuit_bytes=num("relay_circuit_bytes", d.circuit_bytes, 0, 1 << 50),
+                 circuit_seconds=num("relay_circuit_seconds", d.circuit_seconds, 0, 1 << 30))
 
 
 def _datasets(path: Path, sect: dict[str, Any], base: Path,

@@ -23,6 +23,7 @@ from libp2p.crypto.keys import KeyPair
 from fabricd import _muxguard, _taskdump
 from fabricd._dataplane import DataPlane
 from fabricd._host import HostStack, open_host_stack
+from fabricd._relay import RelayClient, RelayService
 from fabricd._sender import Body, BodyRefused, DigestGate, FillingBuffer, Gate, RepeatedBody
 from fabricd.bridge import BridgeServer, RequestFailed
 from fabricd.config import Config
@@ -198,6 +199,15 @@ class Daemon:
                 self.updates.use_dataplane(self.dataplane, lim.dataplane_min_bytes, lim.dataplane_digest,
                                            lim.dataplane_small_bytes, lim.dataplane_spare_bytes)
                 self.dataplane.register(self.membership.guard)
+            self.relay_service = RelayService(host, cfg.relay) if cfg.relay.service else None
+            if self.relay_service is not None:
+                self.relay_service.register(self.membership.guard)
+            if cfg.relay.reachability != "public":
+                private = cfg.relay.reachability == "private"
+                self.discovery.relays = RelayClient(host, cfg.bootstrap, private)
+                self.discovery.relays.register(self.membership.guard)
+                if self.dataplane is not None:
+                    self.dataplane.behind_nat = private
             self.updates.register()
             self.control_service.register()
             self.membership.guard_all_handlers()
@@ -213,6 +223,8 @@ class Daemon:
                             ("taskdump", functools.partial(_taskdump.serve, cfg.path.parent))]
                 if self.dataplane is not None:
                     services.insert(3, ("dataplane", self.dataplane.run))
+                if self.discovery.relays is not None:
+                    services.insert(2, ("relay_client", self.discovery.relays.serve))
                 if self.metrics_server is not None:
                     # first up, last down: a scrape sees the whole shutdown
                     services.insert(0, ("metrics", self.metrics_server.serve))
@@ -278,6 +290,9 @@ class Daemon:
             "metrics_endpoint": self.metrics_server.address if self.metrics_server else "",
             "transfer": {**self.updates.transfer_status(), "outgoing_bytes": self.bridge.outgoing.used,
                          "outgoing_peak_bytes": self.bridge.outgoing.peak},
+            "relay": {"reachability": self.config.relay.reachability,
+                      **({"service": self.relay_service.status()} if self.relay_service else {}),
+                      **(self.discovery.relays.status() if self.discovery.relays else {})},
             "gossip": {"rejected_heartbeats": self.discovery.rejected_heartbeats,
                        "dial_hints": len(self.discovery.dial_hints)},
         }

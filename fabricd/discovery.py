@@ -28,6 +28,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.records.validator import Validator
 
+from fabricd import _relay
 from fabricd._bounded import BoundedDict, Throttle
 from fabricd._host import HostStack
 from fabricd.gossip import ReliableGossip
@@ -135,6 +136,8 @@ class Discovery:
         self._throttle = Throttle(log)
         self.gossip = ReliableGossip(stack.pubsub)
         self.record_published_at: float | None = None
+        #: reservations at relays (reachability private or auto), announced after our own addresses
+        self.relays: _relay.RelayClient | None = None
         membership.on_member = self._on_member
         membership.on_leave = self._on_leave
 
@@ -143,7 +146,9 @@ class Discovery:
         return self.stack.host
 
     def own_addrs(self) -> tuple[str, ...]:
-        return tuple(str(a) for a in self.host.get_addrs())
+        own = tuple(str(a) for a in self.host.get_addrs())
+        relayed = tuple(self.relays.addrs()) if self.relays is not None else ()
+        return own + tuple(a for a in relayed if a not in own)
 
     # ---- table -------------------------------------------------------------------------
 
@@ -184,6 +189,7 @@ class Discovery:
                 "last_heartbeat_age_s": round(now - info.last_heartbeat, 3) if info.last_heartbeat else None,
                 "joins": info.joins,
                 "links": _links_to(self.host, info.peer_id),
+                "link": _relay.link_kind(self.host, info.peer_id),
             })
         return rows
 
@@ -345,7 +351,7 @@ class Discovery:
         ok = False
         with trio.move_on_after(DIAL_TIMEOUT):
             try:
-                await self.host.connect(target)
+                await self._connect(target)
                 ok = True
             except Exception as exc:  # noqa: BLE001 - unreachable peers are normal
                 log.debug("dial.failed", peer=pid, reason=f"{type(exc).__name__}: {exc}")
@@ -356,7 +362,29 @@ class Discovery:
 
     async def connect_to(self, peer_id: str, addrs: tuple[str, ...]) -> None:
         with trio.fail_after(DIAL_TIMEOUT):
-            await self.host.connect(_peer_info(peer_id, tuple(addrs)))
+            await self._connect(_peer_info(peer_id, tuple(addrs)))
+
+    async def _connect(self, target: PeerInfo) -> None:
+        """Direct addresses first (libp2p's swarm skips /p2p-circuit ones), then each relay."""
+        circuits = [str(a) for a in target.addrs if _relay.is_circuit(a)]
+        direct = [a for a in target.addrs if not _relay.is_circuit(a)]
+        if direct:
+            # a peer behind NAT may announce both: leave the relays half the time
+            with trio.move_on_after(DIAL_TIMEOUT / 2 if circuits else float("inf")):
+                try:
+                    await self.host.connect(PeerInfo(target.peer_id, direct))
+                    return
+                except Exception:
+                    if not circuits:
+                        raise
+        failure: Exception = ConnectionError(f"no address of {target.peer_id} answered")
+        for circuit in circuits:
+            try:
+                await _relay.dial(self.host, circuit, target.peer_id)
+                return
+            except Exception as exc:  # noqa: BLE001 - the next relay may do
+                failure = exc
+        raise failure
 
     # ---- DHT records -------------------------------------------------------------------
 

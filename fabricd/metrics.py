@@ -152,6 +152,8 @@ class DaemonMetrics:
         self.latency = Histogram("fabricd_update_seconds",
                                  "seconds per update: sent = header to ack, received = header to delivery",
                                  ["direction"], buckets=LATENCY_BUCKETS, registry=r)
+        self.path_bytes = Counter("fabricd_update_path_bytes", "update body bytes acknowledged, by the path they "
+                                  "took: dataplane, direct or relayed (libp2p)", ["cluster", "path"], registry=r)
         self.refusals = Counter("fabricd_refusals", "things refused, by stage (membership, stream, update) and reason",
                                 ["stage", "reason"], registry=r)
         self.membership = Counter("fabricd_membership_events", "membership events", ["event"], registry=r)
@@ -171,6 +173,9 @@ class DaemonMetrics:
         self.received_bytes.labels(cluster).inc(nbytes)
         self.received.labels(cluster).inc()
         self.latency.labels("received").observe(seconds)
+
+    def update_path(self, cluster: str, path: str, nbytes: int) -> None:
+        self.path_bytes.labels(cluster, path).inc(nbytes)
 
     def stream_opened(self, direction: str) -> None:
         self.in_flight.labels(direction).inc()

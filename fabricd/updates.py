@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import blake3
 import trio
@@ -33,6 +33,7 @@ from libp2p.abc import IHost, INetStream
 
 from fabricd._dataplane import BodyTooSlow, DataPlane, DataPlaneUnavailable, TlsStream
 from fabricd._dedup import DUPLICATE, IDS_PER_SCOPE, ROUND_WINDOW, DeliveredWindows
+from fabricd._relay import link_kind
 from fabricd._sender import (
     GO,
     GO_BLAKE3,
@@ -179,6 +180,8 @@ class UpdateService:
         #: memfds allocated ahead for the next large data-plane body (off until use_dataplane)
         self.spares = SpareMemfds(0)
         self.dataplane_fallbacks = 0
+        #: acknowledged update bytes sent by path: dataplane, direct or relayed (libp2p)
+        self.bytes_by_path: dict[str, int] = {}
         self.send_retries = 0
 
     def forget_job(self, job_id: str) -> None:
@@ -221,7 +224,7 @@ class UpdateService:
                      reason=f"{type(exc).__name__}: {exc}")
             await stream.reset()
 
-    def transfer_status(self) -> dict[str, int]:
+    def transfer_status(self) -> dict[str, Any]:
         bulk = self.bulk_pool
         plane = self.dataplane.status() if self.dataplane is not None else {}
         return {**plane, "dataplane_streams_opened": bulk.opened if bulk else 0,
@@ -233,7 +236,8 @@ class UpdateService:
                 "streams_opened": self.pool.opened, "streams_reused": self.pool.reused,
                 "send_retries": self.send_retries, "inflight_in_bytes": self.inflight,
                 "inflight_in_peak_bytes": self.inflight_peak, "dedup_ids": len(self.delivered),
-                "dedup_refused": self.delivered.refused}
+                "dedup_refused": self.delivered.refused, "bytes_by_path": dict(self.bytes_by_path),
+                "bytes_relayed_total": self.bytes_by_path.get("relayed", 0)}
 
     def counters(self) -> dict[str, dict[str, int]]:
         return {job: asdict(c) for job, c in sorted(self.jobs.items())}
@@ -562,10 +566,11 @@ class UpdateService:
         """
         cert = await self.m.wait_verdict(peer_id)
         started = time.perf_counter()
+        via: list[str] = []
         async with self.pool.slots(peer_id):
             self.metrics.stream_opened("sent")
             try:
-                result = await self._send_retrying(peer_id, header, body, gate)
+                result = await self._send_retrying(peer_id, header, body, gate, via)
             finally:
                 self.metrics.stream_closed("sent")
         counters = self.jobs[header.job_id]
@@ -573,10 +578,14 @@ class UpdateService:
             counters.sent_bytes += header.byte_length
             counters.sent_updates += 1
             self.metrics.update_sent(cert.cluster_id, header.byte_length, time.perf_counter() - started)
+            # the path the body took: the data plane, or libp2p over a direct or a relayed link
+            path = via[-1] if via and via[-1] == "dataplane" else link_kind(self.host, peer_id)
+            self.bytes_by_path[path] = self.bytes_by_path.get(path, 0) + header.byte_length
+            self.metrics.update_path(cert.cluster_id, path, header.byte_length)
         return result
 
     async def _send_retrying(self, peer_id: str, header: UpdateHeader, body: Body,
-                             gate: Gate | None) -> UpdateAck:
+                             gate: Gate | None, via: list[str] | None = None) -> UpdateAck:
         # The receiver waits up to its stream timeout for its executor's answer before it
         # acks (end-to-end delivery), so the ack may take that much longer than the body.
         ack_timeout = 2 * self.stream_timeout + header.byte_length / 50e6
@@ -655,6 +664,8 @@ class UpdateService:
                 self.send_retries += 1
                 await trio.sleep(backoff(busy))
                 continue
+            if via is not None:
+                via.append("libp2p" if pool is self.pool else "dataplane")
             return result
 
 

@@ -1,0 +1,286 @@
+"""Circuit relay v2 between members: gateways relay for sites behind NAT.
+
+py-libp2p 0.8.1 ships the protocol (``libp2p/relay/circuit_v2``), but its swarm never dials
+a ``/p2p-circuit`` address and its transport brings a discovery service of its own, so the
+parts are wired here by hand:
+
+- ``RelayService`` (``[network] relay_service = true``, a gateway with a public address):
+  the hop protocol behind ``Membership.guard`` - a stranger's reservation or circuit gets
+  PERMISSION_DENIED and nothing else - with fabricd's limits: reservations (a member
+  reserves for its own peer id only), circuits per member as source and as destination,
+  bytes and seconds per circuit. Relayed bytes are counted (``fabricd status`` relay).
+- ``RelayClient`` (``reachability = "private"`` or ``"auto"``): keeps a reservation at each
+  bootstrap gateway that serves relays (renewed, and made again whenever the link to the
+  gateway is new), answers the gateway's stop protocol - the circuit becomes a libp2p
+  connection (Noise + yamux, membership checked on it like on any other) - and gives the
+  ``/p2p-circuit`` addresses discovery announces.
+- ``dial``: a member dials a ``/p2p-circuit`` address.
+
+DCUtR hole punching (``circuit_v2/dcutr.py``) is not wired: a relayed link stays relayed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.connection_types import ConnectionType
+from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.network.stream.exceptions import StreamEOF
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID, STOP_PROTOCOL_ID, CircuitV2Protocol
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode, to_proto_status
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
+
+from fabricd._sender import open_stream
+from fabricd._streams import Handler, close_quietly, reset_quietly
+from fabricd.config import Relay
+from fedcore.logs import get_logger
+
+log = get_logger("fabricd.relay")
+
+Guard = Callable[[str, Handler, Callable[[INetStream, str], Awaitable[None]] | None], Handler]
+
+RESERVATION_TTL = 3600
+#: a reservation is renewed this long before it expires (or at once on a new link)
+RENEW_MARGIN = 600.0
+#: a gateway that refused a reservation, or offers no relay, is asked again after this
+RETRY_REFUSED = 30.0
+RELAY_READ = 1024 * 1024
+HOP_TIMEOUT = 10.0
+CIRCUIT = "/p2p-circuit"
+
+
+def is_circuit(addr: Any) -> bool:
+    return CIRCUIT in str(addr)
+
+
+def _relayed(conn: Any) -> bool:
+    try:
+        if conn.get_connection_type() == ConnectionType.RELAYED:
+            return True
+        return any(is_circuit(a) for a in conn.get_transport_addresses())
+    except Exception:  # noqa: BLE001 - an odd connection object counts as direct
+        return False
+
+
+def link_kind(host: IHost, peer_id: str) -> str:
+    """"direct", "relayed" (only relayed connections to the peer) or "none"."""
+    try:
+        conns = host.get_network().get_connections(ID.from_base58(peer_id))
+    except Exception:  # noqa: BLE001
+        return "none"
+    if not conns:
+        return "none"
+    return "relayed" if all(_relayed(c) for c in conns) else "direct"
+
+
+def _status_name(code: int) -> str:
+    try:
+        return StatusCode(code).name
+    except ValueError:
+        return str(code)
+
+
+async def _hop(host: IHost, relay: str, msg: HopMessage) -> tuple[INetStream, HopMessage]:
+    stream = await open_stream(host, relay, PROTOCOL_ID)
+    try:
+        with trio.fail_after(HOP_TIMEOUT):
+            await write_delimited_msg(stream, msg)
+            return stream, await read_delimited_msg(stream, HopMessage)
+    except BaseException:
+        await reset_quietly(stream)
+        raise
+
+
+async def dial(host: IHost, circuit: str, peer_id: ID) -> None:
+    """A libp2p connection to ``peer_id`` through the relay ``circuit`` names
+    (``<relay addr>/p2p/<relay>/p2p-circuit/p2p/<peer>``); ConnectionError saying why not."""
+    relay_info = info_from_p2p_addr(multiaddr.Multiaddr(circuit.partition(CIRCUIT)[0]))
+    relay = str(relay_info.peer_id)
+    if not host.get_network().get_connections(relay_info.peer_id):
+        await host.connect(relay_info)
+    stream, resp = await _hop(host, relay, HopMessage(
+        type=HopMessage.CONNECT, peer=CircuitPeerId(id=peer_id.to_bytes())))
+    if resp.status != to_proto_status(StatusCode.OK):
+        await reset_quietly(stream)
+        raise ConnectionError(f"relay {relay} refused a circuit to {peer_id}: {_status_name(resp.status)}")
+    ma = multiaddr.Multiaddr(circuit)
+    raw = RawConnection(stream=stream, initiator=True, connection_type=ConnectionType.RELAYED, addresses=[ma])
+    try:
+        conn = await host.upgrade_outbound_connection(raw, peer_id)
+    except BaseException:
+        await reset_quietly(stream)
+        raise
+    conn.set_transport_info([ma], ConnectionType.RELAYED)  # type: ignore[attr-defined]
+
+
+class RelayService(CircuitV2Protocol):
+    """The hop side of circuit relay v2 on a gateway, for members only (module docstring)."""
+
+    def __init__(self, host: IHost, cfg: Relay) -> None:
+        limits = RelayLimits(duration=cfg.circuit_seconds, data=cfg.circuit_bytes,
+                             max_circuit_conns=cfg.max_circuits, max_reservations=cfg.max_reservations,
+                             reservation_ttl=RESERVATION_TTL)
+        super().__init__(host, limits, allow_hop=True)
+        self.max_circuits = cfg.max_circuits
+        #: open circuits by source member (entries removed at zero: bounded by the members)
+        self.by_source: dict[str, int] = {}
+        self.counts = dict.fromkeys(("reservations_granted", "reservations_refused", "circuits_opened",
+                                     "circuits_refused", "strangers_refused", "bytes_relayed"), 0)
+
+    def register(self, guard: Guard) -> None:
+        self.host.set_stream_handler(PROTOCOL_ID, guard("relay.hop", self._handle_hop_stream, self._refuse))
+
+    async def _refuse(self, stream: INetStream, reason: str) -> None:
+        self.counts["strangers_refused"] += 1
+        await write_delimited_msg(stream, HopMessage(type=HopMessage.STATUS,
+                                                     status=to_proto_status(StatusCode.PERMISSION_DENIED)))
+
+    def status(self) -> dict[str, int]:
+        self.resource_manager._clean_expired()
+        return {**self.counts, "reservations": len(self.resource_manager._reservations),
+                "circuits_open": sum(self.by_source.values())}
+
+    async def _handle_reserve(self, stream: INetStream, msg: HopMessage) -> None:
+        peer = stream.muxed_conn.peer_id
+        msg.peer.id = peer.to_bytes()  # a member reserves for itself, never for another peer id
+        rm = self.resource_manager
+        granted = rm.has_reservation(peer) or rm.can_accept_reservation(peer)
+        self.counts["reservations_granted" if granted else "reservations_refused"] += 1
+        if not granted:
+            log.warning("relay.reservation_refused", peer=str(peer), reason="network.relay_max_reservations "
+                        f"({self.limits.max_reservations}) reached")
+        await super()._handle_reserve(stream, msg)
+
+    async def _handle_connect(self, stream: INetStream, msg: HopMessage) -> None:
+        src = str(stream.muxed_conn.peer_id)
+        dst = ID(msg.peer.id)
+        why = ""
+        if self.by_source.get(src, 0) >= self.max_circuits:
+            why = f"network.relay_max_circuits ({self.max_circuits}) open from this member"
+        elif not self.resource_manager.can_accept_connection(dst):
+            why = f"{dst} holds no reservation here, or has relay_max_circuits circuits open"
+        if why:
+            self.counts["circuits_refused"] += 1
+            log.warning("relay.circuit_refused", peer=src, to=str(dst), reason=why)
+            code = StatusCode.RESOURCE_LIMIT_EXCEEDED if "from this" in why else StatusCode.NO_RESERVATION
+            await self._send_status(stream, code, why)
+            await close_quietly(stream)
+            return
+        self.counts["circuits_opened"] += 1
+        self.by_source[src] = self.by_source.get(src, 0) + 1
+        try:
+            await super()._handle_connect(stream, msg)
+        finally:
+            left = self.by_source.pop(src) - 1
+            if left:
+                self.by_source[src] = left
+
+    async def _relay_data(self, src_stream: INetStream, dst_stream: INetStream, peer_id: ID,
+                          deadline: float | None = None, circuit_data_limit: list[int] | None = None) -> None:
+        """One direction of a circuit (replaces the library's: 1 MiB reads instead of 64 KiB,
+        bytes counted, ``circuit_bytes = 0`` unlimited, a half-close passed on, and only this
+        circuit's streams closed - the library's closed every circuit to the same peer)."""
+        clean = False
+        at = trio.current_time() + (deadline - time.monotonic()) if deadline is not None else float("inf")
+        with trio.move_on_at(at):
+            try:
+                while True:
+                    try:
+                        data = await src_stream.read(RELAY_READ)
+                    except StreamEOF:
+                        clean = True
+                        break
+                    if circuit_data_limit is not None:
+                        circuit_data_limit[0] -= len(data)
+                        if circuit_data_limit[0] < 0:
+                            log.warning("relay.circuit_cut", peer=str(peer_id), reason="network.relay_circuit_bytes")
+                            break
+                    self.counts["bytes_relayed"] += len(data)
+                    with trio.fail_after(self.write_timeout):
+                        await dst_stream.write(data)
+            except Exception as exc:  # noqa: BLE001 - any end of one circuit, never of the host
+                log.info("relay.circuit_ended", peer=str(peer_id), reason=f"{type(exc).__name__}: {exc}")
+        for key, pair in list(self._active_relays.items()):
+            if src_stream in pair or dst_stream in pair:
+                del self._active_relays[key]
+        if clean:
+            await close_quietly(dst_stream)  # half-close: the other direction goes on
+        else:
+            await reset_quietly(src_stream)
+            await reset_quietly(dst_stream)
+
+
+class RelayClient:
+    """Reservations at the bootstrap gateways and the stop side of circuits (module docstring)."""
+
+    def __init__(self, host: IHost, gateways: tuple[str, ...], private: bool) -> None:
+        self.host = host
+        self.gateways = gateways
+        if private:
+            # identify, heartbeats and the DHT record then give only /p2p-circuit addresses:
+            # nobody (the DHT included) wastes a dial on an address behind the NAT
+            setattr(host, "get_addrs", lambda: [multiaddr.Multiaddr(a) for a in self.addrs()])  # noqa: B010
+        #: relay peer id -> (gateway address, expiry, the connection it was made on)
+        self.held: dict[str, tuple[str, float, Any]] = {}
+        #: relay peer id -> (why not, when to ask again)
+        self.refused: dict[str, tuple[str, float]] = {}
+        self._stop = CircuitV2Protocol(host, allow_hop=False)
+
+    def register(self, guard: Guard) -> None:
+        self.host.set_stream_handler(STOP_PROTOCOL_ID, guard("relay.stop", self._stop._handle_stop_stream, None))
+
+    def addrs(self) -> list[str]:
+        own = str(self.host.get_id())
+        return [f"{gateway}{CIRCUIT}/p2p/{own}" for gateway, _, _ in self.held.values()]
+
+    def status(self) -> dict[str, Any]:
+        now = time.time()
+        return {"reservations": {relay: round(expires - now) for relay, (_, expires, _) in self.held.items()},
+                "refused": {relay: why for relay, (why, _) in self.refused.items()}}
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            for gateway in self.gateways:
+                await self._keep(gateway)
+            await trio.sleep(1.0)
+
+    async def _keep(self, gateway: str) -> None:
+        relay_id = info_from_p2p_addr(multiaddr.Multiaddr(gateway)).peer_id
+        relay = str(relay_id)
+        conns = self.host.get_network().get_connections(relay_id)
+        held = self.held.get(relay)
+        if not conns:
+            self.held.pop(relay, None)
+            return
+        now = time.monotonic()
+        if held is not None and held[2] is conns[0] and held[1] - time.time() > RENEW_MARGIN:
+            return
+        if self.refused.get(relay, ("", 0.0))[1] > now:
+            return
+        try:
+            stream, resp = await _hop(self.host, relay, HopMessage(
+                type=HopMessage.RESERVE, peer=CircuitPeerId(id=self.host.get_id().to_bytes())))
+            await close_quietly(stream)
+            if resp.status != to_proto_status(StatusCode.OK):
+                raise ConnectionError(_status_name(resp.status))
+        except Exception as exc:  # noqa: BLE001 - no relay there, a limit, a broken link: asked again later
+            why = f"{type(exc).__name__}: {exc}"
+            self.held.pop(relay, None)
+            self.refused[relay] = (why, now + RETRY_REFUSED)
+            log.warning("relay.reservation_failed", relay=relay, reason=why, retry_s=RETRY_REFUSED)
+            return
+        self.refused.pop(relay, None)
+        self.held[relay] = (gateway, float(resp.reservation.expire), conns[0])
+        if held is None:
+            log.info("relay.reserved", relay=relay, addr=self.addrs()[-1])

@@ -1,0 +1,182 @@
+"""Circuit relay v2 on real daemons (fabricd/_relay.py): a gateway relays for members only.
+
+- Two private members (``reachability = "private"``: only /p2p-circuit addresses announced)
+  link through the gateway; a 4 MiB update between them goes over the relayed libp2p link
+  (not the data plane) and is counted as relayed bytes on both ends.
+- A member beyond ``relay_max_reservations`` is refused (RESOURCE_LIMIT_EXCEEDED), and so is
+  a member's circuit to a peer that holds no reservation.
+- 200 reservation and circuit attempts by strangers get nothing (PERMISSION_DENIED or a
+  reset), the gateway's reservations stay as they were and its memory stays bounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode, to_proto_status
+from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
+
+from tests.fabricd._harness import Node, bridge_status, init_ca, init_node, wait_until
+from tests.fabricd._hostile import certificate_for, hello, peer_info, raw_host
+
+pytestmark = pytest.mark.slow
+
+ATTEMPTS = 200
+#: strangers connected at once
+STRANGER_HOSTS = 20
+
+
+def _configure(node: Node, network: str, limits: str = "") -> None:
+    path = Path(node.config)
+    text = path.read_text().replace("[network]\n", f"[network]\n{network}\n", 1)
+    path.write_text(text.replace("[limits]\n", f"[limits]\n{limits}\n", 1))
+
+
+def _rss_kib(node: Node) -> int:
+    assert node.proc is not None
+    for line in Path(f"/proc/{node.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def relayed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("relay")
+    ca = init_ca(root)
+    g = init_node(root, "g", ca)
+    _configure(g, "relay_service = true\nrelay_max_reservations = 2", "auth_timeout = 2.0")
+    nodes = [g]
+    try:
+        g.start()
+        g.wait_ready()
+        for name in ("p", "q"):
+            node = init_node(root, name, ca, [g.addr()])
+            _configure(node, 'reachability = "private"')
+            nodes.append(node)
+            node.start()
+        for node in nodes:
+            node.wait_ready()
+        yield {"root": root, "ca": ca, "g": g, "p": nodes[1], "q": nodes[2]}
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def _row(node: Node, cluster: str) -> dict[str, Any]:
+    return next((r for r in bridge_status(node)["clusters"] if r["cluster_id"] == cluster), {})
+
+
+def test_private_members_link_through_the_relay(relayed: dict[str, Any]) -> None:
+    g, p, q = relayed["g"], relayed["p"], relayed["q"]
+    wait_until(lambda: bridge_status(g)["relay"]["service"]["reservations"] == 2, timeout=60)
+    wait_until(lambda: _row(p, "q").get("connected") and _row(q, "p").get("connected"), timeout=90)
+    assert _row(p, "q")["link"] == "relayed"
+    assert _row(q, "p")["link"] == "relayed"
+    assert all("/p2p-circuit/" in a for a in _row(p, "q")["addrs"] if "/p2p-circuit/" in a)
+    before = bridge_status(g)["relay"]["service"]["bytes_relayed"]
+    p.probe("q", 4 << 20)
+    transfer = bridge_status(p)["transfer"]
+    assert transfer["bytes_relayed_total"] >= 4 << 20, transfer
+    assert transfer["bytes_by_path"].get("dataplane", 0) == 0, transfer
+    service = bridge_status(g)["relay"]["service"]
+    assert service["bytes_relayed"] - before >= 4 << 20, service
+    assert service["circuits_opened"] >= 1 and service["circuits_open"] >= 1, service
+    assert bridge_status(p)["relay"]["reservations"], bridge_status(p)["relay"]
+
+
+async def _hop(host: Any, relay: ID, msg: HopMessage) -> int | str:
+    """The relay's status code for ``msg``, or how the stream ended without one."""
+    try:
+        with trio.fail_after(30):
+            stream = await host.new_stream(relay, [PROTOCOL_ID])
+            await write_delimited_msg(stream, msg)
+            resp = await read_delimited_msg(stream, HopMessage)
+    except trio.TooSlowError:
+        return "timeout"
+    except Exception as exc:  # noqa: BLE001 - a reset or closed stream is a refusal too
+        return type(exc).__name__
+    await stream.reset()
+    return int(resp.status)
+
+
+@pytest.mark.trio
+async def test_member_beyond_the_reservation_limit_is_refused(relayed: dict[str, Any]) -> None:
+    g, q = relayed["g"], relayed["q"]
+    wait_until(lambda: bridge_status(g)["relay"]["service"]["reservations"] == 2, timeout=60)
+    key = create_new_key_pair()
+    target = peer_info(g.addr())
+    async with raw_host(key) as host:
+        await host.connect(target)
+        ack = await hello(host, target.peer_id, certificate_for(key, relayed["ca"], "m3"))
+        assert ack.accepted, ack
+        reserve = HopMessage(type=HopMessage.RESERVE, peer=CircuitPeerId(id=host.get_id().to_bytes()))
+        assert await _hop(host, target.peer_id, reserve) == to_proto_status(StatusCode.RESOURCE_LIMIT_EXCEEDED)
+        # a circuit to a member without a reservation here (this host itself) is refused too
+        connect = HopMessage(type=HopMessage.CONNECT, peer=CircuitPeerId(id=host.get_id().to_bytes()))
+        assert await _hop(host, target.peer_id, connect) == to_proto_status(StatusCode.NO_RESERVATION)
+    service = bridge_status(g)["relay"]["service"]
+    assert service["reservations_refused"] >= 1 and service["circuits_refused"] >= 1, service
+    assert service["reservations"] == 2, service
+    assert _row(g, "q").get("connected"), bridge_status(q)
+
+
+@pytest.mark.trio
+async def test_strangers_get_no_reservation_nor_circuit_and_memory_stays_bounded(relayed: dict[str, Any]) -> None:
+    g, p = relayed["g"], relayed["p"]
+    wait_until(lambda: bridge_status(g)["relay"]["service"]["reservations"] == 2, timeout=60)
+    target = peer_info(g.addr())
+    p_id = ID.from_base58(bridge_status(p)["peer_id"])
+    foreign = init_ca(relayed["root"], "foreign-ca")
+    rss_before = _rss_kib(g)
+    outcomes: list[int | str] = []
+
+    async def stranger(i: int, limiter: trio.CapacityLimiter) -> None:
+        """One attempt on a connection of its own: a reservation or a circuit to p; every
+        other stranger first shows a certificate of a foreign CA (refused at once), the
+        rest stay silent (dropped after auth_timeout)."""
+        key = create_new_key_pair()
+        async with limiter, raw_host(key) as host:
+            try:
+                with trio.fail_after(30):
+                    await host.connect(target)
+                    if i % 2:
+                        ack = await hello(host, target.peer_id, certificate_for(key, foreign, f"s{i}"))
+                        assert not ack.accepted
+            except Exception as exc:  # noqa: BLE001 - dropped while connecting: refused as well
+                outcomes.append(type(exc).__name__)
+                return
+            kind = HopMessage.RESERVE if i % 4 < 2 else HopMessage.CONNECT
+            peer = host.get_id() if kind == HopMessage.RESERVE else p_id
+            outcomes.append(await _hop(host, target.peer_id,
+                                       HopMessage(type=kind, peer=CircuitPeerId(id=peer.to_bytes()))))
+
+    async with trio.open_nursery() as nursery:
+        limiter = trio.CapacityLimiter(STRANGER_HOSTS)
+        for i in range(ATTEMPTS):
+            nursery.start_soon(stranger, i, limiter)
+    assert len(outcomes) == ATTEMPTS
+    assert to_proto_status(StatusCode.OK) not in outcomes, outcomes
+    # a stranger whose certificate was refused is dropped 0.5 s later: some attempts still
+    # get the relay's own answer, the rest a closed stream
+    assert to_proto_status(StatusCode.PERMISSION_DENIED) in outcomes, outcomes
+    service = bridge_status(g)["relay"]["service"]
+    assert service["reservations"] == 2, service
+    assert service["reservations_granted"] + service["circuits_opened"] <= 8, service  # the members' own
+    assert service["strangers_refused"] >= 1, service
+    # every stranger is dropped; nothing of theirs stays behind
+    wait_until(lambda: bridge_status(g)["unauthenticated_peers"] == 0, timeout=60)
+    grew = _rss_kib(g) - rss_before
+    print(f"relay RSS {rss_before} KiB before, +{grew} KiB after {ATTEMPTS} refused attempts; {service}")
+    assert grew < 64 * 1024, (rss_before, grew)
+    # the members' link through the relay still works
+    p.probe("q", 65536)
