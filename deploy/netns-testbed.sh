@@ -5,6 +5,7 @@
 # this script creates (and `down` deletes).
 #
 #   netns-testbed.sh up            create namespaces + links, CA + configs, start daemons
+#   netns-testbed.sh up --wan      each site behind a NAT router of its own (below)
 #   netns-testbed.sh status [-v]   namespaces, daemon pids, peers seen by each daemon
 #                                  (-v: each daemon's full `fabricd status` JSON)
 #   netns-testbed.sh exec ID CMD   run CMD inside cluster ID's namespace
@@ -15,6 +16,16 @@
 #                       ns fp-b  eth0 10.77.0.2 --veth-- v-b -- br0 (ns fp-br)
 #                       ns fp-c  eth0 10.77.0.3 --veth-- v-c /
 #   b and c bootstrap from a; each daemon listens on /ip4/<its IP>/tcp/4001.
+#
+#   --wan: no site can dial another. Each site (ns fp-a: eth0 10.77.1.2) sits behind a
+#   router namespace of its own (ns fp-r-a: lan0 10.77.1.1, up0 198.18.0.1 on the "internet"
+#   bridge in ns fp-wan) that masquerades its traffic (iptables MASQUERADE, no port
+#   forward; unsolicited inbound dropped). The gateway - the scheduler's fabricd with
+#   [network] relay_service = true - sits on the internet bridge (198.18.0.200); every
+#   site bootstraps from it with reachability = "private" and is reached through it.
+#   tc shapes both directions of every site uplink: netem delay FP_WAN_RTT_MS/2 each way,
+#   loss FP_WAN_LOSS %, rate FP_WAN_RATE; a kernel without sch_netem gets the rate only
+#   (tbf), with a warning.
 #
 # Environment:
 #   FP_NETNS_PREFIX  namespace name prefix (fp)
@@ -31,7 +42,11 @@
 #                    `exec scheduler fedpilot-scheduler submit JOB --mesh CONFIG` (0)
 #   FP_START_TIMEOUT seconds `up` waits for every daemon to answer `fabricd status` (60)
 #   FP_KEEP_ON_FAIL  1: a failed `up` leaves everything in place for inspection (0)
-# Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2.
+#   FP_WAN_SUBNET    --wan: first three octets of the internet /24 (198.18.0)
+#   FP_WAN_RTT_MS    --wan: round-trip time added per site uplink (40)
+#   FP_WAN_LOSS      --wan: loss in % each way on a site uplink (0.1)
+#   FP_WAN_RATE      --wan: rate of a site uplink, tc units (100mbit)
+# Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2; --wan also iptables.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -59,25 +74,45 @@ CAPACITY=${FP_CAPACITY:-32}
 WITH_SCHEDULER=${FP_SCHEDULER:-0}
 START_TIMEOUT=${FP_START_TIMEOUT:-60}
 BRIDGE_NS=$PREFIX-br
+WAN_NS=$PREFIX-wan
+WAN_SUBNET=${FP_WAN_SUBNET:-198.18.0}
+WAN_RTT_MS=${FP_WAN_RTT_MS:-40}
+WAN_LOSS=${FP_WAN_LOSS:-0.1}
+WAN_RATE=${FP_WAN_RATE:-100mbit}
+MARKER=$STATE/.netns-testbed
+# WAN mode: asked for (`up --wan`) or recorded by the `up` that made the testbed
+WAN=0
+if [ "${1:-}" = up ] && [ "${2:-}" = --wan ]; then WAN=1; fi
+if [ -f "$MARKER" ] && grep -qx 'mode=wan' "$MARKER"; then WAN=1; fi
+[ "$WAN" != 1 ] || WITH_SCHEDULER=1  # the gateway
 # Every namespace that runs a daemon: the clusters, plus the scheduler's own fabricd.
 DAEMONS=("${CLUSTERS[@]}")
 [ "$WITH_SCHEDULER" != 1 ] || DAEMONS+=(scheduler)
-MARKER=$STATE/.netns-testbed
 
 log() { echo "netns-testbed: $*" >&2; }
 die() { log "$*"; exit 1; }
 
 ns_of() { echo "$PREFIX-$1"; }
 
-# The IP of the i-th cluster (1-based), or of the scheduler.
-ip_of() {
-    local id=$1 i=1 c
-    if [ "$id" = scheduler ]; then echo "$SUBNET.200"; return; fi
+# The 1-based index of cluster ID.
+index_of() {
+    local i=1 c
     for c in "${CLUSTERS[@]}"; do
-        if [ "$c" = "$id" ]; then echo "$SUBNET.$i"; return; fi
+        if [ "$c" = "$1" ]; then echo "$i"; return; fi
         i=$((i + 1))
     done
-    die "unknown cluster '$id' (clusters: ${CLUSTERS[*]})"
+    die "unknown cluster '$1' (clusters: ${CLUSTERS[*]})"
+}
+
+# The IP of the i-th cluster (1-based), or of the scheduler (--wan: a site's LAN IP, the
+# gateway's internet IP).
+ip_of() {
+    if [ "$WAN" = 1 ]; then
+        if [ "$1" = scheduler ]; then echo "$WAN_SUBNET.200"; else echo "10.77.$(index_of "$1").2"; fi
+        return
+    fi
+    if [ "$1" = scheduler ]; then echo "$SUBNET.200"; return; fi
+    echo "$SUBNET.$(index_of "$1")"
 }
 
 ns_exists() { ip netns list | awk '{print $1}' | grep -qxF "$1"; }
@@ -89,9 +124,10 @@ owned_namespaces() {
         sed -n 's/^namespace=//p' "$MARKER"
     else
         local c
-        for c in "${CLUSTERS[@]}"; do ns_of "$c"; done
+        for c in "${CLUSTERS[@]}"; do ns_of "$c"; ns_of "r-$c"; done
         ns_of scheduler
         echo "$BRIDGE_NS"
+        echo "$WAN_NS"
     fi
 }
 
@@ -99,13 +135,17 @@ check_prerequisites() {
     [ "$(id -u)" -eq 0 ] || die "must run as root (creates network namespaces)"
     command -v ip >/dev/null || die "iproute2's 'ip' not found (apt-get install iproute2)"
     command -v "$FABRICD" >/dev/null || die "fabricd '$FABRICD' not found; set FABRICD=/path/to/fabricd"
+    if [ "$WAN" = 1 ]; then
+        command -v iptables >/dev/null || die "--wan needs iptables (apt-get install iptables)"
+        command -v tc >/dev/null || die "--wan needs tc (iproute2)"
+    fi
     if [ ${#CLUSTERS[@]} -lt 1 ] || [ ${#CLUSTERS[@]} -gt 99 ]; then
         die "FP_CLUSTERS must name 1 to 99 clusters"
     fi
     local c
     for c in "${CLUSTERS[@]}"; do
         case "$c" in
-            br|scheduler) die "cluster id '$c' is reserved by this script" ;;
+            br|wan|scheduler|r-*) die "cluster id '$c' is reserved by this script" ;;
             *[!A-Za-z0-9_.-]*) die "cluster id '$c' may hold only letters, digits, '-', '_', '.'" ;;
         esac
         [ ${#c} -le 12 ] || die "cluster id '$c' is too long for an interface name (max 12)"
@@ -134,11 +174,85 @@ make_network() {
     done
 }
 
+add_ns() {
+    ip netns add "$1"
+    echo "namespace=$1" >>"$MARKER"
+    ip -n "$1" link set lo up
+}
+
+# shape NS DEV: the emulated WAN on DEV's egress (half the RTT each way)
+shape() {
+    local half
+    half=$(awk "BEGIN { print $WAN_RTT_MS / 2 }")
+    if ip netns exec "$1" tc qdisc add dev "$2" root netem delay "${half}ms" loss "${WAN_LOSS}%" \
+            rate "$WAN_RATE" 2>/dev/null; then
+        return
+    fi
+    ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "$WAN_RATE" burst 256kb latency 100ms
+    echo "netem=missing" >>"$MARKER"
+    log "WARNING: this kernel has no sch_netem: $1 $2 gets the rate ($WAN_RATE) only, no delay or loss"
+}
+
+make_wan_network() {
+    local c i r ns gw
+    echo "mode=wan" >>"$MARKER"
+    add_ns "$WAN_NS"
+    ip -n "$WAN_NS" link add br0 type bridge
+    ip -n "$WAN_NS" link set br0 up
+    gw=$(ns_of scheduler)
+    add_ns "$gw"
+    ip -n "$gw" link add eth0 type veth peer name v-gw netns "$WAN_NS"
+    ip -n "$WAN_NS" link set v-gw master br0 up
+    ip -n "$gw" addr add "$(ip_of scheduler)/24" dev eth0
+    ip -n "$gw" link set eth0 up
+    log "namespace $gw (gateway): eth0 $(ip_of scheduler)/24 on the internet bridge"
+    for c in "${CLUSTERS[@]}"; do
+        i=$(index_of "$c")
+        r=$(ns_of "r-$c")
+        ns=$(ns_of "$c")
+        add_ns "$r"
+        add_ns "$ns"
+        ip -n "$r" link add up0 type veth peer name "w-$c" netns "$WAN_NS"
+        ip -n "$WAN_NS" link set "w-$c" master br0 up
+        ip -n "$r" addr add "$WAN_SUBNET.$i/24" dev up0
+        ip -n "$r" link set up0 up
+        ip -n "$ns" link add eth0 type veth peer name lan0 netns "$r"
+        ip -n "$r" addr add "10.77.$i.1/24" dev lan0
+        ip -n "$r" link set lan0 up
+        ip -n "$ns" addr add "$(ip_of "$c")/24" dev eth0
+        ip -n "$ns" link set eth0 up
+        ip -n "$ns" route add default via "10.77.$i.1"
+        ip netns exec "$r" sysctl -qw net.ipv4.ip_forward=1
+        ip netns exec "$r" iptables -t nat -A POSTROUTING -o up0 -j MASQUERADE
+        ip netns exec "$r" iptables -A FORWARD -i up0 -o lan0 -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
+        ip netns exec "$r" iptables -A FORWARD -i up0 -j DROP
+        shape "$r" up0
+        shape "$r" lan0
+        log "site $ns: eth0 $(ip_of "$c")/24 behind NAT router $r ($WAN_SUBNET.$i)"
+    done
+}
+
+# WAN configs: every site bootstraps from the gateway, reachability private; the gateway relays.
+wan_configs() {
+    local c gw_addr
+    gw_addr=$("$FABRICD" id --config "$STATE/scheduler/cluster.toml" | "$PYTHON" -c '
+import json, sys
+print([a for a in json.load(sys.stdin)["addrs"] if a.startswith("/ip4/'"$(ip_of scheduler)"'/")][0])')
+    sed -i -e 's|^bootstrap = .*|bootstrap = []|' \
+        -e 's|^\[network\]$|[network]\nrelay_service = true|' "$STATE/scheduler/cluster.toml"
+    for c in "${CLUSTERS[@]}"; do
+        sed -i -e "s|^bootstrap = .*|bootstrap = [\"$gw_addr\"]|" \
+            -e 's|^\[network\]$|[network]\nreachability = "private"|' "$STATE/$c/cluster.toml"
+    done
+    log "gateway $gw_addr relays for ${CLUSTERS[*]}"
+}
+
 make_configs() {
     local args=(--out "$STATE" --ca "$STATE/ca" --port "$PORT" --ray "$RAY" --capacity "$CAPACITY") c
     for c in "${CLUSTERS[@]}"; do args+=(--cluster "$c=$(ip_of "$c")"); done
     [ "$WITH_SCHEDULER" != 1 ] || args+=(--scheduler "$(ip_of scheduler)")
     "$here/gen-configs.sh" "${args[@]}" >&2
+    [ "$WAN" != 1 ] || wan_configs
 }
 
 start_daemons() {
@@ -197,7 +311,7 @@ cmd_up() {
     mkdir -p "$STATE"
     : >"$MARKER"
     trap 'on_up_failure' EXIT
-    make_network
+    if [ "$WAN" = 1 ]; then make_wan_network; else make_network; fi
     make_configs
     start_daemons
     wait_ready
@@ -274,7 +388,8 @@ except ValueError:
     sys.stdout.write(text)
     sys.exit(0)
 print("listen:", " ".join(s.get("listen_addrs", [])))
-peers = ["%s %s" % (c["cluster_id"], "connected" if c.get("connected") else "DISCONNECTED")
+peers = ["%s %s%s" % (c["cluster_id"], "connected" if c.get("connected") else "DISCONNECTED",
+                      " (relayed)" if c.get("link") == "relayed" else "")
          for c in s.get("clusters", [])]
 print("clusters:", ", ".join(peers) or "none known")
 '
@@ -326,9 +441,9 @@ cmd_exec() {
 }
 
 case "${1:-}" in
-    up) cmd_up ;;
+    up) [ $# -le 1 ] || [ "$2" = --wan ] || die "usage: $0 up [--wan]"; cmd_up ;;
     down) cmd_down ;;
     status) shift; cmd_status "$@" ;;
     exec) shift; cmd_exec "$@" ;;
-    *) sed -n '2,36s/^# \{0,1\}//p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,49s/^# \{0,1\}//p' "$0" >&2; exit 2 ;;
 esac
