@@ -170,6 +170,26 @@ class FaultsSpec:
     round_deadline_factor: float = 4.0      # ... and otherwise this x the slowest round seen
 
 
+PRIVACY_DP = ("none", "central", "local")
+#: topologies whose aggregation [privacy] protects: star's root sums its clients' updates
+PRIVACY_TOPOLOGIES = ("star",)
+#: aggregators that need each update on its own (a sum or a noisy mean defeats them)
+ROBUST_AGGREGATORS = ("median", "trimmed_mean", "krum")
+
+
+@dataclass(frozen=True)
+class PrivacySpec:
+    """Secure aggregation and differential privacy (docs/security.md, "Privacy")."""
+
+    secure_aggregation: bool = False        # the aggregator learns only the sum of updates
+    clip_range: float = 1.0                 # secure aggregation's fixed point: +-this a coordinate
+    dp: str = "none"                        # none | central | local (PRIVACY_DP)
+    clip_norm: float = 1.0                  # L2 bound of one client's update
+    noise_multiplier: float | None = None   # noise std / clip_norm; None = from epsilon
+    epsilon: float | None = None            # the job's budget (with noise_multiplier: a cap)
+    delta: float = 1e-5
+
+
 @dataclass(frozen=True)
 class JobSpec:
     job_id: str = "job"
@@ -182,6 +202,7 @@ class JobSpec:
     placement: PlacementSpec = field(default_factory=PlacementSpec)
     transfer: TransferSpec = field(default_factory=TransferSpec)
     faults: FaultsSpec = field(default_factory=FaultsSpec)
+    privacy: PrivacySpec = field(default_factory=PrivacySpec)
 
     # -- validation -------------------------------------------------------------------
 
@@ -250,6 +271,7 @@ _SECTIONS: dict[str, type] = {
     "placement": PlacementSpec,
     "transfer": TransferSpec,
     "faults": FaultsSpec,
+    "privacy": PrivacySpec,
 }
 
 Rule = Callable[[str, str, Any], Any]
@@ -490,6 +512,7 @@ def _build_section(source: str, name: str, section_cls: type, table: Mapping[str
 def _check_cross(source: str, spec: JobSpec) -> None:
     """Rules that involve more than one key."""
     _check_data_placement(source, spec)
+    _check_privacy(source, spec)
     training = spec.training
     if training.device == "cuda" and training.num_gpus <= 0:
         raise _fail(source, "training.num_gpus", training.num_gpus,
@@ -569,3 +592,52 @@ def _check_data_placement(source: str, spec: JobSpec) -> None:
                     ", ".join(f"'{p}PATH'" for p in DATASET_PREFIXES) +
                     f"; a bare name ({dataset!r}) means the dataset of that name each cluster "
                     "declares in cluster.toml [datasets]: set data.placement = 'pinned' for that")
+
+
+# -- [privacy] ------------------------------------------------------------------------------
+
+def _rule_bool(source: str, key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(source, key, value, "true or false")
+    return value
+
+
+_RULES.update({
+    "privacy.secure_aggregation": _rule_bool,
+    "privacy.clip_range": _rule_float(0.0, low_open=True),
+    "privacy.dp": _rule_choice(PRIVACY_DP),
+    "privacy.clip_norm": _rule_float(0.0, low_open=True),
+    "privacy.noise_multiplier": _rule_optional_positive_float,
+    "privacy.epsilon": _rule_optional_positive_float,
+    "privacy.delta": _rule_float(0.0, 1.0, low_open=True, high_open=True),
+})
+
+
+def _check_privacy(source: str, spec: JobSpec) -> None:
+    p = spec.privacy
+    if not p.secure_aggregation and p.dp == "none":
+        return
+    what = "privacy.secure_aggregation" if p.secure_aggregation else "privacy.dp"
+    value: Any = True if p.secure_aggregation else p.dp
+    kind = spec.topology.kind
+    if kind not in PRIVACY_TOPOLOGIES and not (p.dp == "local" and not p.secure_aggregation):
+        raise _fail(source, what, value,
+                    f"false/'none' on {kind}, or topology.kind = 'star' (or privacy.dp = "
+                    "'local' alone): only star's root sums client updates here; a hierarchy's "
+                    "inner levels, hybrid groups and decentralized mixing are not protected yet")
+    if p.dp == "local" and kind in DECENTRALIZED_TOPOLOGIES:
+        raise _fail(source, "privacy.dp", p.dp, f"'none' or 'central' on {kind}: local noise "
+                    "is added to updates a client sends to a parent (star, hierarchical, hybrid)")
+    if spec.aggregation.name in ROBUST_AGGREGATORS:
+        raise _fail(source, "aggregation.name", spec.aggregation.name,
+                    f"a mean-based rule (fedavg, fedavgm, fedadam, ...) with {what}: "
+                    f"{spec.aggregation.name} needs each update on its own, the aggregator "
+                    "sees only their sum (or a clipped, noised mean)")
+    if p.secure_aggregation and spec.transfer.compression != "none":
+        raise _fail(source, "transfer.compression", spec.transfer.compression,
+                    "'none' with privacy.secure_aggregation: a masked update is uniform in its "
+                    "ring, which no codec compresses, and a lossy codec would break the sum")
+    if p.dp != "none" and p.noise_multiplier is None and p.epsilon is None:
+        raise JobSpecError(source, "privacy.noise_multiplier",
+                           f"privacy.dp = {p.dp!r} needs privacy.noise_multiplier or a target "
+                           "privacy.epsilon (with privacy.delta)")

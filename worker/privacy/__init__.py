@@ -1,0 +1,160 @@
+"""Private by construction: secure aggregation between clusters and differential privacy
+(`[privacy]` of the job; docs/security.md says who sees what with each option).
+
+`Privacy` is what the round engine calls at its two seams of a star round: `protect` on
+each client's trained model before it goes up (clip, local noise, quantize and mask), and
+`combine` on what the root received (unmask the sum, or clip and average, then central
+noise), which leaves one update for the job's aggregator. The pure parts are `secagg`
+(masks, fixed point, Shamir) and `dp` (clipping, noise, the accountant).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from proto.job import JobSpec
+from worker.privacy import dp, secagg
+
+Weights = dict[str, np.ndarray]
+
+
+def flatten(weights: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The model's tensors (in name order) as one float64 vector."""
+    return np.concatenate([np.asarray(weights[k], dtype=np.float64).ravel()
+                           for k in sorted(weights)])
+
+
+def unflatten(vector: np.ndarray, like: Mapping[str, np.ndarray]) -> Weights:
+    """`vector` cut back into `like`'s tensors (their shapes and dtypes)."""
+    out: Weights = {}
+    at = 0
+    for k in sorted(like):
+        ref = np.asarray(like[k])
+        out[k] = vector[at:at + ref.size].reshape(ref.shape).astype(ref.dtype)
+        at += ref.size
+    return out
+
+
+class Privacy:
+    """One job's privacy on one cluster (None of it when `[privacy]` asks for nothing)."""
+
+    def __init__(self, spec: JobSpec, cluster_id: str, *, locate: Callable[[str], str],
+                 samples: Callable[[str], int]) -> None:
+        p = spec.privacy
+        self.spec = p
+        self.job_id = spec.job_id
+        self.cluster_id = cluster_id
+        self.locate = locate
+        self.samples = samples
+        self.rounds = spec.training.federated_learning_rounds
+        # local noise hides a client from the aggregator too, who sees who took part
+        self.sampling_rate = 1.0 if p.dp == "local" else spec.training.client_fraction
+        z = p.noise_multiplier
+        if z is None and p.dp != "none":
+            assert p.epsilon is not None  # JobSpec's rules: one of the two
+            z = dp.noise_for(p.epsilon, p.delta, self.sampling_rate, self.rounds)
+        self.noise_multiplier = float(z or 0.0)
+        self.key = secagg.new_key() if p.secure_aggregation else None
+        self._secrets: dict[str, bytes] = {}
+        self._masks: dict[tuple[int, str], np.ndarray] = {}
+        self._lock = threading.Lock()
+        self._rng = np.random.default_rng()  # noise is never reproducible from the seed
+
+    @classmethod
+    def for_job(cls, spec: JobSpec, cluster_id: str, **kw: Any) -> Privacy | None:
+        p = spec.privacy
+        return cls(spec, cluster_id, **kw) if p.secure_aggregation or p.dp != "none" else None
+
+    # -- the accountant --------------------------------------------------------------------
+    def epsilon(self, rounds: int) -> float:
+        """The epsilon spent after `rounds` rounds (NaN without DP)."""
+        if self.spec.dp == "none":
+            return math.nan
+        return dp.epsilon(self.noise_multiplier, self.sampling_rate, rounds, self.spec.delta)
+
+    def max_rounds(self) -> int:
+        """How many of the job's rounds fit the budget `epsilon` (all without one)."""
+        budget = self.spec.epsilon
+        if self.spec.dp == "none" or budget is None:
+            return self.rounds
+        r = 0
+        while r < self.rounds and self.epsilon(r + 1) <= budget * (1 + 1e-9):
+            r += 1
+        return r
+
+    # -- secure aggregation's keys ---------------------------------------------------------
+    def public_key(self) -> bytes | None:
+        return None if self.key is None else secagg.public_bytes(self.key)
+
+    def set_peer_keys(self, keys: Mapping[str, bytes]) -> None:
+        """Every contributing cluster's public key (this one's among them)."""
+        assert self.key is not None
+        secrets = {c: secagg.pair_secret(self.key, k, self.job_id) for c, k in keys.items()}
+        with self._lock:
+            self._secrets = secrets
+            self._masks.clear()
+
+    # -- the seams ---------------------------------------------------------------------------
+    def protect(self, node: str, r: int, start: Weights, trained: Weights,
+                contributors: Sequence[str]) -> Weights:
+        """What client `node` sends up: its update clipped (DP) and noised (local DP), then,
+        with secure aggregation, weighted, quantized and masked among `contributors` (every
+        client whose update the same aggregation sums this round)."""
+        p = self.spec
+        base = flatten(start)
+        delta = flatten(trained) - base
+        if p.dp != "none":
+            delta, _ = dp.clip(delta, p.clip_norm)
+        if p.dp == "local":
+            delta = delta + dp.gaussian(delta.size, self.noise_multiplier * p.clip_norm,
+                                        self._rng)
+        if not p.secure_aggregation:
+            return unflatten(base + delta, start)
+        weight = 1.0 / len(contributors) if p.dp != "none" else (
+            self.samples(node) / max(1, sum(self.samples(c) for c in contributors)))
+        q, _ = secagg.quantize(delta, weight, p.clip_range)
+        masked = secagg.mask(q, self._mask(node, r, contributors, q.size))
+        return unflatten(masked.astype(np.float64), start)
+
+    def _mask(self, node: str, r: int, contributors: Sequence[str], n: int) -> np.ndarray:
+        with self._lock:
+            if (r, node) not in self._masks:
+                where = {c: self.locate(c) for c in contributors}
+                mine = [c for c in contributors if where[c] == self.cluster_id]
+                masks = secagg.cluster_masks(self.cluster_id, mine, sorted(set(where.values())),
+                                             self._secrets, f"{self.job_id}/{r}", n)
+                self._masks = {k: v for k, v in self._masks.items() if k[0] >= r}
+                self._masks.update({(r, c): m for c, m in masks.items()})
+            return self._masks.pop((r, node))
+
+    def combine(self, current: Weights, updates: list[tuple[Weights, int]]
+                ) -> list[tuple[Weights, int]]:
+        """The one update the aggregator's rule sees in place of `updates`: the round's
+        start plus the (weighted, or under DP clipped and equally weighted) mean update,
+        unmasked from its sum with secure aggregation, with central DP's noise."""
+        p = self.spec
+        base = flatten(current)
+        if p.secure_aggregation:
+            total = secagg.masked_sum([flatten(w).astype(np.uint32) for w, _ in updates])
+            mean = secagg.dequantize(total, p.clip_range)
+        else:
+            deltas = [flatten(w) - base for w, _ in updates]
+            if p.dp != "none":
+                deltas = [dp.clip(d, p.clip_norm)[0] for d in deltas]
+                weights = np.full(len(deltas), 1.0 / len(deltas))
+            else:
+                n = np.array([k for _, k in updates], dtype=np.float64)
+                weights = n / n.sum()
+            mean = sum(w * d for w, d in zip(weights, deltas, strict=True))
+        if p.dp == "central":
+            mean = mean + dp.gaussian(base.size, self.noise_multiplier * p.clip_norm
+                                      / len(updates), self._rng)
+        return [(unflatten(base + mean, current), sum(k for _, k in updates))]
+
+
+__all__ = ["Privacy", "dp", "flatten", "secagg", "unflatten"]

@@ -1,0 +1,68 @@
+"""Differential privacy of client updates: L2 clipping, Gaussian noise, and the privacy spent,
+tracked by Google's `dp-accounting` (RDP accountant).
+
+Central DP (DP-FedAvg, McMahan et al. 2018): the aggregation clips every client's update
+(its model minus the round's start) to `clip_norm`, averages them with equal weights and
+adds N(0, (z * clip_norm / m)^2) to the mean of m updates, so one client changes the
+released mean by at most clip_norm / m, z times the noise's scale. The round samples clients
+at rate q (`training.client_fraction`); the accountant composes one Poisson-sampled Gaussian
+per round (the engine draws a fixed number, the usual approximation).
+Local DP: each client adds N(0, (z * clip_norm)^2) to its own clipped update before it
+leaves; nobody, the aggregator included, sees it without noise. Its accountant takes q = 1:
+who takes part in a round is visible to the aggregator, so sampling does not amplify.
+"""
+
+from __future__ import annotations
+
+import math
+
+import dp_accounting
+import numpy as np
+from dp_accounting import rdp
+
+#: Renyi orders of the accountant: integers (the fractional ones near 1 do not converge
+#: for every (q, z) and are skipped with a warning by the library)
+ORDERS = tuple(range(2, 257))
+
+
+def clip(update: np.ndarray, clip_norm: float) -> tuple[np.ndarray, float]:
+    """`update` scaled to L2 norm at most `clip_norm`, and its norm before."""
+    norm = float(np.linalg.norm(update))
+    if norm > clip_norm:
+        update = update * (clip_norm / norm)
+    return update, norm
+
+
+def gaussian(n: int, std: float, rng: np.random.Generator) -> np.ndarray:
+    return rng.normal(0.0, std, size=n) if std > 0 else np.zeros(n)
+
+
+def event(noise_multiplier: float, sampling_rate: float, rounds: int) -> dp_accounting.DpEvent:
+    """`rounds` compositions of the Gaussian mechanism, Poisson-sampled at `sampling_rate`."""
+    gauss: dp_accounting.DpEvent = dp_accounting.GaussianDpEvent(noise_multiplier)
+    if sampling_rate < 1.0:
+        gauss = dp_accounting.PoissonSampledDpEvent(sampling_rate, gauss)
+    return dp_accounting.SelfComposedDpEvent(gauss, rounds)
+
+
+def epsilon(noise_multiplier: float, sampling_rate: float, rounds: int, delta: float) -> float:
+    """The epsilon spent after `rounds` rounds (inf with no noise; 0 after none)."""
+    if rounds <= 0:
+        return 0.0
+    if noise_multiplier <= 0:
+        return math.inf
+    accountant = rdp.RdpAccountant(list(ORDERS))
+    accountant.compose(event(noise_multiplier, sampling_rate, rounds))
+    return float(accountant.get_epsilon(delta))
+
+
+def noise_for(target_epsilon: float, delta: float, sampling_rate: float, rounds: int) -> float:
+    """The smallest noise multiplier whose `rounds` rounds spend at most `target_epsilon`."""
+    return float(dp_accounting.calibrate_dp_mechanism(
+        lambda: rdp.RdpAccountant(list(ORDERS)),
+        lambda z: event(z, sampling_rate, rounds),
+        target_epsilon, delta,
+        bracket_interval=dp_accounting.LowerEndpointAndGuess(0.0, 1.0)))
+
+
+__all__ = ["ORDERS", "clip", "epsilon", "event", "gaussian", "noise_for"]
