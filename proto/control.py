@@ -357,6 +357,10 @@ class JobPlan(ControlMessage):
     absent: tuple[int, ...] = spec(ListOf(Int(0, U32_MAX), MAX_ITEMS), default=())
     routing_sha256: str | None = spec(OrNone(SHA256_HEX), default=None)
     routing_size: int | None = spec(OrNone(Int(1, MAX_PLAN_BYTES)), default=None)
+    #: [privacy] secure_aggregation: every cluster's X25519 public key (from its job.start
+    #: reply), from which each derives its pairwise mask secrets
+    privacy_keys: dict[str, bytes] | None = spec(
+        OrNone(MapOf(CLUSTER_ID, Bin(32, exact=(32,)), max_items=65536)), default=None)
 
     def _check(self) -> None:
         by_digest = self.routing_sha256 is not None

@@ -52,6 +52,8 @@ class RoundRecord:
     stalls: int = 0
     # per cluster: {"bytes_inter": sent to other clusters, "bytes_intra": kept inside, ...}
     by_cluster: dict[str, dict[str, int]] = field(default_factory=dict)
+    # [privacy] dp: the epsilon spent after this round (NaN without DP)
+    epsilon: float = NAN
 
     def add_evaluation(self, accuracy: float, loss: float, weight: int) -> None:
         """Fold one evaluated model into this record's weighted means."""
@@ -79,6 +81,8 @@ class RoundRecord:
                 out.add_evaluation(rec.accuracy, rec.loss, rec.eval_weight)
             out.add_personal(rec.personal_correct, rec.personal_total)
             out.participants += rec.participants
+            if not math.isnan(rec.epsilon):  # every cluster's accountant says the same
+                out.epsilon = max(_z(out.epsilon), rec.epsilon)
             out.bytes_intra += rec.bytes_intra
             out.bytes_inter += rec.bytes_inter
             out.messages_intra += rec.messages_intra

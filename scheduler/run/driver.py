@@ -59,7 +59,7 @@ from scheduler.run.channel import ClusterChannel, ClusterInfo
 from scheduler.run.checkpoint import Checkpoint
 from scheduler.run.health import LearningWatch
 from scheduler.run.leases import ClusterLost, LeaseKeeper
-from scheduler.run.recovery import Departed, Recovery, node_clusters
+from scheduler.run.recovery import Departed, Recovery, node_clusters, privacy_key
 from scheduler.rundir.placement import results_routing
 from scheduler.rundir.results import ClusterRecordSummary, JobSummary
 
@@ -158,6 +158,7 @@ class Driver(Recovery):
         self.plan: Plan | None = None  # the newest published plan (read by the live page)
         self._pinned: list[str] | None = None  # data.placement = "pinned": each client's cluster
         self._client_samples: list[int] = []    # ... and its training samples (histogram sums)
+        self._privacy_keys: dict[str, bytes] = {}  # [privacy]: each executor's public key
         #: a routing matrix over this many bytes goes as job.plan.parts, then a job.plan
         #: naming them by sha256 (every control body is capped at 4 MiB)
         self.inline_plan_bytes = INLINE_PLAN_BYTES
@@ -269,6 +270,8 @@ class Driver(Recovery):
             holders = {cid: list(range(k, n, len(ids))) for k, cid in enumerate(ids)}
         log.info("event=job_start job=%s clusters=%s clients=%d", spec.job_id, ",".join(ids), n)
         started = self._all({cid: self._start_body(holders[cid]) for cid in ids})
+        self._privacy_keys = {cid: k for cid, reply in started.items()
+                              if (k := privacy_key(reply))}
         if self._pinned is not None:
             check_pinned_data(started, spec.data.dataset)
         histograms = self._histograms(started, holders)
@@ -299,7 +302,7 @@ class Driver(Recovery):
             first = resume.round + 1
             log.info("event=resumed job=%s round=%d epoch=%d nodes=%d", spec.job_id,
                      resume.round, resume.epoch, len(resume.models))
-        rounds = spec.training.federated_learning_rounds
+        rounds = self._privacy_rounds(started, summary)
         period = spec.placement.clustering_period
         every = spec.faults.checkpoint_every
         self._epoch = plan.routing.epoch
@@ -340,6 +343,8 @@ class Driver(Recovery):
                     stage = "checkpoint"
                 continue
             r, stage = r + 1, "round"
+        if summary.privacy and summary.rounds:
+            summary.privacy["epsilon"] = summary.rounds[-1].epsilon
         model, info = self._fetch_model(plan.routing) if rounds else (None, {})
         # the job ends its leases itself: an executor that stopped must not count as lost
         if self.leases is not None:
@@ -361,6 +366,31 @@ class Driver(Recovery):
         placement = plan.placement.to_dict()
         placement["routing"] = results_routing(plan.routing)
         return JobResult(summary, placement, model, model_info=info)
+
+    def _privacy_rounds(self, started: Mapping[str, Mapping[str, Any]],
+                        summary: JobSummary) -> int:
+        """The job's rounds, fewer if the DP budget runs out first (every executor's
+        accountant says how many fit); the summary's privacy entry."""
+        rounds, p = self.spec.training.federated_learning_rounds, self.spec.privacy
+        infos = [r["privacy"] for r in started.values() if isinstance(r.get("privacy"), dict)]
+        if not infos:
+            return rounds
+        allowed = min(int(i.get("rounds", rounds)) for i in infos)
+        summary.privacy = {"secure_aggregation": p.secure_aggregation, "dp": p.dp,
+                           "clip_norm": p.clip_norm, "delta": p.delta, "budget": p.epsilon,
+                           "noise_multiplier": float(infos[0].get("noise_multiplier", 0.0)),
+                           "epsilon": 0.0, "stopped": ""}
+        if allowed < rounds:
+            reason = (f"the privacy budget: round {allowed + 1} would spend more than "
+                      f"privacy.epsilon = {p.epsilon:g} (delta {p.delta:g}, noise_multiplier "
+                      f"{summary.privacy['noise_multiplier']:g}); the job stops after "
+                      f"round {allowed} of {rounds}")
+            log.warning("event=privacy_budget job=%s rounds=%d of=%d reason=%s",
+                        self.spec.job_id, allowed, rounds, reason)
+            if allowed == 0:
+                raise JobFailed(reason)
+            summary.privacy["stopped"] = reason
+        return allowed
 
     def _start_body(self, clients: list[int]) -> dict[str, Any]:
         """A cluster's job.start: its clients as a range when they are one (a few bytes
@@ -450,6 +480,8 @@ class Driver(Recovery):
             extra.update(routing_sha256=digest, routing_size=len(data))
             log.info("event=plan_in_parts job=%s epoch=%d bytes=%d parts=%d sha256=%s",
                      self.spec.job_id, plan.routing.epoch, len(data), len(parts), digest)
+        if self._privacy_keys:
+            extra["privacy_keys"] = dict(self._privacy_keys)
         self._all({c.cluster_id: JobPlan(self.spec.job_id,
                                          imports=tuple(imports.get(c.cluster_id, [])),
                                          next_round=self._next_round, **extra).to_body()

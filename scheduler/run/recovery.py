@@ -69,6 +69,13 @@ class Departed:
     start_began: float = 0.0
 
 
+def privacy_key(reply: Mapping[str, Any]) -> bytes:
+    """The X25519 public key in a job.start reply ([privacy] secure_aggregation), or b''."""
+    info = reply.get("privacy")
+    key = info.get("key") if isinstance(info, Mapping) else None
+    return bytes(key) if isinstance(key, bytes | bytearray) else b""
+
+
 class Recovery:
     # provided by Driver
     spec: JobSpec
@@ -85,6 +92,7 @@ class Recovery:
     _pinned: list[str] | None
     _departed: dict[str, Departed]
     _pool: ThreadPoolExecutor
+    _privacy_keys: dict[str, bytes]
 
     def _all(self, bodies: Mapping[str, dict[str, Any]], timeout: float | None = None
              ) -> dict[str, dict[str, Any]]:
@@ -301,13 +309,17 @@ class Recovery:
         try:
             # pinned data: the returning cluster builds its own clients (its block) again
             mine = [i for i, c in enumerate(self._pinned or ()) if c == cid]
-            self.channel.request(cid, JobStart(self.spec.job_id, job=self.spec.to_dict(),
-                                               clients=tuple(mine)).to_body(),
-                                 min(self.timeout, RETURN_START_TIMEOUT))
+            reply = self.channel.request(cid, JobStart(self.spec.job_id,
+                                                       job=self.spec.to_dict(),
+                                                       clients=tuple(mine)).to_body(),
+                                         min(self.timeout, RETURN_START_TIMEOUT))
         except JobFailed as exc:
             log.warning("event=return_refused job=%s round=%d cluster=%s reason=%s",
                         self.spec.job_id, r, cid, exc)
             return False
+        key = privacy_key(reply)
+        if key:  # its fresh executor masks with a fresh key: the next plan carries it
+            self._privacy_keys[cid] = key
         if self.leases is not None:
             self.leases.watch(cid)
         return True

@@ -19,7 +19,7 @@ from proto.rounds import RoundRecord
 from scheduler.rundir.placement import placement_json
 
 ROUND_FIELDS = ("round", "accuracy", "loss", "personalized_accuracy", "participants",
-                "bytes_intra", "bytes_inter", "seconds")
+                "bytes_intra", "bytes_inter", "seconds", "epsilon")
 
 
 @dataclass
@@ -58,6 +58,9 @@ class JobSummary:
     # every cluster lost or returned: round, cluster, event, nodes moved, seconds to
     # detect and to recover (scheduler/run/recovery.py)
     faults: list[dict[str, Any]] = field(default_factory=list)
+    # [privacy]: the options, the noise multiplier, the epsilon spent, and why the job
+    # stopped early if its budget ran out ("stopped"); empty without [privacy]
+    privacy: dict[str, Any] = field(default_factory=dict)
 
     def finish(self, status: str = "finished") -> None:
         """Derive the totals from the per-round records."""

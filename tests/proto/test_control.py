@@ -172,6 +172,7 @@ MESSAGES: list[ControlMessage] = [
     JobRestore("j", phase="expect", source_cluster="scheduler", nodes=("c1", "server")),
     JobRestore("j", phase="apply", codec=True),
     JobPlan("j", routing_sha256="ab" * 32, routing_size=9, next_round=2),
+    JobPlan("j", routing=routing(), privacy_keys={"a": bytes(32), "b": b"k" * 32}),
     JobPlanPart("j", digest="cd" * 32, index=1, count=2, size=PLAN_PART_BYTES + 5,
                 data=b"12345"),
 ]

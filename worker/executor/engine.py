@@ -122,6 +122,9 @@ class ClusterEngine:
         self._lock = threading.Lock()
         #: clients that sit out every round of this plan (pinned data on a lost cluster)
         self.absent: frozenset[str] = frozenset()
+        #: [privacy]: protects each client's update before it goes up, and combines what
+        #: a star's root received (worker.privacy.Privacy)
+        self.privacy: Any = None
 
     # -- placement (fixed for the life of an engine: a new plan makes a new engine) -----
     def local_clients(self) -> list[str]:
@@ -336,7 +339,11 @@ class ClusterEngine:
         samples = self.pool.samples(node)
         nbytes = self._model_nbytes
         if not self.graph.decentralized:
-            self.transport.send(r, UP, node, self.graph.parent[node], update, samples, nbytes)
+            parent = self.graph.parent[node]
+            sent = update if self.privacy is None else self.pool.put(self.privacy.protect(
+                node, r, self.pool.resolve(start), self.pool.resolve(update),
+                [c for c in self.graph.children(parent) if c in trained]))
+            self.transport.send(r, UP, node, parent, sent, samples, nbytes)
         else:
             for peer in self.graph.peers.get(node, ()):
                 if peer in trained:
@@ -440,6 +447,8 @@ class ClusterEngine:
         # steps once on the mean of all groups at the exchange (see Aggregator.server_optimizer)
         group_optimizer = graph.kind == "hybrid" and self._is_server_optimizer(node)
         inner = self._make_inner() if group_optimizer else self._aggregator(node)
+        if self.privacy is not None and graph.kind == "star" and updates:
+            updates = self.privacy.combine(current, updates)  # unmasked sum, central noise
         model = inner.aggregate(current, updates) if updates else current
         if graph.exchanges(r):
             # groups weigh by the samples behind them, not by who trained this round

@@ -55,6 +55,7 @@ from worker.executor.transport import (
     RemoteLink,
     Weights,
 )
+from worker.privacy import Privacy
 
 log = logging.getLogger("fedpilot.executor")
 
@@ -103,6 +104,7 @@ class ExecutorService:
         self.spec: JobSpec | None = None
         self.runtime: JobRuntime | None = None
         self.engine: ClusterEngine | None = None
+        self.privacy: Privacy | None = None  # [privacy]: its keys, accountant and seams
         self.transport: HybridTransport | None = None
         #: the transport's compression codec (worker.executor.codec.EdgeCodec; a test's
         #: runtime may give one without checkpoint state)
@@ -220,6 +222,12 @@ class ExecutorService:
         first = page_rows(message.histogram_bytes, rows.shape[1], self._histogram_dtype)
         reply: dict[str, Any] = {**histogram_reply(rows[:first], self._histogram_dtype),
                                  "capacity": self.runtime.capacity()}
+        self.privacy = Privacy.for_job(spec, self.cluster_id, locate=self._nodes_lookup,
+                                       samples=self.runtime.samples)
+        if self.privacy is not None:  # the key the others mask with; the rounds DP allows
+            reply["privacy"] = {"key": self.privacy.public_key() or b"",
+                                "rounds": self.privacy.max_rounds(),
+                                "noise_multiplier": self.privacy.noise_multiplier}
         data_info = getattr(self.runtime, "data_info", None)
         if data_info is not None:  # classes and shape, which pinned clusters must agree on
             reply["data"] = data_info()
@@ -303,6 +311,14 @@ class ExecutorService:
             client_fraction=self.spec.training.client_fraction, timeout=self.round_timeout,
             mixing_steps=routing.mixing_steps)
         self.engine.absent = absent
+        if self.privacy is not None and self.privacy.key is not None:
+            keys = message.privacy_keys or {}
+            missing = sorted(set(nodes.values()) - set(keys))
+            if missing:
+                raise ControlError(f"secure aggregation: the plan carries no public key of "
+                                   f"clusters {missing}")
+            self.privacy.set_peer_keys(keys)
+        self.engine.privacy = self.privacy
         if previous is not None:  # nodes that stay here keep their models (and the state)
             self.engine.adopt(previous, [n for n in graph.nodes if nodes[n] == self.cluster_id])
         # the plan names the round that runs next: its updates (and the next round's) are
@@ -375,6 +391,8 @@ class ExecutorService:
             finally:
                 with self._lock:
                     self._running = None
+            if self.privacy is not None:
+                record.epsilon = self.privacy.epsilon(r)
         if self.metrics is not None and self.spec is not None and self.runtime is not None:
             self.metrics.round_finished(
                 self.spec.job_id, record.round, seconds=record.seconds,

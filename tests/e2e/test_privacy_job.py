@@ -1,0 +1,83 @@
+"""[privacy] through the whole job pipeline in one process (driver, executors, engine,
+loopback link, torch training on digits): the root sees only masked updates and learns
+the same model; central DP reports the epsilon spent and stops at its budget."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fedpilot.loopback import LoopbackMesh
+from proto.job import JobSpec
+from scheduler.run.driver import Driver, JobFailed
+from worker.context import InProcessContext
+from worker.executor.runtime import runtime_factory
+from worker.privacy import Privacy, dp, flatten, secagg
+
+
+def job(rounds: int = 3, **privacy: Any) -> JobSpec:
+    return JobSpec.from_dict({
+        "job": {"id": "private", "seed": 5},
+        "data": {"number_of_clients": 9, "dirichlet_beta": 0.5},
+        "training": {"federated_learning_rounds": rounds, "number_of_epochs": 1,
+                     "client_fraction": 0.7},
+        "topology": {"kind": "star"},
+        "aggregation": {"name": "fedavgm"},
+        "placement": {"max_materialized": 2, "strategy": "round_robin"},
+        "privacy": privacy,
+    })
+
+
+def run(spec: JobSpec) -> Any:
+    mesh = LoopbackMesh(["a", "b", "c"], lambda cid: runtime_factory(InProcessContext(), cid),
+                        capacity=4)
+    driver = Driver(spec, mesh.clusters(), mesh, backend="inprocess", timeout=120)
+    try:
+        return driver.run()
+    finally:
+        driver.close()
+
+
+def test_curious_root_sees_only_masked_updates_and_the_result_is_unchanged(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[np.ndarray] = []
+    combine = Privacy.combine
+
+    def recording(self: Privacy, current: Any, updates: list[Any]) -> Any:
+        seen.extend(flatten(w) for w, _ in updates)  # what the aggregating executor receives
+        return combine(self, current, updates)
+
+    monkeypatch.setattr(Privacy, "combine", recording)
+    masked = run(job(secure_aggregation=True)).summary
+    assert seen and len(seen) == sum(r.participants for r in masked.rounds)
+    for vector in seen:
+        assert np.all(vector == np.rint(vector)) and vector.min() >= 0
+        assert vector.max() < 2 ** secagg.RING_BITS
+        assert abs(np.mean(vector) / 2 ** secagg.RING_BITS - 0.5) < 0.05  # not a model
+    monkeypatch.setattr(Privacy, "combine", combine)
+    plain = run(job()).summary
+    assert [r.participants for r in masked.rounds] == [r.participants for r in plain.rounds]
+    for a, b in zip(masked.rounds, plain.rounds, strict=True):
+        assert a.accuracy == pytest.approx(b.accuracy, abs=0.01)
+        assert a.loss == pytest.approx(b.loss, rel=0.01)
+    assert masked.privacy["secure_aggregation"] and not plain.privacy
+    assert math.isnan(masked.rounds[-1].epsilon)
+
+
+def test_central_dp_reports_epsilon_and_stops_at_its_budget() -> None:
+    spec = job(rounds=6, dp="central", clip_norm=1.0, noise_multiplier=2.0, epsilon=3.0,
+               secure_aggregation=True)
+    allowed = next(r for r in range(7) if dp.epsilon(2.0, 0.7, r + 1, 1e-5) > 3.0)
+    assert 0 < allowed < 6
+    summary = run(spec).summary
+    assert [r.round for r in summary.rounds] == list(range(1, allowed + 1))
+    spent = [r.epsilon for r in summary.rounds]
+    assert spent == [pytest.approx(dp.epsilon(2.0, 0.7, r, 1e-5)) for r in range(1, allowed + 1)]
+    assert spent == sorted(spent) and spent[-1] <= 3.0
+    assert f"round {allowed + 1} would spend more" in summary.privacy["stopped"]
+    assert summary.privacy["epsilon"] == spent[-1]
+    with pytest.raises(JobFailed, match="privacy budget"):
+        run(job(rounds=2, dp="central", noise_multiplier=0.5, epsilon=0.5))
