@@ -171,8 +171,9 @@ class FaultsSpec:
 
 
 PRIVACY_DP = ("none", "central", "local")
-#: topologies whose aggregation [privacy] protects: star's root sums its clients' updates
-PRIVACY_TOPOLOGIES = ("star",)
+#: topologies whose aggregation [privacy] protects: star's root sums its clients' updates,
+#: hybrid groups their clients' and at the exchange each other's models
+PRIVACY_TOPOLOGIES = ("star", "hybrid")
 #: aggregators that need each update on its own (a sum or a noisy mean defeats them)
 ROBUST_AGGREGATORS = ("median", "trimmed_mean", "krum")
 
@@ -622,9 +623,14 @@ def _check_privacy(source: str, spec: JobSpec) -> None:
     kind = spec.topology.kind
     if kind not in PRIVACY_TOPOLOGIES and not (p.dp == "local" and not p.secure_aggregation):
         raise _fail(source, what, value,
-                    f"false/'none' on {kind}, or topology.kind = 'star' (or privacy.dp = "
-                    "'local' alone): only star's root sums client updates here; a hierarchy's "
-                    "inner levels, hybrid groups and decentralized mixing are not protected yet")
+                    f"false/'none' on {kind}, or topology.kind = 'star' or 'hybrid' (or "
+                    "privacy.dp = 'local' alone): a hierarchy's inner levels and "
+                    "decentralized mixing are not protected yet")
+    if p.secure_aggregation and kind == "hybrid" and spec.topology.inter_cluster_period != 1:
+        raise _fail(source, "topology.inter_cluster_period", spec.topology.inter_cluster_period,
+                    "1 with privacy.secure_aggregation: the groups unmask the mean of their "
+                    "updates from one common model, which they hold only when they exchange "
+                    "every round")
     if p.dp == "local" and kind in DECENTRALIZED_TOPOLOGIES:
         raise _fail(source, "privacy.dp", p.dp, f"'none' or 'central' on {kind}: local noise "
                     "is added to updates a client sends to a parent (star, hierarchical, hybrid)")

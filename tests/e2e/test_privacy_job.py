@@ -18,13 +18,13 @@ from worker.executor.runtime import runtime_factory
 from worker.privacy import Privacy, dp, flatten, secagg
 
 
-def job(rounds: int = 3, **privacy: Any) -> JobSpec:
+def job(rounds: int = 3, kind: str = "star", **privacy: Any) -> JobSpec:
     return JobSpec.from_dict({
         "job": {"id": "private", "seed": 5},
         "data": {"number_of_clients": 9, "dirichlet_beta": 0.5},
         "training": {"federated_learning_rounds": rounds, "number_of_epochs": 1,
                      "client_fraction": 0.7},
-        "topology": {"kind": "star"},
+        "topology": {"kind": kind},
         "aggregation": {"name": "fedavgm"},
         "placement": {"max_materialized": 2, "strategy": "round_robin"},
         "privacy": privacy,
@@ -65,6 +65,29 @@ def test_curious_root_sees_only_masked_updates_and_the_result_is_unchanged(
         assert a.loss == pytest.approx(b.loss, rel=0.01)
     assert masked.privacy["secure_aggregation"] and not plain.privacy
     assert math.isnan(masked.rounds[-1].epsilon)
+
+
+def test_hybrid_groups_exchange_only_masked_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[np.ndarray] = []
+    mask = Privacy.mask
+
+    def recording(self: Privacy, *args: Any) -> Any:
+        sent = mask(self, *args)
+        if args[-1] == "exchange":  # what a group sends every other group
+            seen.append(flatten(sent))
+        return sent
+
+    monkeypatch.setattr(Privacy, "mask", recording)
+    masked = run(job(kind="hybrid", secure_aggregation=True)).summary
+    assert len(seen) == 3 * len(masked.rounds)  # a group a cluster, each round
+    for vector in seen:
+        assert np.all(vector == np.rint(vector)) and vector.min() >= 0
+        assert abs(np.mean(vector) / 2 ** secagg.RING_BITS - 0.5) < 0.05
+    monkeypatch.setattr(Privacy, "mask", mask)
+    plain = run(job(kind="hybrid")).summary
+    for a, b in zip(masked.rounds, plain.rounds, strict=True):
+        assert a.accuracy == pytest.approx(b.accuracy, abs=0.01)
+        assert a.loss == pytest.approx(b.loss, rel=0.01)
 
 
 def test_central_dp_reports_epsilon_and_stops_at_its_budget() -> None:

@@ -171,7 +171,7 @@ def test_local_noise_is_added_by_the_client() -> None:
     spec = job(dp="local", clip_norm=1.0, noise_multiplier=1.5)
     privacy = Privacy(spec, "a", locate=lambda c: "a", samples=lambda c: 10)
     start = {"w": np.zeros((300, 400), np.float32)}
-    sent = privacy.protect("c0", 1, start, start, ["c0"])
+    sent = privacy.protect("c0", 1, start, start, ["c0"], "server")
     assert np.std(flatten(sent)) == pytest.approx(1.5, rel=0.03)
     assert privacy.sampling_rate == 1.0
 
@@ -191,7 +191,8 @@ def test_honest_but_curious_aggregator_sees_only_masked_updates() -> None:
     trained = {c: {k: v + rng.normal(0, 0.05, v.shape).astype(np.float32)
                    for k, v in start.items()} for c in PLACEMENT}
     contributors = sorted(PLACEMENT)
-    received = [(sides[PLACEMENT[c]].protect(c, 4, start, trained[c], contributors), samples[c])
+    received = [(sides[PLACEMENT[c]].protect(c, 4, start, trained[c], contributors, "g"),
+                 samples[c])
                 for c in contributors]
     for (w, _), c in zip(received, contributors, strict=True):
         seen = flatten(w)
@@ -214,7 +215,10 @@ def test_job_privacy_keys() -> None:
         ({"privacy": {"dp": "central"}}, "noise_multiplier"),
         ({"privacy": {"secure_aggregation": 1}}, "true or false"),
         ({"privacy": {"dp": "global"}}, "central"),
-        ({"privacy": {"secure_aggregation": True}, "topology": {"kind": "hybrid"}}, "star"),
+        ({"privacy": {"secure_aggregation": True}, "topology": {"kind": "hierarchical"}},
+         "star"),
+        ({"privacy": {"secure_aggregation": True},
+          "topology": {"kind": "hybrid", "inter_cluster_period": 2}}, "every round"),
         ({"privacy": {"secure_aggregation": True}, "transfer": {"compression": "int8"}},
          "no codec"),
         ({"privacy": {"dp": "central", "epsilon": 1.0}, "aggregation": {"name": "krum"}},

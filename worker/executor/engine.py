@@ -45,6 +45,7 @@ import numpy as np
 from proto.rounds import RoundRecord
 from worker.executor.graph import DOWN, PEER, UP, RoundGraph, mixing_kind, participants
 from worker.executor.transport import HybridTransport, Weights
+from worker.privacy import flatten, unflatten
 
 log = logging.getLogger("fedpilot.executor")
 #: key prefix of a hybrid group's anchor in its aggregator state (checkpoints, migration);
@@ -342,7 +343,7 @@ class ClusterEngine:
             parent = self.graph.parent[node]
             sent = update if self.privacy is None else self.pool.put(self.privacy.protect(
                 node, r, self.pool.resolve(start), self.pool.resolve(update),
-                [c for c in self.graph.children(parent) if c in trained]))
+                [c for c in self.graph.children(parent) if c in trained], parent))
             self.transport.send(r, UP, node, parent, sent, samples, nbytes)
         else:
             for peer in self.graph.peers.get(node, ()):
@@ -447,12 +448,19 @@ class ClusterEngine:
         # steps once on the mean of all groups at the exchange (see Aggregator.server_optimizer)
         group_optimizer = graph.kind == "hybrid" and self._is_server_optimizer(node)
         inner = self._make_inner() if group_optimizer else self._aggregator(node)
-        if self.privacy is not None and graph.kind == "star" and updates:
+        private = self.privacy is not None and graph.kind in ("star", "hybrid")
+        if private and self.privacy.combines and updates:
             updates = self.privacy.combine(current, updates)  # unmasked sum, central noise
         model = inner.aggregate(current, updates) if updates else current
         if graph.exchanges(r):
             # groups weigh by the samples behind them, not by who trained this round
             behind = self._samples_behind(node)
+            secure = private and self.privacy.spec.secure_aggregation
+            if secure:  # every group masks its share of the groups' mean (one a cluster)
+                groups = sorted([node, *graph.peers.get(node, ())])
+                model = self.privacy.mask(node, r, flatten(model) - flatten(current), current,
+                                          groups, {g: self._samples_behind(g) for g in groups},
+                                          "exchange")
             handle = self.pool.put(model)
             for peer in graph.peers.get(node, ()):
                 self.transport.send(r, PEER, node, peer, handle, behind, nbytes)
@@ -463,6 +471,9 @@ class ClusterEngine:
                                       self._trusted_samples(peer, env.samples, None))
             # every group sums in the same order, so all of them reach the same model
             ordered = [group_models[g] for g in sorted(group_models)]
+            if secure:  # the groups started from one model: their mean from the sum
+                ordered = [(unflatten(flatten(current) + self.privacy.unmask(current, ordered),
+                                      current), sum(k for _, k in ordered))]
             if group_optimizer:
                 with self._lock:
                     anchor = self._anchors.get(node, current)

@@ -1,10 +1,11 @@
 """Private by construction: secure aggregation between clusters and differential privacy
 (`[privacy]` of the job; docs/security.md says who sees what with each option).
 
-`Privacy` is what the round engine calls at its two seams of a star round: `protect` on
-each client's trained model before it goes up (clip, local noise, quantize and mask), and
-`combine` on what the root received (unmask the sum, or clip and average, then central
-noise), which leaves one update for the job's aggregator. The pure parts are `secagg`
+`Privacy` is what the round engine calls where updates are combined: `protect` on each
+client's trained model before it goes up (clip, local noise, quantize and mask), and
+`combine` on what a star's root or a hybrid group received (unmask the sum, or clip and
+average, then central noise), which leaves one update for the job's aggregator; at a
+hybrid exchange every group `mask`s its share and each `unmask`s the groups' mean. The pure parts are `secagg`
 (masks, fixed point, Shamir) and `dp` (clipping, noise, the accountant).
 """
 
@@ -61,7 +62,7 @@ class Privacy:
         self.noise_multiplier = float(z or 0.0)
         self.key = secagg.new_key() if p.secure_aggregation else None
         self._secrets: dict[str, bytes] = {}
-        self._masks: dict[tuple[int, str], np.ndarray] = {}
+        self._masks: dict[tuple[int, str, str], np.ndarray] = {}
         self._lock = threading.Lock()
         self._rng = np.random.default_rng()  # noise is never reproducible from the seed
 
@@ -100,10 +101,15 @@ class Privacy:
             self._masks.clear()
 
     # -- the seams ---------------------------------------------------------------------------
+    @property
+    def combines(self) -> bool:
+        """Whether the aggregation over clients goes through `combine`."""
+        return self.spec.secure_aggregation or self.spec.dp == "central"
+
     def protect(self, node: str, r: int, start: Weights, trained: Weights,
-                contributors: Sequence[str]) -> Weights:
-        """What client `node` sends up: its update clipped (DP) and noised (local DP), then,
-        with secure aggregation, weighted, quantized and masked among `contributors` (every
+                contributors: Sequence[str], aggregation: str) -> Weights:
+        """What client `node` sends up to `aggregation`: its update clipped (DP) and noised
+        (local DP), then, with secure aggregation, masked among `contributors` (every
         client whose update the same aggregation sums this round)."""
         p = self.spec
         base = flatten(start)
@@ -115,33 +121,45 @@ class Privacy:
                                         self._rng)
         if not p.secure_aggregation:
             return unflatten(base + delta, start)
-        weight = 1.0 / len(contributors) if p.dp != "none" else (
-            self.samples(node) / max(1, sum(self.samples(c) for c in contributors)))
-        q, _ = secagg.quantize(delta, weight, p.clip_range)
-        masked = secagg.mask(q, self._mask(node, r, contributors, q.size))
-        return unflatten(masked.astype(np.float64), start)
+        weights = ({c: 1 for c in contributors} if p.dp != "none"  # DP: equal weights
+                   else {c: self.samples(c) for c in contributors})
+        return self.mask(node, r, delta, start, contributors, weights, aggregation)
 
-    def _mask(self, node: str, r: int, contributors: Sequence[str], n: int) -> np.ndarray:
+    def mask(self, node: str, r: int, delta: np.ndarray, like: Weights,
+             contributors: Sequence[str], weights: Mapping[str, int], aggregation: str
+             ) -> Weights:
+        """`node`'s share weights[node] / sum(weights) of `delta`, quantized and masked
+        among `contributors` for the sum `aggregation` takes in round `r` (a model of
+        `like`'s shapes whose values are ring elements)."""
+        share = weights[node] / max(1, sum(weights[c] for c in contributors))
+        q, _ = secagg.quantize(delta, share, self.spec.clip_range)
+        key = (r, aggregation, node)
         with self._lock:
-            if (r, node) not in self._masks:
+            if key not in self._masks:
                 where = {c: self.locate(c) for c in contributors}
                 mine = [c for c in contributors if where[c] == self.cluster_id]
                 masks = secagg.cluster_masks(self.cluster_id, mine, sorted(set(where.values())),
-                                             self._secrets, f"{self.job_id}/{r}", n)
+                                             self._secrets, f"{self.job_id}/{r}/{aggregation}",
+                                             q.size)
                 self._masks = {k: v for k, v in self._masks.items() if k[0] >= r}
-                self._masks.update({(r, c): m for c, m in masks.items()})
-            return self._masks.pop((r, node))
+                self._masks.update({(r, aggregation, c): m for c, m in masks.items()})
+            m = self._masks.pop(key)
+        return unflatten(secagg.mask(q, m).astype(np.float64), like)
+
+    def unmask(self, current: Weights, updates: list[tuple[Weights, int]]) -> np.ndarray:
+        """The weighted mean update that masked `updates` sum to."""
+        total = secagg.masked_sum([flatten(w).astype(np.uint32) for w, _ in updates])
+        return secagg.dequantize(total, self.spec.clip_range)
 
     def combine(self, current: Weights, updates: list[tuple[Weights, int]]
                 ) -> list[tuple[Weights, int]]:
-        """The one update the aggregator's rule sees in place of `updates`: the round's
-        start plus the (weighted, or under DP clipped and equally weighted) mean update,
-        unmasked from its sum with secure aggregation, with central DP's noise."""
+        """The one update the aggregator's rule sees in place of clients' `updates`: the
+        round's start plus the (weighted, or under DP clipped and equally weighted) mean
+        update, unmasked from its sum with secure aggregation, with central DP's noise."""
         p = self.spec
         base = flatten(current)
         if p.secure_aggregation:
-            total = secagg.masked_sum([flatten(w).astype(np.uint32) for w, _ in updates])
-            mean = secagg.dequantize(total, p.clip_range)
+            mean = self.unmask(current, updates)
         else:
             deltas = [flatten(w) - base for w, _ in updates]
             if p.dp != "none":
