@@ -104,3 +104,15 @@ def test_central_dp_reports_epsilon_and_stops_at_its_budget() -> None:
     assert summary.privacy["epsilon"] == spent[-1]
     with pytest.raises(JobFailed, match="privacy budget"):
         run(job(rounds=2, dp="central", noise_multiplier=0.5, epsilon=0.5))
+
+
+def test_local_dp_on_a_hierarchy_reports_epsilon() -> None:
+    spec = JobSpec.from_dict({**job(rounds=2).to_dict(),
+                              "topology": {"kind": "hierarchical", "hierarchy_branching": 3},
+                              "privacy": {"dp": "local", "noise_multiplier": 4.0,
+                                          "clip_norm": 0.5}})
+    summary = run(spec).summary
+    assert [r.epsilon for r in summary.rounds] == [
+        pytest.approx(dp.epsilon(4.0, 1.0, r, 1e-5)) for r in (1, 2)]  # local: q = 1
+    assert all(math.isfinite(r.accuracy) for r in summary.rounds)
+    assert summary.privacy["dp"] == "local" and not summary.privacy["stopped"]

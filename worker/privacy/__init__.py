@@ -83,10 +83,14 @@ class Privacy:
         budget = self.spec.epsilon
         if self.spec.dp == "none" or budget is None:
             return self.rounds
-        r = 0
-        while r < self.rounds and self.epsilon(r + 1) <= budget * (1 + 1e-9):
-            r += 1
-        return r
+        low, high = 0, self.rounds  # epsilon grows with the rounds: bisect
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.epsilon(mid) <= budget * (1 + 1e-9):
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     # -- secure aggregation's keys ---------------------------------------------------------
     def public_key(self) -> bytes | None:
