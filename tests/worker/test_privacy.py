@@ -127,7 +127,7 @@ def test_accountant_matches_the_library(z: float, q: float, rounds: int) -> None
     assert dp.epsilon(z, q, rounds, 1e-5) == pytest.approx(accountant.get_epsilon(1e-5),
                                                             rel=1e-12)
     # and RDP is an upper bound close to the (tighter) PLD accountant's
-    tight = pld.PLDAccountant()
+    tight = pld.PLDAccountant(value_discretization_interval=1e-3)
     tight.compose(inner, rounds)
     assert tight.get_epsilon(1e-5) <= dp.epsilon(z, q, rounds, 1e-5) * 1.001
     assert dp.epsilon(z, q, rounds, 1e-5) < 1.6 * tight.get_epsilon(1e-5)
