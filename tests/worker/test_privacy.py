@@ -204,6 +204,10 @@ def test_honest_but_curious_aggregator_sees_only_masked_updates() -> None:
     plain = sum(samples[c] * flatten(trained[c]) for c in contributors) / sum(samples.values())
     assert total == sum(samples.values())
     assert np.max(np.abs(flatten(combined) - plain)) < 1e-5
+    # a repeated round (a new attempt) masks afresh: no mask is used in two sums
+    sides["b"].attempt = 1
+    again = sides["b"].protect("c2", 4, start, trained["c2"], contributors, "g")
+    assert not np.array_equal(flatten(again), flatten(received[2][0]))
 
 
 def test_job_privacy_keys() -> None:

@@ -384,6 +384,8 @@ class ExecutorService:
                 self.mailbox.reopen_round(r)
             with self._lock:
                 self._running = (r, attempt)
+            if self.privacy is not None:
+                self.privacy.attempt = attempt
             try:
                 record = self.engine.run_round(r, None if deadline is None else float(deadline))
             except Exception as exc:

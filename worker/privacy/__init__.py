@@ -11,6 +11,7 @@ hybrid exchange every group `mask`s its share and each `unmask`s the groups' mea
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -22,6 +23,7 @@ from proto.job import JobSpec
 from worker.privacy import dp, secagg
 
 Weights = dict[str, np.ndarray]
+log = logging.getLogger("fedpilot.executor")
 
 
 def flatten(weights: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -62,7 +64,10 @@ class Privacy:
         self.noise_multiplier = float(z or 0.0)
         self.key = secagg.new_key() if p.secure_aggregation else None
         self._secrets: dict[str, bytes] = {}
-        self._masks: dict[tuple[int, str, str], np.ndarray] = {}
+        #: the round's attempt (round.run's): a repeated round masks afresh, so no mask
+        #: is ever used in two sums
+        self.attempt = 0
+        self._masks: dict[tuple[int, int, str, str], np.ndarray] = {}
         self._lock = threading.Lock()
         self._rng = np.random.default_rng()  # noise is never reproducible from the seed
 
@@ -136,17 +141,22 @@ class Privacy:
         among `contributors` for the sum `aggregation` takes in round `r` (a model of
         `like`'s shapes whose values are ring elements)."""
         share = weights[node] / max(1, sum(weights[c] for c in contributors))
-        q, _ = secagg.quantize(delta, share, self.spec.clip_range)
-        key = (r, aggregation, node)
+        q, clipped = secagg.quantize(delta, share, self.spec.clip_range)
+        if clipped:  # a clip_range too small for the job's updates changes what it learns
+            log.info("event=secagg_clipped node=%s round=%d coordinates=%d clip_range=%g",
+                     node, r, clipped, self.spec.clip_range)
+        key = (r, self.attempt, aggregation, node)
         with self._lock:
             if key not in self._masks:
                 where = {c: self.locate(c) for c in contributors}
                 mine = [c for c in contributors if where[c] == self.cluster_id]
                 masks = secagg.cluster_masks(self.cluster_id, mine, sorted(set(where.values())),
-                                             self._secrets, f"{self.job_id}/{r}/{aggregation}",
+                                             self._secrets,
+                                             f"{self.job_id}/{r}.{self.attempt}/{aggregation}",
                                              q.size)
                 self._masks = {k: v for k, v in self._masks.items() if k[0] >= r}
-                self._masks.update({(r, aggregation, c): m for c, m in masks.items()})
+                self._masks.update({(r, self.attempt, aggregation, c): m
+                                    for c, m in masks.items()})
             m = self._masks.pop(key)
         return unflatten(secagg.mask(q, m).astype(np.float64), like)
 
