@@ -69,6 +69,8 @@ class RunMetrics:
         self.actors = Gauge(f"{p}_actors_materialized", "client actors alive now", ["job"], registry=r)
         self.cluster_losses = Counter(f"{p}_cluster_losses", "clusters lost during a job",
                                       ["job", "cluster"], registry=r)
+        self.epsilon = Gauge(f"{p}_privacy_epsilon", "[privacy] dp: the epsilon spent so far",
+                             ["job"], registry=r)
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self.address = ""
@@ -85,11 +87,13 @@ class RunMetrics:
             bytes_intra=int(record.bytes_intra), bytes_inter=int(record.bytes_inter),
             training_seconds=getattr(record, "training_seconds", None),
             actors_materialized=getattr(record, "actors_materialized",
-                                        getattr(record, "actors_created", None)))
+                                        getattr(record, "actors_created", None)),
+            epsilon=getattr(record, "epsilon", None))
 
     def round_finished(self, job_id: str, round: int, *, seconds: float, accuracy: float, loss: float,
                        bytes_intra: int, bytes_inter: int, training_seconds: float | None = None,
-                       actors_materialized: int | None = None) -> None:
+                       actors_materialized: int | None = None,
+                       epsilon: float | None = None) -> None:
         self.round.labels(job_id).set(round)
         self.rounds.labels(job_id).inc()
         self.round_seconds.labels(job_id).observe(max(seconds, 0.0))
@@ -102,6 +106,8 @@ class RunMetrics:
             self.training_seconds.labels(job_id).inc(max(float(training_seconds), 0.0))
         if actors_materialized is not None:
             self.actors.labels(job_id).set(int(actors_materialized))
+        if epsilon is not None and math.isfinite(epsilon):  # a job with DP
+            self.epsilon.labels(job_id).set(epsilon)
 
     def cluster_lost(self, job_id: str, cluster: str) -> None:
         self.cluster_losses.labels(job_id, cluster).inc()

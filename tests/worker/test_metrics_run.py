@@ -67,13 +67,15 @@ def test_scheduler_metrics_count_cluster_losses_and_nan_accuracy() -> None:
     with RunMetrics("scheduler") as metrics:
         address = metrics.serve("127.0.0.1:0")
         metrics.round_finished("j", 1, seconds=2.0, accuracy=math.nan, loss=0.5,
-                               bytes_intra=10, bytes_inter=20, training_seconds=1.5)
+                               bytes_intra=10, bytes_inter=20, training_seconds=1.5,
+                               epsilon=0.75)
         metrics.cluster_lost("j", "c")
         metrics.cluster_lost("j", "c")
         s = scrape(address)
     assert s[("fedpilot_scheduler_cluster_losses_total", frozenset({("job", "j"), ("cluster", "c")}))] == 2
     assert math.isnan(s[("fedpilot_scheduler_accuracy", frozenset({("job", "j")}))])
     assert s[("fedpilot_scheduler_training_seconds_total", frozenset({("job", "j")}))] == 1.5
+    assert s[("fedpilot_scheduler_privacy_epsilon", frozenset({("job", "j")}))] == 0.75
     with pytest.raises(ValueError, match="HOST:PORT"):
         parse_endpoint("9101")
     with pytest.raises(ValueError):

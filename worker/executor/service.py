@@ -400,7 +400,7 @@ class ExecutorService:
                 self.spec.job_id, record.round, seconds=record.seconds,
                 accuracy=record.accuracy, loss=record.loss, bytes_intra=record.bytes_intra,
                 bytes_inter=record.bytes_inter,
-                actors_materialized=self.runtime.actors_materialized())
+                actors_materialized=self.runtime.actors_materialized(), epsilon=record.epsilon)
         return record.to_dict()
 
     def _abort_round(self, message: RoundAbort) -> dict[str, Any]:
