@@ -165,6 +165,7 @@ def run_engine(job: dict[str, Any], clusters: int) -> dict[str, Any]:
         "final": round(summary.final_accuracy, 4),
         "bytes_inter": summary.bytes_inter_total,
         "bytes_intra": summary.bytes_intra_total,
+        "stalls": sum(r.stalls for r in summary.rounds),
         "seconds": round(time.perf_counter() - started, 1),
     }
 
@@ -394,6 +395,191 @@ def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: i
             "reference_over_centralized": round(reference.get("final", float("nan")) / best, 4),
             "model_aware_communities": communities, "jobs": results}
 
+# --- the grid: data sets x models x splits x seeds, one set of defaults -----------------
+
+#: models per data set kind: user classes (bench/usercnn.py, by module:Class), one with
+#: BatchNorm and dropout, none of them tuned for
+GRID_MODELS = {"mnist": ("usercnn:SmallCNN", "usercnn:BNCNN", "usercnn:WideCNN"),
+               "digits": ("usercnn:SmallCNN", "usercnn:BNCNN", "usercnn:BNMLP"),
+               "table": ("mlp", "usercnn:BNMLP")}
+GRID_TOPOLOGIES = ("star", "hybrid", "hierarchical", "k_connected")
+GRID_AGGREGATORS = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad")
+#: a slice of the grid each: name -> (data sets, betas, client counts, seeds, rounds)
+GRID_SIZES: dict[str, tuple[tuple[str, ...], tuple[float, ...], tuple[int, ...],
+                            tuple[int, ...], int]] = {
+    "quick": (("digits",), (0.3,), (12,), (0,), 4),
+    "medium": (("digits", "table", "mnist"), (0.1, 0.3, 1.0), (20, 50), (0,), 15),
+    "full": (("mnist", "digits", "table"), (0.1, 0.3, 1.0), (20, 50, 100), (0, 1, 2), 15),
+}
+
+
+def grid_cells(size: str, datasets: list[str] | None, models: list[str] | None
+               ) -> list[tuple[str, str, float, int, int, int]]:
+    """(data set, model, beta, clients, seed, rounds) of every cell of a grid slice."""
+    names, betas, clients, seeds, rounds = GRID_SIZES[size]
+    cells = []
+    for name in datasets or names:
+        for model in models or GRID_MODELS[name]:
+            if model not in GRID_MODELS[name] and models is None:
+                continue
+            for beta in betas:
+                for n in clients:
+                    for seed in seeds:
+                        cells.append((name, model, beta, n, seed, rounds))
+    return cells
+
+
+def grid_jobs(size: str) -> list[tuple[str, str]]:
+    """Every topology x aggregator at its defaults (the quick slice: one of each kind)."""
+    if size == "quick":
+        return [("star", "fedavg"), ("hybrid", "fedadam"), ("k_connected", "fedavg"),
+                ("star", "fedavgm")]
+    return [(t, a) for t in GRID_TOPOLOGIES for a in GRID_AGGREGATORS]
+
+
+def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str, str]],
+               out: Path, workers: int) -> dict[str, Any]:
+    """One grid cell: centralized, the reference FedAvg loop and every job, in one run."""
+    from proto.job import JobSpec, JobSpecError
+    from proto.rounds import CHANCE_MARGIN
+
+    name, model, beta, clients, seed, rounds = cell
+    ds = replace(DATASETS[name], model=model, beta=beta, clients=clients, rounds=rounds,
+                 clusters=4 if clients >= 20 else 3)
+    dataset = {"digits": lambda: "digits", "mnist": lambda: mnist_npz(out),
+               "table": lambda: table_csv(out)}[name]()
+    base = job_dict(ds, dataset, "star", "fedavg", seed=seed)
+    tasks: list[tuple[str, str, dict[str, Any]]] = [("centralized", "centralized", base),
+                                                    ("reference", "reference_fedavg", base)]
+    refused: dict[str, str] = {}
+    for topology, aggregation in jobs:
+        job = job_dict(ds, dataset, topology, aggregation, seed=seed,
+                       label=f"{topology}-{aggregation}")
+        try:
+            JobSpec.from_dict(job)
+        except JobSpecError as exc:
+            refused[f"{topology}+{aggregation}"] = str(exc)
+            continue
+        tasks.append(("engine", f"{topology}+{aggregation}", job))
+    results = _run_tasks(tasks, ds.clusters, workers, f"{name}/{model}/b{beta}/n{clients}/s{seed}")
+    central, reference = results.pop("centralized"), results.pop("reference_fedavg")
+    best = central.get("best") or float("nan")
+    chance = 1.0 / (2 if name == "table" else 10)
+    star_bytes = {t: r.get("bytes_inter") for t, r in results.items() if t.startswith("star+")}
+    star_fedavg = star_bytes.get("star+fedavg") or float("nan")
+    ref_final = reference.get("final", float("nan"))
+    rows: dict[str, Any] = {}
+    for job_name, res in results.items():
+        if "curve" not in res:
+            rows[job_name] = res
+            continue
+        topology, aggregation = job_name.split("+")
+        slack = 0.02 if topology in ("k_connected", "ring") else 0.01
+        fedavg = results.get(f"{topology}+fedavg", {}).get("final", float("nan"))
+        row = {"final": res["final"], "personalized": res["personalized"],
+               "over_centralized": round(res["final"] / best, 4),
+               "minus_reference": round(res["final"] - ref_final, 4),
+               "bytes_inter": res["bytes_inter"],
+               "bytes_over_star": round(res["bytes_inter"] / star_fedavg, 3),
+               "at_chance_after_round_3": any(a <= chance + CHANCE_MARGIN
+                                              for a in res["curve"][3:]),
+               "curve": res["curve"], "stalls": res.get("stalls", 0)}
+        row["meets_reference"] = bool(row["minus_reference"] >= -slack
+                                      or row["over_centralized"] >= 0.95)
+        if aggregation in ("fedadam", "fedyogi", "fedadagrad"):
+            row["adaptive_meets_fedavg"] = bool(res["final"] >= fedavg - 0.01)
+        rows[job_name] = row
+    return {"dataset": name, "model": model, "beta": beta, "clients": clients, "seed": seed,
+            "rounds": rounds, "centralized": central.get("final"),
+            "centralized_best": central.get("best"), "reference_fedavg": ref_final,
+            "reference_over_centralized": round(ref_final / best, 4),
+            "jobs": rows, "refused": refused}
+
+
+def _run_tasks(tasks: list[tuple[str, str, dict[str, Any]]], clusters: int, workers: int,
+               tag: str) -> dict[str, dict[str, Any]]:
+    """Run (kind, name, job) tasks in worker processes; a dead worker costs one retry."""
+    results: dict[str, dict[str, Any]] = {}
+    pending = tasks
+    for _attempt in range(2):
+        broken = []
+        with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
+            futures = {name: (pool.submit(_task, kind, job, clusters), (kind, name, job))
+                       for kind, name, job in pending}
+            for name, (future, task) in futures.items():
+                try:
+                    results[name] = future.result()
+                except BrokenProcessPool:
+                    broken.append(task)
+                    continue
+                shown = results[name].get("final", results[name].get(
+                    "adjusted_rand_index", results[name].get("error")))
+                print(f"bench_learning: {tag} {name}: {shown}", file=sys.stderr, flush=True)
+        pending = broken
+        if not pending:
+            break
+    for _kind, name, _job in pending:
+        results[name] = {"error": "its worker process died twice"}
+    return results
+
+
+def grid_table(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """The grid's verdicts: per topology x aggregator, the worst cell against the
+    reference loop and centralized, cells at chance after round 3, bytes against star."""
+    table: dict[str, dict[str, Any]] = {}
+    for cell in cells:
+        where = f"{cell['dataset']}/{cell['model']}/b{cell['beta']}/n{cell['clients']}/s{cell['seed']}"
+        for job, row in cell["jobs"].items():
+            entry = table.setdefault(job, {"cells": 0, "worst_minus_reference": None,
+                                           "worst_over_centralized": None,
+                                           "cells_below_reference": [], "cells_at_chance": [],
+                                           "adaptive_below_fedavg": [], "max_bytes_over_star": 0.0,
+                                           "errors": []})
+            if "final" not in row:
+                entry["errors"].append(f"{where}: {row.get('error')}")
+                continue
+            entry["cells"] += 1
+            for key, value in (("worst_minus_reference", row["minus_reference"]),
+                               ("worst_over_centralized", row["over_centralized"])):
+                entry[key] = value if entry[key] is None else min(entry[key], value)
+            if not row["meets_reference"]:
+                entry["cells_below_reference"].append(where)
+            if row["at_chance_after_round_3"]:
+                entry["cells_at_chance"].append(where)
+            if row.get("adaptive_meets_fedavg") is False:
+                entry["adaptive_below_fedavg"].append(where)
+            entry["max_bytes_over_star"] = max(entry["max_bytes_over_star"],
+                                               row["bytes_over_star"])
+    return table
+
+
+def main_grid(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    size = "quick" if args.quick else args.grid
+    cells = grid_cells(size, args.dataset, [m for m in args.models.split(",") if m] or None)
+    if args.betas:
+        cells = [c for c in cells if c[2] in {float(b) for b in args.betas.split(",")}]
+    if args.clients:
+        cells = [c for c in cells if c[3] in {int(n) for n in args.clients.split(",")}]
+    if args.rounds:
+        cells = [(*c[:5], args.rounds) for c in cells]
+    jobs = grid_jobs(size)
+    if args.jobs:
+        jobs = [tuple(j.split(":")[:2]) if ":" in j else (j, "fedavg")  # type: ignore[misc]
+                for j in args.jobs.split(",") if j]
+    started = time.perf_counter()
+    done: list[dict[str, Any]] = []
+    report: dict[str, Any] = {"benchmark": "learning_grid", "size": size, "cells": done}
+    for i, cell in enumerate(cells, 1):
+        print(f"bench_learning: cell {i}/{len(cells)} {cell}", file=sys.stderr, flush=True)
+        done.append(bench_cell(cell, jobs, out, args.workers))
+        report["table"] = grid_table(done)
+        report["seconds"] = round(time.perf_counter() - started, 1)
+        (out / "learning_grid.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+    return 0
+
 
 def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
@@ -435,7 +621,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                         help="jobs run in parallel processes (one torch thread each)")
     parser.add_argument("--out", default="bench-learning", help="directory for json and png")
+    parser.add_argument("--grid", choices=sorted(GRID_SIZES),
+                        help="the grid (data sets x models x betas x clients x seeds, every "
+                             "topology x aggregator at its defaults); with --quick: its "
+                             "quick slice")
+    parser.add_argument("--models", default="", help="grid: comma-separated models only")
+    parser.add_argument("--betas", default="", help="grid: comma-separated betas only")
+    parser.add_argument("--clients", default="", help="grid: comma-separated client counts")
     args = parser.parse_args(argv)
+    if args.grid:
+        return main_grid(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = args.dataset or (["digits"] if args.quick else list(DATASETS))

@@ -8,6 +8,8 @@ train them through the engine.
   smaller scale than SmallCNN's (more fan-in per unit).
 - BNCNN: conv + BatchNorm blocks and dropout before the classifier, the kind most users
   write: running statistics (buffers) and a train/eval difference.
+- WideBNCNN: WideCNN with BatchNorm everywhere and dropout 0.5.
+- BNMLP: any input flattened, two BatchNorm + dropout layers (tables and images alike).
 """
 
 from __future__ import annotations
@@ -83,3 +85,20 @@ class WideBNCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x.reshape(x.shape[0], *self.shape))
+
+
+class BNMLP(nn.Module):
+    """Any input flattened; 128 hidden units with BatchNorm and dropout 0.25, twice."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        width = 1
+        for d in input_shape:
+            width *= int(d)
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(width, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Dropout(0.25),
+            nn.Linear(128, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Dropout(0.25),
+            nn.Linear(128, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)

@@ -109,6 +109,9 @@ class TopologySpec:
     kind: str = "star"
     client_k_neighbors: int = 0             # k for k_connected; 0 = auto (k_neighbors)
     k_connected_mode: str = "complementary"  # random (k-regular) | similarity | complementary
+    # k_connected: inter-cluster model transfers per round at most this x star's on the same
+    # placement (edges inside a cluster are free); 0 = the graph as built
+    traffic_budget: float = 3.0
     hierarchy_levels: int = 2               # for hierarchical: levels of aggregators
     hierarchy_branching: int = 5            # children per aggregator
     adjacency_file: str = ""                # for custom: CSV adjacency
@@ -463,6 +466,7 @@ _RULES: dict[str, Rule] = {
     "topology.kind": _rule_choice(TOPOLOGIES),
     "topology.client_k_neighbors": _rule_int(0),
     "topology.k_connected_mode": _rule_choice(K_CONNECTED_MODES),
+    "topology.traffic_budget": _rule_float(0.0),
     "topology.hierarchy_levels": _rule_int(1, 16),
     "topology.hierarchy_branching": _rule_int(2),
     "topology.adjacency_file": _rule_str,

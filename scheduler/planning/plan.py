@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from proto.job import JobSpec, fixed_mixing_steps
+from proto.job import DECENTRALIZED_TOPOLOGIES, JobSpec, fixed_mixing_steps
 from proto.routing import RoutingMatrix
 from scheduler.errors import AssignmentFileError, CapacityError, PlanError
 from scheduler.planning.clusters import ClusterSlot, as_slots
@@ -31,7 +31,13 @@ from scheduler.planning.placement.mapping import (
 )
 from scheduler.planning.placement.refine import refine_assignment
 from scheduler.planning.placement.strategies import load_precomputed, random_assignment, round_robin
-from scheduler.planning.topology import LogicalTopology, build_topology
+from scheduler.planning.topology import (
+    LogicalTopology,
+    build_topology,
+    fit_traffic_budget,
+    inter_transfers,
+    star_transfers,
+)
 
 # Topologies whose client↔client edges exist before placement (hybrid's depend on it).
 _PRE_PLACEMENT = ("ring", "k_connected", "full", "custom")
@@ -84,6 +90,13 @@ class Plan:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     compare: dict[str, int] = field(default_factory=dict)
 
+    def inter_transfers(self) -> int:
+        """Model transfers between clusters in one round with every client taking part."""
+        t = self.topology
+        if t.kind in DECENTRALIZED_TOPOLOGIES:
+            return inter_transfers(t.edges, self.placement.cluster_index, max(1, t.mixing_steps))
+        return 2 * self.routing.edge_counts()[1]
+
     def summary(self) -> dict[str, Any]:
         intra, inter = self.routing.edge_counts()
         out: dict[str, Any] = {
@@ -96,6 +109,11 @@ class Plan:
             "clients_per_cluster": self.placement.clients_per_cluster(),
             "edges": {"intra": intra, "inter": inter},
             "mixing_steps": self.routing.mixing_steps,
+            # model transfers between clusters per round (x the model's bytes), and star's
+            # on the same placement, for comparison
+            "inter_cluster_transfers_per_round": self.inter_transfers(),
+            "star_inter_cluster_transfers_per_round": star_transfers(
+                self.placement.cluster_index),
             "stage_seconds": {k: round(v, 4) for k, v in self.stage_seconds.items()},
         }
         if self.compare:
@@ -226,6 +244,9 @@ def final_topology(spec: JobSpec, placement: PlacementResult, pre: LogicalTopolo
                    *, seed: int) -> LogicalTopology:
     """The full logical topology once clients are placed (hybrid groups = clusters)."""
     n = spec.data.number_of_clients
+    if spec.topology.kind == "k_connected":
+        return fit_traffic_budget(pre, placement.cluster_index, spec.topology.traffic_budget,
+                                  fixed_steps=bool(fixed_mixing_steps(spec)), seed=seed)
     if spec.topology.kind in _PRE_PLACEMENT:
         return pre
     return build_topology(spec.topology, n, groups=placement.cluster_index,

@@ -139,6 +139,90 @@ def build_topology(
     return topology
 
 
+def star_transfers(cluster_index: np.ndarray) -> int:
+    """Inter-cluster model transfers of one star round over these clients: each client
+    off the root's cluster (the root goes where most clients are) gets the model and
+    sends its update."""
+    counts = np.bincount(np.asarray(cluster_index, dtype=np.int64))
+    return int(2 * (counts.sum() - counts.max())) if len(counts) else 0
+
+
+def inter_transfers(edges: np.ndarray, cluster_index: np.ndarray, steps: int) -> int:
+    """Inter-cluster model transfers of one decentralized round: both ways over every
+    edge between clusters, once per mixing step."""
+    e = np.asarray(edges, dtype=np.int64).reshape(-1, 2)
+    ci = np.asarray(cluster_index)
+    return int(2 * steps * np.count_nonzero(ci[e[:, 0]] != ci[e[:, 1]]))
+
+
+def fit_traffic_budget(topology: LogicalTopology, cluster_index: np.ndarray, budget: float,
+                       *, fixed_steps: bool = False, seed: int = 0) -> LogicalTopology:
+    """A decentralized graph whose inter-cluster transfers per round are at most `budget`
+    x star's on the same placement (`topology.traffic_budget`; 0: as it is).
+
+    Edges inside a cluster cost no inter-cluster bytes (Ray references), so the graph keeps
+    every node's degree with edges inside its cluster and keeps only as many edges between
+    clusters as the budget pays for: first one for every node that had one (seeded
+    order), then more at random. Fewer mixing steps let more edges cross; of the step
+    counts up to the plan's, the one whose graph leaves the least disagreement after a
+    round (mixing factor ^ steps) wins (`fixed_steps`: the job fixed them). Measured
+    (bench_learning's grid, k_connected + fedavg at the defaults): see docs/job.md."""
+    n = topology.num_clients
+    ci = np.asarray(cluster_index, dtype=np.int64)[:n]
+    limit = budget * star_transfers(ci)
+    steps = max(1, topology.mixing_steps)
+    if budget <= 0 or inter_transfers(topology.edges, ci, steps) <= limit:
+        return topology
+    samples = np.ones(n)
+    best: tuple[float, LogicalTopology] | None = None
+    for s in ([steps] if fixed_steps else range(steps, 0, -1)):
+        edges = _sparsify(topology.edges, ci, int(limit // (2 * s)), seed)
+        remaining = mixing_factor(edges, samples) ** s
+        if best is None or remaining < best[0] - 1e-9:
+            best = (remaining, replace(topology, edges=edges, weights=np.ones(len(edges)),
+                                       mixing_steps=s))
+    assert best is not None
+    return best[1]
+
+
+def _sparsify(edges: np.ndarray, ci: np.ndarray, keep_inter: int, seed: int) -> np.ndarray:
+    """`edges` with at most `keep_inter` of those between clusters (one per node first),
+    and every node's lost degree made up by edges to random nodes of its own cluster."""
+    rng = np.random.default_rng(seed)
+    e = np.asarray(edges, dtype=np.int64).reshape(-1, 2)
+    crossing = ci[e[:, 0]] != ci[e[:, 1]]
+    inter, intra = e[crossing][rng.permutation(int(crossing.sum()))], e[~crossing]
+    n = len(ci)
+    covered = np.zeros(n, dtype=bool)
+    first: list[int] = []
+    for i, (u, v) in enumerate(inter):
+        if len(first) >= keep_inter:
+            break
+        if not (covered[u] and covered[v]):
+            covered[u] = covered[v] = True
+            first.append(i)
+    rest = [i for i in range(len(inter)) if i not in set(first)]
+    kept = inter[first + rest[:max(0, keep_inter - len(first))]]
+    degree = np.bincount(e.ravel(), minlength=n)
+    have = {(int(u), int(v)) for u, v in np.concatenate([intra, kept])}
+    now = np.bincount(np.concatenate([intra, kept]).ravel(), minlength=n) if have else \
+        np.zeros(n, dtype=np.int64)
+    members = {int(c): np.flatnonzero(ci == c) for c in np.unique(ci)}
+    for u in rng.permutation(n):
+        peers = members[int(ci[u])]
+        for v in rng.permutation(peers):
+            if now[u] >= degree[u]:
+                break
+            a, b = (int(u), int(v)) if u < v else (int(v), int(u))
+            if a == b or (a, b) in have:
+                continue
+            have.add((a, b))
+            now[a] += 1
+            now[b] += 1
+    out = np.array(sorted(have), dtype=np.int64).reshape(-1, 2)
+    return out
+
+
 def auto_mixing_steps(edges: np.ndarray, samples: np.ndarray, client_fraction: float = 1.0,
                       seed: int = 0) -> int:
     """Mixing steps for a decentralized graph: the fewest s (at most MAX_MIXING_STEPS) with

@@ -70,14 +70,15 @@ def test_the_engines_star_fedavg_is_the_reference_loop() -> None:
 
 
 def test_a_job_at_chance_says_so_naming_the_key(mnist: str) -> None:
-    """A server step far too large for the model (server_learning_rate 1.0) sits at chance;
-    the watch behind the progress line names aggregation.server_learning_rate."""
+    """A server step far too large for the model (the literature's plain step at
+    server_learning_rate 1.0, no on_stall action) sits at chance; the watch behind the
+    progress line names aggregation.server_learning_rate."""
     from proto.job import JobSpec
     from proto.rounds import RoundRecord
     from scheduler.run.health import LearningWatch
 
     job = bl.job_dict(bl.replace(SMALL, rounds=7), mnist, "star", "fedadam")
-    job["aggregation"]["server_learning_rate"] = 1.0
+    job["aggregation"].update(server_learning_rate=1.0, server_step="plain", on_stall="warn")
     result = bl.run_engine(job, SMALL.clusters)
     watch = LearningWatch(JobSpec.from_dict(job), classes=10)
     notes = [watch.observe(RoundRecord(i + 1, accuracy=a, loss=loss if loss is not None

@@ -91,7 +91,7 @@ def plan(topology: dict[str, object], aggregation: str | None = None) -> Routing
 
 
 def test_the_plan_carries_the_steps_auto_or_as_set() -> None:
-    auto = plan({"kind": "k_connected"})
+    auto = plan({"kind": "k_connected", "traffic_budget": 0})
     assert auto.mixing_steps > 1  # a log-degree graph: 0.5-0.7 a step, so 3-4 steps
     assert plan({"kind": "k_connected", "mixing_steps": 2}).mixing_steps == 2
     assert plan({"kind": "k_connected"}, "fedavgm").mixing_steps == 1  # momentum: one
@@ -117,3 +117,31 @@ def test_a_plans_mixing_steps_are_validated(kind: str, steps: int, needle: str) 
     # a matrix that leaves the key out (one step, or a plan from before it) reads as 1
     obj.pop("mixing_steps")
     assert RoutingMatrix.from_bytes(msgpack.packb(obj, use_bin_type=True)).mixing_steps == 1
+
+
+@pytest.mark.parametrize("clients", [12, 40, 100])
+def test_k_connected_keeps_to_its_traffic_budget(clients: int) -> None:
+    """At most topology.traffic_budget x star's inter-cluster transfers on the same
+    placement; every node keeps its degree (edges inside its cluster make it up) and the
+    graph stays connected (its mixing factor is below 1)."""
+    def planned(budget: float) -> object:
+        spec = JobSpec.from_dict({"job": {"id": "budget", "seed": 0},
+                                  "data": {"number_of_clients": clients, "dirichlet_beta": 0.3},
+                                  "topology": {"kind": "k_connected", "traffic_budget": budget}})
+        cap = int(1.5 * clients / 4) + 1
+        return plan_job(spec, [ClusterSlot(c, cap) for c in "abcd"])
+
+    free, budgeted = planned(0.0), planned(3.0)
+    for p in (free, budgeted):
+        s = p.summary()  # type: ignore[attr-defined]
+        assert s["star_inter_cluster_transfers_per_round"] > 0
+    s_free, s_budget = free.summary(), budgeted.summary()  # type: ignore[attr-defined]
+    star = s_budget["star_inter_cluster_transfers_per_round"]
+    assert s_free["inter_cluster_transfers_per_round"] > 3 * star   # what it cost before
+    assert 0 < s_budget["inter_cluster_transfers_per_round"] <= 3 * star
+    before = np.bincount(free.topology.edges.ravel(), minlength=clients)  # type: ignore[attr-defined]
+    after = np.bincount(budgeted.topology.edges.ravel(), minlength=clients)  # type: ignore[attr-defined]
+    index = budgeted.placement.cluster_index  # type: ignore[attr-defined]
+    room = np.bincount(index)[index] - 1      # a node cannot have more peers in its cluster
+    assert np.all(after >= np.minimum(before, room))
+    assert mixing_factor(budgeted.topology.edges, np.ones(clients)) < 0.99  # type: ignore[attr-defined]

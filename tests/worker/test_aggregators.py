@@ -180,9 +180,10 @@ def test_weighted_aggregators_need_some_samples() -> None:
 def test_server_learning_rate_none_means_the_algorithm_default(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # the scaled step's rate is a share of the pseudo-gradient's length: 1.0 for every one
-    for name in ("fedadam", "fedyogi", "fedadagrad", "fedavgm"):
-        assert _agg(name, server_learning_rate=None).server_lr == 1.0
+    # the scaled step's rate is in lengths of the (momentum) pseudo-gradient
+    for name in ("fedadam", "fedyogi", "fedadagrad"):
+        assert _agg(name, server_learning_rate=None).server_lr == 2.0
+    assert _agg("fedavgm", server_learning_rate=None).server_lr == 1.0
     # the literature's plain step: Reddi et al.'s region
     assert _agg("fedadam", server_learning_rate=None, server_step="plain").server_lr == 0.05
     assert _agg("fedyogi", server_learning_rate=None, server_step="plain").server_lr == 0.05

@@ -17,7 +17,7 @@ FedAvg reached 0.92 (its weights are of that order; Flower's FedAdam has the sam
 So by default (`server_step = "scaled"`) each tensor's step keeps Adam's direction but takes
 the length of its own momentum pseudo-gradient, a layer-wise trust ratio as in LAMB:
     u = m_hat / (sqrt(v_hat) + tau);   step = server_lr * u * ||m_hat|| / ||u||
-with server_lr 1.0, and never more than `max_step_ratio` (2) times FedAvg's own step for
+with server_lr 2.0, and never more than `max_step_ratio` (2) times FedAvg's own step for
 the tensor (`base.bounded_step`). The step then follows each tensor's scale, and the
 adaptivity redistributes it across the tensor's coordinates. Measured on bench_learning's
 grid (several models, data sets and splits, one set of defaults): see its docstring.
@@ -57,8 +57,11 @@ class AdaptiveAggregator(Aggregator):
     server_optimizer: ClassVar[bool] = True
     #: bias-correct the second moment (an exponential average); Adagrad's is a plain sum
     bias_corrected_v: ClassVar[bool] = True
-    #: server_lr of the scaled step: the length of the momentum pseudo-gradient
-    default_server_learning_rate: ClassVar[float] = 1.0
+    #: server_lr of the scaled step, in lengths of the momentum pseudo-gradient: Adam's
+    #: direction spreads the step over every coordinate, so at 1.0 it gains less per round
+    #: than FedAvg along FedAvg's own direction (measured: MNIST SmallCNN, 20 clients, 5
+    #: rounds: loss 2.11 against FedAvg's 1.81); at 2.0 (within max_step_ratio) 1.51
+    default_server_learning_rate: ClassVar[float] = 2.0
     #: server_lr of the literature's plain step (Reddi et al.'s recommended region)
     plain_server_learning_rate: ClassVar[float] = 0.05
 

@@ -35,8 +35,11 @@ Weights = dict[str, np.ndarray]
 Update = tuple[Mapping[str, np.ndarray], int]
 
 log = logging.getLogger(__name__)
-#: a job that never left chance is restored after this many rounds at it
+#: a job at chance whose loss made no progress (stayed above STALL_PROGRESS x its best)
+#: this many rounds in a row has stalled (FedAvg's own first rounds improve the loss by only
+#: 1-3% a round at chance: any progress at all is not a stall)
 STALL_ROUNDS = 2
+STALL_PROGRESS = 1.0
 #: state slots of `Aggregator.observe`
 GUARD, BEST, START = "guard", "best", "start"
 
@@ -74,34 +77,38 @@ class Aggregator(ABC):
         """What `on_stall` backoffs left of the server step (1.0 until the first)."""
         return float(self._state.get(GUARD, {}).get("scale", 1.0))
 
-    def observe(self, model: Mapping[str, np.ndarray], accuracy: float, loss: float
-                ) -> Weights | None:
-        """Called with each model this aggregator produced, once it was evaluated. Returns
-        None to keep it, or (`aggregation.on_stall = "restore"`, the default) the model to
-        go on from instead when the job stalled: the accuracy fell to chance (within
-        CHANCE_MARGIN) or the loss is not finite, after it had learned (at once: the best
-        model so far comes back) or from the start for STALL_ROUNDS rounds (the first
-        model comes back). Either way the server step is halved and the optimizer's moments
-        are forgotten (they point where it went wrong); a FedAvg-family aggregator has no
-        server step and only restores."""
+    def observe(self, model: Mapping[str, np.ndarray], accuracy: float, loss: float,
+                start: Mapping[str, np.ndarray] | None = None) -> Weights | None:
+        """Called with each model this aggregator produced, once it was evaluated (`start`:
+        the model the round started from). Returns None to keep it, or the model to go on
+        from instead when a server optimizer stalled the job (`aggregation.on_stall =
+        "restore"`, the default): the loss is not finite, the accuracy fell to chance
+        (within CHANCE_MARGIN) after it had clearly learned (the best model so far comes
+        back), or it sat at chance with no progress in its loss for STALL_ROUNDS rounds
+        (the best model, or the one the job started from). The server step is halved and
+        the optimizer's moments are forgotten (they point where it went wrong). A FedAvg-
+        family aggregator has no step of its own to change: restoring would only replay
+        the same rounds, so it never acts (the progress line still warns)."""
         guard = self._state.setdefault(GUARD, {})
-        if "start" not in guard:    # the first model this aggregator saw, as a last resort
-            self._state[START] = {k: np.array(v) for k, v in model.items()}
-            guard["start"] = np.asarray(1)
-        if getattr(self.spec, "on_stall", "restore") != "restore" or self.classes < 2:
+        if START not in self._state:
+            self._state[START] = {k: np.array(v) for k, v in (start or model).items()}
+        if (not self.server_optimizer or self.classes < 2
+                or getattr(self.spec, "on_stall", "restore") != "restore"):
             return None
         chance = 1.0 / self.classes
-        stalled = not math.isfinite(loss) or not accuracy > chance + CHANCE_MARGIN
         best = float(guard.get("best_accuracy", -1.0))
-        if not stalled:
-            guard["streak"] = np.asarray(0)
-            if accuracy > best:
+        best_loss = float(guard.get("best_loss", math.inf))
+        at_chance = not accuracy > chance + CHANCE_MARGIN
+        streak = int(guard.get("streak", 0)) + 1 if (
+            at_chance and math.isfinite(best_loss) and loss > STALL_PROGRESS * best_loss) else 0
+        guard["streak"] = np.asarray(streak)
+        if math.isfinite(loss):
+            guard["best_loss"] = np.asarray(min(best_loss, loss), dtype=np.float64)
+        collapsed = at_chance and best >= chance + 3 * CHANCE_MARGIN
+        if math.isfinite(loss) and not collapsed and streak < STALL_ROUNDS:
+            if not at_chance and accuracy > best:
                 self._state[BEST] = {k: np.array(v) for k, v in model.items()}
                 guard["best_accuracy"] = np.asarray(accuracy, dtype=np.float64)
-            return None
-        streak = int(guard.get("streak", 0)) + 1
-        guard["streak"] = np.asarray(streak)
-        if BEST not in self._state and streak < STALL_ROUNDS:
             return None
         back = self._state.get(BEST) or self._state[START]
         guard["scale"] = np.asarray(self.step_scale * 0.5, dtype=np.float64)
@@ -111,7 +118,7 @@ class Aggregator(ABC):
             del self._state[slot]
         log.warning("event=learning_stalled_action aggregator=%s accuracy=%.4f loss=%s "
                     "action=restore restored=%s step_scale=%g", self.name, accuracy, loss,
-                    "best" if BEST in self._state else "first", self.step_scale)
+                    "best" if BEST in self._state else "start", self.step_scale)
         return cast_like(back, model)
 
     def is_buffer(self, name: str, value: np.ndarray) -> bool:

@@ -488,17 +488,19 @@ class ClusterEngine:
             return
         with self._lock:
             self._models[node] = handle
-        accuracy, loss = self._observed(node, model, record)
+        accuracy, loss = self._observed(node, model, current, record)
         weight = self._samples_behind(node) if graph.kind == "hybrid" else max(samples, 1)
         with self._lock:
             record.add_evaluation(accuracy, loss, weight)
 
-    def _observed(self, node: str, model: Weights, record: RoundRecord) -> tuple[float, float]:
-        """The accuracy and loss of the node's new model, or (aggregation.on_stall) of the
-        model its aggregator goes on from instead when the job stalled (counted)."""
+    def _observed(self, node: str, model: Weights, start: Weights, record: RoundRecord
+                  ) -> tuple[float, float]:
+        """The accuracy and loss of the node's new model (`start`: the round's), or
+        (aggregation.on_stall) of the model its aggregator goes on from instead when the
+        job stalled (counted)."""
         accuracy, loss = self._evaluate_global(model)
         observe = getattr(self._aggregator(node), "observe", None)
-        restored = observe(model, accuracy, loss) if observe is not None else None
+        restored = observe(model, accuracy, loss, start) if observe is not None else None
         if restored is None:
             return accuracy, loss
         with self._lock:
