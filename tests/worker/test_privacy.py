@@ -149,7 +149,8 @@ def job(**privacy: object) -> JobSpec:
 
 
 def model(value: float) -> dict[str, np.ndarray]:
-    return {"w": np.full((40, 50), value, dtype=np.float32), "b": np.full(7, value, np.float32)}
+    return {"w": np.full((40, 50), value, dtype=np.float32), "b": np.full(7, value, np.float32),
+            "bn.num_batches_tracked": np.array(10, dtype=np.int64)}
 
 
 def test_central_noise_has_the_expected_scale() -> None:
@@ -165,6 +166,18 @@ def test_central_noise_has_the_expected_scale() -> None:
     plain = Privacy(job(secure_aggregation=True), "a", locate=lambda c: "a",
                     samples=lambda c: 10)
     assert plain.epsilon(3) != plain.epsilon(3)  # NaN: no accountant without DP
+
+
+def test_clipping_leaves_integer_buffers_out() -> None:
+    privacy = Privacy(job(dp="central", clip_norm=0.5, noise_multiplier=1.0), "a",
+                      locate=lambda c: "a", samples=lambda c: 10)
+    start = {"w": np.zeros(4, np.float32), "n": np.array(3, np.int64)}
+    trained = {"w": np.array([0.3, 0, 0, 0], np.float32), "n": np.array(1003, np.int64)}
+    sent = privacy.protect("c0", 1, start, trained, ["c0"], "server")
+    assert np.array_equal(sent["w"], trained["w"]) and sent["n"] == 1003  # norm 0.3 < 0.5
+    far = {"w": np.array([3.0, 4.0, 0, 0], np.float32), "n": np.array(5, np.int64)}
+    assert np.allclose(privacy.protect("c0", 1, start, far, ["c0"], "server")["w"],
+                       [0.3, 0.4, 0, 0])
 
 
 def test_local_noise_is_added_by_the_client() -> None:
@@ -188,8 +201,9 @@ def test_honest_but_curious_aggregator_sees_only_masked_updates() -> None:
         p.set_peer_keys(public)  # type: ignore[arg-type]
     rng = np.random.default_rng(3)
     start = model(0.1)
-    trained = {c: {k: v + rng.normal(0, 0.05, v.shape).astype(np.float32)
-                   for k, v in start.items()} for c in PLACEMENT}
+    trained = {c: {k: v + rng.normal(0, 0.05, v.shape).astype(v.dtype)
+                   if v.dtype.kind == "f" else v + 4 + i  # a counter: in the clear, averaged
+                   for k, v in start.items()} for i, c in enumerate(PLACEMENT)}
     contributors = sorted(PLACEMENT)
     received = [(sides[PLACEMENT[c]].protect(c, 4, start, trained[c], contributors, "g"),
                  samples[c])
@@ -204,6 +218,8 @@ def test_honest_but_curious_aggregator_sees_only_masked_updates() -> None:
     plain = sum(samples[c] * flatten(trained[c]) for c in contributors) / sum(samples.values())
     assert total == sum(samples.values())
     assert np.max(np.abs(flatten(combined) - plain)) < 1e-5
+    counter = sum(samples[c] * (14 + i) for i, c in enumerate(contributors)) / total
+    assert combined["bn.num_batches_tracked"] == round(counter)
     # a repeated round (a new attempt) masks afresh: no mask is used in two sums
     sides["b"].attempt = 1
     again = sides["b"].protect("c2", 4, start, trained["c2"], contributors, "g")

@@ -45,7 +45,7 @@ import numpy as np
 from proto.rounds import RoundRecord
 from worker.executor.graph import DOWN, PEER, UP, RoundGraph, mixing_kind, participants
 from worker.executor.transport import HybridTransport, Weights
-from worker.privacy import flatten, unflatten
+from worker.privacy import flatten
 
 log = logging.getLogger("fedpilot.executor")
 #: key prefix of a hybrid group's anchor in its aggregator state (checkpoints, migration);
@@ -458,7 +458,7 @@ class ClusterEngine:
             secure = private and self.privacy.spec.secure_aggregation
             if secure:  # every group masks its share of the groups' mean (one a cluster)
                 groups = sorted([node, *graph.peers.get(node, ())])
-                model = self.privacy.mask(node, r, flatten(model) - flatten(current), current,
+                model = self.privacy.mask(node, r, flatten(model) - flatten(current), model,
                                           groups, {g: self._samples_behind(g) for g in groups},
                                           "exchange")
             handle = self.pool.put(model)
@@ -472,8 +472,7 @@ class ClusterEngine:
             # every group sums in the same order, so all of them reach the same model
             ordered = [group_models[g] for g in sorted(group_models)]
             if secure:  # the groups started from one model: their mean from the sum
-                ordered = [(unflatten(flatten(current) + self.privacy.unmask(current, ordered),
-                                      current), sum(k for _, k in ordered))]
+                ordered = [(self.privacy.unmask(current, ordered), sum(k for _, k in ordered))]
             if group_optimizer:
                 with self._lock:
                     anchor = self._anchors.get(node, current)

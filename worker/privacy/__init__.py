@@ -26,21 +26,37 @@ Weights = dict[str, np.ndarray]
 log = logging.getLogger("fedpilot.executor")
 
 
+def _floats(weights: Mapping[str, np.ndarray]) -> list[str]:
+    """The tensors privacy applies to, in name order: the floating ones. Integer buffers
+    (BatchNorm's batch counter) carry no gradient; they travel and are averaged as they are."""
+    return [k for k in sorted(weights) if np.asarray(weights[k]).dtype.kind == "f"]
+
+
 def flatten(weights: Mapping[str, np.ndarray]) -> np.ndarray:
-    """The model's tensors (in name order) as one float64 vector."""
+    """The model's floating tensors (in name order) as one float64 vector."""
     return np.concatenate([np.asarray(weights[k], dtype=np.float64).ravel()
-                           for k in sorted(weights)])
+                           for k in _floats(weights)] or [np.zeros(0)])
 
 
 def unflatten(vector: np.ndarray, like: Mapping[str, np.ndarray]) -> Weights:
-    """`vector` cut back into `like`'s tensors (their shapes and dtypes)."""
-    out: Weights = {}
+    """`vector` cut back into `like`'s floating tensors (their shapes and dtypes); the
+    others are `like`'s."""
+    out: Weights = dict(like)
     at = 0
-    for k in sorted(like):
+    for k in _floats(like):
         ref = np.asarray(like[k])
         out[k] = vector[at:at + ref.size].reshape(ref.shape).astype(ref.dtype)
         at += ref.size
     return out
+
+
+def _mean_rest(updates: list[tuple[Weights, int]]) -> Weights:
+    """The sample-weighted mean of the updates' integer tensors (rounded)."""
+    first = updates[0][0]
+    total = max(1, sum(n for _, n in updates))
+    return {k: np.rint(sum(np.asarray(w[k], dtype=np.float64) * n for w, n in updates) / total
+                       ).astype(np.asarray(first[k]).dtype)
+            for k in first if k not in set(_floats(first))}
 
 
 class Privacy:
@@ -129,17 +145,18 @@ class Privacy:
             delta = delta + dp.gaussian(delta.size, self.noise_multiplier * p.clip_norm,
                                         self._rng)
         if not p.secure_aggregation:
-            return unflatten(base + delta, start)
+            return unflatten(base + delta, trained)
         weights = ({c: 1 for c in contributors} if p.dp != "none"  # DP: equal weights
                    else {c: self.samples(c) for c in contributors})
-        return self.mask(node, r, delta, start, contributors, weights, aggregation)
+        return self.mask(node, r, delta, trained, contributors, weights, aggregation)
 
     def mask(self, node: str, r: int, delta: np.ndarray, like: Weights,
              contributors: Sequence[str], weights: Mapping[str, int], aggregation: str
              ) -> Weights:
         """`node`'s share weights[node] / sum(weights) of `delta`, quantized and masked
         among `contributors` for the sum `aggregation` takes in round `r` (a model of
-        `like`'s shapes whose values are ring elements)."""
+        `like`'s shapes whose floating values are ring elements, its other tensors as
+        they are)."""
         share = weights[node] / max(1, sum(weights[c] for c in contributors))
         q, clipped = secagg.quantize(delta, share, self.spec.clip_range)
         if clipped:  # a clip_range too small for the job's updates changes what it learns
@@ -160,8 +177,12 @@ class Privacy:
             m = self._masks.pop(key)
         return unflatten(secagg.mask(q, m).astype(np.float64), like)
 
-    def unmask(self, current: Weights, updates: list[tuple[Weights, int]]) -> np.ndarray:
-        """The weighted mean update that masked `updates` sum to."""
+    def unmask(self, current: Weights, updates: list[tuple[Weights, int]]) -> Weights:
+        """The weighted mean model that masked `updates` of models from `current` sum to."""
+        return unflatten(flatten(current) + self._mean_delta(updates),
+                         {**current, **_mean_rest(updates)})
+
+    def _mean_delta(self, updates: list[tuple[Weights, int]]) -> np.ndarray:
         total = secagg.masked_sum([flatten(w).astype(np.uint32) for w, _ in updates])
         return secagg.dequantize(total, self.spec.clip_range)
 
@@ -173,7 +194,7 @@ class Privacy:
         p = self.spec
         base = flatten(current)
         if p.secure_aggregation:
-            mean = self.unmask(current, updates)
+            mean = self._mean_delta(updates)
         else:
             deltas = [flatten(w) - base for w, _ in updates]
             if p.dp != "none":
@@ -186,7 +207,8 @@ class Privacy:
         if p.dp == "central":
             mean = mean + dp.gaussian(base.size, self.noise_multiplier * p.clip_norm
                                       / len(updates), self._rng)
-        return [(unflatten(base + mean, current), sum(k for _, k in updates))]
+        return [(unflatten(base + mean, {**current, **_mean_rest(updates)}),
+                 sum(k for _, k in updates))]
 
 
 __all__ = ["Privacy", "dp", "flatten", "secagg", "unflatten"]
