@@ -26,6 +26,8 @@ class _Link:
 
     def send_update(self, *, target_cluster: str, job_id: str, round: int, source_node: str,
                     target_node: str, message_id: str, payload: bytes) -> None:
+        from worker.executor.transport import DeliveryNotReady, RemoteSendError
+
         if target_cluster == SCHEDULER:
             with self.mesh.arrived:
                 self.mesh.updates[(job_id, source_node)] = bytes(payload)
@@ -38,9 +40,12 @@ class _Link:
         counter = self.mesh.bytes_sent if round >= 1 else self.mesh.bytes_final
         with self.mesh.lock:
             counter[self.source] = counter.get(self.source, 0) + len(payload)
-        service.deliver(job_id=job_id, round=round, source_node=source_node,
-                        target_node=target_node, source_cluster=self.source,
-                        payload=bytes(payload), message_id=message_id)
+        try:
+            service.deliver(job_id=job_id, round=round, source_node=source_node,
+                            target_node=target_node, source_cluster=self.source,
+                            payload=bytes(payload), message_id=message_id)
+        except DeliveryNotReady as exc:  # what fabricd says: the sender retries it
+            raise RemoteSendError(str(exc), retry=True) from exc
 
 
 class LoopbackMesh:

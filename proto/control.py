@@ -479,12 +479,15 @@ class PlanAssembly:
 
 @dataclass(frozen=True)
 class RoundRun(ControlMessage):
-    """Run this cluster's share of `round` (a new `attempt`: the round is repeated)."""
+    """Run this cluster's share of `round` (a new `attempt`: the round is repeated).
+    `clusters`: the clusters that train in it (None: all); a round that may close without
+    a slow cluster leaves out the ones still training an earlier round."""
 
     TYPE: ClassVar[str] = "round.run"
     round: int = spec(ROUND)
     attempt: int = spec(Int(0, U32_MAX), default=0)
     deadline: float | None = spec(OrNone(Seconds(0, 86400, open_lo=True)), default=None)
+    clusters: tuple[str, ...] | None = spec(OrNone(ListOf(CLUSTER_ID, 4096)), default=None)
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,11 @@ class AggregationSpec:
     on_stall: str = "restore"               # restore (the best model, half the step) | warn
     trim_ratio: float = 0.1                 # trimmed_mean
     krum_byzantine: int = 1                 # krum: f
+    # -- how the aggregation that combines clusters closes (issue 33) --
+    mode: str = "sync"                      # sync | buffered (AGGREGATION_MODES)
+    buffer_size: int = 2                    # buffered: cluster contributions per aggregation
+    staleness: str = "polynomial"           # buffered: weight 1 / sqrt(1 + s) (STALENESS_RULES)
+    max_staleness: int = 8                  # buffered: older contributions are dropped
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,21 @@ class TransferSpec:
 
 
 FAULT_POLICIES = ("continue", "fail")
+#: sync: every round waits for its clusters (or a quorum, [rounds]); buffered: the
+#: aggregation that combines clusters applies a model once buffer_size contributions came
+AGGREGATION_MODES = ("sync", "buffered")
+#: staleness weights of buffered contributions: polynomial 1 / sqrt(1 + s) (FedBuff)
+STALENESS_RULES = ("polynomial", "constant")
+#: topologies whose aggregation across clusters can close early (quorum, buffered)
+EARLY_CLOSE_TOPOLOGIES = ("star",)
+
+
+@dataclass(frozen=True)
+class RoundsSpec:
+    """When a synchronous round may close without a slow cluster (docs/job.md, "Rounds")."""
+
+    min_participation: float = 1.0          # fraction of the round's clusters that must report
+    straggler_grace: float = 0.0            # seconds the others get once the quorum reported
 
 
 @dataclass(frozen=True)
@@ -207,6 +227,7 @@ class JobSpec:
     transfer: TransferSpec = field(default_factory=TransferSpec)
     faults: FaultsSpec = field(default_factory=FaultsSpec)
     privacy: PrivacySpec = field(default_factory=PrivacySpec)
+    rounds: RoundsSpec = field(default_factory=RoundsSpec)
 
     # -- validation -------------------------------------------------------------------
 
@@ -276,6 +297,7 @@ _SECTIONS: dict[str, type] = {
     "transfer": TransferSpec,
     "faults": FaultsSpec,
     "privacy": PrivacySpec,
+    "rounds": RoundsSpec,
 }
 
 Rule = Callable[[str, str, Any], Any]
@@ -483,6 +505,12 @@ _RULES: dict[str, Rule] = {
     "aggregation.on_stall": _rule_choice(STALL_ACTIONS),
     "aggregation.trim_ratio": _rule_float(0.0, 0.5, high_open=True),
     "aggregation.krum_byzantine": _rule_int(0),
+    "aggregation.mode": _rule_choice(AGGREGATION_MODES),
+    "aggregation.buffer_size": _rule_int(1, 1024),
+    "aggregation.staleness": _rule_choice(STALENESS_RULES),
+    "aggregation.max_staleness": _rule_int(0, 1024),
+    "rounds.min_participation": _rule_float(0.0, 1.0, low_open=True),
+    "rounds.straggler_grace": _rule_float(0.0, 86400.0),
     "placement.strategy": _rule_choice(PLACEMENT_STRATEGIES),
     "placement.placement_group_strategy": _rule_choice(PLACEMENT_GROUP_STRATEGIES),
     "placement.clustering_period": _rule_int(0),
@@ -569,10 +597,37 @@ def _check_cross(source: str, spec: JobSpec) -> None:
                         f"at most {least - 3} on {topo.kind}: a node mixes as few as {least} "
                         f"models and krum needs krum_byzantine + 3 (use more "
                         "topology.client_k_neighbors, or median)")
+    _check_early_close(source, spec)
     if spec.aggregation.name == "fedprox" and training.fedprox_mu <= 0:
         raise _fail(source, "training.fedprox_mu", training.fedprox_mu,
                     "a number > 0 with aggregation.name = 'fedprox' (with 0 it is FedAvg; "
                     "0.01 to 0.1 is the usual range)")
+
+
+def early_close(spec: JobSpec) -> bool:
+    """Whether the job's rounds may close before every cluster reported (a quorum, or
+    buffered aggregation): then a slow cluster trains on while the others go on."""
+    return spec.aggregation.mode == "buffered" or spec.rounds.min_participation < 1.0
+
+
+def _check_early_close(source: str, spec: JobSpec) -> None:
+    kind = spec.topology.kind
+    if not early_close(spec):
+        return
+    key, value = (("aggregation.mode", spec.aggregation.mode)
+                  if spec.aggregation.mode == "buffered"
+                  else ("rounds.min_participation", spec.rounds.min_participation))
+    if spec.privacy.secure_aggregation or spec.privacy.dp != "none":
+        raise _fail(source, key, value,
+                    f"{'sync' if key == 'aggregation.mode' else 1.0!r} with [privacy]: its "
+                    "masks and noise are per round over every cluster, an aggregation that "
+                    "closes without one (or with stale updates) is not covered yet")
+    if kind in EARLY_CLOSE_TOPOLOGIES:
+        return
+    raise _fail(source, key, value,
+                f"{'sync' if key == 'aggregation.mode' else 1.0!r} on {kind}: only star's root "
+                "combines the clusters' contributions in one place, where a round can close "
+                "without a slow cluster (topology.kind = 'star')")
 
 
 def _check_data_placement(source: str, spec: JobSpec) -> None:

@@ -54,6 +54,11 @@ class RoundRecord:
     by_cluster: dict[str, dict[str, int]] = field(default_factory=dict)
     # [privacy] dp: the epsilon spent after this round (NaN without DP)
     epsilon: float = NAN
+    # a star root whose rounds close early: the clusters whose contributions this
+    # aggregation applied, {cluster: {"round": its model's round, "staleness", "updates"}},
+    # and the contributions it dropped (late, or beyond aggregation.max_staleness)
+    contributions: dict[str, dict[str, int]] = field(default_factory=dict)
+    dropped: int = 0
 
     def add_evaluation(self, accuracy: float, loss: float, weight: int) -> None:
         """Fold one evaluated model into this record's weighted means."""
@@ -83,6 +88,8 @@ class RoundRecord:
             out.participants += rec.participants
             if not math.isnan(rec.epsilon):  # every cluster's accountant says the same
                 out.epsilon = max(_z(out.epsilon), rec.epsilon)
+            out.contributions.update(rec.contributions)
+            out.dropped += rec.dropped
             out.bytes_intra += rec.bytes_intra
             out.bytes_inter += rec.bytes_inter
             out.messages_intra += rec.messages_intra
@@ -106,8 +113,8 @@ class RoundRecord:
             if f.name not in data:
                 continue
             value = data[f.name]
-            if f.name == "by_cluster":
-                value = _by_cluster(value, source)
+            if f.name in ("by_cluster", "contributions"):
+                value = _by_cluster(value, source, f.name)
             elif f.type in ("int",) and (not isinstance(value, int) or isinstance(value, bool)
                                         or value < 0):
                 raise InvalidMessage(f"{source}: {f.name} must be a non-negative integer",
@@ -125,14 +132,14 @@ class RoundRecord:
         return cls(**values)
 
 
-def _by_cluster(value: Any, source: str) -> dict[str, dict[str, int]]:
+def _by_cluster(value: Any, source: str, name: str) -> dict[str, dict[str, int]]:
     ok = isinstance(value, dict) and all(
         isinstance(k, str) and isinstance(v, dict)
         and all(isinstance(a, str) and isinstance(b, int) for a, b in v.items())
         for k, v in value.items())
     if not ok:
-        raise InvalidMessage(f"{source}: by_cluster must map cluster ids to integer counters",
-                             field="by_cluster")
+        raise InvalidMessage(f"{source}: {name} must map cluster ids to integer counters",
+                             field=name)
     return {k: dict(v) for k, v in value.items()}
 
 

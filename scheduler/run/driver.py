@@ -7,6 +7,12 @@ rounds, re-plan every `clustering_period` rounds and migrate nodes whose cluster
 (their states stream between the clusters), and receive the final model as an update
 stream. Model traffic between rounds never passes through here.
 
+A round that may close early (`rounds.min_participation` < 1, `aggregation.mode =
+"buffered"`) goes only to the clusters not still training an earlier one, and ends when
+the root's cluster answered (its aggregation closed) and the clusters whose contributions
+it applied did; a cluster still training answers in a later round (its counters count
+there), and every plan change waits for those answers first.
+
 The final model is the one whose accuracy is reported: the root aggregator's model for
 star and hierarchical; for hybrid and decentralized topologies the sample-weighted mean
 of the group (or node) models, combined on one cluster, evaluated there and streamed here.
@@ -18,7 +24,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -35,6 +41,7 @@ from proto.control import (
     JobStart,
     JobStop,
     NodeExport,
+    RoundAbort,
     RoundRun,
     client_range,
     histogram_layout,
@@ -43,7 +50,7 @@ from proto.control import (
     read_histograms,
 )
 from proto.errors import ControlMessageError
-from proto.job import JobSpec
+from proto.job import JobSpec, early_close
 from proto.rounds import RoundRecord
 from proto.routing import RoutingMatrix
 from scheduler.errors import JobFailed
@@ -153,6 +160,11 @@ class Driver(Recovery):
                                         thread_name_prefix="driver")
         self.leases: LeaseKeeper | None = None
         self._slowest = 0.0  # seconds of the slowest round so far
+        # rounds that close early: clusters still training a round (its number, the
+        # request), and the reports of those that finished since the last round
+        self._busy: dict[str, tuple[int, Future[dict[str, Any]]]] = {}
+        self._late: dict[str, RoundRecord] = {}
+        self._lost_later: ClusterLost | None = None
         #: the job's summary as it grows (rounds, faults), for whoever follows the run
         self.summary: JobSummary | None = None
         self.plan: Plan | None = None  # the newest published plan (read by the live page)
@@ -175,11 +187,17 @@ class Driver(Recovery):
         futures = {cid: self._pool.submit(self.channel.request, cid, body, timeout)
                    for cid, body in bodies.items()}
         what = ", ".join(sorted({str(b.get("kind")) for b in bodies.values()}))
+        return self._await(futures, what)
+
+    def _await(self, futures: Mapping[str, Future[dict[str, Any]]], what: str,
+               watch: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+        """The replies of requests under way (see `_all`); `watch`: further clusters whose
+        loss ends the wait too."""
         pending = set(futures.values())
         while pending:
             done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
             lost = self.leases.lost() if self.leases is not None else {}
-            lost = {cid: loss for cid, loss in lost.items() if cid in futures}
+            lost = {cid: loss for cid, loss in lost.items() if cid in futures or cid in watch}
             if lost:
                 raise ClusterLost(lost, what, pending=futures)
             if any(f.exception() is not None for f in done):
@@ -322,6 +340,7 @@ class Driver(Recovery):
                     stage = "replan"
                     self._next_round = r + 1
                 if stage == "replan":
+                    self._raise_lost_later(r)
                     if period > 0 and r % period == 0 and r < rounds:
                         self._epoch = max(self._epoch + 1, r // period)
                         new_plan = plan_epoch(spec, histograms, self._slots, epoch=self._epoch,
@@ -345,6 +364,9 @@ class Driver(Recovery):
             r, stage = r + 1, "round"
         if summary.privacy and summary.rounds:
             summary.privacy["epsilon"] = summary.rounds[-1].epsilon
+        self._drain(ending=True)  # a slow cluster's last round: its report counts, not its update
+        if summary.rounds:
+            self._fold_late(summary.rounds[-1])
         model, info = self._fetch_model(plan.routing) if rounds else (None, {})
         # the job ends its leases itself: an executor that stopped must not count as lost
         if self.leases is not None:
@@ -458,6 +480,7 @@ class Driver(Recovery):
                           overflow=self.spec.faults.on_cluster_loss == "continue")
 
     def _publish(self, plan: Plan, imports: Mapping[str, list[str]]) -> None:
+        self._drain()  # a new plan ends the rounds running on it
         self.plan = plan
         # pinned data: a cluster cannot count another's clients' samples itself; the
         # weights of their updates are what their own clusters reported at start
@@ -488,6 +511,8 @@ class Driver(Recovery):
                    for c in self.clusters})
 
     def _round(self, r: int) -> RoundRecord:
+        if early_close(self.spec):
+            return self._early_round(r)
         t0 = time.perf_counter()
         deadline = self.deadline()
         try:
@@ -503,15 +528,131 @@ class Driver(Recovery):
                             f"{self.spec.faults.round_deadline_factor:g} x the slowest round so "
                             f"far, {self._slowest:.1f} s, at least [faults] "
                             f"round_deadline_floor): {exc}") from None
+        record = RoundRecord.combine(r, self._reports(r, replies), time.perf_counter() - t0)
+        self._slowest = max(self._slowest, record.seconds)
+        return record
+
+    def _reports(self, r: int, replies: Mapping[str, dict[str, Any]]) -> dict[str, RoundRecord]:
         records = {}
         for cid, reply in replies.items():
             try:
                 records[cid] = RoundRecord.from_dict(reply, source=f"cluster {cid}'s round report")
             except ValueError as exc:
                 raise JobFailed(f"cluster {cid} sent a bad report for round {r}: {exc}") from None
-        record = RoundRecord.combine(r, records, time.perf_counter() - t0)
+        return records
+
+    def _early_round(self, r: int) -> RoundRecord:
+        """A round that may close without a slow cluster (see the module's docstring)."""
+        t0 = time.perf_counter()
+        deadline = self.deadline()
+        assert self.plan is not None
+        routing = self.plan.routing
+        root = node_clusters(routing)[next(
+            routing.node_name(i) for i in range(routing.num_clients, routing.num_nodes)
+            if routing.parent[i] < 0)]
+        self._harvest()
+        idle = sorted(c.cluster_id for c in self.clusters if c.cluster_id not in self._busy)
+        body = RoundRun(self.spec.job_id, round=r, deadline=deadline, attempt=self._attempt,
+                        clusters=tuple(idle) if len(idle) < len(self.clusters) else None
+                        ).to_body()
+        for cid in idle:  # a slow one may answer rounds later: the job's whole timeout
+            self._busy[cid] = (r, self._pool.submit(self.channel.request, cid, body,
+                                                    deadline + 30 if cid == root else self.timeout))
+        try:
+            try:
+                replies = self._await({root: self._busy[root][1]}, "round.run",
+                                      watch=list(self._busy))
+            except ClusterLost as exc:
+                replies = self._closed_anyway(r, root, exc)
+            self._busy.pop(root)
+            applied = RoundRecord.from_dict(replies[root]).contributions
+            # the clusters whose contributions to the round they run were applied have
+            # sent all: they answer now
+            if self._lost_later is None:
+                self._harvest(wait_for=[c for c, info in applied.items() if c in self._busy
+                                        and self._busy[c][0] == info["round"]])
+        except ClusterLost as exc:
+            raise ClusterLost(exc.lost, exc.during, pending=self._abandon(r)) from None
+        except (JobFailed, ControlMessageError) as exc:
+            raise JobFailed(f"round {r} failed (deadline {deadline:.0f} s): {exc}") from None
+        record = RoundRecord.combine(r, self._reports(r, replies), time.perf_counter() - t0)
         self._slowest = max(self._slowest, record.seconds)
+        return self._fold_late(record)
+
+    def _closed_anyway(self, r: int, root: str, lost: ClusterLost) -> dict[str, dict[str, Any]]:
+        """A cluster was lost while the root's aggregation ran: if the aggregation closed
+        all the same (it may not wait for that cluster), the round happened and the loss
+        is handled before the next; else ClusterLost (the round runs again)."""
+        future = self._busy[root][1]
+        if root not in lost.lost:
+            self._pool.submit(self.channel.request, root, RoundAbort(
+                self.spec.job_id, round=r, reason=str(lost)[:400]).to_body(), 30.0)
+            try:
+                reply = future.result(timeout=STOP_TIMEOUT)
+            except Exception:  # noqa: BLE001 - aborted (or failed): the round runs again
+                raise lost from None
+            self._lost_later = lost
+            return {root: reply}
+        raise lost
+
+    def _raise_lost_later(self, r: int) -> None:
+        """A loss found while round `r` closed without the lost cluster is handled now."""
+        if self._lost_later is not None:
+            lost = self._lost_later
+            raise ClusterLost(lost.lost, lost.during, pending=self._abandon(r))
+
+    def _fold_late(self, record: RoundRecord) -> RoundRecord:
+        """`record` with the counters of the rounds that finished late since the last."""
+        for cid, late in sorted(self._late.items()):
+            record.add_personal(late.personal_correct, late.personal_total)
+            mine = record.by_cluster.setdefault(cid, {})
+            for name in ("participants", "bytes_intra", "bytes_inter"):
+                setattr(record, name, getattr(record, name) + getattr(late, name))
+                mine[name] = mine.get(name, 0) + getattr(late, name)
+            record.messages_intra += late.messages_intra
+            record.messages_inter += late.messages_inter
+        self._late = {}
         return record
+
+    def _harvest(self, wait_for: Sequence[str] = ()) -> None:
+        """Take the reports of busy clusters that finished (waiting for `wait_for`)."""
+        if wait_for:
+            self._await({cid: self._busy[cid][1] for cid in wait_for}, "round.run",
+                        watch=list(self._busy))
+        for cid, (r, future) in list(self._busy.items()):
+            if not future.done():
+                continue
+            del self._busy[cid]
+            try:
+                reply = future.result()
+            except JobFailed as exc:  # its contribution is dropped; the cluster goes on
+                log.warning("event=late_round_failed job=%s cluster=%s round=%d reason=%s",
+                            self.spec.job_id, cid, r, exc)
+                continue
+            self._late.update(self._reports(r, {cid: reply}))
+
+    def _drain(self, *, ending: bool = False) -> None:
+        """Wait until no cluster trains an earlier round (before the plan changes, or
+        `ending` the job: then a lost one is left behind)."""
+        if self._busy:
+            try:
+                self._harvest(wait_for=list(self._busy))
+            except ClusterLost as exc:
+                pending = self._abandon(0)
+                if not ending:
+                    raise ClusterLost(exc.lost, exc.during, pending=pending) from None
+
+    def _abandon(self, r: int) -> dict[str, Future[dict[str, Any]]]:
+        """A cluster was lost: end every round still running (the survivors' own rounds
+        are aborted by the recovery) and hand over their requests."""
+        pending = {cid: f for cid, (_, f) in self._busy.items()}
+        for cid, (busy_round, _) in self._busy.items():
+            if busy_round != r:
+                self._pool.submit(self.channel.request, cid, RoundAbort(
+                    self.spec.job_id, round=busy_round,
+                    reason="a cluster was lost; the round is over").to_body(), 30.0)
+        self._busy, self._late, self._lost_later = {}, {}, None
+        return pending
 
     def _migrate(self, before: Mapping[str, str], plan: Plan) -> int:
         """Move nodes whose cluster changed, state and all; returns how many moved. The

@@ -21,6 +21,8 @@ from scheduler.rundir.placement import placement_json
 ROUND_FIELDS = ("round", "accuracy", "loss", "personalized_accuracy", "participants",
                 "bytes_intra", "bytes_inter", "seconds", "epsilon")
 
+ACCURACY_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+
 
 @dataclass
 class ClusterRecordSummary:
@@ -61,6 +63,10 @@ class JobSummary:
     # [privacy]: the options, the noise multiplier, the epsilon spent, and why the job
     # stopped early if its budget ran out ("stopped"); empty without [privacy]
     privacy: dict[str, Any] = field(default_factory=dict)
+    # rounds that closed early ([rounds], aggregation.mode): contributions dropped in all
+    contributions_dropped: int = 0
+    # seconds of rounds until the job's accuracy first reached each threshold
+    time_to_accuracy: dict[str, float] = field(default_factory=dict)
 
     def finish(self, status: str = "finished") -> None:
         """Derive the totals from the per-round records."""
@@ -73,6 +79,13 @@ class JobSummary:
         self.bytes_inter_total = sum(r.bytes_inter for r in self.rounds)
         self.bytes_intra_total = sum(r.bytes_intra for r in self.rounds)
         self.seconds_total = sum(r.seconds for r in self.rounds)
+        self.contributions_dropped = sum(r.dropped for r in self.rounds)
+        elapsed, self.time_to_accuracy = 0.0, {}
+        for r in self.rounds:
+            elapsed += r.seconds
+            for t in ACCURACY_THRESHOLDS:
+                if r.accuracy >= t:
+                    self.time_to_accuracy.setdefault(f"{t:g}", round(elapsed, 3))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

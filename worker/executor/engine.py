@@ -29,6 +29,13 @@ Hybrid groups aggregate their clients with the job's aggregator and exchange by 
 except under a server optimizer (fedavgm, fedadam, ...): then groups average their clients
 and the optimizer steps once on the mean of all groups, from the last exchange's model, so
 every group follows the same trajectory a star would. Inner hierarchy levels use FedAvg.
+
+A star root whose rounds may close early (`rounds.min_participation` < 1,
+`aggregation.mode = "buffered"`) sends the round's model only to the clusters that train
+in it and takes the clients' updates from a `ContributionBuffer`
+(worker.executor.contributions), which closes the aggregation by the job's rule, one
+`Contribution` per cluster; `combine_contributions` moves a stale one onto the current
+model by its staleness weight w (current + w (update - the model it started from)).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from proto.rounds import RoundRecord
+from worker.executor.contributions import CloseRule, Contribution, ContributionBuffer
 from worker.executor.graph import DOWN, PEER, UP, RoundGraph, mixing_kind, participants
 from worker.executor.transport import HybridTransport, Weights
 from worker.privacy import flatten
@@ -94,6 +102,7 @@ class ClusterEngine:
         timeout: float = 600.0,
         workers: int = 16,
         mixing_steps: int = 1,
+        close_rule: CloseRule | None = None,
     ) -> None:
         self.cluster_id = cluster_id
         self.graph = graph
@@ -126,6 +135,15 @@ class ClusterEngine:
         #: [privacy]: protects each client's update before it goes up, and combines what
         #: a star's root received (worker.privacy.Privacy)
         self.privacy: Any = None
+        #: the clusters that train in the round being run (None: all)
+        self.round_clusters: frozenset[str] | None = None
+        # a star root whose rounds may close early takes its updates from a buffer
+        self.buffer: ContributionBuffer | None = None
+        transport.rounds_skip = close_rule is not None
+        transport.collectors = {}
+        if close_rule is not None and graph.kind == "star":
+            self.buffer = ContributionBuffer(close_rule, transport._locate, transport.aborted)
+            transport.collectors = {r: self.buffer for r in self.local_aggregators()}
 
     # -- placement (fixed for the life of an engine: a new plan makes a new engine) -----
     def local_clients(self) -> list[str]:
@@ -170,6 +188,11 @@ class ClusterEngine:
             self._models.update(models)
             self._aggregators.update(aggregators)
             self._anchors.update(anchors)
+        if self.buffer is not None and previous.buffer is not None and models:
+            # contributions on their way stay on their way (the root stayed here)
+            self.buffer = previous.buffer
+            self.buffer.keep_only({self.transport._locate(c) for c in self.graph.clients})
+            self.transport.collectors = {r: self.buffer for r in self.transport.collectors}
 
     def import_node(self, node: str, weights: Weights) -> None:
         with self._lock:
@@ -249,12 +272,15 @@ class ClusterEngine:
         return cached
 
     # -- one round ----------------------------------------------------------------------
-    def run_round(self, round_index: int, timeout: float | None = None) -> RoundRecord:
+    def run_round(self, round_index: int, timeout: float | None = None,
+                  clusters: Iterable[str] = ()) -> RoundRecord:
         """Run this cluster's share of round `round_index`; raises the first failure.
         `timeout`: how long a node waits for a message this round (the scheduler's
-        deadline, adapted to measured round times); default the engine's."""
+        deadline, adapted to measured round times); default the engine's. `clusters`: the
+        clusters that train in it (empty: all)."""
         if timeout is not None:
             self.timeout = timeout
+        self.round_clusters = frozenset(clusters) or None
         self.transport.retry_seconds = self.timeout  # a send is retried until the deadline
         started = time.perf_counter()
         self.transport.begin_round(round_index)
@@ -424,9 +450,66 @@ class ClusterEngine:
                                            else self._make_inner())
             return self._aggregators[node]
 
+    def combine_contributions(self, node: str, current: Weights,
+                              contributions: list[Contribution], aggregator: Aggregate
+                              ) -> Weights:
+        """The model of an aggregation that closed early: every cluster's updates, a stale
+        one moved onto `current` by its staleness weight, through the root's `aggregator`
+        (with every contribution fresh, exactly a synchronous round's aggregation)."""
+        rule = self.buffer.rule if self.buffer is not None else None
+        updates: list[tuple[Weights, int]] = []
+        for c in contributions:
+            if c.base is None or rule is None:
+                updates.extend(c.updates)
+                continue
+            w = rule.weight(c.staleness)
+            updates.extend(({k: (current[k] + w * (v - c.base[k])).astype(current[k].dtype)
+                             if current[k].dtype.kind == "f" else v for k, v in u.items()}, n)
+                           for u, n in c.updates)
+        return aggregator.aggregate(current, updates) if updates else current
+
+    def _collect_program(self, node: str, r: int, active: set[str],
+                         record: RoundRecord) -> None:
+        """A star root whose rounds close early: the round's model to the participants of
+        the clusters that train in it, then the contributions its buffer lets through."""
+        assert self.buffer is not None
+        where = self.transport._locate
+        children = [c for c in self.graph.children(node) if c in active
+                    and (self.round_clusters is None or where(c) in self.round_clusters)]
+        start = self.current_model(node)
+        current = self.pool.resolve(start)
+        self.buffer.expect(r, children, current)  # before any update of it can arrive
+        for child in children:
+            self.transport.send(r, DOWN, node, child, start, 0, self._model_nbytes)
+        taken = self.buffer.collect(r, self.timeout, own=self.cluster_id)
+        contributions = []
+        for contribution, envelopes in taken:
+            contribution.updates = [(self.pool.resolve(env.weights),
+                                     self._trusted_samples(src, env.samples, None))
+                                    for src, env in envelopes]
+            contributions.append(contribution)
+        model = self.combine_contributions(node, current, contributions,
+                                           self._aggregator(node))
+        with self._lock:
+            self._models[node] = self.pool.put(model)
+        accuracy, loss = self._observed(node, model, record)
+        samples = sum(n for c in contributions for _, n in c.updates)
+        with self._lock:
+            record.add_evaluation(accuracy, loss, max(samples, 1))
+            record.contributions = {c.cluster: {"round": c.round, "staleness": c.staleness,
+                                                "updates": len(c.updates)}
+                                    for c in contributions}
+            record.dropped += self.buffer.take_dropped()
+        log.info("event=aggregation cluster=%s round=%d contributions=%s dropped=%d",
+                 self.cluster_id, r, ",".join(f"{c.cluster}:s{c.staleness}"
+                                              for c in contributions), record.dropped)
+
     def _aggregator_program(self, node: str, r: int, active: set[str],
                             record: RoundRecord) -> None:
         graph = self.graph
+        if self.buffer is not None and graph.root(node):
+            self._collect_program(node, r, active, record)
+            return
         nbytes = self._model_nbytes
         children = [c for c in graph.children(node) if c in active]
         # down first: the round's model to every participating child (one shared handle)

@@ -43,6 +43,7 @@ from proto.routing import RoutingMatrix
 from worker import payload as wire
 from worker.errors import WorkerError
 from worker.executor.allowlist import check_job_from_environment
+from worker.executor.contributions import CloseRule
 from worker.executor.engine import ClientPool, ClusterEngine, average
 from worker.executor.failures import explain_failure
 from worker.executor.graph import FINAL, STATE, RoundGraph
@@ -309,7 +310,7 @@ class ExecutorService:
             make_inner_aggregator=self.runtime.make_inner_aggregator,
             evaluate_global=self.runtime.evaluate_global, seed=self.spec.seed,
             client_fraction=self.spec.training.client_fraction, timeout=self.round_timeout,
-            mixing_steps=routing.mixing_steps)
+            mixing_steps=routing.mixing_steps, close_rule=CloseRule.of(self.spec))
         self.engine.absent = absent
         if self.privacy is not None and self.privacy.key is not None:
             keys = message.privacy_keys or {}
@@ -387,7 +388,8 @@ class ExecutorService:
             if self.privacy is not None:
                 self.privacy.attempt = attempt
             try:
-                record = self.engine.run_round(r, None if deadline is None else float(deadline))
+                record = self.engine.run_round(r, None if deadline is None else float(deadline),
+                                               message.clusters or ())
             except Exception as exc:
                 raise ControlError(explain_failure(exc, self.cluster_id, r, self.spec)) from exc
             finally:

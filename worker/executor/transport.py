@@ -22,7 +22,7 @@ import numpy as np
 from proto.messages import NO_CONSUMER
 from worker import payload as wire
 from worker.errors import WorkerError
-from worker.executor.graph import FINAL, KINDS, ROUND_KINDS, STATE
+from worker.executor.graph import FINAL, KINDS, ROUND_KINDS, STATE, UP
 from worker.executor.mailbox import Envelope, Mailbox
 
 Weights = dict[str, np.ndarray]
@@ -58,6 +58,10 @@ class RemoteLink(Protocol):
 
 Edge = tuple[str, str, str, str]  # (source node, target node, source cluster, target cluster)
 MODEL, AGGREGATOR = "model/", "aggregator/"  # tensor name prefixes of a migrating node's state
+
+
+class Intake(Protocol):
+    def put(self, r: int, src: str, envelope: Envelope, message_id: str) -> bool: ...
 
 
 class Codec(Protocol):
@@ -129,6 +133,12 @@ class HybridTransport:
         self.attempt = 0
         #: how long one update is retried (the round's deadline; the engine sets it)
         self.retry_seconds = 600.0
+        #: nodes whose "up" updates go to an intake of their own, whatever their round
+        #: (a star root whose rounds close early: worker.executor.contributions)
+        self.collectors: dict[str, Intake] = {}
+        #: a round may skip this cluster while it trains an earlier one: an update for a
+        #: round it has not begun yet is "not ready" (retried), not refused
+        self.rounds_skip = False
 
     def is_local(self, node: str) -> bool:
         return self._locate(node) == self.local_cluster
@@ -138,8 +148,13 @@ class HybridTransport:
         """Deliver `weights` (a handle or a dict) from `src` to `dst`, whichever path it takes."""
         target = self._locate(dst)
         if target == self.local_cluster:
-            self._mailbox.put((round_index, kind, src, dst),
-                              Envelope(weights, samples, nbytes, remote=False))
+            envelope = Envelope(weights, samples, nbytes, remote=False)
+            intake = self.collectors.get(dst) if kind == UP else None
+            if intake is not None:
+                intake.put(round_index, src, envelope, self.local_cluster + "/" + message_id(
+                    self.job_id, round_index, kind, src, dst) + self._attempt_suffix())
+            else:
+                self._mailbox.put((round_index, kind, src, dst), envelope)
             with self._lock:
                 self.counters.bytes_intra += nbytes
                 self.counters.messages_intra += 1
@@ -164,8 +179,7 @@ class HybridTransport:
         if link is None:
             raise RuntimeError(f"node {dst} lives on cluster {target_cluster!r} but this "
                                "executor has no bridge to fabricd")
-        mid = (message_id(self.job_id, round_index, kind, src, dst)
-               + (f"~{self.attempt}" if self.attempt else ""))
+        mid = message_id(self.job_id, round_index, kind, src, dst) + self._attempt_suffix()
         started = time.monotonic()
         absent_since: float | None = None
         attempts = 0
@@ -198,6 +212,9 @@ class HybridTransport:
                          "reason=%s", mid, target_cluster, attempts, wait, exc)
             time.sleep(wait)
 
+    def _attempt_suffix(self) -> str:
+        return f"~{self.attempt}" if self.attempt else ""
+
     def deliver_remote(self, *, job_id: str, round: int, source_node: str, target_node: str,
                        source_cluster: str, payload: bytes, message_id: str = "") -> bool:
         """Called for every update fabricd delivers; False if it was a repeat (of its
@@ -209,6 +226,13 @@ class HybridTransport:
         message_id = f"{source_cluster}/{message_id}" if message_id else ""
         if message_id and self._mailbox.applied(message_id):
             return False  # a retried copy of one applied already: accepted, not applied
+        head, _, attempt = message_id.rpartition("~")
+        if head and attempt.isdigit() and int(attempt) > self.attempt:
+            # a repeated round's update before this cluster began the repeat (its keys
+            # are still those of the first attempt): retried until it has
+            raise DeliveryNotReady(f"update {source_node} -> {target_node} is of attempt "
+                                   f"{attempt} of round {round}; this cluster runs attempt "
+                                   f"{self.attempt}")
         if job_id != self.job_id:
             raise DeliveryRefused(f"update for job {job_id!r} reached the executor of "
                                   f"{self.job_id!r}")
@@ -240,6 +264,16 @@ class HybridTransport:
                 raise DeliveryRefused(f"{what} is not addressed as one")
             weights = {k: np.array(v) for k, v in decoded.tensors.items()}
         else:
+            intake = self.collectors.get(dst) if kind == UP else None
+            if intake is not None:  # it judges the round itself (late: dropped, counted)
+                weights = self._codec.decompress(decoded.tensors, decoded.metadata,
+                                                 (src, dst, placed, self.local_cluster))
+                return intake.put(round, src, Envelope(self._conform(weights, what),
+                                                       decoded.samples, len(payload), True),
+                                  message_id or f"{source_cluster}/{round}/{src}")
+            if self.rounds_skip and round > self.current_round + 1:
+                raise DeliveryNotReady(f"update {src} -> {dst} is for round {round}; this "
+                                       f"cluster is still in round {self.current_round}")
             if not self.current_round <= round <= self.current_round + 1:
                 raise DeliveryRefused(f"update {src} -> {dst} is for round {round}; this "
                                       f"cluster accepts rounds {self.current_round} and "
@@ -282,6 +316,9 @@ class HybridTransport:
 
     def abort_round(self, round_index: int, reason: str) -> None:
         self._mailbox.abort_round(round_index, reason)
+
+    def aborted(self, round_index: int) -> str | None:
+        return self._mailbox.aborted(round_index)
 
     def receive(self, round_index: int, kind: str, src: str, dst: str,
                 timeout: float) -> Envelope:

@@ -1,0 +1,248 @@
+"""A slow cluster does not slow the federation: a quorum closes synchronous rounds without
+it, and buffered aggregation applies its contributions late, weighted by staleness.
+
+In-process clusters (fedpilot.loopback) with real training on digits; cluster c trains
+slowly (a sleep before every training call), so its contributions come rounds late."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import load as st_load
+
+from fedpilot.loopback import LoopbackMesh
+from proto.errors import InvalidMessage
+from proto.job import JobSpec, JobSpecError
+from proto.rounds import RoundRecord
+from scheduler.run.checkpoint import load_checkpoint
+from scheduler.run.driver import Driver, JobResult
+from tests.e2e.test_pinned_loopback import Losing
+from worker.context import InProcessContext
+from worker.executor.contributions import ContributionBuffer
+from worker.executor.runtime import runtime_factory
+
+CLUSTERS = ("a", "b", "c")
+
+
+def job(n_rounds: int = 4, **sections: Any) -> JobSpec:
+    base: dict[str, Any] = {
+        "job": {"id": "slow", "seed": 4},
+        "data": {"number_of_clients": 6, "dirichlet_beta": 1.0},
+        "training": {"federated_learning_rounds": n_rounds, "number_of_epochs": 1},
+        "placement": {"strategy": "round_robin", "max_materialized": 2},
+        "aggregation": {"name": "fedavg"},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    return JobSpec.from_dict(base)
+
+
+def slowed(cid: str, slow: dict[str, float]) -> Callable[[JobSpec], Any]:
+    """The cluster's runtime factory; its training sleeps `slow[cid]` seconds first."""
+    make = runtime_factory(InProcessContext(), cid)
+
+    def factory(spec: JobSpec) -> Any:
+        runtime = make(spec)
+        train = runtime.train
+
+        def slow_train(node: str, model: Any, round_index: int) -> Any:
+            time.sleep(slow.get(cid, 0.0))
+            return train(node, model, round_index)
+
+        runtime.train = slow_train
+        return runtime
+    return factory
+
+
+def run(spec: JobSpec, slow: dict[str, float] | None = None,
+        watch: Callable[[LoopbackMesh], None] | None = None) -> tuple[JobResult, LoopbackMesh]:
+    mesh = LoopbackMesh(list(CLUSTERS), lambda cid: slowed(cid, slow or {}), capacity=4)
+    if watch is not None:
+        watch(mesh)
+    driver = Driver(spec, mesh.clusters(), mesh, backend="inprocess", timeout=120)
+    try:
+        return driver.run(), mesh
+    finally:
+        driver.close()
+
+
+def test_the_quorum_closes_a_round_without_its_straggler_and_counts_it() -> None:
+    spec = job(n_rounds=4, rounds={"min_participation": 0.6, "straggler_grace": 0.2})
+    result, _ = run(spec, slow={"c": 2.5})
+    rounds = result.summary.rounds
+    assert [r.round for r in rounds] == [1, 2, 3, 4]
+    # round 1 closed with a and b; c's contribution came late and was dropped, counted
+    assert set(rounds[0].contributions) == {"a", "b"}
+    assert all(c["staleness"] == 0 for r in rounds for c in r.contributions.values())
+    assert result.summary.contributions_dropped >= 1
+    assert rounds[0].dropped == 1
+    # c sat out the rounds that began while it trained (it was never waited for)
+    assert all("c" not in r.contributions for r in rounds)
+    assert all(0.0 <= r.accuracy <= 1.0 for r in rounds)
+
+
+def test_with_every_cluster_in_time_the_quorum_changes_nothing() -> None:
+    plain, _ = run(job(n_rounds=2))
+    quorum, _ = run(job(n_rounds=2, rounds={"min_participation": 0.5, "straggler_grace": 30.0}))
+    assert [sorted(r.contributions) for r in quorum.summary.rounds] == [list(CLUSTERS)] * 2
+    assert quorum.summary.contributions_dropped == 0
+    a, b = st_load(plain.model), st_load(quorum.model)
+    assert all(np.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_early_closing_keys_are_refused_where_clusters_do_not_meet_at_a_root() -> None:
+    with pytest.raises(JobSpecError, match="aggregation.mode"):
+        job(topology={"kind": "ring"}, aggregation={"mode": "buffered"})
+    with pytest.raises(JobSpecError, match="rounds.min_participation"):
+        job(topology={"kind": "hierarchical"}, rounds={"min_participation": 0.5})
+
+
+def test_round_records_carry_contributions_over_the_wire() -> None:
+    record = RoundRecord(3, contributions={"a": {"round": 2, "staleness": 1, "updates": 2}},
+                         dropped=1)
+    again = RoundRecord.from_dict(record.to_dict())
+    assert again.contributions == record.contributions and again.dropped == 1
+    with pytest.raises(InvalidMessage, match="contributions"):
+        RoundRecord.from_dict({"round": 1, "contributions": {"a": {"round": "x"}}})
+
+
+class Ledger:
+    """Every update the root's buffer took, and what became of it, by message id."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.arrived: list[str] = []
+        self.outcomes: dict[str, list[str]] = collections.defaultdict(list)
+        self.lock = threading.Lock()
+        put, tell = ContributionBuffer.put, ContributionBuffer._tell
+        ledger = self
+
+        def counted_put(buffer: ContributionBuffer, r: int, src: str, envelope: Any,
+                        message_id: str) -> bool:
+            taken = put(buffer, r, src, envelope, message_id)
+            if taken:
+                with ledger.lock:
+                    ledger.arrived.append(message_id)
+            return taken
+
+        def counted_tell(buffer: ContributionBuffer, message_id: str, outcome: str) -> None:
+            with ledger.lock:
+                ledger.outcomes[message_id].append(outcome)
+            tell(buffer, message_id, outcome)
+
+        monkeypatch.setattr(ContributionBuffer, "put", counted_put)
+        monkeypatch.setattr(ContributionBuffer, "_tell", counted_tell)
+
+    def restart(self) -> None:
+        """A new run: count its updates alone."""
+        with self.lock:
+            self.arrived, self.outcomes = [], collections.defaultdict(list)
+
+    def check(self, rounds: list[RoundRecord]) -> dict[str, int]:
+        """No update taken twice, none given two fates, every applied one in a round's
+        record; the counts of each fate."""
+        assert len(self.arrived) == len(set(self.arrived))
+        assert set(self.outcomes) <= set(self.arrived)
+        assert all(len(fates) == 1 for fates in self.outcomes.values()), {
+            m: f for m, f in self.outcomes.items() if len(f) > 1}
+        applied = sum(1 for f in self.outcomes.values() if f == ["applied"])
+        assert applied == sum(c["updates"] for r in rounds for c in r.contributions.values())
+        return {"arrived": len(self.arrived), "applied": applied,
+                "dropped": sum(1 for f in self.outcomes.values() if f == ["dropped"])}
+
+
+def test_buffered_applies_a_slow_clusters_contributions_late_each_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ledger = Ledger(monkeypatch)
+    spec = job(n_rounds=8, aggregation={"mode": "buffered", "buffer_size": 2,
+                                        "max_staleness": 6}, rounds={"straggler_grace": 0.15})
+    result, _ = run(spec, slow={"a": 0.2, "b": 0.2, "c": 0.8})
+    rounds = result.summary.rounds
+    assert [r.round for r in rounds] == list(range(1, 9))
+    late = [c for r in rounds for cid, c in r.contributions.items() if cid == "c"]
+    assert late and all(c["staleness"] >= 1 for c in late)  # c counted, rounds late
+    fresh = [c for r in rounds for cid, c in r.contributions.items() if cid != "c"]
+    assert len(fresh) >= 2 * 8 - len(late)
+    counts = ledger.check(rounds)
+    assert counts["applied"] >= 2 * len(late) + len(fresh)
+    assert rounds[-1].accuracy > 0.5
+
+
+def test_buffered_with_every_cluster_fresh_is_the_synchronous_job() -> None:
+    sync, _ = run(job(n_rounds=3))
+    buffered, _ = run(job(n_rounds=3, aggregation={"mode": "buffered", "buffer_size": 3}))
+    assert all(set(r.contributions) == set(CLUSTERS) for r in buffered.summary.rounds)
+    assert all(c["staleness"] == 0 for r in buffered.summary.rounds
+               for c in r.contributions.values())
+    a, b = st_load(sync.model), st_load(buffered.model)
+    assert all(np.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert abs(sync.summary.final_accuracy - buffered.summary.final_accuracy) <= 0.01
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_buffered_job_rides_through_a_lost_cluster_and_a_resume_counting_every_update(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """c is slow, b is lost after round 3, the scheduler stops after round 6 and the job
+    resumes from its round-6 checkpoint: every update is applied once or dropped once."""
+    spec = job(n_rounds=8, aggregation={"mode": "buffered", "buffer_size": 2,
+                                        "max_staleness": 4},
+               rounds={"straggler_grace": 0.1},
+               faults={"on_cluster_loss": "continue", "lease_seconds": 4,
+                       "checkpoint_every": 2})
+    slow = {"a": 0.15, "b": 0.15, "c": 0.6}
+    out = tmp_path / "run"
+    ledger = Ledger(monkeypatch)
+    faults: list[dict[str, Any]] = []
+
+    def attempt(resume: bool, stop_after: int) -> list[RoundRecord]:
+        ledger.restart()
+        mesh = Losing(list(CLUSTERS), lambda cid: slowed(cid, slow), capacity=6)
+        checkpoint = load_checkpoint(out) if resume else None
+
+        def progress(record: RoundRecord, total: int) -> None:
+            if record.round == 3 and not resume:
+                asked = time.monotonic()  # the lease keeper judges a cluster that answered
+                assert driver.leases is not None
+                while driver.leases.answered_at("b") <= asked and time.monotonic() < asked + 60:
+                    time.sleep(0.05)
+                mesh.kill("b")
+                while "b" not in driver.leases.lost() and time.monotonic() < asked + 60:
+                    time.sleep(0.05)  # round 4 begins with b known lost
+            if record.round == stop_after:
+                raise Interrupted(f"stopped after round {record.round}")
+
+        driver = Driver(spec, mesh.clusters(), mesh, backend="inprocess", timeout=120,
+                        progress=progress, run_dir=out, resume=checkpoint)
+        try:
+            driver.run()
+        except Interrupted:
+            pass
+        finally:
+            driver.close()
+        assert driver.summary is not None
+        faults.extend(driver.summary.faults)
+        return driver.summary.rounds
+
+    rounds = attempt(resume=False, stop_after=5)
+    assert [r.round for r in rounds] == [1, 2, 3, 4, 5]
+    first = ledger.check(rounds)
+    # b was lost in round 4: the rounds after it went on with a and slow c
+    assert [(f["cluster"], f["event"], f["round"]) for f in faults] == [("b", "lost", 4)]
+    assert first["applied"] > 0
+    assert any("c" in r.contributions and r.contributions["c"]["staleness"] >= 1
+               for r in rounds)
+    rounds = attempt(resume=True, stop_after=0)  # from the round-4 checkpoint
+    assert [r.round for r in rounds] == list(range(1, 9))
+    second = ledger.check(rounds[4:])
+    assert second["applied"] > 0
+    assert all(0.0 <= r.accuracy <= 1.0 for r in rounds)
+
