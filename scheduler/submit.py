@@ -60,6 +60,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--data-root", metavar="DIR", action="append", default=[],
                    help="with --local: the testbed's clusters also allow reading data under "
                         "DIR (repeatable; the job's dataset directory is allowed already)")
+    p.add_argument("--slow", metavar="ID=FACTOR", action="append", default=[],
+                   help="with --local: run cluster ID's daemon, executor and Ray under a CPU "
+                        "quota of 1/FACTOR of a CPU (cgroup v2 cpu.max, else v1 "
+                        "cpu.cfs_quota_us; says so when this machine allows neither), e.g. "
+                        "cluster-2=4 (repeatable)")
     p.add_argument("--workdir", metavar="DIR",
                    help="with --local: keep the testbed's configs and logs here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -96,6 +101,21 @@ class ProgressBar:
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
+
+
+def slow_factors(values: list[str]) -> dict[str, float]:
+    """--slow ID=FACTOR options as {cluster id: factor > 1}."""
+    out = {}
+    for value in values:
+        cid, _, factor = value.partition("=")
+        try:
+            out[cid] = float(factor)
+        except ValueError:
+            out[cid] = 0.0
+        if not cid or not out[cid] > 1.0:
+            raise JobFailed(f"--slow {value!r}: expected ID=FACTOR with FACTOR > 1, "
+                            "e.g. cluster-2=4")
+    return out
 
 
 def local_capacity(clients: int, clusters: int) -> int:
@@ -189,11 +209,13 @@ def submit(spec: JobSpec, source: str, args: argparse.Namespace) -> dict[str, An
             # data are allowed (on a --mesh, real operators decide in their cluster.toml)
             allow = job_allowances(spec, modules=args.allow_module, data_roots=args.data_root)
             testbed = LocalTestbed(args.local, backend=backend, workdir=args.workdir,
-                                   capacity=capacity, allow=allow)
+                                   capacity=capacity, allow=allow, slow=slow_factors(args.slow))
             print(f"starting a local testbed: {args.local} cluster daemon(s) + scheduler "
                   f"({args.backend} executors) in {testbed.root}", file=sys.stderr)
             print(allow.describe(), file=sys.stderr)
             clusters = testbed.start(timeout=args.wait)
+            for cid, note in testbed.slow_notes.items():
+                print(f"slow cluster {cid}: {note}", file=sys.stderr)
             socket_path = testbed.bridge_socket("scheduler")
         else:
             from scheduler.testbed import config_socket

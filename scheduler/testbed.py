@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from scheduler.cpuquota import CpuQuota
 from scheduler.run.driver import ClusterInfo, JobFailed
 from scheduler.run.mesh import wait_for_clusters
 
@@ -158,7 +159,8 @@ class LocalTestbed:
     def __init__(self, clusters: int, *, backend: str = "local", workdir: str | None = None,
                  capacity: int = 0, cluster_prefix: str = "cluster-", metrics: bool = False,
                  datasets: Mapping[str, Mapping[str, str]] | None = None,
-                 allow: Allowances | None = None) -> None:
+                 allow: Allowances | None = None, slow: Mapping[str, float] | None = None
+                 ) -> None:
         if clusters < 1:
             raise JobFailed("--local needs at least one cluster")
         if backend not in ("local", "inprocess"):
@@ -181,6 +183,15 @@ class LocalTestbed:
         if unknown:
             raise JobFailed(f"testbed: datasets for unknown cluster(s) {', '.join(unknown)} "
                             f"(clusters: {', '.join(self.cluster_ids)})")
+        #: cluster id -> slow-down factor: its daemon, executor and Ray get 1/factor of a CPU
+        self.slow = dict(slow or {})
+        unknown = sorted(set(self.slow) - set(self.cluster_ids))
+        if unknown:
+            raise JobFailed(f"testbed: --slow names unknown cluster(s) {', '.join(unknown)} "
+                            f"(clusters: {', '.join(self.cluster_ids)})")
+        self.quotas: dict[str, CpuQuota] = {}
+        #: how each slowed cluster is slowed, or why it is not (this machine's cgroups)
+        self.slow_notes: dict[str, str] = {}
 
     # -- set-up ------------------------------------------------------------------------------
     def start(self, timeout: float = 60.0) -> list[ClusterInfo]:
@@ -240,6 +251,16 @@ class LocalTestbed:
         self.procs[name] = subprocess.Popen(
             [*fabricd_command(), "--config", str(config)], stdout=log_file,
             stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        if name in self.slow:  # before a job starts its executor, which inherits the cgroup
+            factor = self.slow[name]
+            try:
+                quota = self.quotas[name] = CpuQuota.apply(
+                    self.procs[name].pid, factor, f"fedpilot-{name}-{os.getpid()}")
+                self.slow_notes[name] = f"{1 / factor:.2f} of a CPU ({quota.kind})"
+            except OSError as exc:
+                self.slow_notes[name] = f"not slowed: {exc}"
+            log.warning("event=testbed_slow cluster=%s factor=%g how=%s", name, factor,
+                        self.slow_notes[name])
 
     def bridge_socket(self, name: str) -> str:
         return config_socket(self.configs[name])
@@ -279,6 +300,8 @@ class LocalTestbed:
                 pass
             if proc.poll() is None:
                 proc.wait(timeout=10)
+        for quota in self.quotas.values():
+            quota.remove()
         for f in self._logs:
             f.close()
         if self._tmp is not None:
