@@ -71,6 +71,14 @@ class RunMetrics:
                                       ["job", "cluster"], registry=r)
         self.epsilon = Gauge(f"{p}_privacy_epsilon", "[privacy] dp: the epsilon spent so far",
                              ["job"], registry=r)
+        self.contributions = Counter(f"{p}_contributions", "cluster contributions an "
+                                     "aggregation that closes early applied", ["job", "cluster"],
+                                     registry=r)
+        self.staleness = Histogram(f"{p}_contribution_staleness", "aggregations between a "
+                                   "contribution's model and the one it was applied to",
+                                   ["job"], buckets=(0, 1, 2, 4, 8, 16, 64), registry=r)
+        self.dropped = Counter(f"{p}_contributions_dropped", "contributions dropped: late, or "
+                               "beyond aggregation.max_staleness", ["job"], registry=r)
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self.address = ""
@@ -89,6 +97,10 @@ class RunMetrics:
             actors_materialized=getattr(record, "actors_materialized",
                                         getattr(record, "actors_created", None)),
             epsilon=getattr(record, "epsilon", None))
+        for cluster, contribution in (getattr(record, "contributions", None) or {}).items():
+            self.contributions.labels(job_id, cluster).inc()
+            self.staleness.labels(job_id).observe(contribution.get("staleness", 0))
+        self.dropped.labels(job_id).inc(int(getattr(record, "dropped", 0)))
 
     def round_finished(self, job_id: str, round: int, *, seconds: float, accuracy: float, loss: float,
                        bytes_intra: int, bytes_inter: int, training_seconds: float | None = None,

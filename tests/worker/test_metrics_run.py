@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -133,3 +134,21 @@ def test_each_executor_serves_its_own_rounds_and_fabricd_passes_the_endpoint(
         inter += s[("fedpilot_executor_bytes_total", frozenset(job | {("scope", "inter")}))]
         mesh.services[cid].metrics.close()
     assert inter == summary.bytes_inter_total > 0
+
+
+def test_scheduler_metrics_count_contributions_their_staleness_and_the_dropped() -> None:
+    with RunMetrics("scheduler") as metrics:
+        address = metrics.serve("127.0.0.1:0")
+        for r, contributions, dropped in (
+                (1, {"a": {"round": 1, "staleness": 0}, "b": {"round": 1, "staleness": 0}}, 1),
+                (2, {"a": {"round": 2, "staleness": 0}, "c": {"round": 1, "staleness": 1}}, 0)):
+            metrics.observe_round("j", SimpleNamespace(
+                round=r, seconds=1.0, accuracy=0.5, loss=1.0, bytes_intra=0, bytes_inter=0,
+                contributions=contributions, dropped=dropped))
+        s = scrape(address)
+    job = frozenset({("job", "j")})
+    assert s[("fedpilot_scheduler_contributions_total", job | {("cluster", "a")})] == 2
+    assert s[("fedpilot_scheduler_contributions_total", job | {("cluster", "c")})] == 1
+    assert s[("fedpilot_scheduler_contributions_dropped_total", job)] == 1
+    assert s[("fedpilot_scheduler_contribution_staleness_count", job)] == 4
+    assert s[("fedpilot_scheduler_contribution_staleness_sum", job)] == 1
