@@ -226,13 +226,6 @@ class HybridTransport:
         message_id = f"{source_cluster}/{message_id}" if message_id else ""
         if message_id and self._mailbox.applied(message_id):
             return False  # a retried copy of one applied already: accepted, not applied
-        head, _, attempt = message_id.rpartition("~")
-        if head and attempt.isdigit() and int(attempt) > self.attempt:
-            # a repeated round's update before this cluster began the repeat (its keys
-            # are still those of the first attempt): retried until it has
-            raise DeliveryNotReady(f"update {source_node} -> {target_node} is of attempt "
-                                   f"{attempt} of round {round}; this cluster runs attempt "
-                                   f"{self.attempt}")
         if job_id != self.job_id:
             raise DeliveryRefused(f"update for job {job_id!r} reached the executor of "
                                   f"{self.job_id!r}")
@@ -240,6 +233,12 @@ class HybridTransport:
         kind = decoded.kind
         if kind not in KINDS:
             raise DeliveryRefused(f"update {src} -> {dst} has unknown kind {kind!r}")
+        head, _, attempt = message_id.rpartition("~")
+        if kind in ROUND_KINDS and head and attempt.isdigit() and int(attempt) > self.attempt:
+            # a repeated round's update before this cluster began the repeat (its keys
+            # are still those of the first attempt): retried until it has
+            raise DeliveryNotReady(f"update {src} -> {dst} is of attempt {attempt} of round "
+                                   f"{round}; this cluster runs attempt {self.attempt}")
         placed = self._locate(src)
         if source_cluster and placed != source_cluster:
             raise DeliveryRefused(f"update from node {src} came from cluster "
