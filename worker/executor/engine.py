@@ -492,7 +492,7 @@ class ClusterEngine:
                                            self._aggregator(node))
         with self._lock:
             self._models[node] = self.pool.put(model)
-        accuracy, loss = self._observed(node, model, record)
+        accuracy, loss = self._observed(node, model, current, record)
         samples = sum(n for c in contributions for _, n in c.updates)
         with self._lock:
             record.add_evaluation(accuracy, loss, max(samples, 1))
