@@ -9,7 +9,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 export RAY_DISABLE_DOCKER_CPU_WARNING := 1
 
-.PHONY: install test test-tools test-fast test-slow lint demo demo-mesh compose-demo bench clean
+.PHONY: install test test-tools test-fast test-slow lint demo demo-mesh compose-demo wan-demo bench clean
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or run: make PYTHON=/path/to/python3.11)"; exit 1; }
@@ -53,6 +53,12 @@ demo: install
 # Ray head + fabricd - and the scheduler); results in runs/compose-demo/ (docs/deploy.md)
 compose-demo:
 	deploy/compose-demo.sh $(COMPOSE_DEMO_ARGS)
+
+# the same job with every cluster behind a NAT of its own, joined through the gateway's relay:
+# network namespaces + NAT routers (root; deploy/netns-testbed.sh up --wan); results in
+# runs/wan-demo/, and where the bytes went (docs/deploy.md)
+wan-demo: install
+	deploy/wan-demo.sh $(WAN_DEMO_ARGS)
 
 # just the mesh: three daemons, their status and a probe between them
 demo-mesh: install

@@ -24,6 +24,10 @@ Prints one JSON object with, each against raw loopback TCP measured in the same 
   second forwarder passes its port), then with that port unreachable (as behind a NAT
   that passes only libp2p): the fallback to libp2p, the first probe after the loss (it
   pays the lost connection and the refused dial) and the next.
+``--relay``: only this - 64 MiB probes from a site behind NAT (``reachability = "private"``,
+data plane off so both paths are libp2p) to another such site through a gateway's relay,
+each run beside one to the gateway itself (direct), all on loopback in one run; the ratio
+is the median of the per-run ratios (goal >= 0.4: a relay costs one more Python hop).
 ``--quick`` shrinks every size and count (a smoke run, not a measurement).
 
 Measured 2026-11-22, 2 cores shared with other agents' test runs (MB = 10^6 bytes):
@@ -241,6 +245,7 @@ from tests.fabricd._harness import (  # noqa: E402
     Node,
     bridge_status,
     cli,
+    configure,
     connected_fast,
     init_ca,
     init_node,
@@ -748,6 +753,38 @@ def long_link(root: Path, nbytes: int, delay_ms: float = 25.0, rate_mbit: float 
             "target_rtts": 1.2, "updates_failed": fc["failed"]}
 
 
+def relay_runs(root: Path, nbytes: int, runs: int) -> dict[str, Any]:
+    """``--relay`` (module docstring): relayed a -> b against direct a -> g, run by run."""
+    ca = init_ca(root)
+    g = init_node(root, "g", ca)
+    configure(g, "relay_service = true")
+    nodes = [g]
+    try:
+        g.start()
+        g.wait_ready()
+        for name in ("a", "b"):
+            node = init_node(root, name, ca, [g.addr()])
+            configure(node, 'reachability = "private"', "dataplane_min_bytes = 0")
+            nodes.append(node)
+            node.start()
+        a = nodes[1]
+        for node in nodes:
+            node.wait_ready()
+        wait_until(lambda: {"b", "g"} <= connected_fast(a), timeout=90)
+        links = {row["cluster_id"]: row["link"] for row in bridge_status(a)["clusters"]}
+        relayed, direct = [], []
+        for _ in range(runs):
+            relayed.append(probe_runs(a, nodes[2], nbytes, 1)[0]["throughput_mb_s"])
+            direct.append(probe_runs(a, g, nbytes, 1)[0]["throughput_mb_s"])
+        service = bridge_status(g)["relay"]["service"]
+    finally:
+        for node in nodes:
+            node.stop()
+    return {"bytes": nbytes, "relayed_mb_s": relayed, "direct_mb_s": direct, "links": links,
+            "ratio": round(statistics.median(r / d for r, d in zip(relayed, direct, strict=True)), 3),
+            "target_ratio": 0.4, "relay_bytes_relayed": service["bytes_relayed"]}
+
+
 def _bridge(node: Node) -> str:
     return str(load_config(node.config).bridge_socket)
 
@@ -785,6 +822,8 @@ def main() -> None:
                         help="with --e2e-only: also a pair with dataplane_spare_bytes = 0, in the same rounds")
     parser.add_argument("--libp2p-probe", action="store_true",
                         help="also probe a second pair with the data plane off (the old path)")
+    parser.add_argument("--relay", action="store_true",
+                        help="only 64 MiB through a gateway's relay against direct (docstring)")
     parser.add_argument("--e2e-only", action="store_true",
                         help="only the e2e 64 MiB figure (its runs beside raw TCP runs)")
     args = parser.parse_args()
@@ -793,6 +832,12 @@ def main() -> None:
     big = 8 * MIB if q else 64 * MIB
     runs = args.runs or (1 if q else 2)
     budget = 256 * MIB if q else 1024 * MIB
+    if args.relay:
+        with tempfile.TemporaryDirectory(prefix="fbench") as tmp:
+            relay = relay_runs(Path(tmp), big, args.runs or 5)
+        print(json.dumps({"benchmark": "transfer", "quick": q, "relay_64mib": relay,
+                          "loadavg_1m": round(os.getloadavg()[0], 2)}))
+        return
     if args.e2e_only:
         with tempfile.TemporaryDirectory(prefix="fbench") as tmp:
             a, b = _start_pair(Path(tmp), budget, dataplane_min_bytes=args.dataplane_min_bytes,

@@ -87,7 +87,8 @@ def _fused_path(noise_rw: Any) -> tuple[Any, Any]:
         cipher = noise_rw.noise_state.noise_protocol.cipher_state_decrypt
     except AttributeError:
         return None, None
-    if not isinstance(tcp, TrioTCPStream) or not hasattr(cipher, "decrypt_with_ad"):
+    # TCP, or anything else read ahead the same way (fabricd._relay.CircuitStream)
+    if getattr(type(tcp), "read", None) is not _buffered_read or not hasattr(cipher, "decrypt_with_ad"):
         return None, None
     return tcp, cipher
 

@@ -30,7 +30,7 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.connection_types import ConnectionType
 from libp2p.network.connection.raw_connection import RawConnection
-from libp2p.network.stream.exceptions import StreamEOF
+from libp2p.network.stream.exceptions import StreamEOF, StreamError
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
@@ -40,6 +40,7 @@ from libp2p.relay.circuit_v2.protocol_buffer import StatusCode, to_proto_status
 from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
+from fabricd import _fastpath
 from fabricd._sender import open_stream
 from fabricd._streams import Handler, close_quietly, reset_quietly
 from fabricd.config import Relay
@@ -90,6 +91,49 @@ def _status_name(code: int) -> str:
         return str(code)
 
 
+class CircuitStream:
+    """A circuit's stream as the byte stream of a raw connection, read ahead the way
+    fabricd._fastpath reads TCP: the inner Noise session's 2-byte and 64 KiB reads come from
+    a 1 MiB buffer (whole frames decrypted straight out of it), not from a yamux read each
+    (measured: ~6x the receiver's CPU per byte without it)."""
+
+    read = _fastpath._buffered_read
+
+    def __init__(self, stream: INetStream) -> None:
+        self.net = stream
+        self.stream = self  # _buffered_read refills through self.stream.receive_some
+        self.read_lock = trio.Lock()
+
+    async def receive_some(self, n: int) -> bytes:
+        try:
+            return await self.net.read(n)
+        except StreamEOF:
+            return b""
+        except StreamError as exc:
+            raise trio.BrokenResourceError(str(exc)) from exc
+
+    async def write(self, data: bytes) -> None:
+        await self.net.write(data)
+
+    async def close(self) -> None:
+        await self.net.close()
+
+    def get_remote_address(self) -> None:
+        return None
+
+
+def _raw(stream: INetStream, initiator: bool, ma: multiaddr.Multiaddr) -> RawConnection:
+    return RawConnection(stream=CircuitStream(stream), initiator=initiator,  # type: ignore[arg-type]
+                         connection_type=ConnectionType.RELAYED, addresses=[ma])
+
+
+def _tag(host: IHost, peer_id: ID, muxed: Any, ma: multiaddr.Multiaddr) -> None:
+    """Mark the swarm connection relayed (the generic upgrade cannot tell)."""
+    for conn in host.get_network().get_connections(peer_id):
+        if conn is muxed or getattr(conn, "muxed_conn", None) is muxed:
+            conn.set_transport_info([ma], ConnectionType.RELAYED)  # type: ignore[attr-defined]
+
+
 async def _hop(host: IHost, relay: str, msg: HopMessage) -> tuple[INetStream, HopMessage]:
     stream = await open_stream(host, relay, PROTOCOL_ID)
     try:
@@ -114,13 +158,12 @@ async def dial(host: IHost, circuit: str, peer_id: ID) -> None:
         await reset_quietly(stream)
         raise ConnectionError(f"relay {relay} refused a circuit to {peer_id}: {_status_name(resp.status)}")
     ma = multiaddr.Multiaddr(circuit)
-    raw = RawConnection(stream=stream, initiator=True, connection_type=ConnectionType.RELAYED, addresses=[ma])
     try:
-        conn = await host.upgrade_outbound_connection(raw, peer_id)
+        conn = await host.upgrade_outbound_connection(_raw(stream, True, ma), peer_id)
     except BaseException:
         await reset_quietly(stream)
         raise
-    conn.set_transport_info([ma], ConnectionType.RELAYED)  # type: ignore[attr-defined]
+    _tag(host, peer_id, conn, ma)
 
 
 class RelayService(CircuitV2Protocol):
@@ -220,6 +263,19 @@ class RelayService(CircuitV2Protocol):
             await reset_quietly(dst_stream)
 
 
+class _StopSide(CircuitV2Protocol):
+    async def handle_incoming_connection(self, stream: INetStream, remote_peer_id: bytes) -> None:
+        """The library's, with the circuit's stream read ahead (CircuitStream)."""
+        peer_id = ID(remote_peer_id)
+        ma = multiaddr.Multiaddr(f"/p2p/{self.host.get_id()}{CIRCUIT}/p2p/{peer_id}")
+        try:
+            muxed = await self.host.upgrade_inbound_connection(_raw(stream, False, ma), ma)
+        except BaseException:
+            await reset_quietly(stream)
+            raise
+        _tag(self.host, peer_id, muxed, ma)
+
+
 class RelayClient:
     """Reservations at the bootstrap gateways and the stop side of circuits (module docstring)."""
 
@@ -234,7 +290,7 @@ class RelayClient:
         self.held: dict[str, tuple[str, float, Any]] = {}
         #: relay peer id -> (why not, when to ask again)
         self.refused: dict[str, tuple[str, float]] = {}
-        self._stop = CircuitV2Protocol(host, allow_hop=False)
+        self._stop = _StopSide(host, allow_hop=False)
 
     def register(self, guard: Guard) -> None:
         self.host.set_stream_handler(STOP_PROTOCOL_ID, guard("relay.stop", self._stop._handle_stop_stream, None))

@@ -130,6 +130,13 @@ def init_node(root: Path, name: str, ca: Path, bootstrap: list[str] = (), role: 
     return Node(name, root / name, port)
 
 
+def configure(node: Node, network: str = "", limits: str = "") -> None:
+    """Add lines to the [network] and [limits] sections of ``node``'s cluster.toml."""
+    path = Path(node.config)
+    text = path.read_text().replace("[network]\n", f"[network]\n{network}\n", 1)
+    path.write_text(text.replace("[limits]\n", f"[limits]\n{limits}\n", 1))
+
+
 def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> float:
     """Seconds until predicate() is truthy; AssertionError after ``timeout``."""
     start = time.monotonic()
