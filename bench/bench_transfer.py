@@ -29,6 +29,11 @@ data plane off so both paths are libp2p) to another such site through a gateway'
 each run beside one to the gateway itself (direct), all on loopback in one run; the ratio
 is the median of the per-run ratios (goal >= 0.4: a relay costs one more Python hop).
 ``--quick`` shrinks every size and count (a smoke run, not a measurement).
+- 2026-11-26 ``--relay`` (5 runs of 64 MiB, loadavg 12-20): relayed 17-29 MB/s vs direct
+  71-245 MB/s, ratio 0.22 before the circuit's stream was read ahead; after it 22-40 vs
+  67-110 MB/s, ratio 0.358 at loadavg 20 (goal 0.4 not met). CPU per 32 MiB relayed vs
+  direct: sender 0.15-0.30 vs 0.07 s (Noise twice: the inner session and the hop), relay
+  0.18-0.36 s (decrypts and re-encrypts), receiver 0.17-0.29 vs 0.02-0.1 s.
 
 Measured 2026-11-22, 2 cores shared with other agents' test runs (MB = 10^6 bytes):
 - full run at loadavg ~18 (everything CPU-starved; ratios are against raw TCP measured in
