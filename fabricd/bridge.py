@@ -43,7 +43,7 @@ from fabricd.errors import FabricdError
 from fabricd.executors import ExecutorLauncher
 from fabricd.updates import DeliveryError
 from fedcore.logs import get_logger
-from proto._bridge_fds import FD_MIN_BYTES, FdRefused, SharedMapping, take_checked
+from proto._bridge_fds import FD_MIN_BYTES, FdRefused, SharedMapping, take_checked, unmap_quietly
 from proto.bridge import (
     BridgeMessage,
     BridgeStream,
@@ -129,10 +129,7 @@ class _Unmapping:
 
     def unmap(self) -> None:
         self.view.release()
-        try:
-            self.mapping.close()
-        except BufferError:
-            pass  # a sender's chunk still refers to it; unmapped when that goes
+        unmap_quietly(self.mapping)
 
     def __call__(self) -> None:
         self.unmap()

@@ -64,7 +64,7 @@ from fabricd.errors import FabricdError
 from fabricd.membership import Membership
 from fabricd.metrics import UNWIRED, DaemonMetrics
 from fedcore.logs import get_logger
-from proto._bridge_fds import SharedMapping, SpareMemfds
+from proto._bridge_fds import SharedMapping, SpareMemfds, unmap_quietly
 from proto.errors import DigestMismatch, LengthMismatch, MessageTooLarge, ProtocolError
 from proto.ids import DEFAULT_CHUNK_BYTES, PROBE_JOB_ID, PROTOCOL_UPDATE, PROTOCOL_UPDATE_POOLED
 from proto.messages import UpdateAck, UpdateHeader
@@ -687,12 +687,7 @@ class _Unmapper:
 
     def _run(self) -> None:
         while True:
-            mapping = self._queue.get()
-            try:
-                mapping.close()  # type: ignore[attr-defined]
-            except BufferError:
-                pass
-            del mapping
+            unmap_quietly(self._queue.get())  # type: ignore[arg-type]
 
 
 _UNMAPPER = _Unmapper()

@@ -315,6 +315,15 @@ def close_quietly(fd: int) -> None:
         pass
 
 
+def unmap_quietly(mapping: mmap.mmap) -> None:
+    """Unmap now, or, while a view (a sender's chunk, a reader) still refers to the
+    mapping, leave it to the collector: unmapped when the last view goes."""
+    try:
+        mapping.close()
+    except BufferError:
+        pass
+
+
 def fds_from_ancillary(ancdata: list[tuple[int, int, bytes]], flags: int) -> tuple[list[int], str | None]:
     """The descriptors in recvmsg's ancillary data, and a reason to drop the connection if
     any came that do not fit (they are closed by the kernel then) or were not SCM_RIGHTS."""
