@@ -1,7 +1,28 @@
-"""Session-wide test settings: keep Ray on loopback and quiet."""
+"""Session-wide test settings: keep Ray on loopback and quiet; under pytest-xdist (`make
+test` runs two workers) give each worker its own share of the ports."""
 
 import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DISABLE_DOCKER_CPU_WARNING", "1")
+
+
+def _share_ports_between_workers() -> None:
+    """`scheduler.testbed.free_port` hands out a port the kernel says is free now, and a
+    daemon binds it a moment later; meanwhile another xdist worker's free_port could be
+    handed the same one. So each worker takes only its own share: every port of another
+    worker's share counts as handed out already. (Linux's bind(0) offers odd ports first,
+    so the shares are pairs of ports, dealt in turn.) Each worker has its own temp dirs
+    (pytest's basetemp), its own session mesh and its own Ray."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if count < 2 or not worker.startswith("gw"):
+        return
+    import scheduler.testbed
+
+    index = int(worker[2:])
+    scheduler.testbed._HANDED_OUT.update(p for p in range(1 << 16) if (p >> 1) % count != index)
+
+
+_share_ports_between_workers()
