@@ -878,7 +878,7 @@ class DataPlane:
             await write_message(stream, DataPlaneOffer(certificate=self.identity.der))
             with trio.fail_after(HANDSHAKE_SECONDS):
                 answer = await read_message_exact(stream, FRAME_LIMIT)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - any failed handshake: libp2p is the fallback
             raise DataPlaneUnavailable(f"no data-plane ticket from {peer_id}: {type(exc).__name__}: {exc}") from exc
         finally:
             await close_quietly(stream)

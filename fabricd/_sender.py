@@ -486,11 +486,9 @@ async def exchange_half_duplex(stream: INetStream, header: UpdateHeader, body: B
                 raise BodyRefused(refused)
         with trio.fail_after(ack_timeout):
             final = await read_message_exact(stream, HEADER_LIMIT)
-    except (BodyRefused, trio.Cancelled):
+    except (BodyRefused, trio.Cancelled, trio.TooSlowError):
         raise
-    except trio.TooSlowError:
-        raise
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - resets, closed connections, bad frames
         raise StreamLost(f"{type(exc).__name__}: {exc}") from exc
     if not isinstance(final, UpdateAck):
         raise StreamLost(f"expected UpdateAck, got {final.TYPE}")

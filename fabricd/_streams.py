@@ -130,7 +130,7 @@ async def reset_quietly(stream: INetStream) -> None:
 async def close_quietly(stream: INetStream) -> None:
     try:
         await stream.close()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - as reset_quietly: a broken stream has nothing to say
         pass
 
 
@@ -159,5 +159,5 @@ def safe_handler(name: str, handler: Handler) -> Handler:
 def _peer_or_unknown(stream: Any) -> str:
     try:
         return remote_peer(stream)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - only for a log line: a dead connection has no peer
         return "unknown"

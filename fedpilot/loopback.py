@@ -92,7 +92,7 @@ class LoopbackMesh:
         wire = msgpack.unpackb(msgpack.packb(body, use_bin_type=True), raw=False)
         try:
             reply = service.handle(wire)
-        except Exception as exc:
+        except Exception as exc:  # what a daemon would return as a refusal, whatever it is
             raise JobFailed(f"cluster {cluster_id} refused {body.get('kind')}: "
                             f"{type(exc).__name__}: {exc}") from exc
         return dict(msgpack.unpackb(msgpack.packb(reply, use_bin_type=True), raw=False))

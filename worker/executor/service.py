@@ -390,7 +390,7 @@ class ExecutorService:
             try:
                 record = self.engine.run_round(r, None if deadline is None else float(deadline),
                                                message.clusters or ())
-            except Exception as exc:
+            except Exception as exc:  # user code and Ray raise anything: the job says why
                 raise ControlError(explain_failure(exc, self.cluster_id, r, self.spec)) from exc
             finally:
                 with self._lock:
