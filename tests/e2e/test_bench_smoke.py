@@ -92,6 +92,7 @@ def test_bench_security_quick_reports_the_join_ratio_and_the_revocation_spread()
     assert revocation["max_s"] == max(revocation["per_member_s"].values())
 
 
+@pytest.mark.slow
 def test_bench_learning_quick_reports_the_baselines_and_every_job(tmp_path: Path) -> None:
     report = run_bench("bench_learning.py", "--quick", "--workers", "1", "--out", str(tmp_path))
     assert report["benchmark"] == "learning"

@@ -36,6 +36,7 @@ def small_job(dataset: str, topology: str, aggregation: str) -> dict[str, Any]:
     return bl.job_dict(SMALL, dataset, topology, aggregation)
 
 
+@pytest.mark.slow  # CNN training to accuracy: 3-15 s a case
 @pytest.mark.parametrize("topology", ["star", "hybrid", "k_connected", "hierarchical", "ring"])
 def test_a_cnn_leaves_chance_on_every_topology(mnist: str, topology: str) -> None:
     """The final model (for decentralized kinds the mean of the node models): gossip over
@@ -45,6 +46,7 @@ def test_a_cnn_leaves_chance_on_every_topology(mnist: str, topology: str) -> Non
     assert result["final"] > CHANCE + floor, (topology, result["final"], result["curve"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("topology", "aggregation"), [
     ("star", "fedadam"), ("star", "fedyogi"), ("star", "fedadagrad"), ("star", "fedavgm"),
     ("hybrid", "fedadam"),   # the demo's configuration: one optimizer step per exchange
@@ -69,6 +71,7 @@ def test_the_engines_star_fedavg_is_the_reference_loop() -> None:
     assert reference["curve"][-1] > reference["curve"][0] + 0.1, reference["curve"]
 
 
+@pytest.mark.slow
 def test_a_job_at_chance_says_so_naming_the_key(mnist: str) -> None:
     """A server step far too large for the model (the literature's plain step at
     server_learning_rate 1.0, no on_stall action) sits at chance; the watch behind the

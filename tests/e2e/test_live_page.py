@@ -105,6 +105,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
     yield run_job(tmp_path_factory.mktemp("live"), rounds=STATE_ROUNDS)
 
 
+@pytest.mark.slow  # the job fixture: a real 3-cluster job
 def test_page_is_served_from_the_package(job: Job) -> None:
     assert job.error is None, job.error
     assert job.result == 0
@@ -113,6 +114,7 @@ def test_page_is_served_from_the_package(job: Job) -> None:
     assert b"http://" not in job.page and b"https://" not in job.page  # nothing from the internet
 
 
+@pytest.mark.slow
 def test_state_follows_the_job_and_matches_summary(job: Job) -> None:
     assert job.error is None, job.error
     summary = json.loads((job.run_dir / "summary.json").read_text())
