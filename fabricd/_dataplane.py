@@ -51,7 +51,12 @@ read, opened, sealed and written on the event loop (no worker-thread hop: a 1 Ki
 costs each daemon ~0.5 ms of CPU instead of ~1.8 ms over Noise + yamux); large bodies in
 worker threads. Strangers get nothing: a connection that does
 not finish TLS and present a valid ticket within ``HANDSHAKE_SECONDS`` is closed, and at
-most ``MAX_HANDSHAKES`` handshakes run at once.
+most ``MAX_HANDSHAKES`` handshakes run at once. Strangers cannot keep a member out either:
+a connection holds no handshake slot until its first bytes come (at most ``MAX_WAITING``
+wait, the oldest is dropped for a newcomer), and a member's opens with ``TICKET_MAGIC`` and
+a tag of its ticket (a hash: the ticket itself stays inside TLS), which gives it a slot
+among ``MAX_HANDSHAKES`` of its own - whatever strangers hold, only a ticket's holder
+gets one of those.
 """
 
 from __future__ import annotations
@@ -118,6 +123,11 @@ MAX_THREADS = 512
 POLL_SECONDS = 0.5
 WRITE_SECONDS = 30.0
 FRAME_LIMIT = 64 * 1024
+#: a member's data-plane connection opens with these bytes and its ticket's tag (cleartext)
+TICKET_MAGIC = b"FPDP"
+TICKET_TAG_BYTES = 16
+#: connections waiting for their first bytes, without a handshake slot
+MAX_WAITING = 512
 
 
 #: plaintext of one record at most: a body is read a record at a time, and the hashing
@@ -203,6 +213,10 @@ def _context(identity: _Identity, *, server: bool, pinned: bytes | None = None) 
 class _Conn:
     def __init__(self, peer_id: ID) -> None:
         self.peer_id = peer_id
+
+
+def _ticket_tag(ticket: bytes) -> bytes:
+    return hashlib.sha256(b"fedpilot-dataplane-ticket-tag" + ticket).digest()[:TICKET_TAG_BYTES]
 
 
 def _nonce(counter: int) -> bytes:
@@ -330,6 +344,7 @@ def dial(address: str, port: int, ctx: ssl.SSLContext, ticket: bytes) -> Records
     try:
         raw.settimeout(HANDSHAKE_SECONDS)
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw.sendall(TICKET_MAGIC + _ticket_tag(ticket))
         sock = ctx.wrap_socket(raw, server_side=False)
         keys = secrets.token_bytes(2 * KEY_BYTES)
         sock.sendall(ticket + keys)
@@ -657,6 +672,12 @@ class DataPlane:
         self.tickets: BoundedDict[bytes, tuple[str, bytes, float]] = BoundedDict(MAX_TICKETS)
         self.port = 0
         self._handshakes = trio.Semaphore(MAX_HANDSHAKES)
+        #: handshake slots for connections that showed an outstanding ticket's tag
+        self._expected = trio.Semaphore(MAX_HANDSHAKES)
+        #: tags of outstanding tickets -> (unused)
+        self.ticket_tags: BoundedDict[bytes, bool] = BoundedDict(MAX_TICKETS)
+        #: connections waiting for their first bytes, oldest first
+        self._waiting: dict[object, trio.CancelScope] = {}
         self.limiter = trio.CapacityLimiter(MAX_THREADS)
         self._throttle = Throttle(log)
         self.accepted = 0
@@ -697,6 +718,7 @@ class DataPlane:
             self._trust(peer, offer.certificate)
             ticket = secrets.token_bytes(TICKET_BYTES)
             self.tickets[ticket] = (peer, _fingerprint(offer.certificate), time.monotonic() + TICKET_SECONDS)
+            self.ticket_tags[_ticket_tag(ticket)] = True
             await write_message(stream, DataPlaneTicket(port=self.port, certificate=self.identity.der,
                                                         ticket=ticket, reason=""))
         except (ssl.SSLError, ValueError) as exc:
@@ -770,10 +792,45 @@ class DataPlane:
         except Exception as exc:  # noqa: BLE001 - one connection's failure is only logged
             log.error("dataplane.connection_crashed", address=where, reason=f"{type(exc).__name__}: {exc}")
 
+    async def _first_bytes(self, tsock: trio.socket.SocketType) -> tuple[bool | None, str]:
+        """Wait, holding no handshake slot, for the connection's first bytes: (True, "")
+        after an outstanding ticket's tag (consumed), (False, "") for anything else (left
+        for TLS), (None, why) for nothing in time, an unknown tag, or a newcomer's turn."""
+        key = object()
+        head = b""
+        with trio.move_on_after(HANDSHAKE_SECONDS) as scope:
+            self._waiting[key] = scope
+            if len(self._waiting) > MAX_WAITING:
+                self._waiting.pop(next(iter(self._waiting))).cancel()
+            try:
+                want = len(TICKET_MAGIC) + TICKET_TAG_BYTES
+                while True:
+                    head = await tsock.recv(want, socket.MSG_PEEK)
+                    if not head or not TICKET_MAGIC.startswith(head[:len(TICKET_MAGIC)]) or len(head) == want:
+                        break
+                    await trio.sleep(0.01)  # a tag cut in two: wait for the rest
+            finally:
+                self._waiting.pop(key, None)
+        if scope.cancelled_caught or not head:
+            return None, f"nothing within {HANDSHAKE_SECONDS:g} s" if scope.cancelled_caught else "closed"
+        if not head.startswith(TICKET_MAGIC):
+            return False, ""
+        await tsock.recv(len(head))
+        if self.ticket_tags.pop(head[len(TICKET_MAGIC):], None) is None:
+            return None, "no outstanding ticket has this tag"
+        return True, ""
+
     async def _accept_unguarded(self, tsock: trio.socket.SocketType, where: str) -> None:
+        expected, first = await self._first_bytes(tsock)
+        if expected is None:
+            self.refused += 1
+            self._throttle.warning("dataplane.handshake_refused", address=where, reason=first)
+            tsock.close()
+            return
         raw = socket.socket(fileno=tsock.detach())
         raw.setblocking(True)
-        if self._handshakes.value == 0:
+        slots = self._expected if expected else self._handshakes
+        if slots.value == 0:
             self._throttle.warning("dataplane.handshake_refused", address=where,
                                    reason=f"more than {MAX_HANDSHAKES} data-plane handshakes at once")
             raw.close()
@@ -781,7 +838,7 @@ class DataPlane:
         # A second handle on the same socket: wrap_socket takes over raw's descriptor, and
         # only a shutdown wakes a thread blocked in it.
         handle = raw.dup()
-        async with self._handshakes:
+        async with slots:
             # One deadline for TCP, TLS and the ticket: a stranger dripping handshake bytes
             # has its socket shut down (the abandoned thread's blocking call then fails).
             try:
