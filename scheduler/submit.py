@@ -62,7 +62,8 @@ def add_parser(subparsers: Any) -> None:
                         "DIR (repeatable; the job's dataset directory is allowed already)")
     p.add_argument("--slow", metavar="ID=FACTOR", action="append", default=[],
                    help="with --local: run cluster ID's daemon, executor and Ray under a CPU "
-                        "quota of 1/FACTOR of a CPU (cgroup v2 cpu.max, else v1 "
+                        "quota of 1/FACTOR of a fair share of this machine's CPUs (CPUs / "
+                        "clusters, at most one; cgroup v2 cpu.max, else v1 "
                         "cpu.cfs_quota_us; says so when this machine allows neither), e.g. "
                         "cluster-2=4 (repeatable)")
     p.add_argument("--workdir", metavar="DIR",

@@ -183,7 +183,8 @@ class LocalTestbed:
         if unknown:
             raise JobFailed(f"testbed: datasets for unknown cluster(s) {', '.join(unknown)} "
                             f"(clusters: {', '.join(self.cluster_ids)})")
-        #: cluster id -> slow-down factor: its daemon, executor and Ray get 1/factor of a CPU
+        #: cluster id -> slow-down factor: its daemon, executor and Ray get 1/factor of a
+        #: fair share of this machine's CPUs
         self.slow = dict(slow or {})
         unknown = sorted(set(self.slow) - set(self.cluster_ids))
         if unknown:
@@ -253,10 +254,13 @@ class LocalTestbed:
             stderr=subprocess.STDOUT, start_new_session=True, env=env)
         if name in self.slow:  # before a job starts its executor, which inherits the cgroup
             factor = self.slow[name]
+            # what an unslowed cluster gets on this machine at most: a fair share of its CPUs
+            share = min(1.0, len(os.sched_getaffinity(0)) / len(self.cluster_ids))
             try:
                 quota = self.quotas[name] = CpuQuota.apply(
-                    self.procs[name].pid, factor, f"fedpilot-{name}-{os.getpid()}")
-                self.slow_notes[name] = f"{1 / factor:.2f} of a CPU ({quota.kind})"
+                    self.procs[name].pid, share / factor, f"fedpilot-{name}-{os.getpid()}")
+                self.slow_notes[name] = (f"{share / factor:.2f} of a CPU, 1/{factor:g} of a "
+                                         f"fair share ({quota.kind})")
             except OSError as exc:
                 self.slow_notes[name] = f"not slowed: {exc}"
             log.warning("event=testbed_slow cluster=%s factor=%g how=%s", name, factor,

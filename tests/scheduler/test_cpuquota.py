@@ -20,7 +20,7 @@ def test_a_process_and_its_children_get_a_quarter_of_a_cpu_or_the_reason_why() -
     child: str | None = None
     try:
         try:
-            quota = CpuQuota.apply(proc.pid, 4, f"fedpilot-test-{proc.pid}")
+            quota = CpuQuota.apply(proc.pid, 0.25, f"fedpilot-test-{proc.pid}")
         except OSError as exc:
             assert "no CPU quota on this machine" in str(exc)
             pytest.skip(str(exc))
