@@ -18,9 +18,11 @@ So by default (`server_step = "scaled"`) each tensor's step keeps Adam's directi
 the length of its own momentum pseudo-gradient, a layer-wise trust ratio as in LAMB:
     u = m_hat / (sqrt(v_hat) + tau);   step = server_lr * u * ||m_hat|| / ||u||
 with server_lr 2.0, and never more than `max_step_ratio` (2) times FedAvg's own step for
-the tensor (`base.bounded_step`). The step then follows each tensor's scale, and the
-adaptivity redistributes it across the tensor's coordinates. Measured on bench_learning's
-grid (several models, data sets and splits, one set of defaults): see its docstring.
+the tensor (`base.bounded_step`); over the first WARMUP_ROUNDS rounds the direction turns
+from the pseudo-gradient's own to Adam's (`scaled_direction`): Adam's first steps are sign
+steps. The step then follows each tensor's scale, and the adaptivity redistributes it
+across the tensor's coordinates. Measured on bench_learning's grid (several models, data
+sets and splits, one set of defaults): docs/job.md.
 Buffers (BatchNorm statistics, counters) are averaged, never stepped (`base`).
 """
 
@@ -111,9 +113,27 @@ class AdaptiveAggregator(Aggregator):
             if self.plain:
                 out[name] = current + self.server_lr * self.step_scale * direction
                 continue
-            length = float(np.linalg.norm(direction))
-            scale = float(np.linalg.norm(m_hat)) / length if length > 0 else 0.0
-            step = bounded_step(self.server_lr * self.step_scale * scale * direction, delta,
-                                self.max_step_ratio)
+            step = bounded_step(self.server_lr * self.step_scale * scaled_direction(
+                m_hat, direction, t), delta, self.max_step_ratio)
             out[name] = current + step
         return cast_like(out, global_weights)
+
+
+#: rounds over which the scaled step turns from the pseudo-gradient's own direction to
+#: Adam's: a first round's v_hat is delta^2 exactly, so Adam's first steps are sign steps
+#: that spread the step evenly over every coordinate, whatever moved
+WARMUP_ROUNDS = 5
+
+
+def scaled_direction(m_hat: np.ndarray, direction: np.ndarray, t: int) -> np.ndarray:
+    """The scaled step's direction at the length of `m_hat`: round t blends the unit
+    vectors of `m_hat` and of Adam's `direction` with weight min(1, (t - 1) / WARMUP_ROUNDS)
+    on the latter."""
+    length = float(np.linalg.norm(m_hat))
+    norm = float(np.linalg.norm(direction))
+    if length == 0.0 or norm == 0.0:
+        return np.zeros_like(m_hat)
+    share = min(1.0, (t - 1) / WARMUP_ROUNDS)
+    blend = (1.0 - share) * m_hat / length + share * direction / norm
+    size = float(np.linalg.norm(blend))
+    return blend * (length / size) if size > 0 else np.zeros_like(m_hat)

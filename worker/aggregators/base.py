@@ -82,10 +82,10 @@ class Aggregator(ABC):
         """Called with each model this aggregator produced, once it was evaluated (`start`:
         the model the round started from). Returns None to keep it, or the model to go on
         from instead when a server optimizer stalled the job (`aggregation.on_stall =
-        "restore"`, the default): the loss is not finite, the accuracy fell to chance
-        (within CHANCE_MARGIN) after it had clearly learned (the best model so far comes
-        back), or it sat at chance with no progress in its loss for STALL_ROUNDS rounds
-        (the best model, or the one the job started from). The server step is halved and
+        "restore"`, the default): the loss is not finite, or the accuracy is at chance
+        (within CHANCE_MARGIN) and the loss no better than its best so far, at once after
+        the job had clearly learned (the best model so far comes back), else for
+        STALL_ROUNDS rounds in a row (the best model, or the one the job started from). The server step is halved and
         the optimizer's moments are forgotten (they point where it went wrong). A FedAvg-
         family aggregator has no step of its own to change: restoring would only replay
         the same rounds, so it never acts (the progress line still warns)."""
@@ -99,12 +99,14 @@ class Aggregator(ABC):
         best = float(guard.get("best_accuracy", -1.0))
         best_loss = float(guard.get("best_loss", math.inf))
         at_chance = not accuracy > chance + CHANCE_MARGIN
-        streak = int(guard.get("streak", 0)) + 1 if (
-            at_chance and math.isfinite(best_loss) and loss > STALL_PROGRESS * best_loss) else 0
+        # at chance with no progress: its loss is no better than the best so far (accuracy
+        # alone jitters in early rounds while the loss keeps falling: that is no stall)
+        stuck = at_chance and math.isfinite(best_loss) and loss > STALL_PROGRESS * best_loss
+        streak = int(guard.get("streak", 0)) + 1 if stuck else 0
         guard["streak"] = np.asarray(streak)
         if math.isfinite(loss):
             guard["best_loss"] = np.asarray(min(best_loss, loss), dtype=np.float64)
-        collapsed = at_chance and best >= chance + 3 * CHANCE_MARGIN
+        collapsed = stuck and best >= chance + 3 * CHANCE_MARGIN
         if math.isfinite(loss) and not collapsed and streak < STALL_ROUNDS:
             if not at_chance and accuracy > best:
                 self._state[BEST] = {k: np.array(v) for k, v in model.items()}
