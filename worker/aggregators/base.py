@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 #: 1-3% a round at chance: any progress at all is not a stall)
 STALL_ROUNDS = 2
 STALL_PROGRESS = 1.0
+#: a loss above this x ln(classes) (a uniform guess's) has diverged
+DIVERGED_LOSS = 3.0
 #: state slots of `Aggregator.observe`
 GUARD, BEST, START = "guard", "best", "start"
 
@@ -82,7 +84,8 @@ class Aggregator(ABC):
         """Called with each model this aggregator produced, once it was evaluated (`start`:
         the model the round started from). Returns None to keep it, or the model to go on
         from instead when a server optimizer stalled the job (`aggregation.on_stall =
-        "restore"`, the default): the loss is not finite, or the accuracy is at chance
+        "restore"`, the default): the loss is not finite or above DIVERGED_LOSS x a
+        uniform guess's (ln classes), or the accuracy is at chance
         (within CHANCE_MARGIN) and the loss no better than its best so far, at once after
         the job had clearly learned (the best model so far comes back), else for
         STALL_ROUNDS rounds in a row (the best model, or the one the job started from). The server step is halved and
@@ -107,7 +110,10 @@ class Aggregator(ABC):
         if math.isfinite(loss):
             guard["best_loss"] = np.asarray(min(best_loss, loss), dtype=np.float64)
         collapsed = stuck and best >= chance + 3 * CHANCE_MARGIN
-        if math.isfinite(loss) and not collapsed and streak < STALL_ROUNDS:
+        # a model that guesses uniformly has loss ln(classes): far above it, it is
+        # confidently wrong (the step overshot), not slow
+        diverged = not loss <= DIVERGED_LOSS * math.log(self.classes)
+        if not diverged and not collapsed and streak < STALL_ROUNDS:
             if not at_chance and accuracy > best:
                 self._state[BEST] = {k: np.array(v) for k, v in model.items()}
                 guard["best_accuracy"] = np.asarray(accuracy, dtype=np.float64)

@@ -1,0 +1,160 @@
+"""Models and settings no default was tuned on still learn: a CNN with BatchNorm and
+dropout through the engine, server optimizers on a CNN of small weights, and a stalled
+job that acts. The user models are bench/usercnn.py's, by `module:Class`."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from fedcore.data import client_data, load_dataset  # noqa: E402
+from proto.job import AggregationSpec, JobSpec  # noqa: E402
+from tests.e2e.test_one_engine import job, run  # noqa: E402
+from worker.aggregators import get_aggregator  # noqa: E402
+
+CHANCE = 0.1
+SERVER_OPTIMIZERS = ("fedadam", "fedyogi", "fedadagrad", "fedavgm")
+
+
+def bn_job(aggregation: str) -> JobSpec:
+    """BNCNN on digits, 9 clients, 3 rounds x 2 epochs, with a batch size that leaves one
+    client a last batch of a single sample (BatchNorm cannot train on it)."""
+    def spec(batch_size: int) -> JobSpec:
+        return job("star", clients=9, rounds=3, model={"name": "usercnn:BNCNN"},
+                   training={"number_of_epochs": 2, "batch_size": batch_size},
+                   aggregation={"name": aggregation})
+
+    base = spec(16)
+    sizes = [len(p) for p in client_data(load_dataset("digits"), base.data,
+                                         base.seed).train_indices]
+    batch = next(b for b in range(8, 64) if any(n % b == 1 for n in sizes))
+    return spec(batch)
+
+
+@pytest.mark.parametrize("aggregation", ["fedavg", "fedadam"])
+def test_a_batchnorm_dropout_cnn_learns_through_the_engine(aggregation: str) -> None:
+    """Before: the round failed (BatchNorm raised on the batch of one), and a server
+    optimizer stepped the running variances like weights. Now the buffers are pooled, never
+    stepped, evaluated in eval mode, and the job leaves chance within 3 rounds."""
+    result, _ = run(bn_job(aggregation))
+    curve = [r.accuracy for r in result.summary.rounds]
+    assert len(curve) == 3 and curve[-1] > CHANCE + 0.3, curve
+    assert all(r.personalized_accuracy > CHANCE + 0.3 for r in result.summary.rounds[1:])
+
+
+@pytest.mark.slow
+def test_a_batchnorm_dropout_cnn_learns_on_ray(ray_context: Any) -> None:
+    """The same job with its FederatedNode actors on Ray: the same model bytes."""
+    spec = bn_job("fedavg")
+    local, _ = run(spec)
+    on_ray, _ = run(spec, context_for=lambda cid: ray_context)
+    assert [r.accuracy for r in on_ray.summary.rounds] == [
+        r.accuracy for r in local.summary.rounds]
+    assert on_ray.summary.rounds[-1].accuracy > CHANCE + 0.3
+
+
+def _pooled(weights: list[dict[str, np.ndarray]], shares: list[float], name: str) -> np.ndarray:
+    mean = sum(s * w[f"{name}.running_mean"] for w, s in zip(weights, shares, strict=True))
+    return sum(s * (w[f"{name}.running_var"] + (w[f"{name}.running_mean"] - mean) ** 2)
+               for w, s in zip(weights, shares, strict=True))
+
+
+@pytest.mark.parametrize("name", ["fedavg", *SERVER_OPTIMIZERS])
+def test_batchnorm_statistics_are_pooled_never_stepped(name: str) -> None:
+    """Two clients whose activations have means 0 and 4, variance 1: the population's
+    variance is 5, not the mean of the variances (1); a server optimizer takes the same
+    statistics (stepping them can make a variance negative: NaN at evaluation)."""
+    g = {"bn.weight": np.ones(2, np.float32), "bn.running_mean": np.zeros(2, np.float32),
+         "bn.running_var": np.ones(2, np.float32), "bn.num_batches_tracked": np.array(5)}
+    a = dict(g, **{"bn.weight": np.full(2, 1.5, np.float32)})
+    b = dict(g, **{"bn.running_mean": np.full(2, 4.0, np.float32)})
+    agg = get_aggregator(replace(AggregationSpec(), name=name), buffers=["bn.running_mean",
+                                                                         "bn.running_var",
+                                                                         "bn.num_batches_tracked"])
+    for _ in range(3):   # several rounds: momentum would carry a step on a statistic on
+        out = agg.aggregate(g, [(a, 1), (b, 1)])
+        np.testing.assert_allclose(out["bn.running_mean"], [2.0, 2.0])
+        np.testing.assert_allclose(out["bn.running_var"], _pooled([a, b], [0.5, 0.5], "bn"))
+        np.testing.assert_allclose(out["bn.running_var"], [5.0, 5.0])
+        assert out["bn.num_batches_tracked"].dtype == g["bn.num_batches_tracked"].dtype
+
+
+def _cnn_round(seed: int) -> tuple[dict[str, np.ndarray], list[tuple[dict[str, np.ndarray], int]]]:
+    """A CNN of small weights (5x5 kernels, 128 hidden units: fan-ins of 800 and 1,024)
+    and two clients' updates after a real local epoch each on digits."""
+    import torch
+
+    from proto.job import TrainingSpec
+    from usercnn import WideCNN
+    from worker.serialization import load_weights, model_weights
+    from worker.training import train_local
+
+    torch.manual_seed(seed)
+    data = load_dataset("digits")
+    net = WideCNN(data.input_shape, data.num_classes)
+    start = model_weights(net)
+    updates = []
+    for client in range(2):
+        load_weights(net, start)
+        idx = np.arange(client * 100, client * 100 + 100)
+        train_local(net, data.x_train[idx], data.y_train[idx], TrainingSpec(), seed=client)
+        updates.append((model_weights(net), 100))
+    return start, updates
+
+
+@pytest.mark.parametrize("name", SERVER_OPTIMIZERS)
+def test_no_server_step_moves_a_small_cnn_further_than_twice_fedavgs(name: str) -> None:
+    """At its defaults every server optimizer moves each tensor at most max_step_ratio (2)
+    x FedAvg's own step, round after round. The literature's plain step (the former
+    default) moves a small-weight CNN's tensors many times further than FedAvg would, by
+    more than the weights' own size: what held such a CNN at chance for 15 rounds."""
+    fedavg = get_aggregator(replace(AggregationSpec(), name="fedavg"))
+    scaled = get_aggregator(replace(AggregationSpec(), name=name))
+    plain = get_aggregator(replace(AggregationSpec(), name=name, server_step="plain"))
+    weights = plain_weights = None
+    plain_ratio = 0.0
+    for seed in range(3):
+        start, updates = _cnn_round(seed)
+        weights = weights or start
+        plain_weights = plain_weights or start
+        shifted = [({k: v - start[k] + weights[k] for k, v in w.items()}, n) for w, n in updates]
+        target = fedavg.aggregate(weights, shifted)
+        out = scaled.aggregate(weights, shifted)
+        for key, value in out.items():
+            fed = float(np.linalg.norm(target[key] - weights[key]))
+            assert float(np.linalg.norm(value - weights[key])) <= 2.0 * fed * (1 + 1e-5) + 1e-12, key
+        shifted_plain = [({k: v - start[k] + plain_weights[k] for k, v in w.items()}, n)
+                         for w, n in updates]
+        plain_out = plain.aggregate(plain_weights, shifted_plain)
+        plain_target = fedavg.aggregate(plain_weights, shifted_plain)
+        key = "net.7.weight"   # the 3,136 x 128 dense layer: weights ~0.01
+        plain_ratio = max(plain_ratio, float(
+            np.linalg.norm(plain_out[key] - plain_weights[key])
+            / np.linalg.norm(plain_target[key] - plain_weights[key])))
+        weights, plain_weights = out, plain_out
+    if name != "fedavgm":   # fedavgm's plain step is 1 + 0.9 + 0.81 x FedAvg's after 3 rounds
+        assert plain_ratio > 10.0, plain_ratio
+
+
+def test_a_stalled_job_takes_its_on_stall_action() -> None:
+    """A server step far too large (the plain step at server_learning_rate 3) wrecks the
+    model: the aggregator goes back to the best model (or the first), halves its step and
+    says so in the round's record (summary.json's rounds[].stalls); with on_stall = warn
+    the same job does nothing of the kind."""
+    def stalls(action: str) -> list[int]:
+        spec = job("star", clients=9, rounds=5, aggregation={
+            "name": "fedadam", "server_step": "plain", "server_learning_rate": 3.0,
+            "on_stall": action})
+        result, _ = run(spec)
+        return [r.stalls for r in result.summary.rounds]
+
+    acted = stalls("restore")
+    assert sum(acted) >= 1, acted
+    assert stalls("warn") == [0] * 5
