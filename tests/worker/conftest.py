@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,8 +19,19 @@ def ray_session() -> Iterator[None]:
     if ray.is_initialized():  # another package's fixture started one: reuse it
         yield
         return
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2,
-             log_to_driver=False, namespace="fedpilot-tests")
+    # the Ray workers can import bench/'s user models (`usercnn:BNCNN`) as a user's own
+    # module on PYTHONPATH; they inherit the environment Ray starts with, nothing else does
+    saved = os.environ.get("PYTHONPATH")
+    bench = str(Path(__file__).resolve().parents[2] / "bench")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (saved, bench) if p)
+    try:
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2,
+                 log_to_driver=False, namespace="fedpilot-tests")
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
     try:
         yield
     finally:
