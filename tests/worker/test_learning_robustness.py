@@ -91,9 +91,9 @@ def _cnn_round(seed: int) -> tuple[dict[str, np.ndarray], list[tuple[dict[str, n
     """A CNN of small weights (5x5 kernels, 128 hidden units: fan-ins of 800 and 1,024)
     and two clients' updates after a real local epoch each on digits."""
     import torch
+    from usercnn import WideCNN
 
     from proto.job import TrainingSpec
-    from usercnn import WideCNN
     from worker.serialization import load_weights, model_weights
     from worker.training import train_local
 
