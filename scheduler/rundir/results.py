@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -74,7 +75,10 @@ class JobSummary:
         if self.rounds:
             self.final_accuracy = float(self.final_model.get("accuracy",
                                                              self.rounds[-1].accuracy))
-            self.best_accuracy = max(r.accuracy for r in self.rounds)
+            # the final model counts too: a hybrid or decentralized job's final model is
+            # the mean of its groups' models, which can score above each round's mean score
+            scores = [r.accuracy for r in self.rounds] + [self.final_accuracy]
+            self.best_accuracy = max((a for a in scores if math.isfinite(a)), default=0.0)
             self.personalized_accuracy = self.rounds[-1].personalized_accuracy
         self.bytes_inter_total = sum(r.bytes_inter for r in self.rounds)
         self.bytes_intra_total = sum(r.bytes_intra for r in self.rounds)
