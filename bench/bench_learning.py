@@ -359,30 +359,7 @@ def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: i
         if "steps" in row:
             job["topology"]["mixing_steps"] = int(row["steps"])
         tasks.append(("engine", name, job))
-    results: dict[str, dict[str, Any]] = {}
-    pending = tasks
-    for _attempt in range(2):   # a worker killed from outside (OOM) costs a retry, not the run
-        broken = []
-        with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
-            futures = {name: (pool.submit(_task, kind, job, ds.clusters), (kind, name, job))
-                       for kind, name, job in pending}
-            for name, (future, task) in futures.items():
-                try:
-                    results[name] = future.result()
-                except BrokenProcessPool:
-                    broken.append(task)
-                    continue
-                except Exception as exc:  # one failed or refused job is a result
-                    results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-                shown = results[name].get("final", results[name].get(
-                    "adjusted_rand_index", results[name].get("error")))
-                print(f"bench_learning: {ds.name} {name}: {shown}",
-                      file=sys.stderr, flush=True)
-        pending = broken
-        if not pending:
-            break
-    for _kind, name, _job in pending:
-        results[name] = {"error": "its worker process died twice"}
+    results = _run_tasks(tasks, ds.clusters, workers, ds.name)
     from proto.rounds import CHANCE_MARGIN  # the progress line's own rule
 
     central = results.pop("centralized")
@@ -507,7 +484,8 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
 
 def _run_tasks(tasks: list[tuple[str, str, dict[str, Any]]], clusters: int, workers: int,
                tag: str) -> dict[str, dict[str, Any]]:
-    """Run (kind, name, job) tasks in worker processes; a dead worker costs one retry."""
+    """Run (kind, name, job) tasks in worker processes; a worker killed from outside (OOM)
+    costs one retry, not the run, and one failed or refused job is a result."""
     results: dict[str, dict[str, Any]] = {}
     pending = tasks
     for _attempt in range(2):
@@ -521,6 +499,8 @@ def _run_tasks(tasks: list[tuple[str, str, dict[str, Any]]], clusters: int, work
                 except BrokenProcessPool:
                     broken.append(task)
                     continue
+                except Exception as exc:  # one failed or refused job is a result
+                    results[name] = {"error": f"{type(exc).__name__}: {exc}"}
                 shown = results[name].get("final", results[name].get(
                     "adjusted_rand_index", results[name].get("error")))
                 print(f"bench_learning: {tag} {name}: {shown}", file=sys.stderr, flush=True)

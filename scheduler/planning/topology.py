@@ -201,7 +201,8 @@ def _sparsify(edges: np.ndarray, ci: np.ndarray, keep_inter: int, seed: int) -> 
         if not (covered[u] and covered[v]):
             covered[u] = covered[v] = True
             first.append(i)
-    rest = [i for i in range(len(inter)) if i not in set(first)]
+    chosen = set(first)
+    rest = [i for i in range(len(inter)) if i not in chosen]
     kept = inter[first + rest[:max(0, keep_inter - len(first))]]
     degree = np.bincount(e.ravel(), minlength=n)
     have = {(int(u), int(v)) for u, v in np.concatenate([intra, kept])}
