@@ -92,12 +92,12 @@ class Aggregator(ABC):
         the optimizer's moments are forgotten (they point where it went wrong). A FedAvg-
         family aggregator has no step of its own to change: restoring would only replay
         the same rounds, so it never acts (the progress line still warns)."""
+        if (not self.server_optimizer or self.classes < 2
+                or getattr(self.spec, "on_stall", "restore") != "restore"):
+            return None   # (and keeps no model copies in its state, nor in checkpoints)
         guard = self._state.setdefault(GUARD, {})
         if START not in self._state:
             self._state[START] = {k: np.array(v) for k, v in (start or model).items()}
-        if (not self.server_optimizer or self.classes < 2
-                or getattr(self.spec, "on_stall", "restore") != "restore"):
-            return None
         chance = 1.0 / self.classes
         best = float(guard.get("best_accuracy", -1.0))
         best_loss = float(guard.get("best_loss", math.inf))
