@@ -250,10 +250,11 @@ from tests.fabricd._harness import (  # noqa: E402
     Node,
     bridge_status,
     cli,
-    configure,
     connected_fast,
     init_ca,
     init_node,
+    start_pair,
+    start_relayed,
     wait_until,
 )
 from tests.fabricd._transfer_load import BlastResult, blast  # noqa: E402
@@ -415,24 +416,14 @@ def _last_cpu(log: str, event: str) -> float:
 def _start_pair(root: Path, budget: int | None = None, dataplane_min_bytes: int = MIB,
                 dataplane_digest: str = "blake3", dataplane_small_bytes: int = 64 * 1024,
                 dataplane_spare_bytes: int = 128 * MIB) -> tuple[Node, Node]:
-    ca = init_ca(root)
-    a = init_node(root, "a", ca)
-    b = init_node(root, "b", ca, [a.addr()])
-    for node in (a, b):
-        path = node.dir / "cluster.toml"
-        text = path.read_text().replace("[limits]\n", f"[limits]\ndataplane_min_bytes = {dataplane_min_bytes}\n"
-                                        f"dataplane_digest = \"{dataplane_digest}\"\n"
-                                        f"dataplane_small_bytes = {dataplane_small_bytes}\n"
-                                        f"dataplane_spare_bytes = {dataplane_spare_bytes}\n", 1)
-        if budget is not None:
-            text = (text.replace("max_inflight_bytes = 2147483648", f"max_inflight_bytes = {budget}")
-                    .replace("max_update_bytes = 1073741824", f"max_update_bytes = {budget}"))
-        path.write_text(text)
-        node.start()
-    a.wait_ready()
-    b.wait_ready()
-    wait_until(lambda: "b" in connected_fast(a) and "a" in connected_fast(b), timeout=60)
-    return a, b
+    def cap(node: Node) -> None:
+        path = Path(node.config)
+        path.write_text(path.read_text().replace("max_inflight_bytes = 2147483648", f"max_inflight_bytes = {budget}")
+                        .replace("max_update_bytes = 1073741824", f"max_update_bytes = {budget}"))
+
+    return start_pair(root, f"dataplane_min_bytes = {dataplane_min_bytes}\ndataplane_digest = \"{dataplane_digest}\"\n"
+                      f"dataplane_small_bytes = {dataplane_small_bytes}\ndataplane_spare_bytes = {dataplane_spare_bytes}",
+                      None if budget is None else cap)
 
 
 def probe_runs(a: Node, b: Node, nbytes: int, runs: int) -> list[dict[str, float]]:
@@ -760,26 +751,15 @@ def long_link(root: Path, nbytes: int, delay_ms: float = 25.0, rate_mbit: float 
 
 def relay_runs(root: Path, nbytes: int, runs: int) -> dict[str, Any]:
     """``--relay`` (module docstring): relayed a -> b against direct a -> g, run by run."""
-    ca = init_ca(root)
-    g = init_node(root, "g", ca)
-    configure(g, "relay_service = true")
-    nodes = [g]
+    nodes = start_relayed(root, init_ca(root), ("a", "b"), "relay_service = true",
+                          member_limits="dataplane_min_bytes = 0")
+    g, a, b = nodes
     try:
-        g.start()
-        g.wait_ready()
-        for name in ("a", "b"):
-            node = init_node(root, name, ca, [g.addr()])
-            configure(node, 'reachability = "private"', "dataplane_min_bytes = 0")
-            nodes.append(node)
-            node.start()
-        a = nodes[1]
-        for node in nodes:
-            node.wait_ready()
         wait_until(lambda: {"b", "g"} <= connected_fast(a), timeout=90)
         links = {row["cluster_id"]: row["link"] for row in bridge_status(a)["clusters"]}
         relayed, direct = [], []
         for _ in range(runs):
-            relayed.append(probe_runs(a, nodes[2], nbytes, 1)[0]["throughput_mb_s"])
+            relayed.append(probe_runs(a, b, nbytes, 1)[0]["throughput_mb_s"])
             direct.append(probe_runs(a, g, nbytes, 1)[0]["throughput_mb_s"])
         service = bridge_status(g)["relay"]["service"]
     finally:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,8 +134,11 @@ def init_node(root: Path, name: str, ca: Path, bootstrap: list[str] = (), role: 
 def configure(node: Node, network: str = "", limits: str = "") -> None:
     """Add lines to the [network] and [limits] sections of ``node``'s cluster.toml."""
     path = Path(node.config)
-    text = path.read_text().replace("[network]\n", f"[network]\n{network}\n", 1)
-    path.write_text(text.replace("[limits]\n", f"[limits]\n{limits}\n", 1))
+    text = path.read_text()
+    for section, lines in (("[network]\n", network), ("[limits]\n", limits)):
+        assert not lines or section in text, "the generated config changed shape"
+        text = text.replace(section, f"{section}{lines}\n", 1)
+    path.write_text(text)
 
 
 def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> float:
@@ -165,6 +169,65 @@ def bridge_status(node: Node) -> dict[str, Any]:
 
 def connected_fast(node: Node) -> set[str]:
     return {c["cluster_id"] for c in bridge_status(node)["clusters"] if c["connected"]}
+
+
+def transfer(node: Node) -> dict[str, Any]:
+    """The daemon's transfer counters (its status over the bridge)."""
+    return dict(bridge_status(node)["transfer"])
+
+
+def wait_linked(a: Node, b: Node) -> None:
+    """Until a and b each see the other connected."""
+    wait_until(lambda: b.name in connected_fast(a) and a.name in connected_fast(b), timeout=60)
+
+
+def start_pair(root: Path, limits: str = "", prepare: Callable[[Node], None] | None = None) -> tuple[Node, Node]:
+    """Daemons a and b (b bootstraps from a) under a fresh CA in ``root``, with ``limits``
+    lines in both configs (then ``prepare`` run on each), started and linked. The caller
+    stops them; should this fail, it stops both itself."""
+    ca = init_ca(root)
+    a = init_node(root, "a", ca)
+    b = init_node(root, "b", ca, [a.addr()])
+    try:
+        for node in (a, b):
+            configure(node, limits=limits)
+            if prepare is not None:
+                prepare(node)
+            node.start()
+        for node in (a, b):
+            node.wait_ready()
+        wait_linked(a, b)
+    except BaseException:
+        for node in (a, b):
+            node.stop()
+        raise
+    return a, b
+
+
+def start_relayed(root: Path, ca: Path, members: tuple[str, ...], relay: str, gateway_limits: str = "",
+                  member_limits: str = "") -> list[Node]:
+    """A gateway g (``relay``: lines for its [network], relay_service = true among them) and
+    ``members`` that bootstrap from it and announce only relayed addresses (reachability =
+    "private"), all started and ready: [g, *members]. The caller stops them; should this
+    fail, it stops those it started itself."""
+    g = init_node(root, "g", ca)
+    configure(g, relay, gateway_limits)
+    nodes = [g]
+    try:
+        g.start()
+        g.wait_ready()
+        for name in members:
+            node = init_node(root, name, ca, [g.addr()])
+            configure(node, 'reachability = "private"', member_limits)
+            nodes.append(node)
+            node.start()
+        for node in nodes:
+            node.wait_ready()
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+    return nodes
 
 
 def join_and_probe(via: Node, new: Node, nbytes: int = 65536) -> tuple[float, subprocess.CompletedProcess[str]]:

@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -24,9 +23,9 @@ from proto.bridge import BridgeClient, Delivery, SendUpdate, bridge_header
 from tests.fabricd._harness import (
     Node,
     bridge_status,
-    connected_fast,
-    init_ca,
-    init_node,
+    start_pair,
+    transfer,
+    wait_linked,
     wait_until,
 )
 from tests.fabricd._transfer_load import blast
@@ -37,47 +36,25 @@ MIB = 1024 * 1024
 MIN_BYTES = 1 * MIB
 
 
-def _enable(node: Node, min_bytes: int = MIN_BYTES) -> None:
-    path = node.dir / "cluster.toml"
-    text = path.read_text()
-    assert "[limits]\n" in text, "the generated config changed shape"
-    path.write_text(text.replace("[limits]\n", f"[limits]\ndataplane_min_bytes = {min_bytes}\n", 1))
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
-    root = tmp_path_factory.mktemp("dataplane")
-    ca = init_ca(root)
-    a = init_node(root, "a", ca)
-    b = init_node(root, "b", ca, [a.addr()])
-    for node in (a, b):
-        _enable(node)
-        node.start()
-    try:
-        for node in (a, b):
-            node.wait_ready()
-        wait_until(lambda: "b" in connected_fast(a) and "a" in connected_fast(b), timeout=60)
-        yield a, b
-    finally:
-        for node in (a, b):
-            node.stop()
-
-
-def _transfer(node: Node) -> dict[str, Any]:
-    return dict(bridge_status(node)["transfer"])
+    nodes = start_pair(tmp_path_factory.mktemp("dataplane"), f"dataplane_min_bytes = {MIN_BYTES}")
+    yield nodes
+    for node in nodes:
+        node.stop()
 
 
 def _dataplane_port(node: Node) -> int:
-    return int(_transfer(node)["dataplane_port"])
+    return int(transfer(node)["dataplane_port"])
 
 
 def test_large_update_goes_over_the_dataplane_verified(pair: tuple[Node, Node]) -> None:
     a, b = pair
-    before_a, before_b = _transfer(a), _transfer(b)
+    before_a, before_b = transfer(a), transfer(b)
     result = blast(a, b, count=3, size=8 * MIB, sockets=1)
     assert result.failed == [] and result.ok == 3, result.summary()
     assert result.delivered == 3 and result.digest_mismatch == 0, result.summary()
-    after_a, after_b = _transfer(a), _transfer(b)
+    after_a, after_b = transfer(a), transfer(b)
     assert after_b["dataplane_accepted"] > before_b["dataplane_accepted"], after_b
     used = (after_a["dataplane_streams_opened"] + after_a["dataplane_streams_reused"]
             - before_a["dataplane_streams_opened"] - before_a["dataplane_streams_reused"])
@@ -91,10 +68,10 @@ def test_large_update_goes_over_the_dataplane_verified(pair: tuple[Node, Node]) 
 
 def test_small_updates_ride_the_plane_and_mid_sized_ones_libp2p(pair: tuple[Node, Node]) -> None:
     a, b = pair
-    before = _transfer(a)
+    before = transfer(a)
     result = blast(a, b, count=4, size=64 * 1024, sockets=1)
     assert result.failed == [] and result.delivered == 4 and result.digest_mismatch == 0, result.summary()
-    after = _transfer(a)
+    after = transfer(a)
     # up to limits.dataplane_small_bytes (64 KiB): over the plane, each in its header's record
     assert (after["dataplane_streams_opened"] + after["dataplane_streams_reused"]
             - before["dataplane_streams_opened"] - before["dataplane_streams_reused"]) == 4, (before, after)
@@ -102,7 +79,7 @@ def test_small_updates_ride_the_plane_and_mid_sized_ones_libp2p(pair: tuple[Node
             == before["streams_opened"] + before["streams_reused"]), (before, after)
     mid = blast(a, b, count=2, size=128 * 1024, sockets=1)
     assert mid.failed == [] and mid.delivered == 2 and mid.digest_mismatch == 0, mid.summary()
-    last = _transfer(a)
+    last = transfer(a)
     # above it and below limits.dataplane_min_bytes: libp2p
     assert (last["dataplane_streams_opened"] + last["dataplane_streams_reused"]
             == after["dataplane_streams_opened"] + after["dataplane_streams_reused"]), (after, last)
@@ -159,7 +136,7 @@ def test_strangers_and_forged_tickets_are_refused_and_change_nothing(
     # a large update first, so that b trusts a's data-plane certificate
     assert blast(a, b, count=1, size=2 * MIB, sockets=1).delivered == 1
     port = _dataplane_port(b)
-    before = _transfer(b)
+    before = transfer(b)
     stranger = _self_signed(tmp_path)
     assert _tls_client(port, None, None, os.urandom(32)) == "handshake refused"
     assert _tls_client(port, *stranger, os.urandom(32)) == "handshake refused"
@@ -169,7 +146,7 @@ def test_strangers_and_forged_tickets_are_refused_and_change_nothing(
     thief = (state / "dataplane.crt", state / "dataplane.key")
     assert _tls_client(port, *thief, os.urandom(TICKET_BYTES + 2 * KEY_BYTES)) == "closed"
     assert _tls_client(port, *thief, b"") == "closed"
-    after = _transfer(b)
+    after = transfer(b)
     assert after["dataplane_refused"] - before["dataplane_refused"] == 4, (before, after)
     assert after["dataplane_accepted"] == before["dataplane_accepted"], after
     assert "no valid ticket" in b.log()
@@ -204,17 +181,17 @@ def test_sender_killed_mid_body_delivers_nothing_and_receiver_stays_healthy(
                           job_id=job, timeout=120)
     msg = SendUpdate(target_cluster="b", job_id=job, round=1, source_node="s", target_node="t",
                      message_id=f"{job}-0", tensor_count=1, byte_length=size, sha256=digest)
-    before = _transfer(a)
+    before = transfer(a)
     # Half the payload: a forwards it at once (cut-through) and then waits for the rest.
     sender.sock.sendall(bridge_header(msg, size))
     sender.sock.sendall(body[: size // 2])
-    wait_until(lambda: _transfer(b)["inflight_in_bytes"] == size, timeout=60)
-    now = _transfer(a)
+    wait_until(lambda: transfer(b)["inflight_in_bytes"] == size, timeout=60)
+    now = transfer(a)
     assert (now["dataplane_streams_opened"] + now["dataplane_streams_reused"]
             == before["dataplane_streams_opened"] + before["dataplane_streams_reused"] + 1), (before, now)
     a.kill9()
     sender.close()
-    wait_until(lambda: _transfer(b)["inflight_in_bytes"] == 0, timeout=60)
+    wait_until(lambda: transfer(b)["inflight_in_bytes"] == 0, timeout=60)
     time.sleep(1.0)  # a delivery, if one were (wrongly) made, would reach the consumer now
     assert deliveries == []
     assert "body ended after" in b.log()
@@ -222,7 +199,7 @@ def test_sender_killed_mid_body_delivers_nothing_and_receiver_stays_healthy(
     a.log_path.write_bytes(b"")  # so wait_ready sees this start's ready line
     a.start()
     a.wait_ready()
-    wait_until(lambda: "b" in connected_fast(a) and "a" in connected_fast(b), timeout=60)
+    wait_linked(a, b)
     for nbytes in (4 * MIB, 4096):
         result = blast(a, b, count=2, size=nbytes, sockets=1)
         assert result.failed == [] and result.delivered == 2 and result.digest_mismatch == 0, result.summary()

@@ -13,16 +13,16 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.fabricd._harness import (
     Node,
-    bridge_status,
+    configure,
     connected_fast,
     init_ca,
     init_node,
+    transfer,
     wait_until,
 )
 from tests.fabricd._transfer_load import blast
@@ -34,14 +34,16 @@ FAR_HOST = "127.0.0.2"
 
 
 class Relay:
-    """Forwards every connection to FAR_HOST:<port> to 127.0.0.1:``target``; counts bytes."""
+    """Forwards every connection to FAR_HOST:<port> to ``node``'s libp2p port on 127.0.0.1;
+    counts bytes. ``addr``: ``node``'s multiaddr through it."""
 
-    def __init__(self, target: int) -> None:
-        self.target = target
+    def __init__(self, node: Node) -> None:
+        self.target = node.port
         self.forwarded = 0
         self._lock = threading.Lock()
         self._listener = socket.create_server((FAR_HOST, 0))
         self.port = self._listener.getsockname()[1]
+        self.addr = node.addr().replace(f"/ip4/127.0.0.1/tcp/{node.port}/", f"/ip4/{FAR_HOST}/tcp/{self.port}/")
         self._open: list[socket.socket] = [self._listener]
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -77,19 +79,15 @@ def trio_of_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[No
     ca = init_ca(root)
     b = init_node(root, "b", ca)
     c = init_node(root, "c", ca)
-    path = c.dir / "cluster.toml"
-    text = path.read_text()
-    assert "[limits]\n" in text, "the generated config changed shape"
-    path.write_text(text.replace("[limits]\n", "[limits]\ndataplane_min_bytes = 0\n", 1))
+    configure(c, limits="dataplane_min_bytes = 0")
     nodes = [b, c]
     relay: Relay | None = None
     try:
         for node in (b, c):
             node.start()
             node.wait_ready()
-        relay = Relay(b.port)
-        b_via = b.addr().replace(f"/ip4/127.0.0.1/tcp/{b.port}/", f"/ip4/{FAR_HOST}/tcp/{relay.port}/")
-        a = init_node(root, "a", ca, [b_via, c.addr()])
+        relay = Relay(b)
+        a = init_node(root, "a", ca, [relay.addr, c.addr()])
         nodes.append(a)
         a.start()
         a.wait_ready()
@@ -102,25 +100,21 @@ def trio_of_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[No
             relay.close()
 
 
-def _transfer(node: Node) -> dict[str, Any]:
-    return dict(bridge_status(node)["transfer"])
-
-
 def test_on_by_default_and_an_unreachable_plane_falls_back_at_once_and_is_remembered(
         trio_of_nodes: tuple[Node, Node, Node, Relay]) -> None:
     a, b, _, relay = trio_of_nodes
-    assert _transfer(b)["dataplane_port"] > 0, "the data plane is on by default"
+    assert transfer(b)["dataplane_port"] > 0, "the data plane is on by default"
     before = relay.forwarded
     first = blast(a, b, count=1, size=2 * MIB, sockets=1)
     assert first.failed == [] and first.delivered == 1 and first.digest_mismatch == 0, first.summary()
-    sent = _transfer(a)
+    sent = transfer(a)
     assert sent["dataplane_failed"] == 1 and sent["dataplane_fallbacks"] == 1, sent
     assert sent["dataplane_opened"] == 0 and sent["dataplane_unreachable_peers"] == 1, sent
-    assert _transfer(b)["dataplane_accepted"] == 0
+    assert transfer(b)["dataplane_accepted"] == 0
     assert relay.forwarded - before >= 2 * MIB, "the body went over libp2p through the relay"
     more = blast(a, b, count=3, size=2 * MIB, sockets=1)
     assert more.failed == [] and more.delivered == 3 and more.digest_mismatch == 0, more.summary()
-    sent = _transfer(a)
+    sent = transfer(a)
     # remembered: no second dial, every body at once over libp2p
     assert sent["dataplane_failed"] == 1 and sent["dataplane_fallbacks"] == 4, sent
     assert a.log().count("event=update.dataplane_fallback") == 1
@@ -129,11 +123,11 @@ def test_on_by_default_and_an_unreachable_plane_falls_back_at_once_and_is_rememb
 def test_a_peer_with_the_plane_off_gets_large_updates_over_libp2p(
         trio_of_nodes: tuple[Node, Node, Node, Relay]) -> None:
     a, _, c, _ = trio_of_nodes
-    assert "dataplane_port" not in _transfer(c), "limits.dataplane_min_bytes = 0 turns it off"
-    before = _transfer(a)
+    assert "dataplane_port" not in transfer(c), "limits.dataplane_min_bytes = 0 turns it off"
+    before = transfer(a)
     result = blast(a, c, count=2, size=2 * MIB, sockets=1)
     assert result.failed == [] and result.delivered == 2 and result.digest_mismatch == 0, result.summary()
-    after = _transfer(a)
+    after = transfer(a)
     assert after["dataplane_failed"] == before["dataplane_failed"] + 1, (before, after)
     assert after["dataplane_opened"] == before["dataplane_opened"], (before, after)
     assert (after["streams_opened"] + after["streams_reused"]

@@ -13,14 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.fabricd._harness import (
-    Node,
-    bridge_status,
-    connected_fast,
-    init_ca,
-    init_node,
-    wait_until,
-)
+from tests.fabricd._harness import Node, bridge_status, start_pair, wait_until
 from tests.fabricd._transfer_load import blast
 
 pytestmark = pytest.mark.slow
@@ -34,20 +27,10 @@ CUT_HELLO = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + os.urandom(40)
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node]]:
-    root = tmp_path_factory.mktemp("dpflood")
-    ca = init_ca(root)
-    a = init_node(root, "a", ca)
-    b = init_node(root, "b", ca, [a.addr()])
-    try:
-        for node in (a, b):
-            node.start()
-        for node in (a, b):
-            node.wait_ready()
-        wait_until(lambda: "b" in connected_fast(a) and "a" in connected_fast(b), timeout=60)
-        yield a, b
-    finally:
-        for node in (a, b):
-            node.stop()
+    nodes = start_pair(tmp_path_factory.mktemp("dpflood"))
+    yield nodes
+    for node in nodes:
+        node.stop()
 
 
 def _flood(port: int, stop: threading.Event, opened: list[int], worker: int) -> None:

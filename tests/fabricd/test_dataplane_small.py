@@ -25,13 +25,15 @@ from proto.bridge import BridgeClient, Delivery, DeliveryResult, SendResult, Sen
 from tests.fabricd._harness import (
     Node,
     bridge_status,
+    configure,
     connected_fast,
     init_ca,
     init_node,
+    transfer,
     wait_until,
 )
 from tests.fabricd._transfer_load import blast
-from tests.fabricd.test_dataplane_fallback import FAR_HOST, Relay
+from tests.fabricd.test_dataplane_fallback import Relay
 
 pytestmark = pytest.mark.slow
 
@@ -50,14 +52,10 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Node]]
         for node in (b, r):
             node.start()
             node.wait_ready()
-        relay = Relay(r.port)
-        r_via = r.addr().replace(f"/ip4/127.0.0.1/tcp/{r.port}/", f"/ip4/{FAR_HOST}/tcp/{relay.port}/")
-        a = init_node(root, "a", ca, [b.addr(), r_via])
+        relay = Relay(r)
+        a = init_node(root, "a", ca, [b.addr(), relay.addr])
         c = init_node(root, "c", ca, [b.addr()])
-        path = c.dir / "cluster.toml"
-        text = path.read_text()
-        assert "[limits]\n" in text, "the generated config changed shape"
-        path.write_text(text.replace("[limits]\n", "[limits]\ndataplane_small_bytes = 0\n", 1))
+        configure(c, limits="dataplane_small_bytes = 0")
         for node in (a, c):
             started.append(node)
             node.start()
@@ -69,10 +67,6 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Node]]
             node.stop()
         if relay is not None:
             relay.close()
-
-
-def _transfer(node: Node) -> dict[str, Any]:
-    return dict(bridge_status(node)["transfer"])
 
 
 def _plane_used(t: dict[str, Any]) -> int:
@@ -137,7 +131,7 @@ def test_small_updates_over_the_plane_arrive_exactly_once(nodes: dict[str, Node]
     bodies = {f"{job}-{i}": os.urandom(KIB + i) for i in range(5)}
     executor = _Executor(b, job)
     try:
-        before = _transfer(a)
+        before = transfer(a)
         for mid, body in bodies.items():
             reply = _send(a, "b", job, mid, body)
             assert reply.ok and reply.reason == "", reply
@@ -145,7 +139,7 @@ def test_small_updates_over_the_plane_arrive_exactly_once(nodes: dict[str, Node]
         for mid in list(bodies)[:2]:
             reply = _send(a, "b", job, mid, bodies[mid])
             assert reply.ok and reply.reason.startswith("duplicate"), reply
-        after = _transfer(a)
+        after = transfer(a)
         wait_until(lambda: len(executor.got) >= 5, 10)
     finally:
         executor.close()
@@ -160,7 +154,7 @@ def test_a_refused_small_update_is_refused_cleanly_and_can_come_again(nodes: dic
     a, b = nodes["a"], nodes["b"]
     job = f"refuse-{uuid.uuid4().hex[:6]}"
     body = os.urandom(2 * KIB)
-    before = _transfer(a)
+    before = transfer(a)
     # nobody on b takes the job: refused before delivery, with the reason
     reply = _send(a, "b", job, f"{job}-0", body)
     assert not reply.ok and "rejected" in reply.reason and job in reply.reason, reply
@@ -183,7 +177,7 @@ def test_a_refused_small_update_is_refused_cleanly_and_can_come_again(nodes: dic
     assert first.ok and first.reason == "", first
     assert again.ok and again.reason.startswith("duplicate"), again
     assert executor.got == [(f"{job}-0", body)]
-    after = _transfer(a)
+    after = transfer(a)
     # all four over the plane (a refusal closes its connection; the next one opens another)
     assert _plane_used(after) - _plane_used(before) == 4, (before, after)
     assert _libp2p_used(after) == _libp2p_used(before), (before, after)
@@ -191,24 +185,24 @@ def test_a_refused_small_update_is_refused_cleanly_and_can_come_again(nodes: dic
 
 def test_small_updates_fall_back_to_libp2p_when_the_plane_port_is_unreachable(nodes: dict[str, Node]) -> None:
     a, r = nodes["a"], nodes["r"]
-    before = _transfer(a)
+    before = transfer(a)
     first = blast(a, r, count=1, size=KIB, sockets=1)
     assert first.failed == [] and first.delivered == 1 and first.digest_mismatch == 0, first.summary()
     more = blast(a, r, count=3, size=4 * KIB, sockets=1)
     assert more.failed == [] and more.delivered == 3 and more.digest_mismatch == 0, more.summary()
-    after = _transfer(a)
+    after = transfer(a)
     # one refused dial, then remembered: every small body at once over libp2p
     assert after["dataplane_failed"] - before["dataplane_failed"] == 1, (before, after)
     assert after["dataplane_fallbacks"] - before["dataplane_fallbacks"] == 4, (before, after)
     assert _libp2p_used(after) - _libp2p_used(before) == 4, (before, after)
-    assert _transfer(r)["dataplane_accepted"] == 0
+    assert transfer(r)["dataplane_accepted"] == 0
 
 
 def test_dataplane_small_bytes_0_keeps_small_updates_on_libp2p(nodes: dict[str, Node]) -> None:
     b, c = nodes["b"], nodes["c"]
-    before = _transfer(c)
+    before = transfer(c)
     result = blast(c, b, count=3, size=KIB, sockets=1)
     assert result.failed == [] and result.delivered == 3 and result.digest_mismatch == 0, result.summary()
-    after = _transfer(c)
+    after = transfer(c)
     assert _libp2p_used(after) - _libp2p_used(before) == 3, (before, after)
     assert _plane_used(after) == _plane_used(before) and after["dataplane_opened"] == before["dataplane_opened"]

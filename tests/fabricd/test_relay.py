@@ -25,7 +25,7 @@ from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode, to_proto_status
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
-from tests.fabricd._harness import Node, bridge_status, configure, init_ca, init_node, wait_until
+from tests.fabricd._harness import Node, bridge_status, init_ca, start_relayed, wait_until
 from tests.fabricd._hostile import certificate_for, hello, peer_info, raw_host
 
 pytestmark = pytest.mark.slow
@@ -47,23 +47,11 @@ def _rss_kib(node: Node) -> int:
 def relayed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("relay")
     ca = init_ca(root)
-    g = init_node(root, "g", ca)
-    configure(g, "relay_service = true\nrelay_max_reservations = 2", "auth_timeout = 2.0")
-    nodes = [g]
-    try:
-        g.start()
-        g.wait_ready()
-        for name in ("p", "q"):
-            node = init_node(root, name, ca, [g.addr()])
-            configure(node, 'reachability = "private"')
-            nodes.append(node)
-            node.start()
-        for node in nodes:
-            node.wait_ready()
-        yield {"root": root, "ca": ca, "g": g, "p": nodes[1], "q": nodes[2]}
-    finally:
-        for node in nodes:
-            node.stop()
+    nodes = start_relayed(root, ca, ("p", "q"), "relay_service = true\nrelay_max_reservations = 2",
+                          gateway_limits="auth_timeout = 2.0")
+    yield {"root": root, "ca": ca, "g": nodes[0], "p": nodes[1], "q": nodes[2]}
+    for node in nodes:
+        node.stop()
 
 
 def _row(node: Node, cluster: str) -> dict[str, Any]:
