@@ -10,6 +10,7 @@ testbed (bringing it up is the expensive part).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,7 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pytest
 
@@ -72,6 +73,18 @@ class NetnsTestbed:
     state: Path
     env: dict[str, str]
 
+    @classmethod
+    def fresh(cls, tmp_path_factory: pytest.TempPathFactory, prefix: str, **env: str) -> Self:
+        """A testbed not up yet: namespaces ``prefix``<pid>-*, its state in a fresh temp dir,
+        netns-testbed.sh's settings plus ``env``."""
+        prefix = f"{prefix}{os.getpid() % 100000}"
+        state = tmp_path_factory.mktemp(prefix) / "state"
+        return cls(prefix, state, {
+            **os.environ, "FP_NETNS_PREFIX": prefix, "FP_STATE_DIR": str(state),
+            "FP_CLUSTERS": " ".join(CLUSTERS), "FP_PORT": str(PORT), "FP_KEEP_ON_FAIL": "1",
+            "FABRICD": str(Path(sys.executable).with_name("fabricd")), "PYTHON": sys.executable, **env,
+        })
+
     def ns(self, cid: str) -> str:
         return f"{self.prefix}-{cid}"
 
@@ -95,6 +108,9 @@ class NetnsTestbed:
         assert proc.returncode == 0, f"fabricd {' '.join(args)} in {self.ns(cid)} failed:\n{proc.stderr}"
         return json.loads(proc.stdout)
 
+    def status(self, cid: str) -> Any:
+        return self.fabricd(cid, "status", "--config", self.config(cid))
+
     def logs(self) -> str:
         parts = []
         for cid in DAEMONS:
@@ -113,10 +129,27 @@ class NetnsTestbed:
         return int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"])
 
 
-def _script(bed_env: dict[str, str], action: str) -> subprocess.CompletedProcess[str]:
+def _script(bed_env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(SCRIPT), action], env=bed_env, capture_output=True, text=True, timeout=240,
+        [str(SCRIPT), *args], env=bed_env, capture_output=True, text=True, timeout=300,
     )
+
+
+@contextlib.contextmanager
+def brought_up(bed: NetnsTestbed, *args: str) -> Iterator[None]:
+    """`netns-testbed.sh up` (with ``args``) for ``bed``, then `down`, checking that no
+    namespace or state is left behind."""
+    try:
+        up = _script(bed.env, "up", *args)
+        if up.returncode != 0:
+            pytest.fail(f"netns-testbed.sh up {' '.join(args)} failed:\n{up.stderr}\n{bed.logs()}")
+        yield
+    finally:
+        down = _script(bed.env, "down")
+        left = {ns for ns in _namespaces() if ns.startswith(bed.prefix + "-")}
+        assert down.returncode == 0, f"netns-testbed.sh down failed:\n{down.stderr}"
+        assert not left, f"namespaces left behind after down: {sorted(left)}"
+        assert not bed.state.exists(), f"{bed.state} left behind after down"
 
 
 @pytest.fixture(scope="module")
@@ -124,50 +157,24 @@ def testbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsTestbed]:
     reason = _netns_unavailable()
     if reason is not None:
         pytest.skip(reason)
-    prefix = f"fpt{os.getpid() % 100000}"
-    state = tmp_path_factory.mktemp("netns") / "state"
-    env = {
-        **os.environ,
-        "FP_NETNS_PREFIX": prefix,
-        "FP_STATE_DIR": str(state),
-        "FP_CLUSTERS": " ".join(CLUSTERS),
-        "FP_SUBNET": SUBNET,
-        "FP_PORT": str(PORT),
-        "FP_KEEP_ON_FAIL": "1",
-        "FP_SCHEDULER": "1",
-        "FABRICD": str(Path(sys.executable).with_name("fabricd")),
-        "PYTHON": sys.executable,
-    }
-    bed = NetnsTestbed(prefix=prefix, state=state, env=env)
-    try:
-        up = _script(env, "up")
-        if up.returncode != 0:
-            pytest.fail(f"netns-testbed.sh up failed:\n{up.stderr}\n{bed.logs()}")
+    bed = NetnsTestbed.fresh(tmp_path_factory, "fpt", FP_SUBNET=SUBNET, FP_SCHEDULER="1")
+    with brought_up(bed):
         yield bed
-    finally:
-        down = _script(env, "down")
-        left = {ns for ns in _namespaces() if ns.startswith(prefix + "-")}
-        assert down.returncode == 0, f"netns-testbed.sh down failed:\n{down.stderr}"
-        assert not left, f"namespaces left behind after down: {sorted(left)}"
-        assert not state.exists(), f"{state} left behind after down"
 
 
-def _wait_for_full_mesh(bed: NetnsTestbed) -> dict[str, Any]:
+def wait_for_full_mesh(bed: NetnsTestbed, deadline_s: float = MESH_DEADLINE_S) -> dict[str, Any]:
     """Poll `fabricd status` in every namespace until each lists all the others connected."""
-    deadline = time.monotonic() + MESH_DEADLINE_S
+    deadline = time.monotonic() + deadline_s
     statuses: dict[str, Any] = {}
     while True:
-        done = True
-        for cid in DAEMONS:
-            statuses[cid] = bed.fabricd(cid, "status", "--config", bed.config(cid))
-            connected = {c["cluster_id"] for c in statuses[cid]["clusters"] if c["connected"]}
-            done = done and connected == set(DAEMONS) - {cid}
-        if done:
+        statuses = {cid: bed.status(cid) for cid in DAEMONS}
+        if all({c["cluster_id"] for c in s["clusters"] if c["connected"]} == set(DAEMONS) - {cid}
+               for cid, s in statuses.items()):
             return statuses
         if time.monotonic() > deadline:
             pytest.fail(
-                f"mesh did not form within {MESH_DEADLINE_S:.0f}s; last statuses:\n"
-                f"{json.dumps(statuses, indent=1)}\n{bed.logs()}"
+                f"mesh did not form within {deadline_s:.0f}s; last statuses:\n"
+                f"{json.dumps(statuses, indent=1)[-6000:]}\n{bed.logs()}"
             )
         time.sleep(0.5)
 
@@ -180,7 +187,7 @@ def _sockets(bed: NetnsTestbed, cid: str, *filters: str) -> list[list[str]]:
 
 def test_three_namespaced_daemons_mesh_and_probe_over_veth(testbed: NetnsTestbed) -> None:
     bed = testbed
-    statuses = _wait_for_full_mesh(bed)
+    statuses = wait_for_full_mesh(bed)
 
     peer_ids = {cid: statuses[cid]["peer_id"] for cid in DAEMONS}
     assert len(set(peer_ids.values())) == len(DAEMONS)
@@ -268,7 +275,7 @@ def test_scheduler_in_its_namespace_runs_a_job_over_the_mesh(
     """`fedpilot-scheduler submit --mesh` from the scheduler's namespace, through its own
     daemon, on the three namespaced clusters: the deployment path of the compose file."""
     bed = testbed
-    statuses = _wait_for_full_mesh(bed)
+    statuses = wait_for_full_mesh(bed)
     served_before = {cid: statuses[cid]["control"]["served"] for cid in CLUSTERS}
     job, out = tmp_path / "tiny.toml", tmp_path / "out"
     job.write_text(TINY_JOB)
@@ -290,6 +297,6 @@ def test_scheduler_in_its_namespace_runs_a_job_over_the_mesh(
     # Every cluster's daemon served the job's control requests, which came from the
     # scheduler's daemon over the mesh (the only link between the namespaces).
     for cid in CLUSTERS:
-        control = bed.fabricd(cid, "status", "--config", bed.config(cid))["control"]
+        control = bed.status(cid)["control"]
         assert control["served"] > served_before[cid], (cid, control)
         assert control["refused"] == 0, (cid, control)

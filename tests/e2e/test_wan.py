@@ -14,60 +14,33 @@ shapes the uplinks where the kernel has sch_netem (else the rate only).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.e2e.test_netns import TINY_JOB, _namespaces, _netns_unavailable
+from tests.e2e.test_netns import (
+    CLUSTERS,
+    PORT,
+    PROBE_BYTES,
+    TINY_JOB,
+    NetnsTestbed,
+    _netns_unavailable,
+    brought_up,
+    wait_for_full_mesh,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(600)]
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "deploy" / "netns-testbed.sh"
-CLUSTERS = ("a", "b", "c")
-DAEMONS = (*CLUSTERS, "scheduler")
 WAN_SUBNET = "198.18.0"
-PORT = 4001
-PROBE_BYTES = 4 * 1024 * 1024
 MESH_DEADLINE_S = 120.0
 
 
-class Wan:
-    def __init__(self, prefix: str, state: Path, env: dict[str, str]) -> None:
-        self.prefix, self.state, self.env = prefix, state, env
-
-    def ns(self, cid: str) -> str:
-        return f"{self.prefix}-{cid}"
-
+class Wan(NetnsTestbed):
     def ip(self, cid: str) -> str:
         return f"{WAN_SUBNET}.200" if cid == "scheduler" else f"10.77.{CLUSTERS.index(cid) + 1}.2"
-
-    def config(self, cid: str) -> str:
-        return str(self.state / cid / "cluster.toml")
-
-    def run_in(self, cid: str, *cmd: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["ip", "netns", "exec", self.ns(cid), *cmd], capture_output=True, text=True,
-                              timeout=timeout, env=self.env)
-
-    def status(self, cid: str) -> Any:
-        proc = self.run_in(cid, self.env["FABRICD"], "status", "--config", self.config(cid))
-        assert proc.returncode == 0, proc.stderr
-        return json.loads(proc.stdout)
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {cid}\n{(self.state / cid / 'fabricd.log').read_text()[-3000:]}"
-                         for cid in DAEMONS if (self.state / cid / "fabricd.log").exists())
-
-
-def _script(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -77,23 +50,9 @@ def wan(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wan]:
         reason = "the WAN testbed's NAT routers need iptables (apt-get install iptables)"
     if reason is not None:
         pytest.skip(reason)
-    prefix = f"fpw{os.getpid() % 100000}"
-    state = tmp_path_factory.mktemp("wan") / "state"
-    env = {**os.environ, "FP_NETNS_PREFIX": prefix, "FP_STATE_DIR": str(state),
-           "FP_CLUSTERS": " ".join(CLUSTERS), "FP_PORT": str(PORT), "FP_KEEP_ON_FAIL": "1",
-           "FABRICD": str(Path(sys.executable).with_name("fabricd")), "PYTHON": sys.executable}
-    bed = Wan(prefix, state, env)
-    try:
-        up = _script(env, "up", "--wan")
-        if up.returncode != 0:
-            pytest.fail(f"netns-testbed.sh up --wan failed:\n{up.stderr}\n{bed.logs()}")
+    bed = Wan.fresh(tmp_path_factory, "fpw")
+    with brought_up(bed, "--wan"):
         yield bed
-    finally:
-        down = _script(env, "down")
-        left = {ns for ns in _namespaces() if ns.startswith(prefix + "-")}
-        assert down.returncode == 0, f"netns-testbed.sh down failed:\n{down.stderr}"
-        assert not left, f"namespaces left behind after down: {sorted(left)}"
-        assert not state.exists(), f"{state} left behind after down"
 
 
 DIAL = """
@@ -119,22 +78,8 @@ def test_no_site_can_dial_another_but_each_reaches_the_gateway(wan: Wan) -> None
         assert out.startswith("connected"), (src, out)
 
 
-def _wait_for_mesh(wan: Wan) -> dict[str, Any]:
-    deadline = time.monotonic() + MESH_DEADLINE_S
-    statuses: dict[str, Any] = {}
-    while True:
-        statuses = {cid: wan.status(cid) for cid in DAEMONS}
-        if all({c["cluster_id"] for c in s["clusters"] if c["connected"]} == set(DAEMONS) - {cid}
-               for cid, s in statuses.items()):
-            return statuses
-        if time.monotonic() > deadline:
-            pytest.fail(f"the mesh did not form through the gateway within {MESH_DEADLINE_S:.0f} s:\n"
-                        f"{json.dumps(statuses, indent=1)[-6000:]}\n{wan.logs()}")
-        time.sleep(0.5)
-
-
 def test_sites_mesh_through_the_gateway_and_a_job_runs(wan: Wan, tmp_path: Path) -> None:
-    statuses = _wait_for_mesh(wan)
+    statuses = wait_for_full_mesh(wan, MESH_DEADLINE_S)
     for cid in CLUSTERS:
         links = {c["cluster_id"]: c["link"] for c in statuses[cid]["clusters"]}
         assert links == {**{o: "relayed" for o in CLUSTERS if o != cid}, "scheduler": "direct"}, (cid, links)
