@@ -31,6 +31,16 @@ class BoundedDict(OrderedDict[K, V]):
             self.popitem(last=False)
 
 
+def release_one(held: dict[str, int], peer: str) -> None:
+    """One fewer of what ``peer`` holds (streams it has open here); a peer that holds none
+    leaves the table, so it stays as small as what is held."""
+    left = held.get(peer, 1) - 1
+    if left > 0:
+        held[peer] = left
+    else:
+        held.pop(peer, None)
+
+
 class Throttle:
     """Logs an event at most once per ``every`` seconds, with how many were suppressed.
 

@@ -15,7 +15,7 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
-from fabricd._bounded import Throttle
+from fabricd._bounded import Throttle, release_one
 from fabricd._member_tables import PeerVerdict, Refusal, is_connected, peer_addrs
 from fabricd._streams import (
     close_quietly,
@@ -67,11 +67,7 @@ class CertificateExchange:
         try:
             await self._handle_hello(stream, peer)
         finally:
-            left = self._member_streams.get(peer, 1) - 1
-            if left > 0:
-                self._member_streams[peer] = left
-            else:
-                self._member_streams.pop(peer, None)
+            release_one(self._member_streams, peer)
 
     async def _handle_hello(self, stream: INetStream, peer: str) -> None:
         m = self.m

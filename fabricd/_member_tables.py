@@ -67,7 +67,7 @@ def claimed_cluster(cert_bytes: bytes | None) -> str:
 def peer_addrs(host: IHost, peer_id: str) -> tuple[str, ...]:
     try:
         return tuple(str(a) for a in host.get_peerstore().addrs(ID.from_base58(peer_id)))
-    except Exception:  # noqa: BLE001 - unknown peer
+    except (KeyError, ValueError):  # PeerStoreError (a KeyError): unknown or expired peer; not base58
         return ()
 
 

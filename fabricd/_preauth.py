@@ -17,7 +17,7 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
-from fabricd._bounded import BoundedDict, Throttle
+from fabricd._bounded import BoundedDict, Throttle, release_one
 from fabricd._member_tables import PeerVerdict, is_connected
 from fabricd._streams import reset_quietly
 from fabricd.errors import FabricdError
@@ -122,8 +122,4 @@ class PreAuth:
             await wait()
         finally:
             self._waiting_total -= 1
-            left = self._waiting.get(peer, 1) - 1
-            if left > 0:
-                self._waiting[peer] = left
-            else:
-                self._waiting.pop(peer, None)
+            release_one(self._waiting, peer)

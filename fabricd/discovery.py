@@ -31,6 +31,7 @@ from libp2p.records.validator import Validator
 from fabricd import _relay
 from fabricd._bounded import BoundedDict, Throttle
 from fabricd._host import HostStack
+from fabricd._member_tables import peer_addrs
 from fabricd.gossip import ReliableGossip
 from fabricd.membership import Membership
 from fedcore.logs import get_logger
@@ -156,7 +157,7 @@ class Discovery:
         info = self.clusters.get(cert.cluster_id)
         if info is None or info.peer_id != peer_id:
             info = self.clusters[cert.cluster_id] = ClusterInfo(cert.cluster_id, peer_id, cert.role)
-        info.addrs = _addrs_of(self.host, peer_id) or info.addrs
+        info.addrs = peer_addrs(self.host, peer_id) or info.addrs
         info.last_heartbeat = time.time()
         info.joined_at, info.left_at = time.time(), None
         info.joins += 1
@@ -374,7 +375,7 @@ class Discovery:
                 try:
                     await self.host.connect(PeerInfo(target.peer_id, direct))
                     return
-                except Exception:
+                except Exception:  # any failed dial: the relays may still reach it
                     if not circuits:
                         raise
         failure: Exception = ConnectionError(f"no address of {target.peer_id} answered")
@@ -433,7 +434,7 @@ class Discovery:
         with trio.move_on_after(5):
             try:
                 value = await self.stack.dht.get_value(dht_key(cluster_id))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - a DHT query fails in many ways: to the caller, not found
                 log.info("dht.lookup_failed", cluster=cluster_id, reason=str(exc))
                 return None
             if value is None:
@@ -477,12 +478,5 @@ def _links_to(host: Any, peer_id: str) -> int:
     """libp2p connections to ``peer_id`` (one when all is well)."""
     try:
         return len(host.get_network().get_connections(ID.from_base58(peer_id)))
-    except Exception:  # noqa: BLE001
+    except ValueError:  # not base58 (the swarm's lookup itself cannot fail)
         return 0
-
-
-def _addrs_of(host: Any, peer_id: str) -> tuple[str, ...]:
-    try:
-        return tuple(str(a) for a in host.get_peerstore().addrs(ID.from_base58(peer_id)))
-    except Exception:  # noqa: BLE001
-        return ()

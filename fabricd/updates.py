@@ -31,6 +31,7 @@ import blake3
 import trio
 from libp2p.abc import IHost, INetStream
 
+from fabricd._bounded import release_one
 from fabricd._dataplane import BodyTooSlow, DataPlane, DataPlaneUnavailable, TlsStream
 from fabricd._dedup import DUPLICATE, IDS_PER_SCOPE, ROUND_WINDOW, DeliveredWindows
 from fabricd._relay import link_kind
@@ -288,11 +289,7 @@ class UpdateService:
             while await self._handle(stream, first):
                 first = False
         finally:
-            left = self.peer_streams.get(peer, 1) - 1
-            if left > 0:
-                self.peer_streams[peer] = left
-            else:
-                self.peer_streams.pop(peer, None)
+            release_one(self.peer_streams, peer)
             await close_quietly(stream)
 
     async def _handle(self, stream: INetStream, first: bool = True) -> bool:
