@@ -1,7 +1,11 @@
 """Local training and evaluation of a torch model on numpy arrays.
 
-Deterministic for a given seed: batches are shuffled with a private `torch.Generator` and
-nothing here reads torch's global random state. Thread count is the caller's business.
+Deterministic for a given seed: batches are shuffled with a private `torch.Generator`.
+Dropout layers draw their masks from torch's global generator, shared by every thread of
+the process: a model with them runs its forward passes one thread at a time, the global
+generator seeded per batch from (seed, step) (`_masks_seeded`), so its masks do not depend
+on what else ran in the process, nor on the thread schedule. Thread count is the caller's
+business.
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -19,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker.errors import WorkerError
+from worker.models.registry import GLOBAL_RNG
 
 if TYPE_CHECKING:
     from proto.job import TrainingSpec
@@ -157,13 +162,17 @@ def train_local(
     # the shuffle is drawn on the cpu (the same order on every device), then indexes there
     last_loss = 0.0
     starts = batch_starts(n, batch_size)
+    random = any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
+    step = 0
     for _ in range(epochs):
         order = torch.randperm(n, generator=gen).to(xt.device)
         total = 0.0
         for start, end in zip(starts, starts[1:], strict=False):
             batch = order[start:end]
             optimizer.zero_grad(set_to_none=True)
-            with _batch_statistics_frozen(model, len(batch) == 1):
+            step += 1
+            with _batch_statistics_frozen(model, len(batch) == 1), \
+                    _masks_seeded(seed, step) if random else nullcontext():
                 data_loss = F.cross_entropy(model(xt[batch]), yt[batch])
             loss = data_loss
             if anchors:
@@ -187,6 +196,14 @@ def batch_starts(n: int, batch_size: int) -> list[int]:
     if len(starts) > 2 and n - starts[-2] == 1:
         del starts[-2]
     return starts
+
+
+@contextmanager
+def _masks_seeded(seed: int, step: int) -> Iterator[None]:
+    """Hold torch's global generator, seeded from (seed, step), for one forward pass."""
+    with GLOBAL_RNG, torch.random.fork_rng(devices=[]):
+        torch.manual_seed((int(seed) * 1_000_003 + step) % 2**63)
+        yield
 
 
 @contextmanager

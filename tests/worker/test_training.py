@@ -54,6 +54,50 @@ def test_same_seed_same_weights_other_seed_other_weights(optimizer: str) -> None
     assert any(not np.array_equal(runs[0][k], runs[2][k]) for k in runs[0])
 
 
+class _DropoutNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.ReLU(),
+                                       torch.nn.Dropout(0.5), torch.nn.Linear(32, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_dropout_masks_follow_the_seed_not_the_threads() -> None:
+    """Dropout draws its masks from torch's global generator: a model with dropout trained
+    while other threads train theirs (the in-process backend's clients) ends with the same
+    weights as trained alone, and another seed gives other weights."""
+    import threading
+
+    x, y = _blobs()
+    spec = TrainingSpec(number_of_epochs=3, batch_size=8, learning_rate=0.05)
+
+    torch.manual_seed(0)
+    start = model_weights(_DropoutNet())
+
+    def trained(seed: int, out: dict[str, dict] | None = None, key: str = "") -> dict:
+        model = _DropoutNet()
+        load_weights(model, start)
+        train_local(model, x, y, spec, seed=seed)
+        weights = model_weights(model)
+        if out is not None:
+            out[key] = weights
+        return weights
+
+    alone = trained(1)
+    together: dict[str, dict] = {}
+    threads = [threading.Thread(target=trained, args=(1 + i % 2, together, str(i)))
+               for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(0, 6, 2):
+        assert all(np.array_equal(alone[k], together[str(i)][k]) for k in alone), i
+    assert any(not np.array_equal(alone[k], together["1"][k]) for k in alone)
+
+
 def _one_full_batch_step(spec: TrainingSpec, global_weights: dict | None = None) -> dict:
     x, y = _blobs(30)
     model = _mlp()

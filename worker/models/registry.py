@@ -36,9 +36,10 @@ MODELS: dict[str, Builder] = {
 }
 MODEL_NAMES = tuple(MODELS)
 
-# Construction of user models may draw from torch's global RNG; serialize it and restore
-# the global state afterwards.
-_global_rng_lock = threading.Lock()
+#: torch's global generator: model construction and training forward passes of models
+#: with dropout (`worker.training`) seed and draw from it one thread at a time, and restore
+#: its state afterwards
+GLOBAL_RNG = threading.Lock()
 
 
 class ModelError(WorkerError, ValueError):
@@ -63,7 +64,7 @@ def build_model(
             f"unknown model {name!r}; use one of {', '.join(MODEL_NAMES)} "
             "or a user class as 'package.module:Class'"
         )
-    with _global_rng_lock, torch.random.fork_rng(devices=[]):
+    with GLOBAL_RNG, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
             model = builder(spec, shape, num_classes)
