@@ -47,6 +47,7 @@ from proto.rounds import RoundRecord  # noqa: E402
 from scheduler.run.driver import Driver  # noqa: E402
 from scheduler.run.mesh import BridgeChannel  # noqa: E402
 from scheduler.testbed import LocalTestbed  # noqa: E402
+from tests.e2e._faults import executors  # noqa: E402
 
 LEASE = 6
 
@@ -61,23 +62,6 @@ def job_table(job_id: str, rounds: int) -> dict[str, Any]:
         "placement": {"strategy": "round_robin", "max_materialized": 2},
         "faults": {"lease_seconds": LEASE, "checkpoint_every": 1,
                    "on_cluster_loss": "continue"}}
-
-
-def executor_pids(tb: LocalTestbed, job_id: str) -> dict[int, str]:
-    daemons = {p.pid: name for name, p in tb.procs.items()}
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            fields = (proc / "stat").read_text().split(")")[-1].split()
-        except OSError:
-            continue
-        if (fields[0] != "Z" and int(fields[2]) in daemons and "worker.executor" in cmd
-                and f"--job {job_id} " in cmd):
-            found[int(proc.name)] = daemons[int(fields[2])]
-    return found
 
 
 def driver_case(args: argparse.Namespace, case: str, workdir: Path) -> dict[str, Any]:
@@ -102,7 +86,7 @@ def driver_case(args: argparse.Namespace, case: str, workdir: Path) -> dict[str,
                     tb.restart(victim)
                 threading.Thread(target=restart, daemon=True).start()
             elif case == "kill_executor":
-                for pid, name in executor_pids(tb, spec.job_id).items():
+                for pid, name in executors(tb, spec.job_id).items():
                     if name == victim:
                         os.kill(pid, signal.SIGKILL)
 
@@ -155,10 +139,10 @@ def scheduler_case(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         proc.kill()
         proc.wait()
         killed = time.perf_counter()
-        while executor_pids(tb, job_id) and time.perf_counter() - killed < 120:
+        while executors(tb, job_id) and time.perf_counter() - killed < 120:
             time.sleep(0.1)
         released = time.perf_counter() - killed
-        left = len(executor_pids(tb, job_id))
+        left = len(executors(tb, job_id))
         started = time.perf_counter()
         again = subprocess.run([*base, "--resume", str(out)], env=env, capture_output=True,
                                text=True)

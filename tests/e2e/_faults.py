@@ -1,4 +1,5 @@
-"""What the fault tests share: drive a job over a testbed, wait for a cluster to be back."""
+"""What the fault tests (and bench_faults) share: drive a job over a testbed, find its
+executors, wait for a cluster to be back."""
 
 from __future__ import annotations
 
@@ -73,18 +74,30 @@ def kill_and_restart(tb: LocalTestbed, victim: str, job_id: str,
     return chaos
 
 
-def executor_pid(testbed: LocalTestbed, cluster: str) -> int:
-    daemon = testbed.procs[cluster].pid
+def executors(tb: LocalTestbed, job_id: str = "") -> dict[int, str]:
+    """Live executor processes the testbed's daemons started (of `job_id` only, if given):
+    pid -> cluster, in /proc's order."""
+    daemons = {p.pid: name for name, p in tb.procs.items()}
+    found = {}
     for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmd = (proc / "cmdline").read_bytes()
-                ppid = int((proc / "stat").read_text().split(")")[-1].split()[2])
-            except (OSError, ValueError):
-                continue
-            if ppid == daemon and b"worker.executor" in cmd:
-                return int(proc.name)
-    raise AssertionError(f"no executor under {cluster}'s daemon")
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            fields = (proc / "stat").read_text().split(")")[-1].split()
+            ppid = int(fields[2])
+        except (OSError, ValueError, IndexError):
+            continue
+        if (fields[0] != "Z" and ppid in daemons and "worker.executor" in cmd
+                and (not job_id or f"--job {job_id} " in cmd)):
+            found[int(proc.name)] = daemons[ppid]
+    return found
+
+
+def executor_pid(testbed: LocalTestbed, cluster: str) -> int:
+    pids = [pid for pid, name in executors(testbed).items() if name == cluster]
+    assert pids, f"no executor under {cluster}'s daemon"
+    return pids[0]
 
 
 def kill(tb: LocalTestbed, cluster: str, what: str) -> None:

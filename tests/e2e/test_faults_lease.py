@@ -22,6 +22,7 @@ import pytest
 
 from scheduler.run.mesh import daemon_status
 from scheduler.testbed import LocalTestbed
+from tests.e2e._faults import executors
 
 pytestmark = pytest.mark.slow
 
@@ -53,24 +54,6 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def executors(testbed: LocalTestbed, job_id: str) -> dict[int, str]:
-    """Live executor processes of `job_id` started by the testbed's daemons: pid -> cluster."""
-    daemons = {p.pid: name for name, p in testbed.procs.items()}
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            ppid = int((proc / "stat").read_text().split(")")[-1].split()[2])
-        except (OSError, ValueError, IndexError):
-            continue
-        if (ppid in daemons and "worker.executor" in cmdline and f"--job {job_id} " in cmdline
-                and alive(int(proc.name))):
-            found[int(proc.name)] = daemons[ppid]
-    return found
 
 
 def wait_until(check: Any, limit: float, what: str) -> float:
