@@ -132,6 +132,9 @@ class AggregationSpec:
     server_step: str = "scaled"
     max_step_ratio: float = 2.0             # 0 = unbounded
     on_stall: str = "restore"               # restore (the best model, half the step) | warn
+    # FedBN: each client trains and is scored with its own BatchNorm layers (weights and
+    # statistics kept by its executor); the global model still carries their pooled mean
+    local_batchnorm: bool = False
     trim_ratio: float = 0.1                 # trimmed_mean
     krum_byzantine: int = 1                 # krum: f
     # -- how the aggregation that combines clusters closes (issue 33) --
@@ -663,6 +666,7 @@ def _rule_bool(source: str, key: str, value: Any) -> bool:
 
 
 _RULES.update({
+    "aggregation.local_batchnorm": _rule_bool,
     "privacy.secure_aggregation": _rule_bool,
     "privacy.clip_range": _rule_float(0.0, low_open=True),
     "privacy.dp": _rule_choice(PRIVACY_DP),

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from fedcore.data import client_data, load_dataset  # noqa: E402
 from proto.job import AggregationSpec, JobSpec  # noqa: E402
-from tests.e2e.test_one_engine import job, run  # noqa: E402
+from tests.e2e.test_one_engine import job, run, tensor_bytes  # noqa: E402
 from worker.aggregators import get_aggregator  # noqa: E402
 
 CHANCE = 0.1
@@ -52,13 +52,58 @@ def test_a_batchnorm_dropout_cnn_learns_through_the_engine(aggregation: str) -> 
 @pytest.mark.slow
 def test_a_batchnorm_dropout_cnn_learns_on_ray(ray_context: Any) -> None:
     """The same job with its FederatedNode actors on Ray (its own processes: the model
-    module from the user's PYTHONPATH) leaves chance within 3 rounds too. Not compared
-    bit for bit with in-process: with this model the two backends' accuracies differ from
-    round 1 (why was not found this turn; the default model's are identical,
-    test_engine_ray)."""
+    module from the user's PYTHONPATH) leaves chance within 3 rounds too, and ends with
+    the in-process job's model bit for bit: dropout's masks follow (seed, step), not which
+    process or thread trained the client before (they differed from round 1 when they
+    came from each process's global generator as it happened to be)."""
     on_ray, _ = run(bn_job("fedavg"), context_for=lambda cid: ray_context)
     curve = [r.accuracy for r in on_ray.summary.rounds]
     assert len(curve) == 3 and curve[-1] > CHANCE + 0.3, curve
+    in_process, _ = run(bn_job("fedavg"))
+    assert [r.accuracy for r in in_process.summary.rounds] == curve
+    assert tensor_bytes(in_process.model) == tensor_bytes(on_ray.model)
+
+
+def test_local_batchnorm_trains_each_client_with_its_own_batchnorm(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """aggregation.local_batchnorm (FedBN): from its second round on, a client trains from
+    the round's model with its own BatchNorm tensors as it left them (weights and running
+    statistics), everything else the round's; without the key no client gets any. The
+    job still learns, and the global model carries the pooled BatchNorm tensors."""
+    from worker.models import batchnorm_tensors, build_model
+    from worker.nodes.federated import FederatedNode
+
+    calls: list[tuple[int, int, dict[str, np.ndarray] | None, dict[str, np.ndarray]]] = []
+    real = FederatedNode.train
+
+    def recorded(self: FederatedNode, round_index: int, *incoming: Any) -> Any:
+        update = real(self, round_index, *incoming)
+        own = dict(incoming[1]) if len(incoming) == 2 else None
+        calls.append((int(update.client_id), round_index, own, dict(update.weights)))
+        return update
+
+    monkeypatch.setattr(FederatedNode, "train", recorded)
+    spec = job("star", clients=6, rounds=3, model={"name": "usercnn:BNCNN"},
+               aggregation={"name": "fedavg", "local_batchnorm": True})
+    result, _ = run(spec)
+    names = batchnorm_tensors(build_model(spec.model, (8, 8), 10, seed=0))
+    assert names and all(n.rpartition(".")[2] in ("weight", "bias", "running_mean",
+                                                  "running_var", "num_batches_tracked")
+                         for n in names)
+    last: dict[int, dict[str, np.ndarray]] = {}
+    for client, r, own, trained in sorted(calls, key=lambda c: (c[1], c[0])):
+        if client in last:
+            assert own is not None and set(own) == names, (client, r)
+            assert all(np.array_equal(own[n], last[client][n]) for n in names), (client, r)
+        else:
+            assert own is None, (client, r)
+        last[client] = trained
+    assert {r for _, r, own, _ in calls if own is not None} == {2, 3}
+    assert result.summary.rounds[-1].accuracy > CHANCE + 0.3
+    calls.clear()
+    run(job("star", clients=6, rounds=2, model={"name": "usercnn:BNCNN"},
+            aggregation={"name": "fedavg"}))
+    assert calls and all(own is None for _, _, own, _ in calls)
 
 
 def _pooled(weights: list[dict[str, np.ndarray]], shares: list[float], name: str) -> np.ndarray:

@@ -83,7 +83,7 @@ class NodeRuntime:
         import torch
 
         from fedcore.data import client_data, load_dataset
-        from worker.models import build_model
+        from worker.models import batchnorm_tensors, build_model
         from worker.nodes import NodeConfig
         from worker.serialization import model_weights
 
@@ -107,6 +107,15 @@ class NodeRuntime:
         self._check(spec)
         self.initial_weights: Weights = model_weights(self._model)
         self._buffers = frozenset(name for name, _ in self._model.named_buffers())
+        # aggregation.local_batchnorm (FedBN): every client's own BatchNorm tensors, as it
+        # last trained them, overlaid on the model it trains from next
+        self._norm_names = (batchnorm_tensors(self._model) if spec.aggregation.local_batchnorm
+                            else frozenset())
+        self._local_norm: dict[int, Weights] = {}
+        if spec.aggregation.local_batchnorm and not self._norm_names:
+            log.warning("event=local_batchnorm_unused model=%s hint=the model has no "
+                        "BatchNorm layer; aggregation.local_batchnorm changes nothing",
+                        spec.model.name)
         self._eval_lock = threading.Lock()
         self._config = NodeConfig(job_id=spec.job_id, seed=spec.seed, model=spec.model,
                                   training=spec.training, aggregation=spec.aggregation,
@@ -198,7 +207,7 @@ class NodeRuntime:
         self.manager.start()
         parallel = max(1, min(slots, int(total_cpus)))
         per_call = self.spec.placement.clients_per_call
-        if per_call != 1:
+        if per_call != 1 and not self._norm_names:  # (local BatchNorm: one call each)
             manager = self.manager
             self.batcher = TrainBatcher(
                 lambda c, model, r: manager.call(c, "train", r, model),
@@ -242,6 +251,9 @@ class NodeRuntime:
                                "given no clients at plan time")
         if self.batcher is not None:
             return self.batcher.submit(client_index(node), model, round_index)
+        own = self._local_norm.get(client_index(node)) if self._norm_names else None
+        if own is not None:
+            return self.manager.call(client_index(node), "train", round_index, model, own)
         return self.manager.call(client_index(node), "train", round_index, model)
 
     def personal_score(self, trained: Any) -> tuple[int, int]:
@@ -250,6 +262,9 @@ class NodeRuntime:
             raise TypeError(f"expected a LocalUpdate from training, got {type(update).__name__}")
         if self.batcher is not None and "seconds" in update.extra:
             self.batcher.observe(float(update.extra["seconds"]))
+        if self._norm_names:
+            self._local_norm[int(update.client_id)] = {
+                k: np.array(update.weights[k]) for k in self._norm_names}
         return int(round(update.local_accuracy * update.local_samples)), int(update.local_samples)
 
     def evaluate_global(self, weights: Weights) -> tuple[float, float]:

@@ -84,6 +84,14 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def batchnorm_tensors(model: nn.Module) -> frozenset[str]:
+    """Names (as in the state dict) of every BatchNorm layer's weights and statistics."""
+    return frozenset(f"{prefix}.{name}" if prefix else name
+                     for prefix, module in model.named_modules()
+                     if isinstance(module, nn.modules.batchnorm._BatchNorm)
+                     for name in module.state_dict())
+
+
 def reset_parameters(model: nn.Module, seed: int) -> None:
     """Re-initialise Linear and Conv layers as PyTorch does by default, from a private
     generator seeded with `seed` (other parameters are left as constructed)."""

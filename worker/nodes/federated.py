@@ -107,8 +107,10 @@ class FederatedNode:
 
     def train(self, round_index: int, *incoming: Message | Mapping[str, np.ndarray]
               ) -> LocalUpdate:
-        """Start from the model in `incoming` (if any), train locally, evaluate on the
-        client's own test split; returns the trained weights and what was measured."""
+        """Start from the model in `incoming` (if any; a second entry: the client's own
+        tensors, e.g. its BatchNorm layers under aggregation.local_batchnorm, which replace
+        the model's), train locally, evaluate on the client's own test split; returns the
+        trained weights and what was measured."""
         from worker.serialization import load_weights, model_weights
         from worker.training import evaluate, round_training, train_local
 
@@ -116,9 +118,17 @@ class FederatedNode:
         started = time.perf_counter()
         anchor = None
         if incoming:
-            if len(incoming) != 1:
-                raise ValueError(f"client {client}: train() takes one model, got {len(incoming)}")
-            anchor = as_message(incoming[0]).weights
+            if len(incoming) > 2:
+                raise ValueError(f"client {client}: train() takes a model and the client's "
+                                 f"own tensors at most, got {len(incoming)} arguments")
+            anchor = dict(as_message(incoming[0]).weights)
+            if len(incoming) == 2:
+                own = dict(as_message(incoming[1]).weights)
+                unknown = sorted(set(own) - set(anchor))
+                if unknown:
+                    raise ValueError(f"client {client}: own tensors {unknown[:3]} are not "
+                                     "in the model")
+                anchor.update(own)
             load_weights(self._model, anchor)
         d = self._dataset
         training = round_training(self._config.training, round_index)
