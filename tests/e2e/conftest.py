@@ -8,6 +8,9 @@ on a loaded 2-core machine, and the e2e suite starts ~30 testbeds). Here the sam
 themselves still run as subprocesses. `fedpilot-scheduler submit --local` run as a
 subprocess (test_submit_cli, test_testbed_own_code's newcomer run) keeps the real
 subprocess path under test.
+
+`three_clusters`: the started three-cluster testbed (in-process executors) that several
+fault and security tests run their job on.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import io
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,3 +41,10 @@ def _testbed_prepares_in_process() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(scheduler.testbed, "_run", _run_inprocess)
         yield
+
+
+@pytest.fixture()
+def three_clusters(tmp_path: Path) -> Iterator[tuple[scheduler.testbed.LocalTestbed, Any]]:
+    """A started testbed of three clusters with in-process executors: (testbed, clusters)."""
+    with scheduler.testbed.LocalTestbed(3, backend="inprocess", workdir=str(tmp_path / "tb"), capacity=3) as tb:
+        yield tb, tb.start(timeout=60)

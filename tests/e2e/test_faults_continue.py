@@ -32,13 +32,6 @@ def spec(job_id: str, **faults: Any) -> JobSpec:
                    **faults}})
 
 
-@pytest.fixture()
-def testbed(tmp_path: Path) -> Any:
-    with LocalTestbed(3, backend="inprocess", workdir=str(tmp_path / "tb"), capacity=3) as tb:
-        clusters = tb.start(timeout=60)
-        yield tb, clusters
-
-
 def run(tb: LocalTestbed, clusters: Any, job: JobSpec, out: Path, what: str) -> Any:
     victim = tb.cluster_ids[0]
 
@@ -57,9 +50,9 @@ def run(tb: LocalTestbed, clusters: Any, job: JobSpec, out: Path, what: str) -> 
 
 
 @pytest.mark.parametrize("what", ["daemon", "executor"])
-def test_the_job_goes_on_without_a_killed_cluster(testbed: Any, tmp_path: Path,
+def test_the_job_goes_on_without_a_killed_cluster(three_clusters: Any, tmp_path: Path,
                                                    what: str) -> None:
-    tb, clusters = testbed
+    tb, clusters = three_clusters
     result, victim = run(tb, clusters, spec(f"go-on-{what}"), tmp_path / "run", what)
     summary = result.summary
     assert [r.round for r in summary.rounds] == list(range(1, ROUNDS + 1))
@@ -87,9 +80,9 @@ def test_the_job_goes_on_without_a_killed_cluster(testbed: Any, tmp_path: Path,
     assert not math.isnan(summary.rounds[-1].accuracy)
 
 
-def test_below_min_clusters_the_job_fails_naming_what_is_missing(testbed: Any,
+def test_below_min_clusters_the_job_fails_naming_what_is_missing(three_clusters: Any,
                                                                  tmp_path: Path) -> None:
-    tb, clusters = testbed
+    tb, clusters = three_clusters
     with pytest.raises(JobFailed, match="min_clusters = 3"):
         run(tb, clusters, spec("too-few", min_clusters=3, return_wait=2), tmp_path / "run",
             "daemon")

@@ -4,7 +4,6 @@ round deadlines follow measured round times."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +13,6 @@ from proto.job import JobSpec
 from proto.rounds import RoundRecord
 from scheduler.run.driver import Driver, JobFailed
 from scheduler.run.mesh import BridgeChannel
-from scheduler.testbed import LocalTestbed
 from tests.e2e._faults import kill
 from worker.context import InProcessContext
 from worker.executor.runtime import runtime_factory
@@ -62,17 +60,10 @@ def test_round_deadlines_follow_the_slowest_round() -> None:
         assert deadlines[r] == pytest.approx(max(1.0, 3 * max(seconds[:r - 1])))
 
 
-@pytest.fixture()
-def testbed(tmp_path: Path) -> Any:
-    with LocalTestbed(3, backend="inprocess", workdir=str(tmp_path / "tb"), capacity=3) as tb:
-        clusters = tb.start(timeout=60)
-        yield tb, clusters
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("what", ["daemon", "executor"])
-def test_a_killed_cluster_fails_the_job_in_seconds_naming_it(testbed: Any, what: str) -> None:
-    tb, clusters = testbed
+def test_a_killed_cluster_fails_the_job_in_seconds_naming_it(three_clusters: Any, what: str) -> None:
+    tb, clusters = three_clusters
     victim = tb.cluster_ids[1]
     killed: list[float] = []
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -153,16 +152,9 @@ def run(tb: LocalTestbed, clusters: Any, job: JobSpec, forger: Forger | None) ->
         channel.close()
 
 
-@pytest.fixture()
-def testbed(tmp_path: Path) -> Any:
-    with LocalTestbed(3, backend="inprocess", workdir=str(tmp_path / "tb"), capacity=3) as tb:
-        clusters = tb.start(timeout=60)
-        yield tb, clusters
-
-
 @pytest.mark.trio
-async def test_forged_updates_are_refused_and_the_model_is_the_undisturbed_one(testbed: Any) -> None:
-    tb, clusters = testbed
+async def test_forged_updates_are_refused_and_the_model_is_the_undisturbed_one(three_clusters: Any) -> None:
+    tb, clusters = three_clusters
     calm = await trio.to_thread.run_sync(lambda: run(tb, clusters, spec("imp-calm"), None))
     assert calm.model is not None
     assert [r.round for r in calm.summary.rounds] == list(range(1, ROUNDS + 1))
