@@ -23,10 +23,10 @@ from fabricd._streams import read_message_exact
 from proto.codec import frame
 from proto.ids import PROTOCOL_CONTROL, PROTOCOL_UPDATE
 from proto.messages import ControlRequest, ControlResponse, Message, UpdateAck, UpdateHeader
-from tests.fabricd._harness import bridge_status, connected_fast, wait_until
+from tests.fabricd._harness import bridge_status, wait_until
 from tests.fabricd._hostile import hello, peer_info, raw_host
 from tests.fabricd.test_security_control import Party
-from tests.fabricd.test_security_updates import Executor, _send_update
+from tests.fabricd.test_security_updates import _send_update, joined_with_executor, small_budget
 
 pytestmark = pytest.mark.slow
 
@@ -68,13 +68,7 @@ async def _drip(stream: INetStream, data: bytes, head: int, every: float,
 @pytest.mark.trio
 async def test_a_dripping_member_is_cut_and_another_members_update_goes_through(mesh) -> None:
     a = mesh.nodes["a"]
-    d = await trio.to_thread.run_sync(lambda: mesh.add("drip", [a.addr()], start=False))
-    cfg = d.dir / "cluster.toml"
-    text = re.sub(r"max_update_bytes = \d+", f"max_update_bytes = {80 << 20}", cfg.read_text())
-    cfg.write_text(re.sub(r"max_inflight_bytes = \d+", f"max_inflight_bytes = {160 << 20}", text))
-    await trio.to_thread.run_sync(lambda: (d.start(), d.wait_ready()))
-    await trio.to_thread.run_sync(lambda: wait_until(lambda: "drip" in connected_fast(a), timeout=60))
-    executor = await trio.to_thread.run_sync(lambda: Executor(d))
+    d, executor = await joined_with_executor(mesh, "drip", small_budget)
     job = "j-drip"
     target = peer_info(d.addr())
     dripper = Party(mesh.ca, "dripper", "cluster")

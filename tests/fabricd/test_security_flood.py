@@ -22,10 +22,10 @@ from fabricd._streams import read_message_exact
 from proto.codec import frame
 from proto.ids import PROTOCOL_UPDATE_POOLED
 from proto.messages import UpdateAck, UpdateHeader
-from tests.fabricd._harness import bridge_status, connected_fast, wait_until
+from tests.fabricd._harness import bridge_status, wait_until
 from tests.fabricd._hostile import hello, peer_info, raw_host
 from tests.fabricd.test_security_control import Party
-from tests.fabricd.test_security_updates import Executor
+from tests.fabricd.test_security_updates import joined_with_executor
 
 pytestmark = pytest.mark.slow
 
@@ -40,13 +40,8 @@ def _header(job: str, rnd: int, mid: str) -> UpdateHeader:
 
 @pytest.mark.trio
 async def test_a_members_id_flood_neither_re_delivers_nor_grows_the_table(mesh) -> None:
-    a = mesh.nodes["a"]
-    d = await trio.to_thread.run_sync(lambda: mesh.add("flood", [a.addr()], start=False))
-    cfg = d.dir / "cluster.toml"
-    cfg.write_text(cfg.read_text().replace("[limits]\n", f"[limits]\ndedup_ids_per_member = {BOUND}\n"))
-    await trio.to_thread.run_sync(lambda: (d.start(), d.wait_ready()))
-    await trio.to_thread.run_sync(lambda: wait_until(lambda: "flood" in connected_fast(a), timeout=60))
-    executor = await trio.to_thread.run_sync(lambda: Executor(d))
+    d, executor = await joined_with_executor(
+        mesh, "flood", lambda text: text.replace("[limits]\n", f"[limits]\ndedup_ids_per_member = {BOUND}\n"))
     job = "j-flood"
     target = peer_info(d.addr())
     party = Party(mesh.ca, "flooder", "cluster")

@@ -14,6 +14,7 @@ import hashlib
 import os
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -34,7 +35,7 @@ from proto.control import JobPlan, plan_parts
 from proto.ids import PROTOCOL_UPDATE
 from proto.messages import UpdateAck, UpdateHeader
 from proto.routing import RoutingMatrix
-from tests.fabricd._harness import bridge_status, connected_fast, wait_until
+from tests.fabricd._harness import Node, bridge_status, connected_fast, wait_until
 from tests.fabricd._hostile import hello, peer_info, raw_host
 from tests.fabricd.test_security_control import Party
 
@@ -67,6 +68,24 @@ class Executor:
         self._stop.set()
         self._thread.join(5)
         self.client.close()
+
+
+async def joined_with_executor(mesh: Any, name: str, edit: Callable[[str], str]) -> tuple[Node, Executor]:
+    """A new member ``name`` (bootstrapping from a) with its cluster.toml passed through
+    ``edit``, started and connected to a, and an Executor on it."""
+    a = mesh.nodes["a"]
+    node = await trio.to_thread.run_sync(lambda: mesh.add(name, [a.addr()], start=False))
+    cfg = node.dir / "cluster.toml"
+    cfg.write_text(edit(cfg.read_text()))
+    await trio.to_thread.run_sync(lambda: (node.start(), node.wait_ready()))
+    await trio.to_thread.run_sync(lambda: wait_until(lambda: name in connected_fast(a), timeout=60))
+    return node, await trio.to_thread.run_sync(lambda: Executor(node))
+
+
+def small_budget(text: str) -> str:
+    """Updates of at most 80 MiB, 160 MiB in flight (a few 64 MiB updates fill it)."""
+    text = re.sub(r"max_update_bytes = \d+", f"max_update_bytes = {80 << 20}", text)
+    return re.sub(r"max_inflight_bytes = \d+", f"max_inflight_bytes = {160 << 20}", text)
 
 
 def _send_update(node: Any, target: str, header: UpdateHeader, payload: bytes) -> SendResult:
@@ -146,16 +165,8 @@ async def test_a_member_cannot_send_under_another_nodes_message_id(mesh, form: s
 async def test_two_slow_loris_senders_do_not_starve_a_genuine_64_mib_update(mesh) -> None:
     a = mesh.nodes["a"]
     # A small in-flight budget: the two slow senders' declared 64 MiB each fill it.
-    s = await trio.to_thread.run_sync(lambda: mesh.add("slow", [a.addr()], start=False))
-    cfg = s.dir / "cluster.toml"
-    text = cfg.read_text()
-    text = re.sub(r"max_update_bytes = \d+", f"max_update_bytes = {80 << 20}", text)
-    text = re.sub(r"max_inflight_bytes = \d+", f"max_inflight_bytes = {160 << 20}", text)
-    cfg.write_text(text)
-    await trio.to_thread.run_sync(lambda: (s.start(), s.wait_ready()))
-    await trio.to_thread.run_sync(lambda: wait_until(lambda: "slow" in connected_fast(a), timeout=60))
+    s, executor = await joined_with_executor(mesh, "slow", small_budget)
     job, size = "j-loris", 64 << 20
-    executor = await trio.to_thread.run_sync(lambda: Executor(s))
     target = peer_info(s.addr())
     drips: list[UpdateAck | None] = []
     # both declare their 64 MiB at once: each is cut a few seconds (the rate grace) after
