@@ -242,7 +242,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import _linkproxy as linkproxy  # noqa: E402
-from fabricd.config import load_config  # noqa: E402
 from proto import bridge  # noqa: E402
 from proto._bridge_fds import SharedMapping, SpareMemfds, populate_for_writing  # noqa: E402
 from proto.bridge import BridgeClient, Delivery, DeliveryResult, SendResult, SendUpdate  # noqa: E402
@@ -487,9 +486,9 @@ def fixed_cost(a: Node, b: Node, count: int, size: int = 1024) -> dict[str, Any]
     body = os.urandom(size)
     digest = blake3.blake3(body).digest()  # the claim executors make (SendUpdate.for_payload)
     # it answers every Delivery as a real executor does: the sender's ok waits for that
-    consumer = BridgeClient(_bridge(b), role="executor", cluster_id=b.name, job_id=job, timeout=60,
+    consumer = BridgeClient(b.bridge_socket, role="executor", cluster_id=b.name, job_id=job, timeout=60,
                             answers_deliveries=True)
-    sender = BridgeClient(_bridge(a), role="executor", cluster_id=a.name, job_id=job, timeout=60)
+    sender = BridgeClient(a.bridge_socket, role="executor", cluster_id=a.name, job_id=job, timeout=60)
     wait_until(lambda: any(c["job_id"] == job for c in bridge_status(b)["bridge_clients"]), 30)
     delivered: list[bool] = []
 
@@ -547,10 +546,10 @@ def e2e_once(a: Node, b: Node, body: bytes, via_fd: bool = True, claim: str = "b
     size = len(body)
     digest = (blake3.blake3 if claim == "blake3" else hashlib.sha256)(body).digest()
     # a blocking socket, as an executor's (proto.bridge_connection) is
-    consumer = BridgeClient(_bridge(b), role="executor", cluster_id=b.name, job_id=job,
+    consumer = BridgeClient(b.bridge_socket, role="executor", cluster_id=b.name, job_id=job,
                             max_payload=size, timeout=None, answers_deliveries=True,
                             accepts_fds=via_fd)
-    sender = BridgeClient(_bridge(a), role="executor", cluster_id=a.name, job_id=job, timeout=120)
+    sender = BridgeClient(a.bridge_socket, role="executor", cluster_id=a.name, job_id=job, timeout=120)
     wait_until(lambda: any(c["job_id"] == job for c in bridge_status(b)["bridge_clients"]), 30)
     got: list[Any] = []
     at: dict[str, float] = {}
@@ -768,10 +767,6 @@ def relay_runs(root: Path, nbytes: int, runs: int) -> dict[str, Any]:
     return {"bytes": nbytes, "relayed_mb_s": relayed, "direct_mb_s": direct, "links": links,
             "ratio": round(statistics.median(r / d for r, d in zip(relayed, direct, strict=True)), 3),
             "target_ratio": 0.4, "relay_bytes_relayed": service["bytes_relayed"]}
-
-
-def _bridge(node: Node) -> str:
-    return str(load_config(node.config).bridge_socket)
 
 
 def _with_memory(a: Node, b: Node, result: BlastResult, in_flight_cap: int) -> dict[str, Any]:

@@ -60,6 +60,13 @@ class Node:
     def config(self) -> str:
         return str(self.dir / "cluster.toml")
 
+    @property
+    def bridge_socket(self) -> str:
+        """The path of its bridge socket (as its cluster.toml says)."""
+        from fabricd.config import load_config
+
+        return str(load_config(self.config).bridge_socket)
+
     def addr(self) -> str:
         return str(cli_inprocess("id", "--config", self.config)["addrs"][0])
 
@@ -157,11 +164,9 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> float:
 
 def bridge_status(node: Node) -> dict[str, Any]:
     """Status straight over the bridge socket (fast enough to poll)."""
-    from fabricd.config import load_config
     from proto.bridge import BridgeClient, StatusReply, StatusRequest
 
-    path = str(load_config(node.config).bridge_socket)
-    with BridgeClient(path, role="cli", timeout=10) as client:
+    with BridgeClient(node.bridge_socket, role="cli", timeout=10) as client:
         reply, _ = client.request(StatusRequest())
     assert isinstance(reply, StatusReply), reply
     return dict(reply.status)

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fabricd.config import load_config
 from proto.bridge import BridgeClient, Delivery, SendResult, SendUpdate, bridge_header, recv_bridge
 from tests.fabricd._harness import Node, bridge_status, wait_until
 
@@ -57,10 +56,6 @@ class BlastResult:
             "status_ms_max": round(lat[-1], 1) if lat else None,
             "status_samples": len(lat),
         }
-
-
-def _socket(node: Node) -> str:
-    return str(load_config(node.config).bridge_socket)
 
 
 def rss_bytes(pid: int) -> int:
@@ -102,7 +97,7 @@ def blast(sender: Node, receiver: Node, count: int, size: int, *, sockets: int =
     for i in range(count):
         expected[mid(i)] = digest(i)
 
-    consumer = BridgeClient(_socket(receiver), role="executor", cluster_id=receiver.name,
+    consumer = BridgeClient(receiver.bridge_socket, role="executor", cluster_id=receiver.name,
                             job_id=job, max_payload=size + 1, timeout=timeout, accepts_fds=fds)
     wait_until(lambda: any(c["job_id"] == job for c in bridge_status(receiver)["bridge_clients"]), 30)
 
@@ -125,7 +120,7 @@ def blast(sender: Node, receiver: Node, count: int, size: int, *, sockets: int =
         except OSError:
             pass
 
-    clients = [BridgeClient(_socket(sender), role="executor", cluster_id=sender.name, job_id=job,
+    clients = [BridgeClient(sender.bridge_socket, role="executor", cluster_id=sender.name, job_id=job,
                             timeout=timeout) for _ in range(sockets)]
     shares = [list(range(k, count, sockets)) for k in range(sockets)]
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from fabricd.config import load_config
 from proto import bridge
 from proto._bridge_fds import MAX_FDS_PER_READ, REQUIRED_SEALS, SpareMemfds
 from proto.bridge import (
@@ -38,10 +37,6 @@ pytestmark = pytest.mark.slow
 
 MIB = 1024 * 1024
 SIZE = 8 * MIB  # over the data plane's 1 MiB and the bridge's FD_MIN_BYTES
-
-
-def _path(node: Node) -> str:
-    return str(load_config(node.config).bridge_socket)
 
 
 def _memfds(node: Node) -> tuple[int, int]:
@@ -84,7 +79,7 @@ class Consumer:
     """An executor on b that takes deliveries as memfds and answers each."""
 
     def __init__(self, b: Node, job: str) -> None:
-        self.client = BridgeClient(_path(b), role="executor", cluster_id="b", job_id=job,
+        self.client = BridgeClient(b.bridge_socket, role="executor", cluster_id="b", job_id=job,
                                    answers_deliveries=True, accepts_fds=True, max_payload=1 << 30)
         self.got: list[tuple[Delivery, bool, bytes]] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -124,7 +119,7 @@ def test_large_update_passes_as_memfds_both_ways_verified(mesh) -> None:  # type
     own_fds_before = len(os.listdir("/proc/self/fd"))
     sent: list[SendUpdate] = []
     try:
-        with BridgeClient(_path(a), role="executor", cluster_id="a", job_id=job, timeout=60) as sender:
+        with BridgeClient(a.bridge_socket, role="executor", cluster_id="a", job_id=job, timeout=60) as sender:
             for i, body in enumerate(bodies):
                 if i:  # b made a spare of this size after the first body went through
                     # (made, not only being made: that runs beside the event loop)
@@ -178,7 +173,7 @@ def test_bad_descriptors_are_refused_and_the_daemon_keeps_serving(mesh) -> None:
     body = os.urandom(2 * MIB)
     consumer = Consumer(b, job)
     try:
-        with BridgeClient(_path(a), role="executor", cluster_id="a", job_id=job, timeout=30) as client:
+        with BridgeClient(a.bridge_socket, role="executor", cluster_id="a", job_id=job, timeout=30) as client:
             sock = client.sock
 
             def frame(msg: SendUpdate) -> bytes:
@@ -215,7 +210,7 @@ def test_bad_descriptors_are_refused_and_the_daemon_keeps_serving(mesh) -> None:
             assert isinstance(reply, SendResult) and reply.ok, reply
 
         # a flood of descriptors in one write: Error, the connection is closed
-        with BridgeClient(_path(a), role="executor", cluster_id="a", job_id=job, timeout=30) as client:
+        with BridgeClient(a.bridge_socket, role="executor", cluster_id="a", job_id=job, timeout=30) as client:
             fds = [os.memfd_create("fedpilot-flood", os.MFD_CLOEXEC) for _ in range(MAX_FDS_PER_READ + 2)]
             _send_with_fds(client.sock, frame(_update(job, body)), fds)
             for fd in fds:

@@ -8,7 +8,6 @@ import threading
 
 import pytest
 
-from fabricd.config import load_config
 from proto.bridge import (
     BridgeClient,
     ControlDelivery,
@@ -25,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 def _client(node, role: str, job_id: str = "") -> BridgeClient:
-    path = str(load_config(node.config).bridge_socket)
+    path = node.bridge_socket
     return BridgeClient(path, role=role, cluster_id=node.name, job_id=job_id, timeout=30)
 
 

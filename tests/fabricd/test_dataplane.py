@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from fabricd._dataplane import KEY_BYTES, TICKET_BYTES
-from fabricd.config import load_config
 from proto.bridge import BridgeClient, Delivery, SendUpdate, bridge_header
 from tests.fabricd._harness import (
     Node,
@@ -162,7 +161,7 @@ def test_sender_killed_mid_body_delivers_nothing_and_receiver_stays_healthy(
     size = 64 * MIB
     body = os.urandom(size)
     digest = hashlib.sha256(body).digest()
-    consumer = BridgeClient(str(load_config(b.config).bridge_socket), role="executor", cluster_id="b",
+    consumer = BridgeClient(b.bridge_socket, role="executor", cluster_id="b",
                             job_id=job, max_payload=size + 1, timeout=120)
     deliveries: list[str] = []
 
@@ -177,7 +176,7 @@ def test_sender_killed_mid_body_delivers_nothing_and_receiver_stays_healthy(
 
     threading.Thread(target=consume, daemon=True).start()
     wait_until(lambda: any(c["job_id"] == job for c in bridge_status(b)["bridge_clients"]), 30)
-    sender = BridgeClient(str(load_config(a.config).bridge_socket), role="executor", cluster_id="a",
+    sender = BridgeClient(a.bridge_socket, role="executor", cluster_id="a",
                           job_id=job, timeout=120)
     msg = SendUpdate(target_cluster="b", job_id=job, round=1, source_node="s", target_node="t",
                      message_id=f"{job}-0", tensor_count=1, byte_length=size, sha256=digest)

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 
-from fabricd.config import load_config
 from proto.bridge import BridgeClient, Delivery, DeliveryResult, SendResult, SendUpdate
 from tests.fabricd._harness import (
     Node,
@@ -82,7 +81,7 @@ class _Executor:
     ok=False and that reason) and keeps what it was given."""
 
     def __init__(self, node: Node, job: str, refuse: str = "") -> None:
-        self.client = BridgeClient(str(load_config(node.config).bridge_socket), role="executor",
+        self.client = BridgeClient(node.bridge_socket, role="executor",
                                    cluster_id=node.name, job_id=job, timeout=60, answers_deliveries=True)
         self.refuse = refuse
         self.got: list[tuple[str, bytes]] = []
@@ -112,7 +111,7 @@ class _Executor:
 
 
 def _send(node: Node, target: str, job: str, mid: str, body: bytes) -> SendResult:
-    sender = BridgeClient(str(load_config(node.config).bridge_socket), role="executor",
+    sender = BridgeClient(node.bridge_socket, role="executor",
                           cluster_id=node.name, job_id=job, timeout=60)
     try:
         msg = SendUpdate(target_cluster=target, job_id=job, round=1, source_node="s", target_node="t",

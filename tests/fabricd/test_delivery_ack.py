@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from fabricd.config import load_config
 from proto.bridge import BridgeClient, Delivery, DeliveryResult, SendResult, SendUpdate
 from tests.fabricd._harness import bridge_status, connected_fast, wait_until
 
@@ -20,7 +19,7 @@ JOB = "j-ack"
 
 
 def _client(node: Any, job_id: str, answers: bool = False) -> BridgeClient:
-    return BridgeClient(str(load_config(node.config).bridge_socket), role="executor",
+    return BridgeClient(node.bridge_socket, role="executor",
                         cluster_id=node.name, job_id=job_id, timeout=60,
                         answers_deliveries=answers)
 

@@ -25,7 +25,6 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from fabricd._host import build_host
 from fabricd._streams import read_message_exact
-from fabricd.config import load_config
 from proto.bridge import (
     Error,
     Hello,
@@ -139,14 +138,10 @@ async def test_bad_frames_on_every_protocol_are_rejected_and_survived(mesh) -> N
     assert a.proc.poll() is None
 
 
-def _bridge_socket(node) -> str:
-    return str(load_config(node.config).bridge_socket)
-
-
 def _raw_bridge(node) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(15)
-    sock.connect(_bridge_socket(node))
+    sock.connect(node.bridge_socket)
     return sock
 
 

@@ -17,7 +17,6 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
 from fabricd._streams import read_message_exact
-from fabricd.config import load_config
 from fabricd.identity import raw_private_key
 from fabricd.signing import seal
 from proto.bridge import BridgeClient, ControlDelivery, ControlReply
@@ -57,7 +56,7 @@ class Party:
 
 def _fake_executor(node: Any, stop: threading.Event) -> BridgeClient:
     """A bridge client for every job that answers each control request after 1 s, echoing it."""
-    client = BridgeClient(str(load_config(node.config).bridge_socket), role="executor",
+    client = BridgeClient(node.bridge_socket, role="executor",
                           cluster_id=node.name, job_id="*", timeout=0.5)
     lock = threading.Lock()
 

@@ -21,7 +21,6 @@ import pytest
 import trio
 
 from fabricd._streams import read_message_exact
-from fabricd.config import load_config
 from proto.bridge import (
     BridgeClient,
     ControlDelivery,
@@ -46,7 +45,7 @@ class Executor:
     """A bridge client taking every job's updates and control requests on one daemon."""
 
     def __init__(self, node: Any) -> None:
-        self.client = BridgeClient(str(load_config(node.config).bridge_socket), role="executor",
+        self.client = BridgeClient(node.bridge_socket, role="executor",
                                    cluster_id=node.name, job_id="*", timeout=0.5)
         self.deliveries: list[tuple[Delivery, bytes]] = []
         self._stop = threading.Event()
@@ -89,7 +88,7 @@ def small_budget(text: str) -> str:
 
 
 def _send_update(node: Any, target: str, header: UpdateHeader, payload: bytes) -> SendResult:
-    with BridgeClient(str(load_config(node.config).bridge_socket), role="executor", cluster_id=node.name,
+    with BridgeClient(node.bridge_socket, role="executor", cluster_id=node.name,
                       job_id="sender", timeout=300) as client:
         reply, _ = client.request(SendUpdate(target_cluster=target, **{
             k: getattr(header, k) for k in ("job_id", "round", "source_node", "target_node", "message_id",

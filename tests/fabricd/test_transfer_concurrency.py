@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from fabricd.config import load_config
 from proto.bridge import BridgeClient, Delivery, SendResult, SendUpdate, bridge_header
 from tests.fabricd._harness import FABRICD, Node, bridge_status, connected_fast, wait_until
 from tests.fabricd._transfer_load import blast
@@ -111,7 +110,7 @@ def test_a_large_payload_that_does_not_match_its_digest_is_never_delivered(mesh)
     wait_until(lambda: "b" in connected_fast(a), timeout=30)
     payload = b"z" * (9 * MIB)
     job = "gate-1"
-    path_a, path_b = (str(load_config(n.config).bridge_socket) for n in (a, b))
+    path_a, path_b = (n.bridge_socket for n in (a, b))
     with BridgeClient(path_b, role="executor", cluster_id="b", job_id=job, timeout=30) as executor, \
             BridgeClient(path_a, role="executor", cluster_id="a", job_id=job, timeout=60) as sender:
         wait_until(lambda: any(c["job_id"] == job for c in bridge_status(b)["bridge_clients"]), 10)
@@ -135,7 +134,7 @@ def test_a_client_that_leaves_mid_payload_delivers_nothing_and_frees_its_budget(
     wait_until(lambda: "b" in connected_fast(a), timeout=30)
     payload = os.urandom(MIB) * 16
     job = "cut-1"
-    path_a, path_b = (str(load_config(n.config).bridge_socket) for n in (a, b))
+    path_a, path_b = (n.bridge_socket for n in (a, b))
     msg = SendUpdate(target_cluster="b", job_id=job, round=1, source_node="n1", target_node="n2",
                      message_id="cut-half", tensor_count=1, byte_length=len(payload),
                      sha256=hashlib.sha256(payload).digest())

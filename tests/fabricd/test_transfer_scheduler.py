@@ -10,7 +10,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from fabricd.config import load_config
 from proto.bridge import BridgeClient, Delivery, SendResult, SendUpdate
 from tests.fabricd._harness import Node, bridge_status, connected_fast, init_node, wait_until
 
@@ -18,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def _client(node: Node, role: str, job_id: str) -> BridgeClient:
-    path = str(load_config(node.config).bridge_socket)
+    path = node.bridge_socket
     return BridgeClient(path, role=role, cluster_id=node.name, job_id=job_id, timeout=30)
 
 
