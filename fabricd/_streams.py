@@ -24,6 +24,10 @@ log = get_logger("fabricd.streams")
 
 Handler = Callable[[INetStream], Awaitable[None]]
 
+#: seconds a peer has to end a stream after the daemon's last answer before it is reset
+LINGER_SECONDS = 2.0
+LINGER_READ = 1 << 20
+
 STREAM_ERRORS: tuple[type[BaseException], ...] = (StreamError, StreamEOF, StreamReset)
 
 
@@ -132,6 +136,20 @@ async def close_quietly(stream: INetStream) -> None:
         await stream.close()
     except Exception:  # noqa: BLE001 - as reset_quietly: a broken stream has nothing to say
         pass
+
+
+async def end_stream(stream: INetStream, linger: float = LINGER_SECONDS) -> None:
+    """Close our side after our last answer and give the peer ``linger`` s to end its own
+    (what it still sends is read and dropped: an early ack reaches a sender mid-body), then
+    reset the stream: nobody holds a half-closed stream open by dripping into it."""
+    await close_quietly(stream)
+    with trio.move_on_after(linger):
+        try:
+            while True:
+                await stream.read(LINGER_READ)
+        except Exception:  # noqa: BLE001 - the end (EOF), a reset, a closed muxer: over
+            return
+    await reset_quietly(stream)
 
 
 def safe_handler(name: str, handler: Handler) -> Handler:

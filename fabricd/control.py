@@ -30,7 +30,9 @@ from libp2p.peer.id import ID
 
 from fabricd._bounded import BoundedDict
 from fabricd._streams import (
+    FrameTooSlow,
     close_quietly,
+    end_stream,
     read_message_exact,
     read_message_floored,
     remote_peer,
@@ -38,6 +40,7 @@ from fabricd._streams import (
 )
 from fabricd.admission import Placements, RateFloor
 from fabricd.membership import Membership
+from fabricd.metrics import UNWIRED, DaemonMetrics
 from fabricd.signing import is_job_message
 from fedcore.logs import get_logger
 from proto.certs import Certificate
@@ -118,6 +121,7 @@ class ControlService:
         self.refused = 0
         self.owners = JobOwners()
         self.placements = placements if placements is not None else Placements()
+        self.metrics: DaemonMetrics = UNWIRED
         #: parts of large plans: relayed to the local executor, and sent by this daemon
         self._parts_in: BoundedDict[str, PlanAssembly] = BoundedDict(MAX_ASSEMBLING_JOBS)
         self._parts_out: BoundedDict[str, PlanAssembly] = BoundedDict(MAX_ASSEMBLING_JOBS)
@@ -135,7 +139,7 @@ class ControlService:
         self.refused += 1
         log.warning("control.rejected", peer=peer, request_id=request_id, reason=reason)
         await write_message(stream, ControlResponse(request_id=request_id, ok=False, body={}, reason=reason))
-        await close_quietly(stream)
+        await end_stream(stream)
 
     async def _handle(self, stream: INetStream) -> None:
         peer = remote_peer(stream)
@@ -144,6 +148,8 @@ class ControlService:
             # the request must keep the minimum rate after a short grace (no slow-loris)
             msg = await read_message_floored(stream, CONTROL_LIMIT, RateFloor(self.min_rate))
         except (ProtocolError, EOFError, trio.TooSlowError) as exc:
+            if isinstance(exc, FrameTooSlow):
+                self.metrics.stream_cut("control")
             await self._reply_error(stream, peer, "unknown", f"bad control frame: {type(exc).__name__}: {exc}")
             return
         if not isinstance(msg, ControlRequest):
@@ -173,7 +179,7 @@ class ControlService:
         log.info("control.served", peer=peer, cluster=cert.cluster_id, request_id=msg.request_id, ok=ok,
                  reason=reason)
         await write_message(stream, ControlResponse(request_id=msg.request_id, ok=ok, body=body, reason=reason))
-        await close_quietly(stream)
+        await end_stream(stream)
 
     def _learn(self, body: dict[str, Any], scheduler_cluster: str) -> None:
         """Keep the routing matrix of each owner-checked job.plan the executor accepted

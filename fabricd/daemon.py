@@ -186,7 +186,7 @@ class Daemon:
                 bootstrap=cfg.bootstrap, signing_key=signing_key,
                 heartbeat_interval=lim.heartbeat_interval, heartbeat_timeout=lim.heartbeat_timeout,
             )
-            self.membership.metrics = self.updates.metrics = self.metrics
+            self.membership.metrics = self.updates.metrics = self.control_service.metrics = self.metrics
             self.revocation_gossip = RevocationGossip(
                 stack.pubsub, revocations, lambda peer: self.membership.member_certificate(peer) is not None,
                 self.peer_id)
@@ -278,6 +278,7 @@ class Daemon:
                          "verified": r.verified}
                         for r in [*m.refusals.values(), *m.unverified.values()]],
             "preauth_dropped": m.preauth_dropped,
+            "streams_cut": dict(self.metrics.cuts),
             "unauthenticated_peers": len(m.pending),
             "connections": len(self.stack.host.get_network().connections) if self.stack else 0,
             "jobs": self.updates.counters(),

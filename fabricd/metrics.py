@@ -55,6 +55,8 @@ _UPDATE_REASONS = (
     ("did not answer the delivery", "delivery_timeout"),
     ("refused it", "delivery_refused"),
 )
+#: what a rate-floor cut is counted under (fabricd_streams_cut, status streams_cut)
+CUT_PROTOCOLS = ("update", "control", "relay")
 MEMBERSHIP_EVENTS = ("connected", "accepted", "rejected", "refused_by_peer", "disconnected")
 
 
@@ -157,10 +159,16 @@ class DaemonMetrics:
         self.refusals = Counter("fabricd_refusals", "things refused, by stage (membership, stream, update) and reason",
                                 ["stage", "reason"], registry=r)
         self.membership = Counter("fabricd_membership_events", "membership events", ["event"], registry=r)
+        self.cut = Counter("fabricd_streams_cut", "streams and relay circuits cut for falling below "
+                           "limits.min_transfer_rate after their grace, by protocol", ["protocol"], registry=r)
+        #: the same, for ``fabricd status`` (streams_cut)
+        self.cuts = dict.fromkeys(CUT_PROTOCOLS, 0)
         for direction in ("sent", "received"):
             self.in_flight.labels(direction)
         for event in MEMBERSHIP_EVENTS:
             self.membership.labels(event)
+        for protocol in CUT_PROTOCOLS:
+            self.cut.labels(protocol)
 
     # ---- hooks (cheap, never raise) -------------------------------------------------------
 
@@ -185,6 +193,10 @@ class DaemonMetrics:
 
     def update_rejected(self, reason: str) -> None:
         self.refusals.labels("update", update_reason(reason)).inc()
+
+    def stream_cut(self, protocol: str) -> None:
+        self.cut.labels(protocol).inc()
+        self.cuts[protocol] += 1
 
     def stream_refused(self) -> None:
         self.refusals.labels("stream", "not_a_member").inc()

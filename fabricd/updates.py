@@ -54,7 +54,7 @@ from fabricd._sender import (
 from fabricd._streams import (
     STREAM_ERRORS,
     FrameTooSlow,
-    close_quietly,
+    end_stream,
     read_exactly,
     read_message_floored,
     remote_peer,
@@ -74,7 +74,6 @@ from proto.stream import UpdateReceiver, claimed_digest
 log = get_logger("fabricd.updates")
 
 HEADER_LIMIT = 64 * 1024
-DRAIN_SECONDS = 2.0
 #: How long a pooled stream may wait for its next header (longer than the sender's
 #: IDLE_SECONDS, so the sender stops reusing a stream before we close it).
 IDLE_WAIT_SECONDS = 60.0
@@ -256,24 +255,18 @@ class UpdateService:
                                               received_bytes=received))
 
     async def _reject(self, stream: INetStream, peer: str, header: UpdateHeader | None,
-                      reason: str, received: int = 0, drain: bool = False) -> None:
+                      reason: str, received: int = 0) -> None:
         log.warning("update.rejected", peer=peer, job=header.job_id if header else "?",
                     message_id=header.message_id if header else "?", reason=reason)
         self.metrics.update_rejected(reason)
+        if TOO_SLOW in reason:
+            self.metrics.stream_cut("update")
         if header is not None:
             self.jobs[header.job_id].rejected += 1
         await self._ack(stream, header, "rejected", reason, received)
-        if drain and header is not None and not getattr(stream, "half_duplex", False):
-            # Let the sender read our early ack instead of failing on a reset (a half-duplex
-            # data-plane sender waits for a go before its body: nothing to drain).
-            with trio.move_on_after(DRAIN_SECONDS):
-                left = header.byte_length - received
-                while left > 0:
-                    got = await read_exactly(stream, min(left, self.chunk_bytes))
-                    if not got:
-                        break
-                    left -= len(got)
-        await close_quietly(stream)
+        # the sender reads our early ack, stops its body and ends the stream; one that
+        # does not (dripping on) is reset
+        await end_stream(stream)
 
     async def _serve(self, stream: INetStream) -> None:
         """Serve updates on ``stream`` until one is not acked ``ok`` or the sender closes it."""
@@ -290,7 +283,7 @@ class UpdateService:
                 first = False
         finally:
             release_one(self.peer_streams, peer)
-            await close_quietly(stream)
+            await end_stream(stream)
 
     async def _handle(self, stream: INetStream, first: bool = True) -> bool:
         """One update; True if it was acked ``ok`` and the stream may carry the next."""
@@ -346,28 +339,27 @@ class UpdateService:
         if not probe:
             misplaced = self.placements.refusal(header, source_cluster)
             if misplaced is not None:
-                await self._reject(stream, peer, header, misplaced, drain=True)
+                await self._reject(stream, peer, header, misplaced)
                 return False
             seen = self.delivered.verdict(source_cluster, header)
             if seen == DUPLICATE:
                 self.jobs[header.job_id].duplicates += 1
                 log.info("update.duplicate", peer=peer, job=header.job_id, message_id=header.message_id)
                 await self._ack(stream, header, "duplicate", "already delivered", 0)
-                await close_quietly(stream)
                 return False
             if seen is not None:
-                await self._reject(stream, peer, header, seen, drain=True)
+                await self._reject(stream, peer, header, seen)
                 return False
             if dedup_key(source_cluster, header.message_id) in self.delivering:
-                await self._reject(stream, peer, header, _BEING_DELIVERED, drain=True)
+                await self._reject(stream, peer, header, _BEING_DELIVERED)
                 return False
             why_not = self.consumer.consumer_for(header.job_id)
             if why_not is not None:
-                await self._reject(stream, peer, header, why_not, drain=True)
+                await self._reject(stream, peer, header, why_not)
                 return False
             busy = self._busy(peer, source_cluster, header.byte_length)
             if busy is not None:
-                await self._reject(stream, peer, header, busy, drain=True)
+                await self._reject(stream, peer, header, busy)
                 return False
         reserved = 0 if probe else header.byte_length
         self.inflight += reserved
@@ -523,7 +515,6 @@ class UpdateService:
             if seen == DUPLICATE:
                 self.jobs[header.job_id].duplicates += 1
                 await self._ack(stream, header, "duplicate", "already delivered", received)
-                await close_quietly(stream)
                 return False
             if seen is not None:
                 await self._reject(stream, peer, header, seen, received)

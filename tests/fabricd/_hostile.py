@@ -73,6 +73,23 @@ async def stall(host: IHost, peer: ID, protocols: list[str], hold: trio.Event) -
     return len(opened)
 
 
+async def drip_until_cut(stream: Any, data: bytes, head: int, every: float, timeout: float = 60) -> bool:
+    """Write ``data[:head]``, then the rest of ``data`` and zero bytes after it, a byte
+    every ``every`` s, until a write fails: True once the other end cut (reset) the
+    stream, False if it still takes bytes after ``timeout`` s."""
+    with trio.move_on_after(timeout):
+        try:
+            await stream.write(data[:head])
+            rest = data[head:]
+            while True:
+                await trio.sleep(every)
+                await stream.write(rest[:1] or b"\0")
+                rest = rest[1:]
+        except Exception:  # noqa: BLE001 - a reset (or closed muxer): the cut looked for
+            return True
+    return False
+
+
 def is_connected(host: IHost, peer: ID) -> bool:
     return bool(host.get_network().connections.get(peer))
 

@@ -42,10 +42,14 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
+def metrics_on(text: str, endpoint: str = "127.0.0.1:0") -> str:
+    """A cluster.toml's text with its metrics endpoint set."""
+    return re.sub(r'\[metrics\]\nendpoint = "[^"]*"', f'[metrics]\nendpoint = "{endpoint}"', text)
+
+
 def with_metrics(node: Node, endpoint: str = "127.0.0.1:0") -> Node:
     cfg = Path(node.config)
-    text = cfg.read_text()
-    cfg.write_text(re.sub(r'\[metrics\]\nendpoint = "[^"]*"', f'[metrics]\nendpoint = "{endpoint}"', text))
+    cfg.write_text(metrics_on(cfg.read_text(), endpoint))
     assert load_config(cfg).metrics_endpoint == endpoint
     return node
 

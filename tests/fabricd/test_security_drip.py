@@ -1,12 +1,15 @@
 """A member dripping bytes into update and control streams, against a real daemon.
 
 One member (valid certificate) opens, on a daemon with a 160 MiB in-flight budget:
-an update declaring 64 MiB whose body comes a byte every 6 s; an update header dripped a
-byte every 2 s; a control request dripped the same way; and a second 64 MiB update
-(its share of the budget is taken by the first). Each dripped stream must be cut for its
-rate ("minimum rate", after one grace for the whole stream), the second update refused
-"busy" naming the member's share; meanwhile a genuine 64 MiB update from another member
-must be delivered without any refusal.
+an update declaring 64 MiB whose body comes a byte every 7 s; an update header dripped a
+byte every 2 s; a control request announcing a 1 MiB frame dripped a byte every 7 s; and a
+second 64 MiB update (its share of the budget is taken by the first). Each dripped stream
+must be answered "minimum rate" (after one grace for the whole stream), the second update
+refused "busy" naming the member's share, and every one of them then cut (reset: the
+member cannot hold a stream open by dripping on after the answer), the rate cuts counted
+in ``fabricd status`` (streams_cut) and the metrics (fabricd_streams_cut_total);
+meanwhile a genuine 64 MiB update from another member must be delivered without any
+refusal.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from proto.codec import frame
 from proto.ids import PROTOCOL_CONTROL, PROTOCOL_UPDATE
 from proto.messages import ControlRequest, ControlResponse, Message, UpdateAck, UpdateHeader
 from tests.fabricd._harness import bridge_status, wait_until
-from tests.fabricd._hostile import hello, peer_info, raw_host
+from tests.fabricd._hostile import drip_until_cut, hello, peer_info, raw_host
+from tests.fabricd.test_metrics import metrics_on, scrape, value
 from tests.fabricd.test_security_control import Party
 from tests.fabricd.test_security_updates import _send_update, joined_with_executor, small_budget
 
@@ -39,40 +43,31 @@ def _header(job: str, mid: str, size: int, digest: bytes) -> UpdateHeader:
 
 
 async def _drip(stream: INetStream, data: bytes, head: int, every: float,
-                answers: dict[str, Message | None], name: str) -> None:
-    """Write ``data[:head]``, then the rest of ``data`` and zero bytes after it, a byte
-    every ``every`` s, until the daemon answers."""
+                answers: dict[str, Message | None], cuts: dict[str, bool], name: str) -> None:
+    """Drip ``data`` into ``stream`` (``drip_until_cut``), reading the daemon's answer."""
 
-    async def write() -> None:
+    async def read() -> None:
         try:
-            await stream.write(data[:head])
-            rest = data[head:]
-            while True:
-                await trio.sleep(every)
-                await stream.write(rest[:1] or b"\0")
-                rest = rest[1:]
-        except Exception:  # noqa: BLE001 - the daemon cut the stream: that is the point
-            return
+            answers[name] = await read_message_exact(stream, 1 << 16)
+        except Exception:  # noqa: BLE001 - reset without an answer: recorded as None
+            pass
 
+    answers[name] = None
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(write)
-        answers[name] = None
-        with trio.move_on_after(90):
-            try:
-                answers[name] = await read_message_exact(stream, 1 << 16)
-            except Exception:  # noqa: BLE001 - reset without an answer: recorded as None
-                pass
+        nursery.start_soon(read)
+        cuts[name] = await drip_until_cut(stream, data, head, every, timeout=90)
         nursery.cancel_scope.cancel()
 
 
 @pytest.mark.trio
 async def test_a_dripping_member_is_cut_and_another_members_update_goes_through(mesh) -> None:
     a = mesh.nodes["a"]
-    d, executor = await joined_with_executor(mesh, "drip", small_budget)
+    d, executor = await joined_with_executor(mesh, "drip", lambda text: metrics_on(small_budget(text)))
     job = "j-drip"
     target = peer_info(d.addr())
     dripper = Party(mesh.ca, "dripper", "cluster")
     answers: dict[str, Message | None] = {}
+    cuts: dict[str, bool] = {}
     genuine = os.urandom(SIZE)
     gid = f"{job}/1/update/g/x"
     zero = hashlib.sha256(b"\0" * SIZE).digest()
@@ -88,21 +83,26 @@ async def test_a_dripping_member_is_cut_and_another_members_update_goes_through(
 
             async with trio.open_nursery() as nursery:
                 body = frame(_header(job, f"{job}/1/update/d1/x", SIZE, zero))
-                nursery.start_soon(_drip, await opened(PROTOCOL_UPDATE), body, len(body), 6.0, answers, "body")
+                nursery.start_soon(_drip, await opened(PROTOCOL_UPDATE), body, len(body), 7.0, answers, cuts,
+                                   "body")
                 await trio.to_thread.run_sync(lambda: wait_until(
                     lambda: bridge_status(d)["transfer"]["inflight_in_bytes"] >= SIZE, timeout=60))
                 second = frame(_header(job, f"{job}/1/update/d2/x", SIZE, zero))
-                nursery.start_soon(_drip, await opened(PROTOCOL_UPDATE), second, len(second), 6.0, answers, "second")
+                nursery.start_soon(_drip, await opened(PROTOCOL_UPDATE), second, len(second), 7.0, answers,
+                                   cuts, "second")
                 header = frame(_header(job, f"{job}/1/update/d3/x", SIZE, zero))
-                nursery.start_soon(_drip, await opened(PROTOCOL_UPDATE), header, 2, 2.0, answers, "header")
-                request = frame(ControlRequest(request_id="drip-1", body={"kind": "status", "pad": "x" * 64}))
-                nursery.start_soon(_drip, await opened(PROTOCOL_CONTROL), request, 2, 2.0, answers, "control")
+                nursery.start_soon(_drip, await opened(PROTOCOL_UPDATE), header, 2, 2.0, answers, cuts, "header")
+                request = frame(ControlRequest(request_id="drip-1", body={"kind": "status", "pad": "x" * (1 << 20)}))
+                nursery.start_soon(_drip, await opened(PROTOCOL_CONTROL), request, 2, 7.0, answers, cuts,
+                                   "control")
                 result = await trio.to_thread.run_sync(
                     lambda: _send_update(a, "drip", _header(job, gid, SIZE, hashlib.sha256(genuine).digest()),
                                          genuine))
         assert result.ok, result
         await trio.to_thread.run_sync(lambda: wait_until(
             lambda: any(p == genuine for _, p in executor.deliveries), timeout=60))
+        counted = await trio.to_thread.run_sync(lambda: bridge_status(d)["streams_cut"])
+        samples = await trio.to_thread.run_sync(scrape, d)
     finally:
         await trio.to_thread.run_sync(executor.close)
         await trio.to_thread.run_sync(d.stop)
@@ -116,3 +116,7 @@ async def test_a_dripping_member_is_cut_and_another_members_update_goes_through(
     assert isinstance(second_answer, UpdateAck) and second_answer.reason.startswith("busy: cluster 'dripper'"), \
         second_answer
     assert "share of limits.max_inflight_bytes" in second_answer.reason
+    assert cuts == dict.fromkeys(("body", "second", "header", "control"), True), cuts
+    assert counted["update"] >= 2 and counted["control"] >= 1, counted
+    for protocol in ("update", "control"):
+        assert value(samples, "fabricd_streams_cut_total", protocol=protocol) == counted[protocol], samples
