@@ -21,6 +21,7 @@ DCUtR hole punching (``circuit_v2/dcutr.py``) is not wired: a relayed link stays
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -42,8 +43,10 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 
 from fabricd import _fastpath
 from fabricd._sender import open_stream
-from fabricd._streams import Handler, close_quietly, reset_quietly
+from fabricd._streams import LINGER_SECONDS, Handler, close_quietly, reset_quietly
+from fabricd.admission import RateFloor
 from fabricd.config import Relay
+from fabricd.metrics import UNWIRED, DaemonMetrics
 from fedcore.logs import get_logger
 
 log = get_logger("fabricd.relay")
@@ -58,6 +61,8 @@ RETRY_REFUSED = 30.0
 RELAY_READ = 1024 * 1024
 HOP_TIMEOUT = 10.0
 CIRCUIT = "/p2p-circuit"
+#: multistream-select's message choosing Noise (varint length, "/noise\n")
+NOISE_CHOSEN = b"\x07/noise\n"
 
 
 def is_circuit(addr: Any) -> bool:
@@ -89,6 +94,57 @@ def _status_name(code: int) -> str:
         return StatusCode(code).name
     except ValueError:
         return str(code)
+
+
+class _Frames:
+    """One direction of a circuit, cut into the frames its two members exchange -
+    multistream-select's varint-prefixed messages until "/noise" is chosen, then Noise's
+    2-byte-prefixed ones (at most 64 KiB) - with a clock for the frame under way: a frame
+    begun must arrive at the minimum rate after a grace, so a member dripping into a
+    circuit holds it that long at most (an idle circuit, between frames, waits)."""
+
+    def __init__(self, min_rate: float) -> None:
+        self.min_rate = min_rate
+        self.noise = False
+        #: the frame's length prefix (in multistream-select, its first bytes too)
+        self.head = b""
+        #: its bytes still to come (-1: its length prefix is not complete)
+        self.left = -1
+        self.floor: RateFloor | None = None
+        self.got = 0
+
+    def wait(self) -> float:
+        """Seconds the next read may take (inf between frames)."""
+        return self.floor.wait_budget(self.got, math.inf) if self.floor else math.inf
+
+    def feed(self, data: bytes) -> str | None:
+        """Take bytes read; why to cut the circuit (too slow), or None."""
+        i = 0
+        while i < len(data):
+            if self.floor is None:
+                self.floor, self.got, self.head, self.left = RateFloor(self.min_rate), 0, b"", -1
+            if self.left < 0:
+                self.head += data[i:i + 1]
+                take = 1
+                self.left = self._length()
+            else:
+                take = min(self.left, len(data) - i)
+                if not self.noise and len(self.head) < len(NOISE_CHOSEN):
+                    self.head += data[i:i + take][:len(NOISE_CHOSEN)]
+                self.left -= take
+            i += take
+            self.got += take
+            if self.left == 0:
+                self.noise = self.noise or self.head == NOISE_CHOSEN
+                self.floor = None
+        return self.floor.too_slow(self.got) if self.floor else None
+
+    def _length(self) -> int:
+        if self.noise:
+            return int.from_bytes(self.head, "big") if len(self.head) == 2 else -1
+        if self.head[-1] & 0x80:
+            return -1
+        return sum((b & 0x7F) << (7 * k) for k, b in enumerate(self.head))
 
 
 class CircuitStream:
@@ -169,12 +225,14 @@ async def dial(host: IHost, circuit: str, peer_id: ID) -> None:
 class RelayService(CircuitV2Protocol):
     """The hop side of circuit relay v2 on a gateway, for members only (module docstring)."""
 
-    def __init__(self, host: IHost, cfg: Relay) -> None:
+    def __init__(self, host: IHost, cfg: Relay, min_rate: float = 256 * 1024) -> None:
         limits = RelayLimits(duration=cfg.circuit_seconds, data=cfg.circuit_bytes,
                              max_circuit_conns=cfg.max_circuits, max_reservations=cfg.max_reservations,
                              reservation_ttl=RESERVATION_TTL)
         super().__init__(host, limits, allow_hop=True)
         self.max_circuits = cfg.max_circuits
+        self.min_rate = min_rate
+        self.metrics: DaemonMetrics = UNWIRED
         #: open circuits by source member (entries removed at zero: bounded by the members)
         self.by_source: dict[str, int] = {}
         self.counts = dict.fromkeys(("reservations_granted", "reservations_refused", "circuits_opened",
@@ -231,36 +289,52 @@ class RelayService(CircuitV2Protocol):
     async def _relay_data(self, src_stream: INetStream, dst_stream: INetStream, peer_id: ID,
                           deadline: float | None = None, circuit_data_limit: list[int] | None = None) -> None:
         """One direction of a circuit (replaces the library's: 1 MiB reads instead of 64 KiB,
-        bytes counted, ``circuit_bytes = 0`` unlimited, a half-close passed on, and only this
-        circuit's streams closed - the library's closed every circuit to the same peer)."""
+        bytes counted, ``circuit_bytes = 0`` unlimited, a half-close passed on, only this
+        circuit's streams closed - the library's closed every circuit to the same peer - and
+        a frame cut short below the minimum rate cuts the circuit: see _Frames)."""
         clean = False
+        frames = _Frames(self.min_rate)
         at = trio.current_time() + (deadline - time.monotonic()) if deadline is not None else float("inf")
         with trio.move_on_at(at):
             try:
                 while True:
-                    try:
-                        data = await src_stream.read(RELAY_READ)
-                    except StreamEOF:
-                        clean = True
+                    data = b""
+                    with trio.move_on_after(frames.wait()):
+                        try:
+                            data = await src_stream.read(RELAY_READ)
+                        except StreamEOF:
+                            clean = True
+                            break
+                    too_slow = frames.feed(data)
+                    if too_slow is not None:
+                        log.warning("relay.circuit_cut", peer=str(peer_id), reason=too_slow)
+                        self.metrics.stream_cut("relay")
                         break
+                    if not data:
+                        continue
                     if circuit_data_limit is not None:
                         circuit_data_limit[0] -= len(data)
                         if circuit_data_limit[0] < 0:
                             log.warning("relay.circuit_cut", peer=str(peer_id), reason="network.relay_circuit_bytes")
                             break
                     self.counts["bytes_relayed"] += len(data)
+                    began = trio.current_time()
                     with trio.fail_after(self.write_timeout):
                         await dst_stream.write(data)
+                    if frames.floor is not None:  # the relay's own wait is not the sender's
+                        frames.floor.started += trio.current_time() - began
             except Exception as exc:  # noqa: BLE001 - any end of one circuit, never of the host
                 log.info("relay.circuit_ended", peer=str(peer_id), reason=f"{type(exc).__name__}: {exc}")
         for key, pair in list(self._active_relays.items()):
             if src_stream in pair or dst_stream in pair:
                 del self._active_relays[key]
         if clean:
-            await close_quietly(dst_stream)  # half-close: the other direction goes on
-        else:
-            await reset_quietly(src_stream)
-            await reset_quietly(dst_stream)
+            # half-close: the other direction goes on, for a moment (a libp2p connection
+            # ends both ways; a member must not keep half a circuit open by trickling on)
+            await close_quietly(dst_stream)
+            await trio.sleep(LINGER_SECONDS)
+        await reset_quietly(src_stream)
+        await reset_quietly(dst_stream)
 
 
 class _StopSide(CircuitV2Protocol):

@@ -199,8 +199,9 @@ class Daemon:
                 self.updates.use_dataplane(self.dataplane, lim.dataplane_min_bytes, lim.dataplane_digest,
                                            lim.dataplane_small_bytes, lim.dataplane_spare_bytes)
                 self.dataplane.register(self.membership.guard)
-            self.relay_service = RelayService(host, cfg.relay) if cfg.relay.service else None
+            self.relay_service = RelayService(host, cfg.relay, lim.min_transfer_rate) if cfg.relay.service else None
             if self.relay_service is not None:
+                self.relay_service.metrics = self.metrics
                 self.relay_service.register(self.membership.guard)
             if cfg.relay.reachability != "public":
                 private = cfg.relay.reachability == "private"

@@ -7,6 +7,7 @@
   a member's circuit to a peer that holds no reservation.
 - 200 reservation and circuit attempts by strangers get nothing (PERMISSION_DENIED or a
   reset), the gateway's reservations stay as they were and its memory stays bounded.
+- A member dripping a frame into a circuit is cut for its rate, and counted.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from libp2p.relay.circuit_v2.protocol_buffer import StatusCode, to_proto_status
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
 from tests.fabricd._harness import Node, bridge_status, init_ca, start_relayed, wait_until
-from tests.fabricd._hostile import certificate_for, hello, peer_info, raw_host
+from tests.fabricd._hostile import certificate_for, drip_until_cut, hello, peer_info, raw_host
 
 pytestmark = pytest.mark.slow
 
@@ -179,3 +180,33 @@ async def test_strangers_get_no_reservation_nor_circuit_and_memory_stays_bounded
     assert grew < 64 * 1024, (rss_before, grew)
     # the members' link through the relay still works
     p.probe("q", 65536)
+
+
+@pytest.mark.trio
+async def test_a_member_dripping_into_a_circuit_is_cut_and_counted(relayed: dict[str, Any]) -> None:
+    """A member opens a circuit to p, chooses Noise on it and announces a 64 KiB Noise
+    frame it then drips a byte every 7 s: the relay cuts the circuit (the frame fell below
+    limits.min_transfer_rate after its grace: fabricd._relay._Frames) and counts the cut,
+    while p and q's own relayed link carries a 4 MiB update meanwhile."""
+    g, p, q = relayed["g"], relayed["p"], relayed["q"]
+    wait_until(lambda: bridge_status(g)["relay"]["service"]["reservations"] == 2, timeout=60)
+    wait_until(lambda: _row(p, "q").get("connected") and _row(q, "p").get("connected"), timeout=90)
+    before = bridge_status(g)["streams_cut"]["relay"]
+    key = create_new_key_pair()
+    target = peer_info(g.addr())
+    p_id = ID.from_base58(bridge_status(p)["peer_id"])
+    opening = b"\x13/multistream/1.0.0\n\x07/noise\n\xff\xff"
+    async with raw_host(key) as host:
+        await host.connect(target)
+        assert (await hello(host, target.peer_id, certificate_for(key, relayed["ca"], "dripper"))).accepted
+        stream = await host.new_stream(target.peer_id, [PROTOCOL_ID])  # type: ignore[list-item]
+        await write_delimited_msg(stream, HopMessage(type=HopMessage.CONNECT, peer=CircuitPeerId(id=p_id.to_bytes())))
+        with trio.fail_after(30):
+            resp = await read_delimited_msg(stream, HopMessage)
+        assert resp.status == to_proto_status(StatusCode.OK), resp
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, lambda: p.probe("q", 4 << 20))
+            assert await drip_until_cut(stream, opening, len(opening), 7.0, timeout=90)
+    assert bridge_status(g)["streams_cut"]["relay"] > before
+    assert "event=relay.circuit_cut" in g.log() and "minimum rate" in g.log()
+    assert _row(p, "q").get("connected") and _row(p, "q")["link"] == "relayed"
