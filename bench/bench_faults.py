@@ -44,10 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from proto.job import JobSpec  # noqa: E402
 from proto.rounds import RoundRecord  # noqa: E402
-from scheduler.run.driver import Driver  # noqa: E402
-from scheduler.run.mesh import BridgeChannel  # noqa: E402
 from scheduler.testbed import LocalTestbed  # noqa: E402
-from tests.e2e._faults import executors  # noqa: E402
+from tests.e2e._faults import executors, job_driver  # noqa: E402
 
 LEASE = 6
 
@@ -90,15 +88,10 @@ def driver_case(args: argparse.Namespace, case: str, workdir: Path) -> dict[str,
                     if name == victim:
                         os.kill(pid, signal.SIGKILL)
 
-        channel = BridgeChannel(tb.bridge_socket("scheduler"), job_id=spec.job_id)
-        driver = Driver(spec, clusters, channel, backend=args.backend, timeout=600,
-                        progress=progress, run_dir=workdir / case / "run")
-        started = time.perf_counter()
-        try:
+        with job_driver(tb, clusters, spec, backend=args.backend, timeout=600, progress=progress,
+                        run_dir=workdir / case / "run") as driver:
+            started = time.perf_counter()
             result = driver.run()
-        finally:
-            driver.close()
-            channel.close()
         seconds = time.perf_counter() - started
     s = result.summary
     row: dict[str, Any] = {"rounds": len(s.rounds), "final_accuracy": round(s.final_accuracy, 4),

@@ -58,9 +58,8 @@ from bench_learning import DATASETS, job_dict, mnist_npz, run_centralized  # noq
 
 from proto.job import JobSpec  # noqa: E402
 from proto.rounds import RoundRecord  # noqa: E402
-from scheduler.run.driver import Driver  # noqa: E402
-from scheduler.run.mesh import BridgeChannel  # noqa: E402
 from scheduler.testbed import LocalTestbed, job_allowances  # noqa: E402
+from tests.e2e._faults import job_driver  # noqa: E402
 
 CLUSTERS = 3
 
@@ -83,15 +82,11 @@ def run_job(tb: LocalTestbed, clusters: Any, job: dict[str, Any], backend: str,
         if seconds is not None and elapsed >= seconds:
             raise Enough
 
-    channel = BridgeChannel(tb.bridge_socket("scheduler"), job_id=spec.job_id)
-    driver = Driver(spec, clusters, channel, backend=backend, timeout=900, progress=progress)
-    try:
-        driver.run()
-    except Enough:
-        pass
-    finally:
-        driver.close()
-        channel.close()
+    with job_driver(tb, clusters, spec, backend=backend, timeout=900, progress=progress) as driver:
+        try:
+            driver.run()
+        except Enough:
+            pass
     assert driver.summary is not None
     return driver.summary.rounds
 

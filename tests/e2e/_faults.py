@@ -1,11 +1,13 @@
-"""What the fault tests (and bench_faults) share: drive a job over a testbed, find its
-executors, wait for a cluster to be back."""
+"""What the e2e tests (and some benches) share: drive a job over a testbed's scheduler
+daemon, find its executors, wait for a cluster to be back."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +18,25 @@ from scheduler.run.mesh import BridgeChannel
 from scheduler.testbed import LocalTestbed
 
 
-def drive(tb: LocalTestbed, clusters: Any, job: JobSpec, progress: Progress,
-          run_dir: Path) -> JobResult:
-    """Run `job` from the testbed's scheduler daemon, calling `progress` after each round."""
+@contextlib.contextmanager
+def job_driver(tb: LocalTestbed, clusters: Any, job: JobSpec, backend: str = "inprocess",
+               timeout: float = 300, **options: Any) -> Iterator[Driver]:
+    """A Driver of `job` through the testbed's scheduler daemon; closed, with its channel,
+    after the block."""
     channel = BridgeChannel(tb.bridge_socket("scheduler"), job_id=job.job_id)
-    driver = Driver(job, clusters, channel, backend="inprocess", timeout=300,
-                    progress=progress, run_dir=run_dir)
+    driver = Driver(job, clusters, channel, backend=backend, timeout=timeout, **options)
     try:
-        return driver.run()
+        yield driver
     finally:
         driver.close()
         channel.close()
+
+
+def drive(tb: LocalTestbed, clusters: Any, job: JobSpec, progress: Progress | None = None,
+          run_dir: Path | None = None, **options: Any) -> JobResult:
+    """Run `job` from the testbed's scheduler daemon, calling `progress` after each round."""
+    with job_driver(tb, clusters, job, progress=progress, run_dir=run_dir, **options) as driver:
+        return driver.run()
 
 
 def wait_connected(tb: LocalTestbed, cluster: str, timeout: float = 90.0) -> None:

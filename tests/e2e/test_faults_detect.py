@@ -12,8 +12,7 @@ from fedpilot.loopback import LoopbackMesh
 from proto.job import JobSpec
 from proto.rounds import RoundRecord
 from scheduler.run.driver import Driver, JobFailed
-from scheduler.run.mesh import BridgeChannel
-from tests.e2e._faults import kill
+from tests.e2e._faults import job_driver, kill
 from worker.context import InProcessContext
 from worker.executor.runtime import runtime_factory
 
@@ -73,15 +72,9 @@ def test_a_killed_cluster_fails_the_job_in_seconds_naming_it(three_clusters: Any
             killed.append(time.monotonic())
 
     job = spec(f"detect-{what}", 200, on_cluster_loss="fail")
-    channel = BridgeChannel(tb.bridge_socket("scheduler"), job_id=job.job_id)
-    driver = Driver(job, clusters, channel, backend="inprocess", timeout=ROUND_TIMEOUT,
-                    progress=kill_at_round_3)
-    try:
-        with pytest.raises(JobFailed) as failed:
-            driver.run()
-    finally:
-        driver.close()
-        channel.close()
+    with (job_driver(tb, clusters, job, timeout=ROUND_TIMEOUT, progress=kill_at_round_3) as driver,
+          pytest.raises(JobFailed) as failed):
+        driver.run()
     took = time.monotonic() - killed[0]
     message = str(failed.value)
     assert f"cluster {victim}" in message and "on_cluster_loss = 'fail'" in message, message

@@ -4,13 +4,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from proto.job import JobSpec
-from scheduler.run.driver import Driver
-from scheduler.run.mesh import BridgeChannel, daemon_status
+from scheduler.run.mesh import daemon_status
 from scheduler.testbed import LocalTestbed
 from tests.e2e._faults import drive, kill_and_restart
 from tests.e2e._pinned import write_site_npz
@@ -32,16 +30,6 @@ def pinned_job(job_id: str, mode: str) -> JobSpec:
     })
 
 
-def run_job(testbed: LocalTestbed, spec: JobSpec, clusters: list[Any]) -> Any:
-    channel = BridgeChannel(testbed.bridge_socket("scheduler"), job_id=spec.job_id)
-    driver = Driver(spec, clusters, channel, backend="inprocess", timeout=300)
-    try:
-        return driver.run()
-    finally:
-        driver.close()
-        channel.close()
-
-
 def sent_bytes(testbed: LocalTestbed, job_id: str) -> int:
     return sum(int(daemon_status(testbed.bridge_socket(c)).get("jobs", {}).get(job_id, {})
                    .get("sent_bytes", 0)) for c in IDS)
@@ -57,8 +45,8 @@ def test_pinned_clients_train_where_their_data_is(tmp_path: Path) -> None:
     with LocalTestbed(3, backend="inprocess", workdir=str(tmp_path), capacity=4,
                       datasets=declared) as testbed:
         clusters = testbed.start(timeout=60)
-        similar = run_job(testbed, pinned_job("pinned-similar", "similarity"), clusters)
-        random = run_job(testbed, pinned_job("pinned-random", "random"), clusters)
+        similar = drive(testbed, clusters, pinned_job("pinned-similar", "similarity"))
+        random = drive(testbed, clusters, pinned_job("pinned-random", "random"))
 
         blocks = {cid: [f"c{i}" for i in range(3 * k, 3 * k + 3)] for k, cid in enumerate(IDS)}
         for result in (similar, random):

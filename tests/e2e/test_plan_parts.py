@@ -21,8 +21,8 @@ from bench.bench_scale import job, write_dataset
 from proto.control import PLAN_PART_BYTES
 from proto.ids import MAX_MESSAGE_BYTES
 from scheduler.run.driver import Driver
-from scheduler.run.mesh import BridgeChannel
 from scheduler.testbed import LocalTestbed, job_allowances
+from tests.e2e._faults import job_driver
 from tests.e2e.test_testbed_job import small_job
 
 pytestmark = pytest.mark.slow
@@ -31,17 +31,12 @@ pytestmark = pytest.mark.slow
 def run(testbed: LocalTestbed, spec: Any, clusters: list[Any], *,
         inline_plan_bytes: int | None = None,
         profile_page_bytes: int | None = None) -> tuple[Any, Driver]:
-    channel = BridgeChannel(testbed.bridge_socket("scheduler"), job_id=spec.job_id)
-    driver = Driver(spec, clusters, channel, backend="inprocess", timeout=600)
-    if inline_plan_bytes is not None:
-        driver.inline_plan_bytes = inline_plan_bytes
-    if profile_page_bytes is not None:
-        driver.profile_page_bytes = profile_page_bytes
-    try:
+    with job_driver(testbed, clusters, spec, timeout=600) as driver:
+        if inline_plan_bytes is not None:
+            driver.inline_plan_bytes = inline_plan_bytes
+        if profile_page_bytes is not None:
+            driver.profile_page_bytes = profile_page_bytes
         return driver.run(), driver
-    finally:
-        driver.close()
-        channel.close()
 
 
 def learned(testbed: LocalTestbed, name: str, job_id: str) -> bool:

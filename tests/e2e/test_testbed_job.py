@@ -14,9 +14,10 @@ import pytest
 
 from proto.bridge import ControlResult, ControlSend, Hello, recv_bridge, send_bridge
 from proto.job import JobSpec
-from scheduler.run.driver import Driver, JobFailed
-from scheduler.run.mesh import BridgeChannel, daemon_status
+from scheduler.run.driver import JobFailed
+from scheduler.run.mesh import daemon_status
 from scheduler.testbed import LocalTestbed
+from tests.e2e._faults import drive
 
 pytestmark = pytest.mark.slow
 
@@ -32,16 +33,6 @@ def small_job(job_id: str, **sections: Any) -> JobSpec:
     for name, values in sections.items():
         base.setdefault(name, {}).update(values)
     return JobSpec.from_dict(base)
-
-
-def run_job(testbed: LocalTestbed, spec: JobSpec, clusters: list[Any], backend: str) -> Any:
-    channel = BridgeChannel(testbed.bridge_socket("scheduler"), job_id=spec.job_id)
-    driver = Driver(spec, clusters, channel, backend=backend, timeout=300)
-    try:
-        return driver.run()
-    finally:
-        driver.close()
-        channel.close()
 
 
 def job_counters(testbed: LocalTestbed, name: str, job_id: str) -> dict[str, int]:
@@ -60,7 +51,7 @@ def inprocess_testbed(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_inter_cluster_bytes_equal_the_daemons_counters(inprocess_testbed: Any) -> None:
     testbed, clusters = inprocess_testbed
     spec = small_job("e2e-bytes")
-    result = run_job(testbed, spec, clusters, "inprocess")
+    result = drive(testbed, clusters, spec)
     summary = result.summary
     assert len(summary.rounds) == 2
     assert summary.bytes_inter_total > 0
@@ -123,14 +114,14 @@ def test_a_cluster_that_disappears_before_start_fails_the_job_naming_it(
         clusters = testbed.start(timeout=60)
         testbed.kill("cluster-2")
         with pytest.raises(JobFailed, match="cluster-2"):
-            run_job(testbed, small_job("gone"), clusters, "inprocess")
+            drive(testbed, clusters, small_job("gone"))
 
 
 def test_job_on_two_embedded_ray_clusters(tmp_path: Path) -> None:
     with LocalTestbed(2, backend="local", workdir=str(tmp_path), capacity=4) as testbed:
         clusters = testbed.start(timeout=60)
         spec = small_job("e2e-ray")
-        result = run_job(testbed, spec, clusters, "ray")
+        result = drive(testbed, clusters, spec, backend="ray")
         summary = result.summary
         sent = sum(job_counters(testbed, c, spec.job_id).get("sent_bytes", 0)
                    for c in testbed.cluster_ids)
