@@ -116,7 +116,9 @@ def _pooled(weights: list[dict[str, np.ndarray]], shares: list[float], name: str
 def test_batchnorm_statistics_are_pooled_never_stepped(name: str) -> None:
     """Two clients whose activations have means 0 and 4, variance 1: the population's
     variance is 5, not the mean of the variances (1); a server optimizer takes the same
-    statistics (stepping them can make a variance negative: NaN at evaluation)."""
+    statistics (stepping them can make a variance negative: NaN at evaluation), and with
+    such statistics in the model it moves no weight further than FedAvg would (the
+    statistics describe models around the clients' mean)."""
     g = {"bn.weight": np.ones(2, np.float32), "bn.running_mean": np.zeros(2, np.float32),
          "bn.running_var": np.ones(2, np.float32), "bn.num_batches_tracked": np.array(5)}
     a = dict(g, **{"bn.weight": np.full(2, 1.5, np.float32)})
@@ -130,6 +132,7 @@ def test_batchnorm_statistics_are_pooled_never_stepped(name: str) -> None:
         np.testing.assert_allclose(out["bn.running_var"], _pooled([a, b], [0.5, 0.5], "bn"))
         np.testing.assert_allclose(out["bn.running_var"], [5.0, 5.0])
         assert out["bn.num_batches_tracked"].dtype == g["bn.num_batches_tracked"].dtype
+        assert np.linalg.norm(out["bn.weight"] - 1.0) <= np.linalg.norm([0.25, 0.25]) + 1e-6
 
 
 def _cnn_round(seed: int) -> tuple[dict[str, np.ndarray], list[tuple[dict[str, np.ndarray], int]]]:

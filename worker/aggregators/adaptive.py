@@ -17,8 +17,9 @@ FedAvg reached 0.92 (its weights are of that order; Flower's FedAdam has the sam
 So by default (`server_step = "scaled"`) each tensor's step keeps Adam's direction but takes
 the length of its own momentum pseudo-gradient, a layer-wise trust ratio as in LAMB:
     u = m_hat / (sqrt(v_hat) + tau);   step = server_lr * u * ||m_hat|| / ||u||
-with server_lr 2.0, and never more than `max_step_ratio` (2) times FedAvg's own step for
-the tensor (`base.bounded_step`); over the first WARMUP_ROUNDS rounds the direction turns
+with server_lr 2.0, and never more than `max_step_ratio` (2; 1 for a model with BatchNorm
+statistics, `Aggregator.step_ratio`) times FedAvg's own step for the tensor
+(`base.bounded_step`); over the first WARMUP_ROUNDS rounds the direction turns
 from the pseudo-gradient's own to Adam's (`scaled_direction`): Adam's first steps are sign
 steps. The step then follows each tensor's scale, and the adaptivity redistributes it
 across the tensor's coordinates. Measured on bench_learning's grid (several models, data
@@ -71,7 +72,6 @@ class AdaptiveAggregator(Aggregator):
         super().__init__(spec)
         self.server_lr = server_learning_rate(spec, type(self))
         self.plain = getattr(spec, "server_step", "scaled") == "plain"
-        self.max_step_ratio = float(getattr(spec, "max_step_ratio", 2.0))
         self.beta1 = float(spec.beta1)
         self.beta2 = float(spec.beta2)
         self.tau = float(spec.tau)
@@ -97,6 +97,7 @@ class AdaptiveAggregator(Aggregator):
         v_state = self._state.setdefault("v", {})
         t_state = self._state.setdefault("t", {})
         out: Weights = {}
+        ratio = self.step_ratio(global_weights)
         for name, mean in avg.items():
             if self.is_buffer(name, global_weights[name]):
                 out[name] = mean
@@ -114,7 +115,7 @@ class AdaptiveAggregator(Aggregator):
                 out[name] = current + self.server_lr * self.step_scale * direction
                 continue
             step = bounded_step(self.server_lr * self.step_scale * scaled_direction(
-                m_hat, direction, t), delta, self.max_step_ratio)
+                m_hat, direction, t), delta, ratio)
             out[name] = current + step
         return cast_like(out, global_weights)
 

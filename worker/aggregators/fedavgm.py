@@ -2,8 +2,8 @@
 
 With momentum 0.9 the literature's step (`aggregation.server_step = "plain"`) grows to ten
 times FedAvg's once the pseudo-gradients line up. By default (`server_step = "scaled"`)
-each tensor's step is at most `max_step_ratio` (2) times FedAvg's own step for it
-(`base.bounded_step`): momentum still carries the direction through noisy rounds.
+each tensor's step is at most `max_step_ratio` (2; 1 for a model with BatchNorm
+statistics, `Aggregator.step_ratio`) times FedAvg's own step for it (`base.bounded_step`): momentum still carries the direction through noisy rounds.
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ class FedAvgM(Aggregator):
         super().__init__(spec)
         self.server_lr = server_learning_rate(spec, type(self))
         self.momentum = float(spec.server_momentum)
-        self.max_step_ratio = (0.0 if getattr(spec, "server_step", "scaled") == "plain"
-                               else float(getattr(spec, "max_step_ratio", 2.0)))
         require(self.server_lr > 0, self.name, "server_learning_rate", self.server_lr, "> 0")
         require(0 <= self.momentum < 1, self.name, "server_momentum", self.momentum, "0 <= m < 1")
 
@@ -52,6 +50,7 @@ class FedAvgM(Aggregator):
         avg = pooled_mean(updates, self.name)
         velocity = self._state.setdefault("velocity", {})
         out: Weights = {}
+        ratio = self.step_ratio(global_weights)
         for name, mean in avg.items():
             current = np.asarray(global_weights[name], dtype=np.float64)
             if self.is_buffer(name, global_weights[name]):
@@ -60,6 +59,5 @@ class FedAvgM(Aggregator):
             grad = current - mean
             v = self.momentum * velocity[name] + grad if name in velocity else grad
             velocity[name] = v
-            out[name] = current - bounded_step(self.server_lr * self.step_scale * v, grad,
-                                                    self.max_step_ratio)
+            out[name] = current - bounded_step(self.server_lr * self.step_scale * v, grad, ratio)
         return cast_like(out, global_weights)
