@@ -2,10 +2,11 @@
 
 One member (valid certificate) opens, on a daemon with a 160 MiB in-flight budget:
 an update declaring 64 MiB whose body comes a byte every 7 s; an update header dripped a
-byte every 2 s; a control request announcing a 1 MiB frame dripped a byte every 7 s; and a
-second 64 MiB update (its share of the budget is taken by the first). Each dripped stream
-must be answered "minimum rate" (after one grace for the whole stream), the second update
-refused "busy" naming the member's share, and every one of them then cut (reset: the
+byte every 2 s; a control request announcing a 1 MiB frame dripped a byte every 7 s; a
+pooled update stream that carried one small update, then drips its next header a byte
+every 7 s; and a second 64 MiB update (its share of the budget is taken by the first).
+Each dripped stream must be answered "minimum rate" (after one grace for the whole stream),
+the second update refused "busy" naming the member's share, and every one of them then cut (reset: the
 member cannot hold a stream open by dripping on after the answer), the rate cuts counted
 in ``fabricd status`` (streams_cut) and the metrics (fabricd_streams_cut_total);
 meanwhile a genuine 64 MiB update from another member must be delivered without any
@@ -24,7 +25,7 @@ from libp2p.abc import IHost, INetStream
 
 from fabricd._streams import read_message_exact
 from proto.codec import frame
-from proto.ids import PROTOCOL_CONTROL, PROTOCOL_UPDATE
+from proto.ids import PROTOCOL_CONTROL, PROTOCOL_UPDATE, PROTOCOL_UPDATE_POOLED
 from proto.messages import ControlRequest, ControlResponse, Message, UpdateAck, UpdateHeader
 from tests.fabricd._harness import bridge_status, wait_until
 from tests.fabricd._hostile import drip_until_cut, hello, peer_info, raw_host
@@ -81,7 +82,16 @@ async def test_a_dripping_member_is_cut_and_another_members_update_goes_through(
             async def opened(protocol: str, h: IHost = host) -> INetStream:
                 return await h.new_stream(target.peer_id, [protocol])  # type: ignore[list-item]
 
+            # a pooled stream carries one whole small update, then its next header is dripped
+            pooled = await opened(PROTOCOL_UPDATE_POOLED)
+            small = os.urandom(16)
+            await pooled.write(frame(_header(job, f"{job}/1/update/d0/x", 16, hashlib.sha256(small).digest())) + small)
+            with trio.fail_after(60):
+                first = await read_message_exact(pooled, 1 << 16)
+            assert isinstance(first, UpdateAck) and first.status == "ok", first
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(_drip, pooled, frame(_header(job, f"{job}/1/update/d4/x", SIZE, zero)), 2, 7.0,
+                                   answers, cuts, "pooled")
                 body = frame(_header(job, f"{job}/1/update/d1/x", SIZE, zero))
                 nursery.start_soon(_drip, await opened(PROTOCOL_UPDATE), body, len(body), 7.0, answers, cuts,
                                    "body")
@@ -108,7 +118,7 @@ async def test_a_dripping_member_is_cut_and_another_members_update_goes_through(
         await trio.to_thread.run_sync(d.stop)
     log = d.log()
     assert not re.search(rf"event=update\.rejected .*{re.escape(gid)}", log), "the genuine update was refused"
-    cut = {name: answers.get(name) for name in ("body", "header", "control")}
+    cut = {name: answers.get(name) for name in ("body", "header", "control", "pooled")}
     for name, answer in cut.items():
         assert isinstance(answer, (UpdateAck, ControlResponse)), (name, answer)
         assert "minimum rate" in answer.reason and "grace" in answer.reason, (name, answer)
@@ -116,7 +126,7 @@ async def test_a_dripping_member_is_cut_and_another_members_update_goes_through(
     assert isinstance(second_answer, UpdateAck) and second_answer.reason.startswith("busy: cluster 'dripper'"), \
         second_answer
     assert "share of limits.max_inflight_bytes" in second_answer.reason
-    assert cuts == dict.fromkeys(("body", "second", "header", "control"), True), cuts
-    assert counted["update"] >= 2 and counted["control"] >= 1, counted
+    assert cuts == dict.fromkeys(("body", "second", "header", "control", "pooled"), True), cuts
+    assert counted["update"] >= 3 and counted["control"] >= 1, counted
     for protocol in ("update", "control"):
         assert value(samples, "fabricd_streams_cut_total", protocol=protocol) == counted[protocol], samples
