@@ -32,6 +32,7 @@ AGGREGATORS = (
 ADAPTIVE_AGGREGATORS = ("fedadam", "fedyogi", "fedadagrad")
 SERVER_STEPS = ("scaled", "plain")
 STALL_ACTIONS = ("restore", "warn")
+NORM_STATISTICS = ("measured", "pooled")
 PLACEMENT_STRATEGIES = ("locality", "round_robin", "random", "precomputed")
 PLACEMENT_GROUP_STRATEGIES = ("SPREAD", "PACK")
 COMPRESSIONS = ("none", "fp16", "int8", "topk")
@@ -135,6 +136,10 @@ class AggregationSpec:
     # FedBN: each client trains and is scored with its own BatchNorm layers (weights and
     # statistics kept by its executor); the global model still carries their pooled mean
     local_batchnorm: bool = False
+    # a new model's BatchNorm running statistics: "measured" on the model itself over its
+    # aggregating cluster's own clients' samples, or "pooled" from the clients' (theirs
+    # describe their own models, not the mean: a FedAvg'd BatchNorm CNN evaluated at chance)
+    norm_statistics: str = "measured"
     trim_ratio: float = 0.1                 # trimmed_mean
     krum_byzantine: int = 1                 # krum: f
     # -- how the aggregation that combines clusters closes (issue 33) --
@@ -506,6 +511,7 @@ _RULES: dict[str, Rule] = {
     "aggregation.server_step": _rule_choice(SERVER_STEPS),
     "aggregation.max_step_ratio": _rule_float(0.0),
     "aggregation.on_stall": _rule_choice(STALL_ACTIONS),
+    "aggregation.norm_statistics": _rule_choice(NORM_STATISTICS),
     "aggregation.trim_ratio": _rule_float(0.0, 0.5, high_open=True),
     "aggregation.krum_byzantine": _rule_int(0),
     "aggregation.mode": _rule_choice(AGGREGATION_MODES),

@@ -244,6 +244,43 @@ def _proximal_anchors(
     return anchors
 
 
+def batchnorm_statistics(model: nn.Module, x: np.ndarray, batch_size: int = 256
+                         ) -> dict[str, np.ndarray]:
+    """The running means and variances `model`'s BatchNorm layers have on `x`: each layer's
+    cumulative average over the batches, dropout off, no gradient; the model is left in
+    eval mode with its own statistics as they were. {} for a model without such layers
+    or fewer than 2 samples."""
+    norms = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    if not norms or len(x) < 2:
+        return {}
+    saved = [(m, m.momentum, {k: v.clone() for k, v in m.state_dict().items()})
+             for _, m in norms]
+    xt = torch.tensor(np.ascontiguousarray(x, dtype=np.float32), device=model_device(model))
+    out: dict[str, np.ndarray] = {}
+    model.eval()
+    try:
+        for _, m in norms:
+            m.reset_running_stats()
+            m.momentum = None   # a cumulative average over the batches
+            m.train()
+        with torch.no_grad():
+            starts = batch_starts(len(xt), batch_size)
+            for start, end in zip(starts, starts[1:], strict=False):
+                model(xt[start:end])
+        for name, m in norms:
+            prefix = f"{name}." if name else ""
+            state = m.state_dict()
+            for key in ("running_mean", "running_var"):
+                out[prefix + key] = state[key].detach().cpu().numpy().copy()
+    finally:
+        for m, momentum, state in saved:
+            m.momentum = momentum
+            m.load_state_dict(state)
+        model.eval()
+    return out
+
+
 def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> EvalResult:
     """Accuracy and mean cross-entropy of `model` on (x, y), in eval mode, without gradients."""
     xt, yt = _tensors(x, y, model_device(model))

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from safetensors.numpy import load as st_load
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -104,6 +105,23 @@ def test_local_batchnorm_trains_each_client_with_its_own_batchnorm(
     run(job("star", clients=6, rounds=2, model={"name": "usercnn:BNCNN"},
             aggregation={"name": "fedavg"}))
     assert calls and all(own is None for _, _, own, _ in calls)
+
+
+def test_a_new_models_batchnorm_statistics_are_measured_on_itself() -> None:
+    """aggregation.norm_statistics = "measured" (the default) changes a round's model only
+    in its BatchNorm running statistics: the same weights as "pooled" (the clients' own,
+    pooled), other statistics, and they are the model's own on its cluster's samples."""
+    def final(how: str) -> dict[str, np.ndarray]:
+        result, _ = run(job("star", clients=6, rounds=1, model={"name": "usercnn:BNCNN"},
+                            aggregation={"name": "fedavg", "norm_statistics": how}))
+        return dict(st_load(result.model))
+
+    measured, pooled = final("measured"), final("pooled")
+    statistics = {k for k in measured if k.endswith(("running_mean", "running_var"))}
+    assert statistics and set(measured) == set(pooled)
+    assert all(np.array_equal(measured[k], pooled[k]) for k in measured if k not in statistics)
+    assert all(not np.allclose(measured[k], pooled[k]) for k in statistics)
+    assert all(np.all(measured[k] > 0) for k in statistics if k.endswith("running_var"))
 
 
 def _pooled(weights: list[dict[str, np.ndarray]], shares: list[float], name: str) -> np.ndarray:

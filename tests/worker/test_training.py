@@ -12,7 +12,7 @@ import torch
 from proto.job import ModelSpec, TrainingSpec
 from worker.models import build_model
 from worker.serialization import load_weights, model_weights
-from worker.training import TrainingError, evaluate, train_local
+from worker.training import TrainingError, batchnorm_statistics, evaluate, train_local
 
 
 def _blobs(n: int = 120, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -168,3 +168,25 @@ def test_empty_data_and_bad_settings() -> None:
         evaluate(model, x, y[:-1])
     with pytest.raises(TrainingError, match="no tensor 'net.1.weight'"):
         train_local(model, x, y, TrainingSpec(fedprox_mu=0.1), seed=0, global_weights={})
+
+
+def test_batchnorm_statistics_are_the_layers_own_on_the_data_and_change_nothing() -> None:
+    """One batch: the running mean and (unbiased) variance of the BatchNorm layer's input
+    over x, whatever the layer held before; dropout off; the model's own statistics, its
+    momentum and mode are as they were."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
+                              torch.nn.Dropout(0.5), torch.nn.Linear(4, 2))
+    net[1].running_mean.fill_(7.0)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    x = np.random.default_rng(0).normal(2.0, 3.0, (100, 3)).astype(np.float32)
+    stats = batchnorm_statistics(net, x)
+    with torch.no_grad():
+        h = net[0](torch.from_numpy(x))
+    assert set(stats) == {"1.running_mean", "1.running_var"}
+    np.testing.assert_allclose(stats["1.running_mean"], h.mean(0).numpy(), rtol=1e-5)
+    np.testing.assert_allclose(stats["1.running_var"], h.var(0, unbiased=True).numpy(),
+                               rtol=1e-4)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    assert net[1].momentum == 0.1 and not net.training
+    assert batchnorm_statistics(_mlp(), x[:, :2]) == {}

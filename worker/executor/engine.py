@@ -400,7 +400,10 @@ class ClusterEngine:
 
     def _store_mixed(self, node: str, mixed: Weights, record: RoundRecord, *,
                      last: bool) -> None:
-        """The node's model after a mixing step; after the round's last, it is evaluated."""
+        """The node's model after a mixing step; after the round's last, it is evaluated
+        (its BatchNorm statistics measured first: `_calibrated`)."""
+        if last:
+            mixed = self._calibrated(mixed)
         handle = self.pool.put(mixed)
         if last:
             accuracy, loss = self._evaluate_global(mixed)
@@ -564,6 +567,8 @@ class ClusterEngine:
                     self._anchors[node] = model
             else:
                 model = average(ordered, self._make_inner())
+        if node not in graph.parent:
+            model = self._calibrated(model)
         handle = self.pool.put(model)
         if node in graph.parent:  # an inner level of a hierarchy: pass the merge up
             self.transport.send(r, UP, node, graph.parent[node], handle, samples, nbytes)
@@ -574,6 +579,16 @@ class ClusterEngine:
         weight = self._samples_behind(node) if graph.kind == "hybrid" else max(samples, 1)
         with self._lock:
             record.add_evaluation(accuracy, loss, weight)
+
+    def _calibrated(self, model: Weights) -> Weights:
+        """A new model with its BatchNorm statistics measured on itself, over this
+        cluster's own clients' samples (`NodeRuntime.calibrate`; a pool without it leaves
+        the model as it is). The clients' own statistics, pooled, describe their trained
+        models, not their mean: measured on MNIST, BNCNN, beta 0.3, FedAvg's rounds 1-5
+        evaluated 0.10 / 0.32 / 0.70 / 0.26 / 0.10 with them, 0.75 / 0.91 / 0.93 / 0.93 /
+        0.93 with its own."""
+        calibrate = getattr(self.pool, "calibrate", None)
+        return model if calibrate is None else calibrate(model)
 
     def _observed(self, node: str, model: Weights, start: Weights, record: RoundRecord
                   ) -> tuple[float, float]:

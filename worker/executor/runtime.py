@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from fedcore.data import ClientPartition
 
 log = logging.getLogger("fedpilot.executor")
+#: training samples of a cluster's own clients over which a new model's BatchNorm
+#: statistics are measured (`NodeRuntime.calibrate`: one forward pass, no gradient)
+CALIBRATION_SAMPLES = 1024
 
 Weights = dict[str, np.ndarray]
 
@@ -112,6 +115,7 @@ class NodeRuntime:
         self._norm_names = (batchnorm_tensors(self._model) if spec.aggregation.local_batchnorm
                             else frozenset())
         self._local_norm: dict[int, Weights] = {}
+        self._calibration: tuple[tuple[int, ...] | None, np.ndarray] = (None, np.zeros(0))
         if spec.aggregation.local_batchnorm and not self._norm_names:
             log.warning("event=local_batchnorm_unused model=%s hint=the model has no "
                         "BatchNorm layer; aggregation.local_batchnorm changes nothing",
@@ -266,6 +270,35 @@ class NodeRuntime:
             self._local_norm[int(update.client_id)] = {
                 k: np.array(update.weights[k]) for k in self._norm_names}
         return int(round(update.local_accuracy * update.local_samples)), int(update.local_samples)
+
+    def calibrate(self, weights: Weights) -> Weights:
+        """`weights` with every BatchNorm layer's running statistics measured on the model
+        itself, over up to CALIBRATION_SAMPLES training samples of this cluster's own
+        clients (aggregation.norm_statistics = "measured"); as they are for "pooled", a
+        model without BatchNorm, or a cluster without clients."""
+        from worker.serialization import load_weights
+        from worker.training import batchnorm_statistics
+
+        if self.spec.aggregation.norm_statistics != "measured" or not self._buffers:
+            return weights
+        idx = self._calibration_indices()
+        with self._eval_lock:
+            load_weights(self._model, weights)
+            measured = batchnorm_statistics(self._model, self.dataset.x_train[idx])
+        return {**weights, **{k: v.astype(weights[k].dtype) for k, v in measured.items()
+                              if k in weights}} if measured else weights
+
+    def _calibration_indices(self) -> np.ndarray:
+        """A fixed draw (job seed) of this cluster's own clients' training samples."""
+        key = tuple(self._local)
+        if self._calibration[0] != key:
+            parts = [self.partition.train_indices[c] for c in self._local] if key else []
+            idx = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+            if len(idx) > CALIBRATION_SAMPLES:
+                rng = np.random.default_rng(self.spec.seed)
+                idx = np.sort(rng.choice(idx, CALIBRATION_SAMPLES, replace=False))
+            self._calibration = (key, idx)
+        return self._calibration[1]
 
     def evaluate_global(self, weights: Weights) -> tuple[float, float]:
         result = self._evaluate(weights, self.dataset.x_test, self.dataset.y_test)
