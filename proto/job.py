@@ -32,7 +32,7 @@ AGGREGATORS = (
 ADAPTIVE_AGGREGATORS = ("fedadam", "fedyogi", "fedadagrad")
 SERVER_STEPS = ("scaled", "plain")
 STALL_ACTIONS = ("restore", "warn")
-NORM_STATISTICS = ("measured", "pooled")
+NORM_STATISTICS = ("auto", "measured", "pooled")
 PLACEMENT_STRATEGIES = ("locality", "round_robin", "random", "precomputed")
 PLACEMENT_GROUP_STRATEGIES = ("SPREAD", "PACK")
 COMPRESSIONS = ("none", "fp16", "int8", "topk")
@@ -138,8 +138,9 @@ class AggregationSpec:
     local_batchnorm: bool = False
     # a new model's BatchNorm running statistics: "measured" on the model itself over its
     # aggregating cluster's own clients' samples, or "pooled" from the clients' (theirs
-    # describe their own models, not the mean: a FedAvg'd BatchNorm CNN evaluated at chance)
-    norm_statistics: str = "measured"
+    # describe their own models, not the mean: a FedAvg'd BatchNorm CNN evaluated at
+    # chance); "auto": measured where the pooled ones evaluate far worse on those samples
+    norm_statistics: str = "auto"
     trim_ratio: float = 0.1                 # trimmed_mean
     krum_byzantine: int = 1                 # krum: f
     # -- how the aggregation that combines clusters closes (issue 33) --

@@ -76,8 +76,12 @@ def test_dropout_masks_follow_the_seed_not_the_threads() -> None:
     torch.manual_seed(0)
     start = model_weights(_DropoutNet())
 
+    # (built here: a model built in a thread draws its init from the global generator,
+    # unlocked, the way no production code does: build_model holds GLOBAL_RNG)
+    models = [_DropoutNet() for _ in range(7)]
+
     def trained(seed: int, out: dict[str, dict] | None = None, key: str = "") -> dict:
-        model = _DropoutNet()
+        model = models[int(key or 6)]
         load_weights(model, start)
         train_local(model, x, y, spec, seed=seed)
         weights = model_weights(model)
