@@ -3,7 +3,8 @@
 With momentum 0.9 the literature's step (`aggregation.server_step = "plain"`) grows to ten
 times FedAvg's once the pseudo-gradients line up. By default (`server_step = "scaled"`)
 each tensor's step is at most `max_step_ratio` (2; 1 for a model with BatchNorm
-statistics, `Aggregator.step_ratio`) times FedAvg's own step for it (`base.bounded_step`): momentum still carries the direction through noisy rounds.
+statistics, `Aggregator.step_ratio`) times FedAvg's own step for it (`base.bounded_step`):
+momentum still carries the direction through noisy rounds.
 """
 
 from __future__ import annotations
