@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker.errors import WorkerError
-from worker.models.registry import GLOBAL_RNG
+from worker.models.registry import GLOBAL_RNG, batchnorm_layers
 
 if TYPE_CHECKING:
     from proto.job import TrainingSpec
@@ -162,7 +162,7 @@ def train_local(
     # the shuffle is drawn on the cpu (the same order on every device), then indexes there
     last_loss = 0.0
     starts = batch_starts(n, batch_size)
-    random = any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
+    dropout = any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
     step = 0
     for _ in range(epochs):
         order = torch.randperm(n, generator=gen).to(xt.device)
@@ -172,7 +172,7 @@ def train_local(
             optimizer.zero_grad(set_to_none=True)
             step += 1
             with _batch_statistics_frozen(model, len(batch) == 1), \
-                    _masks_seeded(seed, step) if random else nullcontext():
+                    _masks_seeded(seed, step) if dropout else nullcontext():
                 data_loss = F.cross_entropy(model(xt[batch]), yt[batch])
             loss = data_loss
             if anchors:
@@ -210,8 +210,7 @@ def _masks_seeded(seed: int, step: int) -> Iterator[None]:
 def _batch_statistics_frozen(model: nn.Module, frozen: bool) -> Iterator[None]:
     """A client with a single sample trains with its normalization layers in eval mode
     (their running statistics normalize, and stay as they are)."""
-    norms = [m for m in model.modules()
-             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training] if frozen else []
+    norms = [m for _, m in batchnorm_layers(model) if m.training] if frozen else []
     for m in norms:
         m.eval()
     try:
@@ -250,8 +249,7 @@ def batchnorm_statistics(model: nn.Module, x: np.ndarray, batch_size: int = 256
     cumulative average over the batches, dropout off, no gradient; the model is left in
     eval mode with its own statistics as they were. {} for a model without such layers
     or fewer than 2 samples."""
-    norms = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    norms = [(name, m) for name, m in batchnorm_layers(model) if m.track_running_stats]
     if not norms or len(x) < 2:
         return {}
     saved = [(m, m.momentum, {k: v.clone() for k, v in m.state_dict().items()})

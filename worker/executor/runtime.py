@@ -119,8 +119,8 @@ class NodeRuntime:
         self._buffers = frozenset(name for name, _ in self._model.named_buffers())
         # aggregation.local_batchnorm (FedBN): every client's own BatchNorm tensors, as it
         # last trained them, overlaid on the model it trains from next
-        self._norm_names = (batchnorm_tensors(self._model) if spec.aggregation.local_batchnorm
-                            else frozenset())
+        self._batchnorm = batchnorm_tensors(self._model)
+        self._norm_names = self._batchnorm if spec.aggregation.local_batchnorm else frozenset()
         self._local_norm: dict[int, Weights] = {}
         self._calibration: tuple[tuple[int, ...] | None, np.ndarray] = (None, np.zeros(0))
         if spec.aggregation.local_batchnorm and not self._norm_names:
@@ -292,7 +292,7 @@ class NodeRuntime:
         from worker.training import batchnorm_statistics, evaluate
 
         how = self.spec.aggregation.norm_statistics
-        if how == "pooled" or not self._buffers or (how == "auto" and self._server_optimizer):
+        if how == "pooled" or not self._batchnorm or (how == "auto" and self._server_optimizer):
             return weights
         idx = self._calibration_indices()
         x, y = self.dataset.x_train[idx], self.dataset.y_train[idx]

@@ -84,11 +84,16 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def batchnorm_layers(model: nn.Module) -> list[tuple[str, nn.modules.batchnorm._BatchNorm]]:
+    """Every BatchNorm layer of `model` (1d, 2d, 3d, sync), with its name."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
 def batchnorm_tensors(model: nn.Module) -> frozenset[str]:
     """Names (as in the state dict) of every BatchNorm layer's weights and statistics."""
     return frozenset(f"{prefix}.{name}" if prefix else name
-                     for prefix, module in model.named_modules()
-                     if isinstance(module, nn.modules.batchnorm._BatchNorm)
+                     for prefix, module in batchnorm_layers(model)
                      for name in module.state_dict())
 
 
