@@ -225,3 +225,28 @@ def test_a_stalled_job_takes_its_on_stall_action() -> None:
     acted = stalls("restore")
     assert sum(acted) >= 1, acted
     assert stalls("warn") == [0] * 5
+
+
+def test_a_client_refuses_own_tensors_the_model_lacks_and_keeps_its_model() -> None:
+    """FederatedNode.train takes the round's model and at most the client's own tensors;
+    own tensors the model does not have, or a third argument, are refused naming them, and
+    the node's resident model is as it was."""
+    from proto.job import ModelSpec, TrainingSpec
+    from worker.nodes import NodeConfig
+    from worker.nodes.federated import FederatedNode
+
+    data = load_dataset("digits")
+    parts = client_data(data, job("star", clients=3).data, 0)
+    config = NodeConfig(job_id="j", seed=0, model=ModelSpec(name="usercnn:BNCNN"),
+                        training=TrainingSpec(), aggregation=AggregationSpec(),
+                        input_shape=tuple(data.input_shape), num_classes=data.num_classes)
+    node = FederatedNode(config, data)
+    node.load(0, parts.train_indices[0], parts.test_indices[0], None)
+    before = node.weights().weights
+    model = dict(before)
+    with pytest.raises(ValueError, match=r"own tensors \['nope'\] are not in the model"):
+        node.train(1, model, {"nope": np.zeros(1, np.float32)})
+    with pytest.raises(ValueError, match="got 3 arguments"):
+        node.train(1, model, {}, {})
+    after = node.weights().weights
+    assert all(np.array_equal(before[k], after[k]) for k in before)
