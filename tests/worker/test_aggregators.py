@@ -60,6 +60,30 @@ def test_fedavgm_server_momentum_by_hand() -> None:
     np.testing.assert_allclose(agg2.aggregate(_w([0, 0]), [(_w([1, 2]), 1)])["w"], [0.5, 1.0])
 
 
+def test_fedavgm_forgets_its_momentum_when_the_clients_turn_back() -> None:
+    agg = _agg("fedavgm")   # the defaults: scaled step, momentum 0.9
+    w1 = agg.aggregate(_w([0.0]), [(_w([1.0]), 1)])
+    np.testing.assert_allclose(w1["w"], [1.0])
+    # the clients now average 0.5: the kept velocity (0.9 x -1 + 0.5) would still climb,
+    # to 1.4; restarted, the step is FedAvg's
+    np.testing.assert_allclose(agg.aggregate(w1, [(_w([0.5]), 1)])["w"], [0.5])
+    # the literature's form keeps its momentum
+    plain = _agg("fedavgm", server_step="plain")
+    w1 = plain.aggregate(_w([0.0]), [(_w([1.0]), 1)])
+    np.testing.assert_allclose(plain.aggregate(w1, [(_w([0.5]), 1)])["w"], [1.4])
+
+
+@pytest.mark.parametrize("name", ["fedadam", "fedyogi", "fedadagrad"])
+def test_adaptive_first_moment_restarts_when_the_clients_turn_back(name: str) -> None:
+    agg = _agg(name)
+    w1 = float(agg.aggregate(_w([0.0]), [(_w([1.0]), 1)])["w"][0])
+    assert w1 > 0
+    # the clients now average 1 below: kept, m_hat = (0.09 - 0.1) / 0.19 and the step
+    # barely turns; restarted, m_hat = -1 and the step is the scaled one, at most 2 x FedAvg's
+    w2 = float(agg.aggregate(_w([w1]), [(_w([w1 - 1.0]), 1)])["w"][0])
+    assert w2 == pytest.approx(w1 - 2.0)
+
+
 def _adaptive_two_rounds(name: str) -> tuple[float, float]:
     agg = _agg(name, server_learning_rate=1.0, beta1=0.9, beta2=0.99, tau=0.1,
                server_step="plain")

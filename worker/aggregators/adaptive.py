@@ -22,8 +22,9 @@ statistics, `Aggregator.step_ratio`) times FedAvg's own step for the tensor
 (`base.bounded_step`); over the first WARMUP_ROUNDS rounds the direction turns
 from the pseudo-gradient's own to Adam's (`scaled_direction`): Adam's first steps are sign
 steps. The step then follows each tensor's scale, and the adaptivity redistributes it
-across the tensor's coordinates. Measured on bench_learning's grid (several models, data
-sets and splits, one set of defaults): docs/job.md.
+across the tensor's coordinates. A round whose pseudo-gradient points against the first
+moment restarts it (`base.opposes`; m_hat becomes that round's delta). Measured on
+bench_learning's grid (several models, data sets and splits, one set of defaults): docs/job.md.
 Buffers (BatchNorm statistics, counters) are averaged, never stepped (`base`).
 """
 
@@ -43,6 +44,7 @@ from .base import (
     bounded_step,
     cast_like,
     check_updates,
+    opposes,
     pooled_mean,
     require,
     server_learning_rate,
@@ -98,14 +100,19 @@ class AdaptiveAggregator(Aggregator):
         t_state = self._state.setdefault("t", {})
         out: Weights = {}
         ratio = self.step_ratio(global_weights)
+        deltas = {name: mean - np.asarray(global_weights[name], dtype=np.float64)
+                  for name, mean in avg.items() if not self.is_buffer(name, global_weights[name])}
+        restart = not self.plain and opposes(m_state, deltas)
         for name, mean in avg.items():
-            if self.is_buffer(name, global_weights[name]):
+            if name not in deltas:
                 out[name] = mean
                 continue
             current = np.asarray(global_weights[name], dtype=np.float64)
-            delta = mean - current
+            delta = deltas[name]
             t = int(t_state[name]) + 1 if name in t_state else 1
             m = self.beta1 * m_state.get(name, 0.0) + (1 - self.beta1) * delta
+            if restart:   # the momentum is forgotten: m_hat is this round's delta
+                m = (1 - self.beta1**t) * delta
             v = self.second_moment(v_state.get(name, np.zeros_like(delta)), delta)
             m_state[name], v_state[name], t_state[name] = m, v, np.asarray(t, dtype=np.int64)
             m_hat = m / (1 - self.beta1**t)

@@ -4,7 +4,9 @@ With momentum 0.9 the literature's step (`aggregation.server_step = "plain"`) gr
 times FedAvg's once the pseudo-gradients line up. By default (`server_step = "scaled"`)
 each tensor's step is at most `max_step_ratio` (2; 1 for a model with BatchNorm
 statistics, `Aggregator.step_ratio`) times FedAvg's own step for it (`base.bounded_step`):
-momentum still carries the direction through noisy rounds.
+momentum still carries the direction through noisy rounds, and is forgotten in a round whose
+pseudo-gradient points against it (`base.opposes`: the job went past a minimum; not
+in the plain form).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .base import (
     bounded_step,
     cast_like,
     check_updates,
+    opposes,
     pooled_mean,
     require,
     server_learning_rate,
@@ -52,13 +55,17 @@ class FedAvgM(Aggregator):
         velocity = self._state.setdefault("velocity", {})
         out: Weights = {}
         ratio = self.step_ratio(global_weights)
+        grads = {name: np.asarray(global_weights[name], dtype=np.float64) - mean
+                 for name, mean in avg.items() if not self.is_buffer(name, global_weights[name])}
+        if getattr(self.spec, "server_step", "scaled") != "plain" and opposes(velocity, grads):
+            velocity.clear()
         for name, mean in avg.items():
-            current = np.asarray(global_weights[name], dtype=np.float64)
-            if self.is_buffer(name, global_weights[name]):
+            if name not in grads:
                 out[name] = mean
                 continue
-            grad = current - mean
+            grad = grads[name]
             v = self.momentum * velocity[name] + grad if name in velocity else grad
             velocity[name] = v
-            out[name] = current - bounded_step(self.server_lr * self.step_scale * v, grad, ratio)
+            step = bounded_step(self.server_lr * self.step_scale * v, grad, ratio)
+            out[name] = np.asarray(global_weights[name], dtype=np.float64) - step
         return cast_like(out, global_weights)
