@@ -25,9 +25,11 @@ import bench_learning as bl  # noqa: E402  (bench/ is not a package)
 
 
 def job(ds: bl.Dataset, dataset: str, aggregation: str, privacy: dict[str, Any],
-        name: str) -> dict[str, Any]:
+        name: str, server_step: str = "") -> dict[str, Any]:
     out = bl.job_dict(ds, dataset, "star", aggregation, label=name)
     out["privacy"] = privacy
+    if server_step:
+        out["aggregation"]["server_step"] = server_step
     return out
 
 
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=0, help="default: bench_learning's")
     ap.add_argument("--rounds", type=int, default=0)
     ap.add_argument("--aggregation", default="fedavgm")
+    ap.add_argument("--server-step", default="", help="plain | scaled (default: the job's)")
     ap.add_argument("--epsilons", default="1,4,8,none")
     ap.add_argument("--delta", type=float, default=1e-5)
     ap.add_argument("--clip-norm", type=float, default=0.5)
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "clip_norm": args.clip_norm, "secure_aggregation": True})
     results: dict[str, Any] = {}
     for name, privacy in jobs.items():
-        res = bl.run_engine(job(ds, dataset, args.aggregation, privacy, name.replace("=", "-")),
+        res = bl.run_engine(job(ds, dataset, args.aggregation, privacy, name.replace("=", "-"),
+                                 args.server_step),
                             ds.clusters)
         res["seconds_per_round"] = round(res["seconds"] / ds.rounds, 2)
         results[name] = res
@@ -68,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                for n, r in results.items()}
     print(json.dumps({"dataset": ds.name, "clients": ds.clients, "clusters": ds.clusters,
                       "rounds": ds.rounds, "aggregation": args.aggregation,
+                      "server_step": args.server_step or "default",
                       "summary": summary}, indent=1))
     return 0
 

@@ -118,3 +118,25 @@ def test_clients_the_survivors_cannot_hold_sit_out_until_their_cluster_returns(
         assert any(r.participants == 4 for r in after_loss)
         assert all(r.participants == 6 for r in summary.rounds if r.round > back["round"])
     assert not math.isnan(summary.rounds[-1].accuracy)
+
+
+def test_a_cluster_lost_mid_round_under_secure_aggregation(three_clusters: Any,
+                                                            tmp_path: Path) -> None:
+    """The masks of a round are fixed over its clusters; one lost mid-round aborts it, and
+    the survivors run it again under fresh masks (the attempt is in every mask's label):
+    their masked updates sum to their plain mean, so the job learns on (a wrong unmask
+    would leave uniform ring values, +-clip_range a weight, and a loss in the hundreds)."""
+    tb, clusters = three_clusters
+    job = JobSpec.from_dict({**spec("go-on-secagg").to_dict(),
+                             "privacy": {"secure_aggregation": True}})
+    result, victim = run(tb, clusters, job, tmp_path / "run", "daemon")
+    summary = result.summary
+    assert [r.round for r in summary.rounds] == list(range(1, ROUNDS + 1))
+    assert [f["event"] for f in summary.faults] == ["lost"]
+    assert summary.privacy["secure_aggregation"]
+    for record in summary.rounds[4:]:
+        assert set(record.by_cluster) == set(tb.cluster_ids) - {victim}
+    losses = [r.loss for r in summary.rounds]
+    assert all(math.isfinite(x) for x in losses)
+    assert max(losses[4:]) < losses[0]
+    assert summary.rounds[-1].accuracy > 0.5
