@@ -52,10 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     ds = replace(ds, clients=args.clients or ds.clients,
                  rounds=3 if args.quick else (args.rounds or ds.rounds))
     dataset = "digits" if args.quick else bl.mnist_npz(out)
+    jobs: dict[str, dict[str, Any]] = {}
     if args.what == "secagg":
         jobs = {"plain": {}, "secure_aggregation": {"secure_aggregation": True}}
     else:
-        jobs = {}
         for e in args.epsilons.split(","):
             jobs[f"epsilon={e}"] = ({} if e == "none" else
                                     {"dp": "central", "epsilon": float(e), "delta": args.delta,
