@@ -143,6 +143,39 @@ def test_a_send_is_retried_under_one_id_only_while_it_may_pass(
     assert len(link.ids) == 1
 
 
+def test_an_abort_ends_a_sends_backoff_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lost cluster's round is aborted on the survivors while their sends to it back off;
+    the scheduler re-plans once those rounds stopped, so the wait must not be slept out."""
+    import threading
+
+    monkeypatch.setattr(transport_module, "RETRY_FIRST", 60.0)  # a backoff of 30-90 s
+    monkeypatch.setattr(transport_module, "RETRY_MAX", 60.0)
+    transient = RemoteSendError("cannot reach cluster 'b'", retry=True)
+    link = ScriptedLink(transient)
+    sender = _transport(link)
+    failed: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            sender.send_to("b", 3, "up", "c1", "server", b"x")
+        except RemoteSendError as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    while not link.ids:  # the first attempt failed: the sender backs off now
+        thread.join(0.01)
+    sender.abort_round(3, "round 3 is repeated without cluster(s) b")
+    thread.join(60)
+    assert not thread.is_alive(), "the send slept out its backoff after the round's abort"
+    assert len(link.ids) == 1 and len(failed) == 1
+    assert "gave up after 1 attempts" in str(failed[0]) and "without cluster(s) b" in str(failed[0])
+    # another round's abort does not end the wait
+    box = Mailbox()
+    box.abort_round(4, "gone")
+    assert box.wait_aborted(3, 0.01) is None and box.wait_aborted(4, 0) == "gone"
+
+
 def test_the_executor_answers_each_delivery_and_hears_whether_a_retry_may_pass() -> None:
     """BridgeLink against a stand-in daemon on a real Unix socket."""
     import hashlib

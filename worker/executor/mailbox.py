@@ -41,6 +41,7 @@ class Mailbox:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)  # a round aborted, or the mailbox closed
         self._items: dict[Key, Envelope] = {}
         self._taken: set[Key] = set()
         self._waiters: dict[Key, threading.Event] = {}
@@ -94,6 +95,7 @@ class Mailbox:
         with self._lock:
             self._closed = reason
             waiters = list(self._waiters.values())
+            self._ended.notify_all()
         for waiter in waiters:
             waiter.set()
 
@@ -105,6 +107,7 @@ class Mailbox:
             for key in [k for k in self._items if k[0] == round_index]:
                 del self._items[key]
             waiters = [w for k, w in self._waiters.items() if k[0] == round_index]
+            self._ended.notify_all()
         for waiter in waiters:
             waiter.set()
 
@@ -135,6 +138,14 @@ class Mailbox:
     def aborted(self, round_index: int) -> str | None:
         """Why `round_index`'s waits were cut short (or the mailbox closed), else None."""
         with self._lock:
+            return self._aborted.get(round_index, self._closed)
+
+    def wait_aborted(self, round_index: int, timeout: float) -> str | None:
+        """Sleep up to `timeout` seconds, woken at once if `round_index` is aborted (or the
+        mailbox closed); why it was, else None."""
+        with self._ended:
+            self._ended.wait_for(lambda: round_index in self._aborted or self._closed is not None,
+                                 timeout)
             return self._aborted.get(round_index, self._closed)
 
     def __len__(self) -> int:

@@ -205,12 +205,18 @@ class HybridTransport:
                     stop = (f"cluster {target_cluster!r} has had no executor for job "
                             f"{self.job_id!r} for {now - absent_since:.0f} s: its daemon "
                             "restarted without it, or it exited")
+                if stop is None:
+                    log.info("event=send_retry message=%s cluster=%s attempt=%d wait_s=%.2f "
+                             "reason=%s", mid, target_cluster, attempts, wait, exc)
+                    # an abort of the round (a cluster was lost) ends the wait at once: the
+                    # scheduler re-plans only once the survivors' rounds have stopped
+                    if kind in ROUND_KINDS:
+                        stop = self._mailbox.wait_aborted(round_index, wait)
+                    else:
+                        time.sleep(wait)
                 if stop is not None:
                     raise RemoteSendError(f"{exc} (gave up after {attempts} attempts in "
-                                          f"{spent:.1f} s: {stop})") from exc
-                log.info("event=send_retry message=%s cluster=%s attempt=%d wait_s=%.2f "
-                         "reason=%s", mid, target_cluster, attempts, wait, exc)
-            time.sleep(wait)
+                                          f"{time.monotonic() - started:.1f} s: {stop})") from exc
 
     def _attempt_suffix(self) -> str:
         return f"~{self.attempt}" if self.attempt else ""
