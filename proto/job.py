@@ -634,10 +634,14 @@ def _check_early_close(source: str, spec: JobSpec) -> None:
                     "closes without one (or with stale updates) is not covered yet")
     if kind in EARLY_CLOSE_TOPOLOGIES:
         return
+    ok = "sync" if key == "aggregation.mode" else 1.0
+    why = (" its groups exchange their models with each other and must all mix the same ones"
+           " to keep one global model, so no group can go on without a slow one and apply"
+           " its model later;" if kind == "hybrid" else "")
     raise _fail(source, key, value,
-                f"{'sync' if key == 'aggregation.mode' else 1.0!r} on {kind}: only star's root "
-                "combines the clusters' contributions in one place, where a round can close "
-                "without a slow cluster (topology.kind = 'star')")
+                f"{ok!r} on {kind}:{why} only star's root combines the clusters' contributions "
+                "in one place, where a round can close without a slow cluster: use "
+                f"topology.kind = 'star' for it, or {key} = {ok!r} on {kind}")
 
 
 def _check_data_placement(source: str, spec: JobSpec) -> None:

@@ -102,6 +102,11 @@ def test_early_closing_keys_are_refused_where_clusters_do_not_meet_at_a_root() -
         job(topology={"kind": "ring"}, aggregation={"mode": "buffered"})
     with pytest.raises(JobSpecError, match="rounds.min_participation"):
         job(topology={"kind": "hierarchical"}, rounds={"min_participation": 0.5})
+    # hybrid's groups: the refusal says why and what to do instead
+    with pytest.raises(JobSpecError, match=r"aggregation.mode = 'buffered' is invalid: "
+                       r"expected 'sync' on hybrid: its groups exchange .* use topology.kind "
+                       r"= 'star' for it, or aggregation.mode = 'sync' on hybrid"):
+        job(topology={"kind": "hybrid"}, aggregation={"mode": "buffered"})
 
 
 def test_round_records_carry_contributions_over_the_wire() -> None:
