@@ -84,6 +84,13 @@ class BridgeConnection:
         assert isinstance(answer, reply)
         return answer
 
+    def abandon(self, reply: type[Reply], reply_id: str, why: BaseException) -> None:
+        """Stop waiting for that reply: its `exchange` raises `why` now (if still waiting)."""
+        with self._lock:
+            fut = self._waiting.get((reply, reply_id))
+            if fut is not None and not fut.done():
+                fut.set_exception(why)
+
     def _read_loop(self) -> None:
         why: BaseException = StreamClosed("its reader stopped")  # unless the socket says
         try:
@@ -91,10 +98,10 @@ class BridgeConnection:
                 msg, payload = recv_bridge(self._sock, self._max_payload, fds=self._fds)
                 if isinstance(msg, ControlResult | SendResult):
                     rid = msg.request_id if isinstance(msg, ControlResult) else msg.message_id
-                    with self._lock:
+                    with self._lock:  # settled under the lock: `abandon` may race it
                         fut = self._waiting.get((type(msg), rid))
-                    if fut is not None and not fut.done():
-                        fut.set_result(msg)
+                        if fut is not None and not fut.done():
+                            fut.set_result(msg)
                 else:
                     # a mapping comes only if the Hello said accepts_fds, i.e. to an
                     # on_message that takes Payload
@@ -104,10 +111,9 @@ class BridgeConnection:
         finally:
             with self._lock:
                 self._lost = f"bridge to fabricd at {self.path} closed: {why}"
-                waiting = list(self._waiting.values())
-            for fut in waiting:
-                if not fut.done():
-                    fut.set_exception(StreamClosed(self._lost))
+                for fut in self._waiting.values():
+                    if not fut.done():
+                        fut.set_exception(StreamClosed(self._lost))
             if self._fds is not None:
                 self._fds.close_all()
             self.closed.set()

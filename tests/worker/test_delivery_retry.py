@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from proto.errors import ProtocolError
 from tests.e2e.test_engine import Links, build, graph_of, run_round
 from worker.executor import transport as transport_module
 from worker.executor.mailbox import Envelope, Mailbox
@@ -120,8 +121,9 @@ def test_a_send_is_retried_under_one_id_only_while_it_may_pass(
     link = ScriptedLink(transient, transient)
     sender = _transport(link)
     sender.abort_round(3, "cluster c is gone")
-    with pytest.raises(RemoteSendError, match="gave up after 1 attempts.*cluster c is gone"):
+    with pytest.raises(RemoteSendError, match="not sent: cluster c is gone"):
         sender.send_to("b", 3, "up", "c1", "server", b"x")
+    assert link.ids == []
 
     # the target cluster keeps saying it has no executor for the job (its daemon restarted
     # without it): given up after the grace, naming that; other transient failures in
@@ -243,3 +245,71 @@ def test_the_executor_answers_each_delivery_and_hears_whether_a_retry_may_pass()
     assert [r.reason for r in results] == [  # type: ignore[attr-defined]
         "", "duplicate", "DeliveryRefused: round 9 is not accepted",
         "arrived before the job was planned"]
+
+
+def test_an_abort_abandons_a_send_the_daemon_has_not_answered() -> None:
+    """In containers a dial to a killed cluster's address gets no answer at all (no reset):
+    the daemon sat 280 s in such dials with a survivor's update to the lost cluster, and
+    the survivor's round, aborted, waited for it. The abort abandons the wait at once, and a
+    send of the aborted round begun after it is not made."""
+    import os
+    import socket
+    import tempfile
+    import threading
+
+    from proto import bridge
+    from worker.executor.bridge import BridgeLink
+
+    got: list[bridge.BridgeMessage] = []
+    arrived = threading.Event()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "b.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+
+        def daemon() -> None:  # reads every frame, answers none
+            conn, _ = listener.accept()
+            with conn:
+                while True:
+                    try:
+                        msg, _ = bridge.recv_bridge(conn, 1 << 20)
+                    except (OSError, ProtocolError):
+                        return
+                    got.append(msg)
+                    if isinstance(msg, bridge.SendUpdate):
+                        arrived.set()
+
+        stand_in = threading.Thread(target=daemon, daemon=True)
+        stand_in.start()
+        link = BridgeLink(path, cluster_id="a", job_id="j", on_delivery=lambda m, p: True,
+                          on_control=lambda msg: (True, {}, ""))
+        sender = HybridTransport(job_id="j", local_cluster="a", locate=lambda n: "b",
+                                 mailbox=Mailbox(), resolve=lambda h: h, codec=None,  # type: ignore[arg-type]
+                                 link=link)
+        failed: list[BaseException] = []
+        body = transport_module.wire.encode({"w": np.ones(2, np.float32)}, kind="peer",
+                                            samples=1)
+
+        def send() -> None:
+            try:
+                sender.send_to("b", 3, "peer", "g:a", "g:b", body)
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                failed.append(exc)
+                arrived.set()
+
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        assert arrived.wait(60)
+        sender.abort_round(3, "round 3 is repeated without cluster(s) b")
+        thread.join(60)
+        alive = thread.is_alive()
+        with pytest.raises(RemoteSendError, match="not sent: round 3 is repeated"):
+            sender.send_to("b", 3, "up", "c1", "g:b", body)
+        link.close()
+        stand_in.join(10)
+        listener.close()
+    assert not alive, "the aborted round still waited for the daemon's answer"
+    assert len(failed) == 1 and isinstance(failed[0], RemoteSendError) and not failed[0].retry
+    assert "j/3/peer/g:a/g:b was abandoned: round 3 is repeated" in str(failed[0])
+    assert [m.message_id for m in got if isinstance(m, bridge.SendUpdate)] == ["j/3/peer/g:a/g:b"]

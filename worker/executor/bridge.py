@@ -88,6 +88,12 @@ class BridgeLink:
             raise RemoteSendError(f"update {message_id} to cluster {target_cluster} was not "
                                   f"delivered: {result.reason}", retry=result.retry)
 
+    def abandon_send(self, message_id: str, reason: str) -> None:
+        """Stop waiting for the daemon's answer to that update (its round was aborted: a
+        dial to a lost cluster's address may hang for minutes); its send raises now."""
+        self._conn.abandon(SendResult, message_id, RemoteSendError(
+            f"update {message_id} was abandoned: {reason}", retry=False))
+
     # -- incoming (on the connection's reader thread) ------------------------------------
     def _on_message(self, msg: BridgeMessage, payload: Payload) -> None:
         if isinstance(msg, Delivery):

@@ -9,11 +9,12 @@ given to the bridge; intra-cluster bytes are the tensor bytes the reference stan
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -124,6 +125,7 @@ class HybridTransport:
         self._template = {k: (np.asarray(v).shape, np.asarray(v).dtype)
                           for k, v in (template or {}).items()}
         self._lock = threading.Lock()
+        self._sending: dict[str, int] = {}  # a round's updates in the link: id -> round
         self.counters = TrafficCounters()
         # updates of a round are accepted only for the round being run and the next one:
         # a member cannot park models for future rounds in this executor's memory
@@ -186,9 +188,10 @@ class HybridTransport:
         while True:
             attempts += 1
             try:
-                link.send_update(target_cluster=target_cluster, job_id=self.job_id,
-                                 round=round_index, source_node=src, target_node=dst,
-                                 message_id=mid, payload=payload)
+                with self._sent_while_open(mid, round_index, kind):
+                    link.send_update(target_cluster=target_cluster, job_id=self.job_id,
+                                     round=round_index, source_node=src, target_node=dst,
+                                     message_id=mid, payload=payload)
                 return len(payload)
             except RemoteSendError as exc:
                 if not exc.retry:
@@ -217,6 +220,24 @@ class HybridTransport:
                 if stop is not None:
                     raise RemoteSendError(f"{exc} (gave up after {attempts} attempts in "
                                           f"{time.monotonic() - started:.1f} s: {stop})") from exc
+
+    @contextlib.contextmanager
+    def _sent_while_open(self, mid: str, round_index: int, kind: str) -> Iterator[None]:
+        """A round's update is sent only while the round is not aborted, and abort_round
+        abandons it in the link (registered before the check: one of the two sees the other)."""
+        if kind not in ROUND_KINDS:
+            yield
+            return
+        with self._lock:
+            self._sending[mid] = round_index
+        try:
+            why = self._mailbox.aborted(round_index)
+            if why is not None:
+                raise RemoteSendError(f"update {mid} was not sent: {why}", retry=False)
+            yield
+        finally:
+            with self._lock:
+                self._sending.pop(mid, None)
 
     def _attempt_suffix(self) -> str:
         return f"~{self.attempt}" if self.attempt else ""
@@ -321,6 +342,12 @@ class HybridTransport:
 
     def abort_round(self, round_index: int, reason: str) -> None:
         self._mailbox.abort_round(round_index, reason)
+        abandon = getattr(self._link, "abandon_send", None)
+        if abandon is not None:
+            with self._lock:
+                sending = [m for m, r in self._sending.items() if r == round_index]
+            for mid in sending:
+                abandon(mid, reason)
 
     def aborted(self, round_index: int) -> str | None:
         return self._mailbox.aborted(round_index)
