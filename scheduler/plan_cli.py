@@ -56,19 +56,22 @@ def run(args: argparse.Namespace) -> int:
     spec = load_job(args.job)
     n = spec.data.number_of_clients
     slots = parse_clusters(args.clusters) if args.clusters else default_clusters(n)
-    histograms = None
+    histograms, model_bytes = None, None
     if args.synthetic_histograms:
         histograms = synthetic_histograms(n, beta=spec.data.dirichlet_beta, seed=spec.seed)
     else:
-        # Labels 0..C-1 here; a user model's output size in a child (plan never imports torch).
+        # Labels 0..C-1 here; the model's output size and bytes in a child (plan never
+        # imports torch).
         from fedcore.data.preflight import check_before_start
 
-        check_before_start(spec, str(args.job))
+        model_bytes = check_before_start(spec, str(args.job), measure=True)
     plan = plan_job(spec, slots, strategy=args.strategy, histograms=histograms,
                     compare=COMPARE if args.json else ())
     if args.out:
         write_plan(plan, Path(args.out))
     summary = plan.summary()
+    if model_bytes is not None:
+        summary["model_bytes"] = model_bytes
     if args.json:
         json.dump(summary, sys.stdout)
         sys.stdout.write("\n")
@@ -96,6 +99,18 @@ def format_summary(s: dict[str, Any]) -> str:
         f"edges: intra={s['edges']['intra']} inter={s['edges']['inter']}"
         + (f", mixing steps per round: {s['mixing_steps']}" if s.get("mixing_steps", 1) > 1
            else ""),
+        transfers_line(s),
         "seconds: " + " ".join(f"{k}={v:.3f}" for k, v in s["stage_seconds"].items()),
     ]
     return "\n".join(lines) + "\n"
+
+
+def transfers_line(s: dict[str, Any]) -> str:
+    """Model transfers between clusters per round against star's on the same placement,
+    in bytes where the model's size is known (uncompressed; [transfer] compression cuts it)."""
+    ours, star = s["inter_cluster_transfers_per_round"], s["star_inter_cluster_transfers_per_round"]
+    size = s.get("model_bytes")
+    line = f"between clusters per round: {ours} model transfers (star: {star})"
+    if size:
+        line += f", {ours * size / 1e6:.2f} MB (star: {star * size / 1e6:.2f} MB) of a {size / 1e6:.2f} MB model"
+    return line

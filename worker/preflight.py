@@ -24,7 +24,9 @@ def check_job_inputs(spec: JobSpec, source: str) -> Dataset:
     return dataset
 
 
-def check_model(spec: JobSpec, source: str, dataset: Dataset) -> None:
+def check_model(spec: JobSpec, source: str, dataset: Dataset) -> int:
+    """Build the model, run it once; returns the bytes of its state dict (one model
+    transfer, uncompressed)."""
     import torch
 
     from worker.models import ModelError, build_model
@@ -55,14 +57,16 @@ def check_model(spec: JobSpec, source: str, dataset: Dataset) -> None:
             f"model.name {name!r} gives {out.shape[1]} outputs per sample but data.dataset "
             f"{spec.data.dataset} has {dataset.num_classes} classes; size the last layer with "
             "the num_classes argument of Class(input_shape, num_classes)")
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
 def main(argv: Sequence[str]) -> int:
     """Child side of `fedcore.data.preflight.check_model_in_child`: the spec as JSON on stdin, the source as argv[0];
-    prints {"key", "message"} and exits 2 if the check fails."""
+    prints {"model_bytes"}, or {"key", "message"} and exits 2 if the check fails."""
     source = argv[0] if argv else "<job>"
     try:
-        check_job_inputs(JobSpec.from_dict(json.loads(sys.stdin.read()), source=source), source)
+        spec = JobSpec.from_dict(json.loads(sys.stdin.read()), source=source)
+        print(json.dumps({"model_bytes": check_model(spec, source, check_job_data(spec, source))}))
     except JobSpecError as exc:
         message = str(exc)
         if message.startswith(source + ": "):

@@ -29,27 +29,32 @@ def check_job_data(spec: JobSpec, source: str) -> Dataset:
         raise JobSpecError(source, "data.dataset", f"data.dataset: {exc}") from None
 
 
-def check_before_start(spec: JobSpec, source: str) -> None:
-    """What `plan` and `submit` run first: the data here, a user model in a child Python
-    (the calling process never imports torch); JobSpecError naming the key otherwise.
+def check_before_start(spec: JobSpec, source: str, *, measure: bool = False) -> int | None:
+    """What `plan` and `submit` run first: the data here, a user model (any model with
+    `measure`) in a child Python (the calling process never imports torch); JobSpecError
+    naming the key otherwise. Returns the model's bytes where the child built it.
 
     A pinned job's data is on the clusters, not here: each cluster checks its own file and
     the model against it when the job starts (`job.start`)."""
     if spec.data.placement == "pinned":
-        return
+        return None
     check_job_data(spec, source)
-    if ":" in spec.model.name:
-        check_model_in_child(spec, source)
+    if measure or ":" in spec.model.name:
+        return check_model_in_child(spec, source)
+    return None
 
 
-def check_model_in_child(spec: JobSpec, source: str, timeout: float = 600) -> None:
+def check_model_in_child(spec: JobSpec, source: str, timeout: float = 600) -> int | None:
     """`worker.preflight.check_job_inputs` in a fresh Python (same environment), for
-    callers without torch."""
+    callers without torch; returns the model's bytes (None if the child did not say)."""
     proc = subprocess.run([sys.executable, "-m", "worker.preflight", source],
                           input=json.dumps(spec.to_dict()), capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode == 0:
-        return
+        try:
+            return int(json.loads(proc.stdout.strip().splitlines()[-1])["model_bytes"])
+        except (IndexError, ValueError, KeyError, TypeError):
+            return None
     try:
         verdict = json.loads(proc.stdout.strip().splitlines()[-1])
         key, message = str(verdict["key"]), str(verdict["message"])

@@ -14,6 +14,7 @@ from scheduler.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "deploy" / "examples" / "digits.toml"
+MLP_BYTES = 4 * (64 * 64 + 64 + 64 * 10 + 10)
 
 
 def test_plan_does_not_import_torch_ray_or_libp2p(tmp_path: Path) -> None:
@@ -54,6 +55,15 @@ def test_plan_out_writes_placement_and_routing(tmp_path: Path,
     assert main(["plan", str(DEMO), "--clusters", "a:12,b:12,c:12", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "communities:" in text and "edges: intra=" in text
+    # the expected traffic between clusters: transfers x the model's bytes (the demo's mlp:
+    # 64 x 64 + 64 + 64 x 10 + 10 float32), and star's on the same placement
+    line = next(x for x in text.splitlines() if x.startswith("between clusters per round:"))
+    plan = json.loads((out / "plan.json").read_text())
+    ours, star = (plan["inter_cluster_transfers_per_round"],
+                  plan["star_inter_cluster_transfers_per_round"])
+    assert 0 < ours < star
+    assert f"{ours} model transfers (star: {star})" in line
+    assert f"{ours * MLP_BYTES / 1e6:.2f} MB (star: {star * MLP_BYTES / 1e6:.2f} MB)" in line
     placement = json.loads((out / "placement.json").read_text())
     assert len(placement["client_cluster"]) == 30 and len(placement["client_community"]) == 30
     routing = RoutingMatrix.from_bytes((out / "routing.msgpack").read_bytes())
