@@ -164,10 +164,12 @@ def run_engine(job: dict[str, Any], clusters: int) -> dict[str, Any]:
     started = time.perf_counter()
     driver = Driver(spec, mesh.clusters(), mesh, backend="inprocess", timeout=900)
     try:
-        summary = driver.run().summary
+        result = driver.run()
     finally:
         driver.close()
+    summary = result.summary
     return {
+        "global_on_clients": global_on_clients(job, result.model),
         "curve": [round(r.accuracy, 4) for r in summary.rounds],
         "loss": [round(r.loss, 4) if math.isfinite(r.loss) else None for r in summary.rounds],
         "personalized": round(summary.rounds[-1].personalized_accuracy, 4),
@@ -192,6 +194,23 @@ def _setup(job: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     parts = client_data(data, spec.data, spec.seed)
     net = build_model(spec.model, data.input_shape, data.num_classes, seed=spec.seed)
     return spec, data, parts, net
+
+
+def global_on_clients(job: dict[str, Any], model: bytes | None) -> float | None:
+    """The job's final model scored where personalized accuracy is: on the clients' own
+    test splits, pooled (the data set's test set, where `final` is scored, has other
+    samples: personalized against global is like for like only here)."""
+    from safetensors.numpy import load as st_load
+
+    from worker.serialization import load_weights
+    from worker.training import evaluate
+
+    if not model:
+        return None
+    _spec, data, parts, net = _setup(job)
+    load_weights(net, st_load(model))
+    idx = np.concatenate(parts.test_indices)
+    return round(evaluate(net, data.x_train[idx], data.y_train[idx]).accuracy, 4)
 
 
 def run_centralized(job: dict[str, Any]) -> dict[str, Any]:
@@ -463,6 +482,7 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
         slack = 0.02 if topology in ("k_connected", "ring") else 0.01
         fedavg = results.get(f"{topology}+fedavg", {}).get("final", float("nan"))
         row = {"final": res["final"], "personalized": res["personalized"],
+               "global_on_clients": res.get("global_on_clients"),
                "over_centralized": round(res["final"] / best, 4),
                "minus_reference": round(res["final"] - ref_final, 4),
                "bytes_inter": res["bytes_inter"],
@@ -474,6 +494,9 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
                                       or row["over_centralized"] >= 0.95)
         if aggregation in ("fedadam", "fedyogi", "fedadagrad"):
             row["adaptive_meets_fedavg"] = bool(res["final"] >= fedavg - 0.01)
+        if row["global_on_clients"] is not None:
+            row["personalized_meets_global"] = bool(
+                res["personalized"] >= row["global_on_clients"])
         rows[job_name] = row
     return {"dataset": name, "model": model, "beta": beta, "clients": clients, "seed": seed,
             "rounds": rounds, "centralized": central.get("final"),
@@ -522,7 +545,9 @@ def grid_table(cells: list[dict[str, Any]]) -> dict[str, Any]:
             entry = table.setdefault(job, {"cells": 0, "worst_minus_reference": None,
                                            "worst_over_centralized": None,
                                            "cells_below_reference": [], "cells_at_chance": [],
-                                           "adaptive_below_fedavg": [], "max_bytes_over_star": 0.0,
+                                           "adaptive_below_fedavg": [],
+                                           "personalized_below_global": [],
+                                           "max_bytes_over_star": 0.0,
                                            "errors": []})
             if "final" not in row:
                 entry["errors"].append(f"{where}: {row.get('error')}")
@@ -537,6 +562,8 @@ def grid_table(cells: list[dict[str, Any]]) -> dict[str, Any]:
                 entry["cells_at_chance"].append(where)
             if row.get("adaptive_meets_fedavg") is False:
                 entry["adaptive_below_fedavg"].append(where)
+            if row.get("personalized_meets_global") is False:
+                entry["personalized_below_global"].append(where)
             entry["max_bytes_over_star"] = max(entry["max_bytes_over_star"],
                                                row["bytes_over_star"])
     return table
