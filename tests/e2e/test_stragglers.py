@@ -251,3 +251,70 @@ def test_buffered_job_rides_through_a_lost_cluster_and_a_resume_counting_every_u
     assert second["applied"] > 0
     assert all(0.0 <= r.accuracy <= 1.0 for r in rounds)
 
+
+
+def test_buffered_waits_for_a_cluster_about_as_fast_and_not_for_a_straggler(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Equal clusters must not fall out of step (one that just missed the buffer sat out
+    the next round and was stale ever after): a cluster whose last contribution took at
+    most PATIENCE x the time the buffer took to fill is waited for that long; a slower one,
+    or one not heard from yet, is not. (The test's own clock: the buffer's decisions, not
+    the machine's speed.)"""
+    from worker.executor import contributions
+    from worker.executor.contributions import PATIENCE, CloseRule
+    from worker.executor.mailbox import Envelope
+
+    clock = [0.0]
+    monkeypatch.setattr(contributions, "time", type("Clock", (), {
+        "monotonic": staticmethod(lambda: clock[0])}))
+
+    class Watched(threading.Condition):
+        waiting = threading.Event()  # the aggregation decided not to close yet
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.waiting.set()
+            return super().wait(timeout)
+
+    buffer = ContributionBuffer(CloseRule(buffered=True, buffer_size=2, max_staleness=4),
+                                locate=lambda node: node[0], aborted=lambda r: None)
+    buffer._cond = watched = Watched()
+    base = {"w": np.zeros(2, np.float32)}
+
+    def at(t: float, r: int, *clusters: str) -> None:
+        clock[0] = t
+        for c in clusters:
+            buffer.put(r, f"{c}{r}", Envelope(base, 1, 8, remote=True), f"{c}/{r}")
+
+    def aggregation(r: int, t: float, then: Callable[[], None] | None = None
+                    ) -> list[tuple[str, int]]:
+        at(t, r, "a", "b")
+        taken: list[Any] = []
+        watched.waiting.clear()
+        thread = threading.Thread(target=lambda: taken.extend(buffer.collect(r, 1e6, own="a")),
+                                  daemon=True)
+        thread.start()
+        if then is not None:
+            while not watched.waiting.wait(0.05) and thread.is_alive():
+                pass
+            then()
+        thread.join(60)
+        assert not thread.is_alive()
+        return sorted((c.cluster, c.staleness) for c, _ in taken)
+
+    def opened(r: int, t: float) -> None:
+        clock[0] = t
+        buffer.expect(r, [f"{c}{r}" for c in "abc"], base)
+
+    opened(1, 0.0)  # c not heard from yet: not waited for
+    assert aggregation(1, 10.0) == [("a", 0), ("b", 0)]
+    at(14.0, 1, "c")  # it took 14 s
+    opened(2, 20.0)  # the buffer fills in 10 s: c is waited for until the round lasted 20 s
+    assert aggregation(2, 30.0, then=lambda: at(20.0 + 10.0 * PATIENCE + 0.1, 2)) == [
+        ("a", 0), ("b", 0), ("c", 1)]
+    at(45.0, 2, "c")  # 25 s
+    opened(3, 50.0)  # fills in 5 s: c is not waited for
+    assert aggregation(3, 55.0) == [("a", 0), ("b", 0), ("c", 1)]
+    at(61.0, 3, "c")  # 11 s
+    opened(4, 65.0)  # fills in 10 s: c is waited for, and comes
+    assert aggregation(4, 75.0, then=lambda: at(80.0, 4, "c")) == [
+        ("a", 0), ("b", 0), ("c", 0), ("c", 1)]
