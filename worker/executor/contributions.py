@@ -39,8 +39,10 @@ POLL_SECONDS = 0.1  # how often a waiting aggregation looks whether its round wa
 #: out of step for good: MNIST, 3 equal clusters on 2 loaded cores, the remote ones'
 #: updates came ~1 s after the root's own (2 s rounds), so every aggregation closed with
 #: the root's and a stale one (17 of 34 contributions fresh, 0.011 below sync at equal
-#: contributions); with it 28 of 43 (0.010 below; 36 of 37 when a cluster not heard from
-#: was waited for too, which cost a slow cluster's first aggregation that wait)
+#: contributions); with it 28 of 43, 21 of 46, 24 of 48 (0.010-0.019 below: the clusters
+#: still fall out of step on a busy machine). Waiting for a cluster not heard from yet too
+#: kept them in step (23 of 27, 42 of 42) but cost a 4x slower cluster's first aggregation
+#: that wait (docs/job.md, "Slow sites")
 PATIENCE = 2.0
 
 
