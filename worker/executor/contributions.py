@@ -8,9 +8,8 @@ an aggregation by its `CloseRule`:
   later is dropped;
 - buffered (`aggregation.mode = "buffered"`): as soon as `buffer_size` contributions of
   any recent round are complete (the root's own cluster's among them) and the round's
-  own others had `straggler_grace` (those about as fast as the buffer: PATIENCE), each
-  weighted by its staleness s (the aggregations since its model); older than
-  `max_staleness`, dropped.
+  own others had `straggler_grace`, each weighted by its staleness s (the aggregations
+  since its model); older than `max_staleness`, dropped.
 Every update is applied once or dropped once (by message id); dropped contributions are
 counted. Memory is bounded by what the root itself sent down: an update nobody asked
 for is refused.
@@ -32,18 +31,6 @@ from worker.executor.transport import DeliveryRefused, Weights
 #: refused as unknown)
 KEEP_ROUNDS = 64
 POLL_SECONDS = 0.1  # how often a waiting aggregation looks whether its round was aborted
-#: buffered: a contribution of the round still on its way is waited for until the round
-#: has lasted PATIENCE x the time the buffer took to fill, if its cluster's last
-#: contribution took no longer (one not heard from yet is not waited for): that is jitter
-#: (a busy machine, the updates' trip), not a straggler. Without it equal clusters fell
-#: out of step for good: MNIST, 3 equal clusters on 2 loaded cores, the remote ones'
-#: updates came ~1 s after the root's own (2 s rounds), so every aggregation closed with
-#: the root's and a stale one (17 of 34 contributions fresh, 0.011 below sync at equal
-#: contributions); with it 28 of 43, 21 of 46, 24 of 48 (0.010-0.019 below: the clusters
-#: still fall out of step on a busy machine). Waiting for a cluster not heard from yet too
-#: kept them in step (23 of 27, 42 of 42) but cost a 4x slower cluster's first aggregation
-#: that wait (docs/job.md, "Slow sites")
-PATIENCE = 2.0
 
 
 @dataclass(frozen=True)
@@ -111,8 +98,6 @@ class ContributionBuffer:
         self._cond = threading.Condition()
         self._pending: dict[tuple[int, str], _Pending] = {}
         self._bases: dict[int, Weights] = {}
-        self._opened: dict[int, float] = {}  # round -> when its model went down
-        self._took: dict[str, float] = {}    # cluster -> seconds its last contribution took
         self._seen: dict[str, int] = {}     # message id -> round (repeats are not applied)
         self._newest = 0
         self.dropped = 0                    # contributions dropped since the last take
@@ -124,7 +109,6 @@ class ContributionBuffer:
         """Round `r`'s model (`base`) goes down to `clients`: their updates are awaited."""
         with self._cond:
             self._newest = max(self._newest, r)
-            self._opened[r] = time.monotonic()
             if self.rule.buffered:
                 self._bases[r] = base
             by_cluster: dict[str, set[str]] = {}
@@ -158,8 +142,6 @@ class ContributionBuffer:
                 self._drop_update(message_id)
                 return True
             pending.arrived[src] = (envelope, message_id)
-            if pending.complete and r in self._opened:
-                self._took[cluster] = time.monotonic() - self._opened[r]
             self._cond.notify_all()
         return True
 
@@ -174,7 +156,6 @@ class ContributionBuffer:
         rule = self.rule
         deadline = time.monotonic() + timeout
         quorum_at: float | None = None
-        until = 0.0  # once closable: how long the round's contributions on their way may take
         with self._cond:
             while True:
                 ready = self._ready(r)
@@ -188,18 +169,12 @@ class ContributionBuffer:
                     own_round = [k for k in self._pending if k[0] == r]
                     closable = len(ready) >= max(
                         1, math.ceil(rule.min_participation * len(own_round) - 1e-9))
-                # the round's own contributions still on their way get the grace
-                fresh = [k[1] for k, p in self._pending.items()
-                         if k[0] == r and p.state == "open" and not p.complete]
                 if closable and quorum_at is None:
                     quorum_at = time.monotonic()
-                    until = quorum_at + rule.grace
-                    if rule.buffered and r in self._opened:
-                        patient = self._opened[r] + PATIENCE * (quorum_at - self._opened[r])
-                        if any(self._took.get(c, math.inf) <= patient - self._opened[r]
-                               for c in fresh):
-                            until = max(until, patient)
-                closes = closable and (not fresh or time.monotonic() >= until)
+                # the round's own contributions still on their way get the grace
+                fresh = [p for k, p in self._pending.items()
+                         if k[0] == r and p.state == "open" and not p.complete]
+                closes = closable and (not fresh or time.monotonic() >= (quorum_at or 0.0) + rule.grace)
                 if closes:
                     return self._take(r, ready)
                 why = self._aborted(r)
@@ -209,8 +184,8 @@ class ContributionBuffer:
                 now = time.monotonic()
                 if now >= deadline:
                     raise MessageTimeout(self._missing(r, timeout))
-                wake = deadline if quorum_at is None else min(deadline, until)
-                self._cond.wait(max(0.0, min(POLL_SECONDS, wake - now)))
+                until = deadline if quorum_at is None else min(deadline, quorum_at + rule.grace)
+                self._cond.wait(max(0.0, min(POLL_SECONDS, until - now)))
 
     def _ready(self, r: int) -> list[tuple[int, str]]:
         oldest = r - self.rule.max_staleness
@@ -239,7 +214,6 @@ class ContributionBuffer:
         for key in [k for k in self._pending if k[0] < r - KEEP_ROUNDS]:
             del self._pending[key]
         self._bases = {v: b for v, b in self._bases.items() if v >= usable}
-        self._opened = {v: t for v, t in self._opened.items() if v >= usable}
         self._seen = {m: v for m, v in self._seen.items() if v >= r - KEEP_ROUNDS}
         return out
 
