@@ -100,15 +100,14 @@ class AdaptiveAggregator(Aggregator):
         t_state = self._state.setdefault("t", {})
         out: Weights = {}
         ratio = self.step_ratio(global_weights)
-        deltas = {name: mean - np.asarray(global_weights[name], dtype=np.float64)
-                  for name, mean in avg.items() if not self.is_buffer(name, global_weights[name])}
+        currents = self.trained(global_weights, avg)
+        deltas = {name: avg[name] - current for name, current in currents.items()}
         restart = not self.plain and opposes(m_state, deltas)
         for name, mean in avg.items():
             if name not in deltas:
                 out[name] = mean
                 continue
-            current = np.asarray(global_weights[name], dtype=np.float64)
-            delta = deltas[name]
+            current, delta = currents[name], deltas[name]
             t = int(t_state[name]) + 1 if name in t_state else 1
             m = self.beta1 * m_state.get(name, 0.0) + (1 - self.beta1) * delta
             if restart:   # the momentum is forgotten: m_hat is this round's delta

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -154,6 +154,12 @@ class Aggregator(ABC):
         """Whether tensor `name` is a statistic or counter rather than a trained weight."""
         return (name in self.buffers or not is_float(value)
                 or name.rpartition(".")[2] in NORM_STATISTICS)
+
+    def trained(self, global_weights: Mapping[str, np.ndarray], names: Iterable[str]) -> Weights:
+        """The global model's trained tensors among `names` (buffers left out), in float64:
+        what a server optimizer steps."""
+        return {name: np.asarray(global_weights[name], dtype=np.float64) for name in names
+                if not self.is_buffer(name, global_weights[name])}
 
     @abstractmethod
     def aggregate(self, global_weights: Mapping[str, np.ndarray], updates: Sequence[Update]) -> Weights:

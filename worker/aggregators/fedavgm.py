@@ -55,8 +55,8 @@ class FedAvgM(Aggregator):
         velocity = self._state.setdefault("velocity", {})
         out: Weights = {}
         ratio = self.step_ratio(global_weights)
-        grads = {name: np.asarray(global_weights[name], dtype=np.float64) - mean
-                 for name, mean in avg.items() if not self.is_buffer(name, global_weights[name])}
+        currents = self.trained(global_weights, avg)
+        grads = {name: current - avg[name] for name, current in currents.items()}
         if getattr(self.spec, "server_step", "scaled") != "plain" and opposes(velocity, grads):
             velocity.clear()
         for name, mean in avg.items():
@@ -67,5 +67,5 @@ class FedAvgM(Aggregator):
             v = self.momentum * velocity[name] + grad if name in velocity else grad
             velocity[name] = v
             step = bounded_step(self.server_lr * self.step_scale * v, grad, ratio)
-            out[name] = np.asarray(global_weights[name], dtype=np.float64) - step
+            out[name] = currents[name] - step
         return cast_like(out, global_weights)
