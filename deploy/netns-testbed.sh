@@ -24,8 +24,9 @@
 #   [network] relay_service = true - sits on the internet bridge (198.18.0.200); every
 #   site bootstraps from it with reachability = "private" and is reached through it.
 #   tc shapes both directions of every site uplink: netem delay FP_WAN_RTT_MS/2 each way,
-#   loss FP_WAN_LOSS %, rate FP_WAN_RATE; a kernel without sch_netem gets the rate only
-#   (tbf), with a warning.
+#   loss FP_WAN_LOSS % each way, rate FP_WAN_RATE; on a kernel without sch_netem the uplink
+#   is a pair of TAP devices joined by deploy/wanlink.py (delay and loss in user space) and
+#   tbf gives the rate.
 #
 # Environment:
 #   FP_NETNS_PREFIX  namespace name prefix (fp)
@@ -180,23 +181,49 @@ add_ns() {
     ip -n "$1" link set lo up
 }
 
-# shape NS DEV: the emulated WAN on DEV's egress (half the RTT each way)
+# shape NS DEV: the emulated WAN on DEV's egress (half the RTT each way), or only its rate
+# where wanlink.py delays and drops
 shape() {
-    local half
-    half=$(awk "BEGIN { print $WAN_RTT_MS / 2 }")
-    if ip netns exec "$1" tc qdisc add dev "$2" root netem delay "${half}ms" loss "${WAN_LOSS}%" \
-            rate "$WAN_RATE" 2>/dev/null; then
+    if [ "$NETEM" = 1 ]; then
+        ip netns exec "$1" tc qdisc add dev "$2" root netem delay "${HALF_RTT}ms" loss "${WAN_LOSS}%" \
+            rate "$WAN_RATE"
+    else
+        ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "$WAN_RATE" burst 256kb latency 100ms
+    fi
+}
+
+# uplink C R: router R's up0 and the internet bridge's w-C, joined by a veth pair, or (no
+# sch_netem) by wanlink.py between two TAP devices
+uplink() {
+    if [ "$NETEM" = 1 ]; then
+        ip -n "$2" link add up0 type veth peer name "w-$1" netns "$WAN_NS"
         return
     fi
-    ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "$WAN_RATE" burst 256kb latency 100ms
-    echo "netem=missing" >>"$MARKER"
-    log "WARNING: this kernel has no sch_netem: $1 $2 gets the rate ($WAN_RATE) only, no delay or loss"
+    local log=$STATE/wanlink-$1.log _
+    setsid "$PYTHON" "$here/wanlink.py" "$2" up0 "$WAN_NS" "w-$1" "$HALF_RTT" "$WAN_LOSS" \
+        </dev/null >"$log" 2>&1 &
+    echo "$!" >"$STATE/wanlink-$1.pid"
+    for _ in $(seq 100); do
+        ! grep -qx ready "$log" || return 0
+        pid_alive "$STATE/wanlink-$1.pid" wanlink || break
+        sleep 0.1
+    done
+    cat "$log" >&2
+    die "wanlink.py for $1 did not start"
 }
 
 make_wan_network() {
     local c i r ns gw
     echo "mode=wan" >>"$MARKER"
     add_ns "$WAN_NS"
+    HALF_RTT=$(awk "BEGIN { print $WAN_RTT_MS / 2 }")
+    NETEM=0
+    if ip netns exec "$WAN_NS" tc qdisc add dev lo root netem delay 1ms 2>/dev/null; then
+        ip netns exec "$WAN_NS" tc qdisc del dev lo root
+        NETEM=1
+    else
+        log "this kernel has no sch_netem: delay and loss by deploy/wanlink.py, the rate by tbf"
+    fi
     ip -n "$WAN_NS" link add br0 type bridge
     ip -n "$WAN_NS" link set br0 up
     gw=$(ns_of scheduler)
@@ -212,7 +239,7 @@ make_wan_network() {
         ns=$(ns_of "$c")
         add_ns "$r"
         add_ns "$ns"
-        ip -n "$r" link add up0 type veth peer name "w-$c" netns "$WAN_NS"
+        uplink "$c" "$r"
         ip -n "$WAN_NS" link set "w-$c" master br0 up
         ip -n "$r" addr add "$WAN_SUBNET.$i/24" dev up0
         ip -n "$r" link set up0 up
@@ -292,12 +319,12 @@ wait_ready() {
     done
 }
 
-# pid_alive PIDFILE: the pid in PIDFILE is a running fabricd.
+# pid_alive PIDFILE [NAME]: the pid in PIDFILE is a running fabricd (or NAME).
 pid_alive() {
     local pid
     pid=$(cat "$1" 2>/dev/null) || return 1
     [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q fabricd
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "${2:-fabricd}"
 }
 
 cmd_up() {
@@ -352,6 +379,9 @@ cmd_down() {
     for pidfile in "$STATE"/*/fabricd.pid; do
         [ -f "$pidfile" ] || continue
         while pid_alive "$pidfile" && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.2; done
+    done
+    for pidfile in "$STATE"/wanlink-*.pid; do
+        if pid_alive "$pidfile" wanlink; then kill -TERM "$(cat "$pidfile")" 2>/dev/null || true; fi
     done
     # 2. Whatever still runs inside our namespaces (a daemon stuck in shutdown, or one
     #    whose pid file a crash lost) is ours: kill it by pid.
@@ -445,5 +475,5 @@ case "${1:-}" in
     down) cmd_down ;;
     status) shift; cmd_status "$@" ;;
     exec) shift; cmd_exec "$@" ;;
-    *) sed -n '2,49s/^# \{0,1\}//p' "$0" >&2; exit 2 ;;
+    *) sed -n '2,50s/^# \{0,1\}//p' "$0" >&2; exit 2 ;;
 esac

@@ -71,7 +71,6 @@ for line in sys.stdin:
                    "links": {c["cluster_id"]: c["link"] for c in s["clusters"]}}
     if "service" in s["relay"]:
         report[cid]["relay"] = s["relay"]["service"]
-json.dump(report, open(sys.argv[1], "w"), indent=1)
 for cid, r in report.items():
     paths = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(r["bytes_by_path"].items()) if v) or "none"
     print("%9s: sent %s; links %s" % (cid, paths, r["links"]))
@@ -79,5 +78,14 @@ for cid, r in report.items():
         rel = r["relay"]
         print("%9s  relayed for the sites: %.1f MB over %d circuits"
               % ("", rel["bytes_relayed"] / 1e6, rel["circuits_opened"]))
-' "$out/wan-bytes.json"
+summary = json.load(open(sys.argv[2]))
+seconds = sorted(r["seconds"] for r in summary["rounds"])
+report["job"] = {"final_accuracy": summary["final_accuracy"], "rounds": len(seconds),
+                 "round_seconds_median": seconds[len(seconds) // 2] if seconds else None,
+                 "seconds_total": summary["seconds_total"], "uplink": sys.argv[3]}
+json.dump(report, open(sys.argv[1], "w"), indent=1)
+print("job: final accuracy %(final_accuracy).4f, %(rounds)d rounds, median round %(round_seconds_median).2f s,"
+      " %(seconds_total).1f s in all; uplinks %(uplink)s" % {**report["job"], "uplink": sys.argv[3] or "flat"})
+' "$out/wan-bytes.json" "$out/summary.json" \
+    "${mode:+RTT ${FP_WAN_RTT_MS:-40} ms, loss ${FP_WAN_LOSS:-0.1} %, ${FP_WAN_RATE:-100mbit}}"
 log "results in $out"

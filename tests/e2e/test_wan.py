@@ -7,8 +7,9 @@ router namespace of its own, and a gateway on the "internet" bridge that relays 
   between two sites goes through the gateway's relay, and a job submitted from the
   gateway's namespace finishes, with relayed bytes counted on the sites and the gateway.
 
-Needs root, network namespaces and iptables; skipped with the reason otherwise. tc netem
-shapes the uplinks where the kernel has sch_netem (else the rate only).
+The uplinks carry 80 ms RTT and 1 % loss each way (the issue's hard case): tc netem where
+the kernel has sch_netem, else deploy/wanlink.py. Needs root, network namespaces and
+iptables; skipped with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.netns, pytest.mark.timeout(600)]
 
 WAN_SUBNET = "198.18.0"
 MESH_DEADLINE_S = 120.0
+RTT_MS, LOSS_PCT = 80, 1
 
 
 class Wan(NetnsTestbed):
@@ -50,16 +52,17 @@ def wan(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Wan]:
         reason = "the WAN testbed's NAT routers need iptables (apt-get install iptables)"
     if reason is not None:
         pytest.skip(reason)
-    bed = Wan.fresh(tmp_path_factory, "fpw")
+    bed = Wan.fresh(tmp_path_factory, "fpw", FP_WAN_RTT_MS=str(RTT_MS), FP_WAN_LOSS=str(LOSS_PCT))
     with brought_up(bed, "--wan"):
         yield bed
 
 
 DIAL = """
-import socket, sys
+import socket, sys, time
 try:
+    start = time.monotonic()
     socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close()
-    print("connected")
+    print(f"connected {(time.monotonic() - start) * 1000:.1f}")
 except OSError as exc:
     print(f"failed: {exc}")
 """
@@ -76,6 +79,7 @@ def test_no_site_can_dial_another_but_each_reaches_the_gateway(wan: Wan) -> None
                 assert out.startswith("failed"), (src, dst, ip, out)
         out = wan.run_in(src, sys.executable, "-c", DIAL, wan.ip("scheduler"), str(PORT)).stdout
         assert out.startswith("connected"), (src, out)
+        assert float(out.split()[1]) >= RTT_MS, (src, out)  # the handshake crossed the uplink twice
 
 
 def test_sites_mesh_through_the_gateway_and_a_job_runs(wan: Wan, tmp_path: Path) -> None:
