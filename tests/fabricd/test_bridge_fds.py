@@ -30,7 +30,7 @@ from proto.bridge import (
     SendUpdate,
     bridge_header,
 )
-from tests.fabricd._harness import Node, bridge_status, wait_until
+from tests.fabricd._harness import Node, bridge_status, connected_fast, wait_until
 from tests.fabricd._transfer_load import blast
 
 pytestmark = pytest.mark.slow
@@ -79,7 +79,7 @@ class Consumer:
     """An executor on b that takes deliveries as memfds and answers each."""
 
     def __init__(self, b: Node, job: str) -> None:
-        self.client = BridgeClient(b.bridge_socket, role="executor", cluster_id="b", job_id=job,
+        self.client = BridgeClient(b.bridge_socket, role="executor", cluster_id=b.name, job_id=job,
                                    answers_deliveries=True, accepts_fds=True, max_payload=1 << 30)
         self.got: list[tuple[Delivery, bool, bytes]] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -111,10 +111,22 @@ class Consumer:
 
 def test_large_update_passes_as_memfds_both_ways_verified(mesh) -> None:  # type: ignore[no-untyped-def]
     """Twice, the same size: first claiming a sha256, then a BLAKE3 (what executors claim),
-    received into the spare memfd b made after the first."""
-    a, b = mesh.nodes["a"], mesh.nodes["b"]
+    received into the spare memfd b made after the first. b is a daemon of its own: the
+    mesh's b may still hold two spares of other sizes from earlier tests (freed only after
+    60 s idle) and would then make none of this size."""
+    a = mesh.nodes["a"]
+    b = mesh.add("fdb", [a.addr()])
+    wait_until(lambda: "fdb" in connected_fast(a), timeout=60)
     job = f"fd-{uuid.uuid4().hex[:6]}"
     bodies = [os.urandom(SIZE), os.urandom(SIZE)]
+    try:
+        _both_ways(a, b, job, bodies)
+    finally:
+        b.stop()
+        mesh.nodes.pop(b.name)
+
+
+def _both_ways(a: Node, b: Node, job: str, bodies: list[bytes]) -> None:
     consumer = Consumer(b, job)
     own_fds_before = len(os.listdir("/proc/self/fd"))
     sent: list[SendUpdate] = []
@@ -126,8 +138,8 @@ def test_large_update_passes_as_memfds_both_ways_verified(mesh) -> None:  # type
                     wait_until(lambda: (bridge_status(b)["transfer"]["spare_memfd_bytes"],
                                         bridge_status(b)["transfer"]["spare_memfd_bytes_making"]) == (SIZE, 0), 30)
                     taken = bridge_status(b)["transfer"]["spare_memfds_taken"]
-                sent.append(_update(job, body) if i == 0 else SendUpdate.for_payload(
-                    _safetensors(body), target_cluster="b", job_id=job, round=1, source_node="s",
+                sent.append(_update(job, body, b.name) if i == 0 else SendUpdate.for_payload(
+                    _safetensors(body), target_cluster=b.name, job_id=job, round=1, source_node="s",
                     target_node="t", message_id=f"{job}-{i}"))
                 sender.send_update(sent[-1], body if i == 0 else _safetensors(body))
                 reply, _ = sender.recv()
