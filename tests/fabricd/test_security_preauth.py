@@ -31,6 +31,7 @@ from proto.codec import encode
 from proto.ids import PROTOCOL_CONTROL, PROTOCOL_MEMBER, PROTOCOL_UPDATE, TOPIC_HEARTBEAT
 from proto.messages import Heartbeat
 from tests.fabricd._harness import (
+    Node,
     bridge_status,
     connected_fast,
     init_ca,
@@ -78,6 +79,7 @@ async def test_stalled_strangers_are_dropped_and_a_new_member_still_joins(mesh) 
     await trio.to_thread.run_sync(lambda: wait_until(lambda: {"a", "n1"} <= connected_fast(t), timeout=60))
     assert t.proc.poll() is None and n.proc.poll() is None
     assert (await trio.to_thread.run_sync(lambda: n.probe("t1", 65536, check=False))).returncode == 0
+    await trio.to_thread.run_sync(_stop, mesh, [n, t])
 
 
 @pytest.mark.trio
@@ -115,6 +117,15 @@ async def test_forged_certificates_cannot_mark_a_real_cluster_not_a_member(mesh)
     assert re.search(r"event=member\.rejected .*claimed_cluster=late .*ForeignCertificate.*verified_claim=False",
                      a.log())
     assert late.proc.poll() is None
+    await trio.to_thread.run_sync(_stop, mesh, [late])
+
+
+def _stop(mesh, nodes: list[Node]) -> None:  # type: ignore[no-untyped-def]
+    """Stops the daemons a test added (they would otherwise serve, gossip and take CPU
+    until the session ends) and takes them out of the mesh."""
+    for node in nodes:
+        node.stop()
+        mesh.nodes.pop(node.name)
 
 
 def _forged_heartbeat(key_pair, victim_port: int) -> rpc_pb2.Message:
