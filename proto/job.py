@@ -124,7 +124,9 @@ class TopologySpec:
 class AggregationSpec:
     name: str = "fedavgm"  # fedavg on a decentralized topology when unset (from_dict)
     server_learning_rate: float | None = None  # None = the algorithm's own default
-    server_momentum: float = 0.9            # fedavgm
+    # fedavgm; None: 0.5 with the scaled step (momentum only picks its direction), 0.9
+    # (Hsu et al.) with the plain one
+    server_momentum: float | None = None
     beta1: float = 0.9                      # fedadam / fedyogi
     beta2: float = 0.99
     tau: float = 1e-3                       # adaptivity (fedadam / fedyogi / fedadagrad)
@@ -457,16 +459,15 @@ def _rule_model(source: str, key: str, value: Any) -> str:
                 ", or 'package.module:Class'" + hint)
 
 
-def _rule_optional_float(source: str, key: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    return _rule_float(-math.inf)(source, key, value)
+def _rule_optional(inner: Rule) -> Rule:
+    """`inner`, or None where the key is left unset (TOML has no null: a default)."""
+    def rule(source: str, key: str, value: Any) -> Any:
+        return None if value is None else inner(source, key, value)
+    return rule
 
 
-def _rule_optional_positive_float(source: str, key: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    return _rule_float(0.0, low_open=True)(source, key, value)
+_rule_optional_float = _rule_optional(_rule_float(-math.inf))
+_rule_optional_positive_float = _rule_optional(_rule_float(0.0, low_open=True))
 
 
 _RULES: dict[str, Rule] = {
@@ -505,7 +506,7 @@ _RULES: dict[str, Rule] = {
     "topology.mixing_steps": _rule_int(0, MAX_MIXING_STEPS),
     "aggregation.name": _rule_aggregator,
     "aggregation.server_learning_rate": _rule_optional_positive_float,
-    "aggregation.server_momentum": _rule_float(0.0, 1.0, high_open=True),
+    "aggregation.server_momentum": _rule_optional(_rule_float(0.0, 1.0, high_open=True)),
     "aggregation.beta1": _rule_float(0.0, 1.0, high_open=True),
     "aggregation.beta2": _rule_float(0.0, 1.0, high_open=True),
     "aggregation.tau": _rule_float(0.0, low_open=True),

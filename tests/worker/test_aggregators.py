@@ -60,12 +60,21 @@ def test_fedavgm_server_momentum_by_hand() -> None:
     np.testing.assert_allclose(agg2.aggregate(_w([0, 0]), [(_w([1, 2]), 1)])["w"], [0.5, 1.0])
 
 
+def test_fedavgm_momentum_defaults_to_the_step_forms_own() -> None:
+    """Unset, server_momentum is 0.5 under the scaled step (where it only picks the step's
+    direction) and the literature's 0.9 under the plain one; a job's own value wins."""
+    assert _agg("fedavgm").momentum == 0.5
+    assert _agg("fedavgm", server_step="plain").momentum == 0.9
+    assert _agg("fedavgm", server_momentum=0.9).momentum == 0.9
+    assert _agg("fedavgm", server_momentum=0.0, server_step="plain").momentum == 0.0
+
+
 def test_fedavgm_forgets_its_momentum_when_the_clients_turn_back() -> None:
-    agg = _agg("fedavgm")   # the defaults: scaled step, momentum 0.9
+    agg = _agg("fedavgm")   # the defaults: scaled step, momentum 0.5
     w1 = agg.aggregate(_w([0.0]), [(_w([1.0]), 1)])
     np.testing.assert_allclose(w1["w"], [1.0])
-    # the clients now average 0.5: the kept velocity (0.9 x -1 + 0.5) would still climb,
-    # to 1.4; restarted, the step is FedAvg's
+    # the clients now average 0.5: the kept velocity (0.5 x -1 + 0.5) would not move the
+    # model; restarted, the step is FedAvg's
     np.testing.assert_allclose(agg.aggregate(w1, [(_w([0.5]), 1)])["w"], [0.5])
     # the literature's form keeps its momentum
     plain = _agg("fedavgm", server_step="plain")
