@@ -204,12 +204,16 @@ async def _hop(host: IHost, relay: str, msg: HopMessage) -> tuple[INetStream, Ho
 async def dial(host: IHost, circuit: str, peer_id: ID) -> None:
     """A libp2p connection to ``peer_id`` through the relay ``circuit`` names
     (``<relay addr>/p2p/<relay>/p2p-circuit/p2p/<peer>``); ConnectionError saying why not."""
-    relay_info = info_from_p2p_addr(multiaddr.Multiaddr(circuit.partition(CIRCUIT)[0]))
+    relay_addr = circuit.partition(CIRCUIT)[0]
+    relay_info = info_from_p2p_addr(multiaddr.Multiaddr(relay_addr))
     relay = str(relay_info.peer_id)
-    if not host.get_network().get_connections(relay_info.peer_id):
-        await host.connect(relay_info)
-    stream, resp = await _hop(host, relay, HopMessage(
-        type=HopMessage.CONNECT, peer=CircuitPeerId(id=peer_id.to_bytes())))
+    try:
+        if not host.get_network().get_connections(relay_info.peer_id):
+            await host.connect(relay_info)
+        stream, resp = await _hop(host, relay, HopMessage(
+            type=HopMessage.CONNECT, peer=CircuitPeerId(id=peer_id.to_bytes())))
+    except Exception as exc:  # noqa: BLE001 - whatever ended it, the relay is the cause
+        raise ConnectionError(f"relay {relay_addr} unreachable: {type(exc).__name__}: {exc}") from exc
     if resp.status != to_proto_status(StatusCode.OK):
         await reset_quietly(stream)
         raise ConnectionError(f"relay {relay} refused a circuit to {peer_id}: {_status_name(resp.status)}")
@@ -220,6 +224,41 @@ async def dial(host: IHost, circuit: str, peer_id: ID) -> None:
         await reset_quietly(stream)
         raise
     _tag(host, peer_id, conn, ma)
+
+
+def dial_circuits_too(host: IHost, timeout: float) -> None:
+    """Make the host's swarm reach a peer through its /p2p-circuit addresses as well (its own
+    dial skips them), for every stream opened to a peer not connected: its direct addresses
+    first (half of ``timeout`` when it has relays too), then each relay with its share of
+    ``timeout``, so a dead or silent relay leaves the next its time; the error names each."""
+    swarm = host.get_network()
+    direct = swarm.dial_peer
+
+    async def dial_peer(peer_id: ID) -> list[Any]:
+        addrs = host.get_peerstore().addrs(peer_id)
+        circuits = [str(a) for a in addrs if is_circuit(a)]
+        if not circuits:
+            return await direct(peer_id)
+        failures = []
+        if len(circuits) < len(addrs):
+            with trio.move_on_after(timeout / 2):
+                try:
+                    return await direct(peer_id)
+                except Exception as exc:  # noqa: BLE001 - the relays may still reach it
+                    failures.append(f"{type(exc).__name__}: {exc}")
+        for circuit in circuits:
+            try:
+                with trio.fail_after(timeout / len(circuits)):
+                    await dial(host, circuit, peer_id)
+                return swarm.get_connections(peer_id)
+            except trio.TooSlowError:
+                failures.append(f"relay {circuit.partition(CIRCUIT)[0]} did not answer in "
+                                f"{timeout / len(circuits):.0f} s")
+            except Exception as exc:  # noqa: BLE001 - the next relay may do
+                failures.append(str(exc) if isinstance(exc, ConnectionError) else f"{type(exc).__name__}: {exc}")
+        raise ConnectionError("; ".join(failures))
+
+    swarm.dial_peer = dial_peer  # type: ignore[method-assign]
 
 
 class RelayService(CircuitV2Protocol):

@@ -141,6 +141,7 @@ class Discovery:
         self.relays: _relay.RelayClient | None = None
         membership.on_member = self._on_member
         membership.on_leave = self._on_leave
+        _relay.dial_circuits_too(self.host, DIAL_TIMEOUT)
 
     @property
     def host(self) -> Any:
@@ -366,26 +367,8 @@ class Discovery:
             await self._connect(_peer_info(peer_id, tuple(addrs)))
 
     async def _connect(self, target: PeerInfo) -> None:
-        """Direct addresses first (libp2p's swarm skips /p2p-circuit ones), then each relay."""
-        circuits = [str(a) for a in target.addrs if _relay.is_circuit(a)]
-        direct = [a for a in target.addrs if not _relay.is_circuit(a)]
-        if direct:
-            # a peer behind NAT may announce both: leave the relays half the time
-            with trio.move_on_after(DIAL_TIMEOUT / 2 if circuits else float("inf")):
-                try:
-                    await self.host.connect(PeerInfo(target.peer_id, direct))
-                    return
-                except Exception:  # any failed dial: the relays may still reach it
-                    if not circuits:
-                        raise
-        failure: Exception = ConnectionError(f"no address of {target.peer_id} answered")
-        for circuit in circuits:
-            try:
-                await _relay.dial(self.host, circuit, target.peer_id)
-                return
-            except Exception as exc:  # noqa: BLE001 - the next relay may do
-                failure = exc
-        raise failure
+        """Direct addresses first, then each relay (_relay.dial_circuits_too)."""
+        await self.host.connect(target)
 
     # ---- DHT records -------------------------------------------------------------------
 

@@ -210,19 +210,22 @@ def start_pair(root: Path, limits: str = "", prepare: Callable[[Node], None] | N
 
 
 def start_relayed(root: Path, ca: Path, members: tuple[str, ...], relay: str, gateway_limits: str = "",
-                  member_limits: str = "") -> list[Node]:
-    """A gateway g (``relay``: lines for its [network], relay_service = true among them) and
-    ``members`` that bootstrap from it and announce only relayed addresses (reachability =
-    "private"), all started and ready: [g, *members]. The caller stops them; should this
-    fail, it stops those it started itself."""
-    g = init_node(root, "g", ca)
-    configure(g, relay, gateway_limits)
-    nodes = [g]
+                  member_limits: str = "", gateways: tuple[str, ...] = ("g",)) -> list[Node]:
+    """Gateways (``relay``: lines for their [network], relay_service = true among them) and
+    ``members`` that bootstrap from all of them and announce only relayed addresses
+    (reachability = "private"), all started and ready: [*gateways, *members]. The caller
+    stops them; should this fail, it stops those it started itself."""
+    nodes: list[Node] = []
     try:
-        g.start()
-        g.wait_ready()
+        for name in gateways:
+            g = init_node(root, name, ca)
+            configure(g, relay, gateway_limits)
+            nodes.append(g)
+            g.start()
+            g.wait_ready()
+        addrs = [g.addr() for g in nodes]
         for name in members:
-            node = init_node(root, name, ca, [g.addr()])
+            node = init_node(root, name, ca, addrs)
             configure(node, 'reachability = "private"', member_limits)
             nodes.append(node)
             node.start()
