@@ -30,6 +30,8 @@ import multiaddr
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.connection_types import ConnectionType
+from libp2p.host.ping import ID as PING_ID
+from libp2p.host.ping import perform_ping_roundtrip
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.network.stream.exceptions import StreamEOF, StreamError
 from libp2p.peer.id import ID
@@ -59,6 +61,11 @@ RENEW_MARGIN = 600.0
 #: a gateway that refused a reservation, or offers no relay, is asked again after this
 RETRY_REFUSED = 30.0
 RELAY_READ = 1024 * 1024
+#: a gateway is pinged this often; one silent for SILENT_AFTER (frozen, its machine gone)
+#: has its connection closed, and the circuits through it with it: members redial through
+#: another relay instead of waiting on a TCP connection nobody reads
+PING_EVERY = 5.0
+SILENT_AFTER = 10.0
 HOP_TIMEOUT = 10.0
 CIRCUIT = "/p2p-circuit"
 #: multistream-select's message choosing Noise (varint length, "/noise\n")
@@ -419,10 +426,38 @@ class RelayClient:
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
+        pinged: dict[str, float] = {}
         while True:
             for gateway in self.gateways:
                 await self._keep(gateway)
+                if pinged.get(gateway, 0.0) < time.monotonic() - PING_EVERY:
+                    await self._ping(info_from_p2p_addr(multiaddr.Multiaddr(gateway)).peer_id)
+                    pinged[gateway] = time.monotonic()
             await trio.sleep(1.0)
+
+    async def _ping(self, relay_id: ID) -> None:
+        """Close the connections to a gateway that does not answer a ping in SILENT_AFTER."""
+        conns = self.host.get_network().get_connections(relay_id)
+        if not conns:
+            return
+        try:
+            with trio.fail_after(SILENT_AFTER):
+                stream = await self.host.new_stream(relay_id, [PING_ID])
+                await perform_ping_roundtrip(stream)
+            await close_quietly(stream)
+            return
+        except trio.TooSlowError:
+            pass
+        except Exception:  # noqa: BLE001 - a refused or broken stream is no silence: its end follows
+            return
+        log.warning("relay.silent", relay=str(relay_id), after_s=SILENT_AFTER,
+                    action="connection closed; links through it redial through another relay")
+        for conn in conns:
+            with trio.move_on_after(1):
+                # the socket first: writes blocked on it end, where yamux's goodbye would wait
+                await conn.muxed_conn.secured_conn.close()  # type: ignore[attr-defined]
+            with trio.move_on_after(1):
+                await conn.close()
 
     async def _keep(self, gateway: str) -> None:
         relay_id = info_from_p2p_addr(multiaddr.Multiaddr(gateway)).peer_id

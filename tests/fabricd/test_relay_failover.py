@@ -2,9 +2,10 @@
 
 - Two gateways: private members that bootstrap from both hold a reservation at each and
   announce both circuit addresses. The gateway carrying their link is killed (SIGKILL: its
-  connections close) while a 256 MiB update is under way. That update ends - delivered
-  over the other gateway, or failed naming the relay - and the members link again
-  through the other gateway, which carries the next update.
+  connections close) or frozen (SIGSTOP: they stay open and nothing answers, as when its
+  machine is gone: the members' pings find it silent) while a 256 MiB update is under way.
+  That update ends - delivered over the other gateway, or failed naming the relay - and
+  the members link again through the other gateway, which carries the next update.
 - One gateway, killed mid-update: the update fails and the error names the relay.
 Never a hang: every wait is bounded.
 """
@@ -50,7 +51,7 @@ def _update_cut_by(g: Node, p: Node, how: signal.Signals) -> tuple[subprocess.Co
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - cut
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL], ids=["killed"])
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 def test_the_other_gateway_carries_the_link_when_one_dies(tmp_path: Path, how: signal.Signals) -> None:
     nodes = start_relayed(tmp_path, init_ca(tmp_path), ("p", "q"), "relay_service = true", gateways=("g1", "g2"))
     g1, g2, p, q = nodes
