@@ -437,7 +437,7 @@ def grid_cells(size: str, datasets: list[str] | None, models: list[str] | None
 def grid_jobs(size: str) -> list[tuple[str, str]]:
     """Every topology x aggregator at its defaults (the quick slice: one of each kind)."""
     if size == "quick":
-        return [("star", "fedavg"), ("hybrid", "fedadam"), ("k_connected", "fedavg"),
+        return [("star", "fedavg"), ("hybrid", "fedadam"), ("k_connected", "fedavgm"),
                 ("star", "fedavgm")]
     return [(t, a) for t in GRID_TOPOLOGIES for a in GRID_AGGREGATORS]
 

@@ -122,7 +122,7 @@ class TopologySpec:
 
 @dataclass(frozen=True)
 class AggregationSpec:
-    name: str = "fedavgm"  # fedavg on a decentralized topology when unset (from_dict)
+    name: str = "fedavgm"  # every topology (docs/job.md "Does it learn?")
     server_learning_rate: float | None = None  # None = the algorithm's own default
     # fedavgm; None: 0.5 with the scaled step (momentum only picks its direction), 0.9
     # (Hsu et al.) with the plain one
@@ -262,11 +262,6 @@ class JobSpec:
             if not isinstance(table, Mapping):
                 raise JobSpecError(source, name, f"[{name}] must be a table, got {_show(table)}")
             sections[name] = _build_section(source, name, section_cls, table)
-        aggregation = data.get("aggregation", {})
-        if "name" not in aggregation and sections["topology"].kind in DECENTRALIZED_TOPOLOGIES:
-            # with no server, momentum steps on each node's disagreement with its
-            # neighbours too: fedavg is the default there (AggregationSpec)
-            sections["aggregation"] = replace(sections["aggregation"], name="fedavg")
         spec = cls(job_id=job_id, seed=seed, **sections)
         _check_cross(source, spec)
         return spec

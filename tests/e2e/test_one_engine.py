@@ -153,7 +153,8 @@ def test_fedavg_topologies_that_must_equal_star(kind: str, aggregation: str) -> 
 def test_decentralized_final_model_is_the_evaluated_consensus() -> None:
     # a ring of 6 mixes by 2/3 a step: auto takes 4 steps (2/3 ** 4 <= 0.2), 12 messages each
     for steps, messages in ((0, 48), (1, 12)):
-        result, _ = run(job("ring", clients=6, rounds=2, topology={"mixing_steps": steps}))
+        result, _ = run(job("ring", clients=6, rounds=2, topology={"mixing_steps": steps},
+                            aggregation={"name": "fedavg"}))
         info = result.summary.final_model
         assert info["node"] == "consensus" and "mean of the node models" in info["model"]
         assert result.summary.final_accuracy == info["accuracy"]

@@ -91,10 +91,10 @@ def plan(topology: dict[str, object], aggregation: str | None = None) -> Routing
 
 
 def test_the_plan_carries_the_steps_auto_or_as_set() -> None:
-    auto = plan({"kind": "k_connected", "traffic_budget": 0})
+    auto = plan({"kind": "k_connected", "traffic_budget": 0}, "fedavg")
     assert auto.mixing_steps > 1  # a log-degree graph: 0.5-0.7 a step, so 3-4 steps
-    assert plan({"kind": "k_connected", "mixing_steps": 2}).mixing_steps == 2
-    assert plan({"kind": "k_connected"}, "fedavgm").mixing_steps == 1  # momentum: one
+    assert plan({"kind": "k_connected", "mixing_steps": 2}, "fedavg").mixing_steps == 2
+    assert plan({"kind": "k_connected"}).mixing_steps == 1  # fedavgm (momentum): one
     assert plan({"kind": "k_connected"}, "median").mixing_steps == 1   # not measured: one
     assert plan({"kind": "ring"}).mixing_steps == 1
     assert plan({"kind": "star"}).mixing_steps == 1
