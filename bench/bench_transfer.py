@@ -34,6 +34,9 @@ is the median of the per-run ratios (goal >= 0.4: a relay costs one more Python 
   67-110 MB/s, ratio 0.358 at loadavg 20 (goal 0.4 not met). CPU per 32 MiB relayed vs
   direct: sender 0.15-0.30 vs 0.07 s (Noise twice: the inner session and the hop), relay
   0.18-0.36 s (decrypts and re-encrypts), receiver 0.17-0.29 vs 0.02-0.1 s.
+- stop 39, after relay failover and gateway pings: ratio 0.22 (5 runs, loadavg 11.5),
+  0.292 / 0.251 / 0.273 (4 runs each, loadavg 10-16). CPU per 64 MiB relayed: gateway
+  0.40 s, sender 0.28, receiver 0.34 (~3.6x direct); all three mostly idle in epoll.
 
 Measured 2026-11-22, 2 cores shared with other agents' test runs (MB = 10^6 bytes):
 - full run at loadavg ~18 (everything CPU-starved; ratios are against raw TCP measured in
