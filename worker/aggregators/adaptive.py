@@ -45,6 +45,7 @@ from .base import (
     cast_like,
     check_updates,
     opposes,
+    plain_step,
     pooled_mean,
     require,
     server_learning_rate,
@@ -73,7 +74,7 @@ class AdaptiveAggregator(Aggregator):
     def __init__(self, spec: AggregationSpec) -> None:
         super().__init__(spec)
         self.server_lr = server_learning_rate(spec, type(self))
-        self.plain = getattr(spec, "server_step", "scaled") == "plain"
+        self.plain = plain_step(spec)
         self.beta1 = float(spec.beta1)
         self.beta2 = float(spec.beta2)
         self.tau = float(spec.tau)

@@ -145,7 +145,7 @@ class Aggregator(ABC):
         activations no longer have (measured, MNIST BNCNN beta 0.3: fedadam's loss went to
         4.2 and 10.4 in two rounds at ratio 2; digits BNCNN beta 0.1: 0.78 -> 0.84)."""
         ratio = float(getattr(self.spec, "max_step_ratio", 2.0))
-        if getattr(self.spec, "server_step", "scaled") == "plain":
+        if plain_step(self.spec):
             return 0.0
         statistics = any(name.rpartition(".")[2] == "running_var" for name in weights)
         return min(ratio, 1.0) if statistics and ratio > 0 else ratio
@@ -185,13 +185,18 @@ class Aggregator(ABC):
         self._state = restored
 
 
+def plain_step(spec: AggregationSpec) -> bool:
+    """Whether a server optimizer takes the literature's plain step (`server_step`)."""
+    return getattr(spec, "server_step", "scaled") == "plain"
+
+
 def server_learning_rate(spec: AggregationSpec, cls: type[Aggregator]) -> float:
     """`spec.server_learning_rate`, or the algorithm's own default for the job's
     `server_step` when it is None."""
     value = getattr(spec, "server_learning_rate", None)
     if value is not None:
         return float(value)
-    if getattr(spec, "server_step", "scaled") == "plain":
+    if plain_step(spec):
         return float(getattr(cls, "plain_server_learning_rate", cls.default_server_learning_rate))
     return cls.default_server_learning_rate
 

@@ -24,6 +24,7 @@ from .base import (
     cast_like,
     check_updates,
     opposes,
+    plain_step,
     pooled_mean,
     require,
     server_learning_rate,
@@ -57,10 +58,10 @@ class FedAvgM(Aggregator):
     def __init__(self, spec: AggregationSpec) -> None:
         super().__init__(spec)
         self.server_lr = server_learning_rate(spec, type(self))
+        self.plain = plain_step(spec)
         momentum = getattr(spec, "server_momentum", None)
         self.momentum = float(momentum if momentum is not None else
-                              PLAIN_MOMENTUM if getattr(spec, "server_step", "scaled") == "plain"
-                              else MOMENTUM)
+                              PLAIN_MOMENTUM if self.plain else MOMENTUM)
         require(self.server_lr > 0, self.name, "server_learning_rate", self.server_lr, "> 0")
         require(0 <= self.momentum < 1, self.name, "server_momentum", self.momentum, "0 <= m < 1")
 
@@ -72,7 +73,7 @@ class FedAvgM(Aggregator):
         ratio = self.step_ratio(global_weights)
         currents = self.trained(global_weights, avg)
         grads = {name: current - avg[name] for name, current in currents.items()}
-        if getattr(self.spec, "server_step", "scaled") != "plain" and opposes(velocity, grads):
+        if not self.plain and opposes(velocity, grads):
             velocity.clear()
         for name, mean in avg.items():
             if name not in grads:
