@@ -57,6 +57,10 @@ BAD = [
     ("[data]\ndirichlet_beta = 0\n", ["data.dirichlet_beta = 0", "number > 0"]),
     ("[data]\ndirichlet_beta = 'high'\n", ["data.dirichlet_beta = 'high'", "number"]),
     ("[data]\nclient_test_fraction = 1.0\n", ["data.client_test_fraction = 1.0", "< 1.0"]),
+    # optional (unset: the step form's own default), but bounded when set
+    ("[aggregation]\nserver_momentum = 1.0\n",
+     ["aggregation.server_momentum = 1.0", ">= 0.0 and < 1.0"]),
+    ("[aggregation]\nserver_momentum = 'high'\n", ["aggregation.server_momentum = 'high'"]),
     ("[data]\ndata_distribution_kind = 'dirichlet2'\n",
      ["data.data_distribution_kind = 'dirichlet2'", "one of iid, dirichlet", "'dirichlet'"]),
     ("[data]\ndataset = 'mnistt'\n", ["data.dataset = 'mnistt'", "npz:PATH"]),
