@@ -94,7 +94,8 @@ class Plan:
         """Model transfers between clusters in one round with every client taking part."""
         t = self.topology
         if t.kind in DECENTRALIZED_TOPOLOGIES:
-            return inter_transfers(t.edges, self.placement.cluster_index, max(1, t.mixing_steps))
+            return inter_transfers(t.edges, self.placement.cluster_index, max(1, t.mixing_steps),
+                                   grouped=self.spec.transfer.compression != "topk")
         return 2 * self.routing.edge_counts()[1]
 
     def summary(self) -> dict[str, Any]:
@@ -246,7 +247,8 @@ def final_topology(spec: JobSpec, placement: PlacementResult, pre: LogicalTopolo
     n = spec.data.number_of_clients
     if spec.topology.kind == "k_connected":
         return fit_traffic_budget(pre, placement.cluster_index, spec.topology.traffic_budget,
-                                  fixed_steps=bool(fixed_mixing_steps(spec)), seed=seed)
+                                  fixed_steps=bool(fixed_mixing_steps(spec)), seed=seed,
+                                  grouped=spec.transfer.compression != "topk")
     if spec.topology.kind in _PRE_PLACEMENT:
         return pre
     return build_topology(spec.topology, n, groups=placement.cluster_index,

@@ -47,6 +47,9 @@ MIXING_TARGET = 0.2
 #: ... unless even MAX_MIXING_STEPS leave more than this share: then the graph mixes too
 #: slowly (a ring, a sparse custom graph) for steps to pay their traffic, and one is used
 MIXING_USEFUL = 0.5
+#: k_connected under a budget gains the edges that cost no inter-cluster transfer while
+#: every node keeps at most this many neighbours (a node averages all of them each step)
+FREE_DEGREE = 128
 DENSE_MIXING_LIMIT = 1000   # clients; above, power iteration (dense: 0.4 s at 1,000, 2 s at 1,500)
 
 
@@ -147,47 +150,94 @@ def star_transfers(cluster_index: np.ndarray) -> int:
     return int(2 * (counts.sum() - counts.max())) if len(counts) else 0
 
 
-def inter_transfers(edges: np.ndarray, cluster_index: np.ndarray, steps: int) -> int:
-    """Inter-cluster model transfers of one decentralized round: both ways over every
-    edge between clusters, once per mixing step."""
+def inter_transfers(edges: np.ndarray, cluster_index: np.ndarray, steps: int,
+                    grouped: bool = True) -> int:
+    """Inter-cluster model transfers of one decentralized round, once per mixing step: a
+    node's model goes once to each other cluster where it has neighbours
+    (HybridTransport.send_many); `grouped=False` (topk compression: a message per edge)
+    both ways over every edge between clusters."""
     e = np.asarray(edges, dtype=np.int64).reshape(-1, 2)
-    ci = np.asarray(cluster_index)
-    return int(2 * steps * np.count_nonzero(ci[e[:, 0]] != ci[e[:, 1]]))
+    ci = np.asarray(cluster_index, dtype=np.int64)
+    crossing = e[ci[e[:, 0]] != ci[e[:, 1]]]
+    if not grouped:
+        return int(2 * steps * len(crossing))
+    return int(steps * len(_sends(crossing, ci)))
+
+
+def _sends(crossing: np.ndarray, ci: np.ndarray) -> np.ndarray:
+    """The (node, other cluster) pairs of edges between clusters, as node * C + cluster."""
+    c = int(ci.max()) + 1 if len(ci) else 1
+    u, v = crossing[:, 0], crossing[:, 1]
+    return np.unique(np.concatenate([u * c + ci[v], v * c + ci[u]]))
 
 
 def fit_traffic_budget(topology: LogicalTopology, cluster_index: np.ndarray, budget: float,
-                       *, fixed_steps: bool = False, seed: int = 0) -> LogicalTopology:
+                       *, fixed_steps: bool = False, seed: int = 0,
+                       grouped: bool = True) -> LogicalTopology:
     """A decentralized graph whose inter-cluster transfers per round are at most `budget`
     x star's on the same placement (`topology.traffic_budget`; 0: as it is).
 
-    Edges inside a cluster cost no inter-cluster bytes (Ray references), so the graph keeps
-    every node's degree with edges inside its cluster and keeps only as many edges between
-    clusters as the budget pays for: first one for every node that had one (seeded
-    order), then more at random. Fewer mixing steps let more edges cross; of the step
-    counts up to the plan's, the one whose graph leaves the least disagreement after a
-    round (mixing factor ^ steps) wins (`fixed_steps`: the job fixed them). Measured
-    (bench_learning's grid, k_connected + fedavg at the defaults): see docs/job.md."""
+    Edges inside a cluster cost no inter-cluster bytes (Ray references), and (`grouped`)
+    neither does an edge between two nodes whose models go to each other's cluster anyway
+    (`inter_transfers`). So the graph keeps every node's degree with edges inside its
+    cluster and keeps only as many edges between clusters as the budget pays for: first
+    one for every node that had one (seeded order), then more at random; then, up to
+    FREE_DEGREE neighbours, it gains every edge that costs nothing (`_free_edges`): with a
+    few clusters that is every pair, and one mixing step averages the whole federation.
+    Of the step counts up to the plan's, the fewest that leave at most MIXING_TARGET of
+    the disagreement after a round (mixing factor ^ steps), else the one that leaves the
+    least, win (`fixed_steps`: the job fixed them). Measured (bench_learning's grid,
+    k_connected at the defaults): see docs/job.md."""
     n = topology.num_clients
     ci = np.asarray(cluster_index, dtype=np.int64)[:n]
+    if budget <= 0:
+        return topology
     limit = budget * star_transfers(ci)
     steps = max(1, topology.mixing_steps)
-    if budget <= 0 or inter_transfers(topology.edges, ci, steps) <= limit:
-        return topology
     samples = np.ones(n)
     best: tuple[float, LogicalTopology] | None = None
-    for s in ([steps] if fixed_steps else range(steps, 0, -1)):
-        edges = _sparsify(topology.edges, ci, int(limit // (2 * s)), seed)
+    for s in ([steps] if fixed_steps else range(1, steps + 1)):
+        edges = topology.edges
+        if inter_transfers(edges, ci, s, grouped) > limit:
+            edges = _sparsify(edges, ci, int(limit // s), seed, grouped)
+        if grouped:
+            edges = _free_edges(edges, ci, int(limit // s) - inter_transfers(edges, ci, 1), seed)
         remaining = mixing_factor(edges, samples) ** s
         if best is None or remaining < best[0] - 1e-9:
             best = (remaining, replace(topology, edges=edges, weights=np.ones(len(edges)),
                                        mixing_steps=s))
+        if remaining <= MIXING_TARGET:
+            break
     assert best is not None
     return best[1]
 
 
-def _sparsify(edges: np.ndarray, ci: np.ndarray, keep_inter: int, seed: int) -> np.ndarray:
-    """`edges` with at most `keep_inter` of those between clusters (one per node first),
-    and every node's lost degree made up by edges to random nodes of its own cluster."""
+def _free_edges(edges: np.ndarray, ci: np.ndarray, spare: int, seed: int) -> np.ndarray:
+    """`edges` and every edge that adds no inter-cluster transfer: between two nodes of one
+    cluster, or between u and v whose models go to each other's cluster already, after
+    `spare` more (node, cluster) sends were bought (seeded order); only while every node
+    has at most FREE_DEGREE neighbours (else `edges` as they are)."""
+    n = len(ci)
+    e = np.asarray(edges, dtype=np.int64).reshape(-1, 2)
+    if n < 2 or n > FREE_DEGREE + 1:
+        return e
+    c = int(ci.max()) + 1
+    sends = np.zeros(n * c, dtype=bool)
+    sends[_sends(e[ci[e[:, 0]] != ci[e[:, 1]]], ci)] = True
+    own = np.arange(n) * c + ci
+    missing = np.setdiff1d(np.flatnonzero(~sends), own)
+    missing = missing[np.isin(missing % c, ci)]  # clusters that hold nodes
+    sends[np.random.default_rng(seed).permutation(missing)[:max(0, spare)]] = True
+    u, v = np.triu_indices(n, k=1)
+    free = (ci[u] == ci[v]) | (sends[u * c + ci[v]] & sends[v * c + ci[u]])
+    return np.unique(np.concatenate([e, np.stack([u[free], v[free]], axis=1)]), axis=0)
+
+
+def _sparsify(edges: np.ndarray, ci: np.ndarray, keep: int, seed: int,
+              grouped: bool = True) -> np.ndarray:
+    """`edges` with only as many of those between clusters as cost at most `keep`
+    transfers a step (`inter_transfers`; one edge per node first), and every node's lost
+    degree made up by edges to random nodes of its own cluster."""
     rng = np.random.default_rng(seed)
     e = np.asarray(edges, dtype=np.int64).reshape(-1, 2)
     crossing = ci[e[:, 0]] != ci[e[:, 1]]
@@ -196,17 +246,25 @@ def _sparsify(edges: np.ndarray, ci: np.ndarray, keep_inter: int, seed: int) -> 
     covered = np.zeros(n, dtype=bool)
     first: list[int] = []
     for i, (u, v) in enumerate(inter):
-        if len(first) >= keep_inter:
-            break
         if not (covered[u] and covered[v]):
             covered[u] = covered[v] = True
             first.append(i)
     chosen = set(first)
-    rest = [i for i in range(len(inter)) if i not in chosen]
-    kept = inter[first + rest[:max(0, keep_inter - len(first))]]
+    sends: set[tuple[int, int]] = set()
+    cost = 0
+    kept = []
+    for i in first + [i for i in range(len(inter)) if i not in chosen]:
+        u, v = (int(x) for x in inter[i])
+        new = {(u, int(ci[v])), (v, int(ci[u]))} - sends if grouped else {(u, v), (v, u)}
+        if cost + len(new) > keep:
+            continue
+        cost += len(new)
+        sends |= new
+        kept.append(inter[i])
+    kept_edges = np.array(kept, dtype=np.int64).reshape(-1, 2)
     degree = np.bincount(e.ravel(), minlength=n)
-    have = {(int(u), int(v)) for u, v in np.concatenate([intra, kept])}
-    now = np.bincount(np.concatenate([intra, kept]).ravel(), minlength=n) if have else \
+    have = {(int(u), int(v)) for u, v in np.concatenate([intra, kept_edges])}
+    now = np.bincount(np.concatenate([intra, kept_edges]).ravel(), minlength=n) if have else \
         np.zeros(n, dtype=np.int64)
     members = {int(c): np.flatnonzero(ci == c) for c in np.unique(ci)}
     for u in rng.permutation(n):
@@ -220,8 +278,7 @@ def _sparsify(edges: np.ndarray, ci: np.ndarray, keep_inter: int, seed: int) -> 
             have.add((a, b))
             now[a] += 1
             now[b] += 1
-    out = np.array(sorted(have), dtype=np.int64).reshape(-1, 2)
-    return out
+    return np.array(sorted(have), dtype=np.int64).reshape(-1, 2)
 
 
 def auto_mixing_steps(edges: np.ndarray, samples: np.ndarray, client_fraction: float = 1.0,

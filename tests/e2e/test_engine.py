@@ -14,12 +14,12 @@ import pytest
 
 from proto.job import AggregationSpec, TopologySpec
 from proto.routing import RoutingMatrix
-from scheduler.planning.topology import build_topology
+from scheduler.planning.topology import build_topology, inter_transfers
 from worker.aggregators import get_aggregator
 from worker.executor import graph as g
 from worker.executor.engine import ClusterEngine
 from worker.executor.mailbox import Mailbox, MessageTimeout
-from worker.executor.transport import DeliveryRefused, HybridTransport
+from worker.executor.transport import TARGETS_KEY, DeliveryRefused, HybridTransport
 from worker.payload import PayloadError, decode, encode
 
 
@@ -219,6 +219,53 @@ def test_mixing_steps_average_with_neighbours_again_across_clusters() -> None:
     run_round(engines, 2)
     run_round(engines, 3)
     assert not any(key[0] == 1 for t in links.transports.values() for key in t._mailbox._taken)
+
+
+def test_a_nodes_model_crosses_to_each_neighbouring_cluster_once() -> None:
+    """Full graph, two nodes a cluster: each node's model goes to the other cluster in one
+    message for both its neighbours there (send_many), and every node still averages all
+    four models, as the plan's transfer count says."""
+    graph, routing = graph_of("full", 4)
+    placement = {"c0": "a", "c1": "a", "c2": "b", "c3": "b"}
+    engines, links = build(graph, placement)
+    reports = run_round(engines, 1)
+    mean = float(np.average(np.arange(4.0), weights=np.arange(1.0, 5.0)))  # i trained, i+1 samples
+    for i in range(4):
+        assert engines[placement[f"c{i}"]].current_model(f"c{i}")["w"][0, 0] == pytest.approx(mean)
+    assert reports["a"].messages_inter == reports["b"].messages_inter == 2  # per edge: 4
+    ci = np.array([0, 0, 1, 1])
+    edges = np.array([(u, v) for u, v, _ in routing.edges()])
+    assert inter_transfers(edges, ci, 1) == 4
+    assert inter_transfers(edges, ci, 1, grouped=False) == 8
+    assert links.sent_bytes == reports["a"].bytes_inter + reports["b"].bytes_inter
+
+
+def test_a_message_for_a_group_of_nodes_is_checked_against_the_plan() -> None:
+    graph, _ = graph_of("full", 4)
+    placement = {"c0": "a", "c1": "a", "c2": "b", "c3": "b"}
+    engines, _ = build(graph, placement)
+    transport = engines["a"].transport
+    transport.begin_round(1)
+    w = {"w": np.ones((2, 2), np.float32)}
+
+    def deliver(targets: str | None, *, kind: str = "peer", to: str = "@a") -> bool:
+        meta = {} if targets is None else {TARGETS_KEY: targets}
+        return transport.deliver_remote(
+            job_id="j", round=1, source_node="c2", target_node=to, source_cluster="b",
+            payload=encode(w, meta, kind=kind, samples=3), message_id=f"j/1/{kind}/c2/{to}")
+
+    for targets, kind, to, needle in [("c0,c2", "peer", "@a", "each must be a node of this"),
+                                      ("c0,c0", "peer", "@a", "once"),
+                                      (None, "peer", "@a", "each must be"),
+                                      ("c0,c1", "peer", "@b", "another cluster"),
+                                      ("c0,c1", "up", "@a", "only neighbours' models")]:
+        with pytest.raises(DeliveryRefused, match=needle):
+            deliver(targets, kind=kind, to=to)
+        assert len(transport._mailbox) == 0
+    assert deliver("c0,c1")
+    assert not deliver("c0,c1")  # a retried copy: applied once
+    for node in ("c0", "c1"):
+        assert transport.receive(1, "peer", "c2", node, 1).samples == 3
 
 
 def test_mixing_steps_are_checked_in_the_job() -> None:

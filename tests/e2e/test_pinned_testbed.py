@@ -25,7 +25,10 @@ def pinned_job(job_id: str, mode: str) -> JobSpec:
         "data": {"dataset": "site", "placement": "pinned", "number_of_clients": 9,
                  "data_distribution_kind": "iid"},
         "training": {"federated_learning_rounds": 2, "number_of_epochs": 1},
-        "topology": {"kind": "k_connected", "client_k_neighbors": 2, "k_connected_mode": mode},
+        # traffic_budget = 0: the mode's graph as built (a budget adds to either graph every
+        # edge that costs nothing more, so both would cross the same clusters)
+        "topology": {"kind": "k_connected", "client_k_neighbors": 2, "k_connected_mode": mode,
+                     "traffic_budget": 0},
         "placement": {"max_materialized": 2},
     })
 

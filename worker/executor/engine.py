@@ -372,10 +372,12 @@ class ClusterEngine:
                 [c for c in self.graph.children(parent) if c in trained], parent))
             self.transport.send(r, UP, node, parent, sent, samples, nbytes)
         else:
-            for peer in self.graph.peers.get(node, ()):
-                if peer in trained:
-                    self.transport.send(r, PEER, node, peer, update, samples, nbytes)
+            self.transport.send_many(r, PEER, node, self._trained_peers(node, trained), update,
+                                     samples, nbytes)
         return update
+
+    def _trained_peers(self, node: str, trained: set[str]) -> list[str]:
+        return [peer for peer in self.graph.peers.get(node, ()) if peer in trained]
 
     def _client_receive(self, node: str, r: int, update: Any, trained: set[str],
                         record: RoundRecord) -> None:
@@ -417,10 +419,8 @@ class ClusterEngine:
         every neighbour that trained this round."""
         handle = self.current_model(node)
         samples = self.pool.samples(node)
-        for peer in self.graph.peers.get(node, ()):
-            if peer in trained:
-                self.transport.send(r, mixing_kind(step), node, peer, handle, samples,
-                                    self._model_nbytes)
+        self.transport.send_many(r, mixing_kind(step), node, self._trained_peers(node, trained),
+                                 handle, samples, self._model_nbytes)
 
     def _mix_receive(self, node: str, r: int, step: int, trained: set[str],
                      record: RoundRecord) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 from proto.messages import NO_CONSUMER
 from worker import payload as wire
 from worker.errors import WorkerError
-from worker.executor.graph import FINAL, KINDS, ROUND_KINDS, STATE, UP
+from worker.executor.graph import FINAL, KINDS, MIXING_KINDS, PEER, ROUND_KINDS, STATE, UP
 from worker.executor.mailbox import Envelope, Mailbox
 
 Weights = dict[str, np.ndarray]
@@ -59,6 +59,9 @@ class RemoteLink(Protocol):
 
 Edge = tuple[str, str, str, str]  # (source node, target node, source cluster, target cluster)
 MODEL, AGGREGATOR = "model/", "aggregator/"  # tensor name prefixes of a migrating node's state
+#: a message for several nodes of one cluster (`send_many`) is addressed to "@<cluster>"
+#: and lists its nodes under this metadata key: the model crosses to that cluster once
+GROUP, TARGETS_KEY = "@", "fedpilot.targets"
 
 
 class Intake(Protocol):
@@ -168,6 +171,35 @@ class HybridTransport:
         with self._lock:
             self.counters.bytes_inter += nbytes_sent
             self.counters.messages_inter += 1
+
+    def send_many(self, round_index: int, kind: str, src: str, dsts: list[str], weights: Any,
+                  samples: int, nbytes: int) -> None:
+        """`send` to each of `dsts`, where the nodes of another cluster get one message
+        together (addressed to GROUP + that cluster, listing them): a decentralized node's
+        model crosses to each neighbouring cluster once, however many neighbours live
+        there (scheduler.planning.topology.inter_transfers counts it so), unless the
+        codec's messages depend on their edge (topk)."""
+        remote: dict[str, list[str]] = {}
+        for dst in dsts:
+            target = self._locate(dst)
+            if target == self.local_cluster:
+                self.send(round_index, kind, src, dst, weights, samples, nbytes)
+            else:
+                remote.setdefault(target, []).append(dst)
+        for target, group in remote.items():
+            if len(group) == 1 or getattr(self._codec, "per_edge", False):
+                for dst in group:
+                    self.send(round_index, kind, src, dst, weights, samples, nbytes)
+                continue
+            dst = GROUP + target
+            tensors, meta = self._codec.compress(self._resolve(weights),
+                                                 (src, dst, self.local_cluster, target))
+            meta = {**meta, TARGETS_KEY: ",".join(group)}
+            sent = self.send_to(target, round_index, kind, src, dst,
+                                wire.encode(tensors, meta, kind=kind, samples=samples))
+            with self._lock:
+                self.counters.bytes_inter += sent
+                self.counters.messages_inter += 1
 
     def send_to(self, target_cluster: str, round_index: int, kind: str, src: str, dst: str,
                 payload: bytes) -> int:
@@ -304,13 +336,36 @@ class HybridTransport:
                 raise DeliveryRefused(f"update {src} -> {dst} is for round {round}; this "
                                       f"cluster accepts rounds {self.current_round} and "
                                       f"{self.current_round + 1} only")
-            if not self.is_local(dst):
-                raise DeliveryRefused(f"update for node {dst}, which is not on this cluster")
+            targets = self._targets(dst, kind, decoded.metadata, what)
             weights = self._codec.decompress(decoded.tensors, decoded.metadata,
                                              (src, dst, placed, self.local_cluster))
+            if targets:
+                envelope = Envelope(self._conform(weights, what), decoded.samples,
+                                    len(payload), remote=True)
+                stored = [self._mailbox.put((round, kind, src, t), envelope,
+                                            message_id and f"{message_id}/{t}") for t in targets]
+                return any(stored)
         weights = self._conform(weights, what)
         envelope = Envelope(weights, decoded.samples, len(payload), remote=True)
         return self._mailbox.put((round, kind, src, dst), envelope, message_id)
+
+    def _targets(self, dst: str, kind: str, metadata: Mapping[str, str], what: str) -> list[str]:
+        """The nodes a message is for: [] for one addressed to a node of this cluster, the
+        listed nodes of this cluster for a `send_many` group; DeliveryRefused otherwise."""
+        if not dst.startswith(GROUP):
+            if not self.is_local(dst):
+                raise DeliveryRefused(f"update for node {dst}, which is not on this cluster")
+            return []
+        if kind not in (PEER, *MIXING_KINDS):
+            raise DeliveryRefused(f"{what}: only neighbours' models go to a group of nodes")
+        if dst != GROUP + self.local_cluster:
+            raise DeliveryRefused(f"{what} is for the nodes of another cluster")
+        targets = metadata.get(TARGETS_KEY, "").split(",")
+        if len(set(targets)) != len(targets) or not all(t and self.is_local(t) for t in targets):
+            raise DeliveryRefused(f"{what} lists nodes {TARGETS_KEY}="
+                                  f"{metadata.get(TARGETS_KEY, '')[:120]!r}; each must be a "
+                                  "node of this cluster, once")
+        return targets
 
     def _conform(self, weights: Weights, what: str) -> Weights:
         """The model as this job's model: same tensor names and shapes, its dtypes, finite
