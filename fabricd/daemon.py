@@ -396,11 +396,16 @@ class Daemon:
                     gate: Gate | None = None) -> Any:
         try:
             return await self._send_once(peer_id, cluster_id, header, body, gate)
-        except _ConnectionLost:
+        except _ConnectionLost as lost:
             # The connection went away under us (e.g. the peer just revoked us and hung up):
-            # one fresh resolve re-runs the membership exchange and learns why.
+            # one fresh resolve re-runs the membership exchange and learns why. If it fails
+            # too, how the link was lost is said as well: a peer that cannot be redialled
+            # (a relay gone) may end the resolve only in a verdict timeout that names nothing.
             await trio.sleep(0.5)
-            peer_id = await self.resolve(cluster_id)
+            try:
+                peer_id = await self.resolve(cluster_id)
+            except RequestFailed as exc:
+                raise RequestFailed(f"{exc}; the update under way was lost: {lost}") from None
             try:
                 return await self._send_once(peer_id, cluster_id, header, body, gate)
             except _ConnectionLost as exc:
