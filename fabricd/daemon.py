@@ -343,8 +343,10 @@ class Daemon:
                                 f"(known clusters: {', '.join(known) or 'none'})")
         if m.member_certificate(peer_id) is None:
             try:
-                if addrs:
-                    await self.discovery.connect_to(peer_id, addrs)
+                # dialled even with no addresses here: the peerstore may have some (identify's,
+                # when the link came in through a relay before any heartbeat), and if it has
+                # none the dial error says so at once, where a verdict would wait for nothing
+                await self.discovery.connect_to(peer_id, addrs)
                 await m.wait_verdict(peer_id)
             except NotAMember as exc:
                 raise RequestFailed(f"cluster {cluster_id!r} (peer {peer_id}) is not a member: {exc}") from None
