@@ -33,7 +33,10 @@ async def test_a_strangers_unread_flood_moves_rss_by_a_few_mib(mesh) -> None:
     await trio.to_thread.run_sync(lambda: wait_until(lambda: "buffer" in connected_fast(a), timeout=60))
     assert d.proc is not None
     pid = d.proc.pid
-    await trio.sleep(2)  # let start-up allocations settle
+    # A daemon on a loaded machine may still be finishing start-up, and serving members
+    # (the update path's first use) allocates too: one member probe first, then settle.
+    await trio.to_thread.run_sync(lambda: a.probe("buffer", 1 << 20))
+    await trio.sleep(2)
     baseline = max(rss_bytes(pid) for _ in range(3))
     peak = [baseline]
     stop = threading.Event()
@@ -68,6 +71,7 @@ async def test_a_strangers_unread_flood_moves_rss_by_a_few_mib(mesh) -> None:
                         nursery.start_soon(flood, protocol)
             await trio.to_thread.run_sync(lambda: wait_until(
                 lambda: not is_connected(host, target.peer_id), timeout=30))
+        stop.set()  # the flood is over: what the member probe below allocates is not its
         # The daemon still serves members.
         await trio.to_thread.run_sync(lambda: a.probe("buffer", 1 << 20))
     finally:
