@@ -23,7 +23,11 @@ def _small_budget(node: Node, budget: int) -> None:
     path = node.dir / "cluster.toml"
     text = path.read_text()
     text = text.replace("max_update_bytes = 1073741824", f"max_update_bytes = {4 * MIB}")
-    text = text.replace("max_inflight_bytes = 2147483648", f"max_inflight_bytes = {budget}")
+    # 48 MiB pass a 4 MiB receiver one update at a time, and each waiting sender gives up
+    # after 4 stream timeouts of busy answers; two daemons on a machine busy with other
+    # tests may move them at well under 1 MB/s: the window is 4 x 120 s, not 4 x 30 s.
+    text = text.replace("max_inflight_bytes = 2147483648",
+                        f"max_inflight_bytes = {budget}\nstream_timeout = 120.0")
     assert f"max_inflight_bytes = {budget}" in text, "the generated config changed shape"
     path.write_text(text)
 
