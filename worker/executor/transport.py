@@ -164,10 +164,15 @@ class HybridTransport:
                 self.counters.bytes_intra += nbytes
                 self.counters.messages_intra += 1
             return
-        edge = (src, dst, self.local_cluster, target)
-        tensors, meta = self._codec.compress(self._resolve(weights), edge)
-        nbytes_sent = self.send_to(target, round_index, kind, src, dst,
-                                   wire.encode(tensors, meta, kind=kind, samples=samples))
+        self._send_remote(target, round_index, kind, src, dst, weights, samples)
+
+    def _send_remote(self, target: str, round_index: int, kind: str, src: str, dst: str,
+                     weights: Any, samples: int, extra: Mapping[str, str] | None = None) -> None:
+        """Compress (for this edge), frame and stream a model to another cluster; counted."""
+        tensors, meta = self._codec.compress(self._resolve(weights),
+                                             (src, dst, self.local_cluster, target))
+        nbytes_sent = self.send_to(target, round_index, kind, src, dst, wire.encode(
+            tensors, {**meta, **(extra or {})}, kind=kind, samples=samples))
         with self._lock:
             self.counters.bytes_inter += nbytes_sent
             self.counters.messages_inter += 1
@@ -191,15 +196,8 @@ class HybridTransport:
                 for dst in group:
                     self.send(round_index, kind, src, dst, weights, samples, nbytes)
                 continue
-            dst = GROUP + target
-            tensors, meta = self._codec.compress(self._resolve(weights),
-                                                 (src, dst, self.local_cluster, target))
-            meta = {**meta, TARGETS_KEY: ",".join(group)}
-            sent = self.send_to(target, round_index, kind, src, dst,
-                                wire.encode(tensors, meta, kind=kind, samples=samples))
-            with self._lock:
-                self.counters.bytes_inter += sent
-                self.counters.messages_inter += 1
+            self._send_remote(target, round_index, kind, src, GROUP + target, weights, samples,
+                              {TARGETS_KEY: ",".join(group)})
 
     def send_to(self, target_cluster: str, round_index: int, kind: str, src: str, dst: str,
                 payload: bytes) -> int:
