@@ -172,6 +172,13 @@ class TransferSpec:
     compression: str = "none"
     topk_ratio: float = 0.1
 
+    @property
+    def per_edge(self) -> bool:
+        """Whether a message depends on its edge (topk's references, kept per edge by
+        both ends): then a model goes once per edge, never once for several nodes of one
+        cluster (the executor's transport and the planner's transfer count both ask)."""
+        return self.compression == "topk"
+
 
 FAULT_POLICIES = ("continue", "fail")
 #: sync: every round waits for its clusters (or a quorum, [rounds]); buffered: the

@@ -95,7 +95,7 @@ class Plan:
         t = self.topology
         if t.kind in DECENTRALIZED_TOPOLOGIES:
             return inter_transfers(t.edges, self.placement.cluster_index, max(1, t.mixing_steps),
-                                   grouped=self.spec.transfer.compression != "topk")
+                                   grouped=not self.spec.transfer.per_edge)
         return 2 * self.routing.edge_counts()[1]
 
     def summary(self) -> dict[str, Any]:
@@ -248,7 +248,7 @@ def final_topology(spec: JobSpec, placement: PlacementResult, pre: LogicalTopolo
     if spec.topology.kind == "k_connected":
         return fit_traffic_budget(pre, placement.cluster_index, spec.topology.traffic_budget,
                                   fixed_steps=bool(fixed_mixing_steps(spec)), seed=seed,
-                                  grouped=spec.transfer.compression != "topk")
+                                  grouped=not spec.transfer.per_edge)
     if spec.topology.kind in _PRE_PLACEMENT:
         return pre
     return build_topology(spec.topology, n, groups=placement.cluster_index,

@@ -190,18 +190,19 @@ def fit_traffic_budget(topology: LogicalTopology, cluster_index: np.ndarray, bud
     k_connected at the defaults): see docs/job.md."""
     n = topology.num_clients
     ci = np.asarray(cluster_index, dtype=np.int64)[:n]
-    if budget <= 0:
-        return topology
     limit = budget * star_transfers(ci)
     steps = max(1, topology.mixing_steps)
+    adds_free = grouped and 2 <= n <= FREE_DEGREE + 1
+    if budget <= 0 or (not adds_free and inter_transfers(topology.edges, ci, steps, grouped) <= limit):
+        return topology
     samples = np.ones(n)
     best: tuple[float, LogicalTopology] | None = None
     for s in ([steps] if fixed_steps else range(1, steps + 1)):
         edges = topology.edges
         if inter_transfers(edges, ci, s, grouped) > limit:
             edges = _sparsify(edges, ci, int(limit // s), seed, grouped)
-        if grouped:
-            edges = _free_edges(edges, ci, int(limit // s) - inter_transfers(edges, ci, 1), seed)
+        if adds_free:
+            edges = _free_edges(edges, ci, int(limit // s), seed)
         remaining = mixing_factor(edges, samples) ** s
         if best is None or remaining < best[0] - 1e-9:
             best = (remaining, replace(topology, edges=edges, weights=np.ones(len(edges)),
@@ -212,22 +213,21 @@ def fit_traffic_budget(topology: LogicalTopology, cluster_index: np.ndarray, bud
     return best[1]
 
 
-def _free_edges(edges: np.ndarray, ci: np.ndarray, spare: int, seed: int) -> np.ndarray:
+def _free_edges(edges: np.ndarray, ci: np.ndarray, cap: int, seed: int) -> np.ndarray:
     """`edges` and every edge that adds no inter-cluster transfer: between two nodes of one
-    cluster, or between u and v whose models go to each other's cluster already, after
-    `spare` more (node, cluster) sends were bought (seeded order); only while every node
-    has at most FREE_DEGREE neighbours (else `edges` as they are)."""
+    cluster, or between u and v whose models go to each other's cluster already, once
+    (node, cluster) sends were bought up to `cap` in all (seeded order). Every pair of
+    nodes is looked at: only for at most FREE_DEGREE + 1 nodes (the caller's bound)."""
     n = len(ci)
     e = np.asarray(edges, dtype=np.int64).reshape(-1, 2)
-    if n < 2 or n > FREE_DEGREE + 1:
-        return e
     c = int(ci.max()) + 1
     sends = np.zeros(n * c, dtype=bool)
     sends[_sends(e[ci[e[:, 0]] != ci[e[:, 1]]], ci)] = True
     own = np.arange(n) * c + ci
     missing = np.setdiff1d(np.flatnonzero(~sends), own)
     missing = missing[np.isin(missing % c, ci)]  # clusters that hold nodes
-    sends[np.random.default_rng(seed).permutation(missing)[:max(0, spare)]] = True
+    spare = max(0, cap - int(sends.sum()))
+    sends[np.random.default_rng(seed).permutation(missing)[:spare]] = True
     u, v = np.triu_indices(n, k=1)
     free = (ci[u] == ci[v]) | (sends[u * c + ci[v]] & sends[v * c + ci[u]])
     return np.unique(np.concatenate([e, np.stack([u[free], v[free]], axis=1)]), axis=0)

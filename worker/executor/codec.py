@@ -35,9 +35,8 @@ class EdgeCodec:
         self._initial = ({k: np.asarray(v, dtype=np.float64) for k, v in initial.items()}
                          if self.method == "topk" else {})
         self._dtypes = {k: np.asarray(v).dtype for k, v in initial.items()}
-        #: whether a message depends on its edge (topk's references): then it is never
-        #: sent once for several nodes (HybridTransport.send_many)
-        self.per_edge = self.method == "topk"
+        #: never sent once for several nodes (HybridTransport.send_many): TransferSpec
+        self.per_edge = transfer.per_edge
         self._sent: dict[Edge, Weights] = {}
         self._received: dict[Edge, Weights] = {}
         self._lock = threading.Lock()
