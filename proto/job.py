@@ -93,6 +93,9 @@ class TrainingSpec:
     federated_learning_rounds: int = 30
     number_of_epochs: int = 2
     batch_size: int = 16
+    # a client with fewer than this many batches of batch_size trains on this many smaller
+    # ones (never below training.MIN_BATCH samples); 0 = always batch_size (worker.training)
+    min_batches_per_epoch: int = 4
     optimizer: str = "sgd"
     learning_rate: float = 0.05
     weight_decay: float = 0.0
@@ -487,6 +490,7 @@ _RULES: dict[str, Rule] = {
     "training.federated_learning_rounds": _rule_int(1),
     "training.number_of_epochs": _rule_int(1),
     "training.batch_size": _rule_int(1),
+    "training.min_batches_per_epoch": _rule_int(0, 10_000),
     "training.optimizer": _rule_choice(OPTIMIZERS),
     "training.learning_rate": _rule_float(0.0, low_open=True),
     "training.weight_decay": _rule_float(0.0),

@@ -138,7 +138,8 @@ def train_local(
 ) -> TrainResult:
     """Train `model` in place for `training.number_of_epochs` epochs on (x, y).
 
-    Mini-batches of `training.batch_size`, shuffled each epoch from `seed`. With
+    Mini-batches of `training.batch_size` (smaller on a small client: `local_batch_size`),
+    shuffled each epoch from `seed`. With
     `training.fedprox_mu > 0` the loss gains mu/2 * ||w - w_global||^2, where w_global is
     `global_weights` (by parameter name) or, if None, the model's weights on entry.
     """
@@ -152,6 +153,7 @@ def train_local(
     mu = float(training.fedprox_mu)
     if mu < 0:
         raise TrainingError(f"training.fedprox_mu must be >= 0, got {mu}")
+    batch_size = local_batch_size(n, batch_size, int(getattr(training, "min_batches_per_epoch", 0)))
     optimizer = make_optimizer(model, training)
     if n == 0 or epochs == 0:
         return TrainResult(num_samples=n, loss=0.0)
@@ -186,6 +188,24 @@ def train_local(
         log.warning("event=train_diverged samples=%d loss=%s lr=%s", n, last_loss,
                     training.learning_rate)
     return TrainResult(num_samples=n, loss=last_loss)
+
+
+#: the smallest mini-batch `local_batch_size` makes (BatchNorm's batch statistics over fewer
+#: samples are noise: MNIST BNCNN, beta 0.1, 100 clients, reference FedAvg 0.898 with
+#: batches of 16, 0.858 with batches down to 2, 0.924 down to 8)
+MIN_BATCH = 8
+
+
+def local_batch_size(n: int, batch_size: int, min_batches: int) -> int:
+    """The batch size a client with n samples trains with: `batch_size`, or smaller so
+    that an epoch takes at least `min_batches` steps (never below MIN_BATCH, nor above
+    `batch_size`). A client of 30 samples at batch 16 took 2 steps an epoch, with momentum
+    restarting every round: a CNN without normalization stayed at chance for 15 rounds in
+    plain FedAvg (digits SmallCNN, 50 clients, beta 1.0: reference loop 0.18, centralized
+    0.98) and left it at 4 steps (0.50); the MLP of digits beta 0.3 went 0.71 -> 0.84."""
+    if min_batches <= 0 or n >= batch_size * min_batches:
+        return batch_size
+    return min(batch_size, max(MIN_BATCH, math.ceil(n / min_batches)))
 
 
 def batch_starts(n: int, batch_size: int) -> list[int]:

@@ -12,7 +12,14 @@ import torch
 from proto.job import ModelSpec, TrainingSpec
 from worker.models import build_model
 from worker.serialization import load_weights, model_weights
-from worker.training import TrainingError, batchnorm_statistics, evaluate, train_local
+from worker.training import (
+    MIN_BATCH,
+    TrainingError,
+    batchnorm_statistics,
+    evaluate,
+    local_batch_size,
+    train_local,
+)
 
 
 def _blobs(n: int = 120, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -105,9 +112,24 @@ def test_dropout_masks_follow_the_seed_not_the_threads() -> None:
 def _one_full_batch_step(spec: TrainingSpec, global_weights: dict | None = None) -> dict:
     x, y = _blobs(30)
     model = _mlp()
-    train_local(model, x, y, replace(spec, number_of_epochs=1, batch_size=30),
+    train_local(model, x, y, replace(spec, number_of_epochs=1, batch_size=30, min_batches_per_epoch=0),
                 seed=0, global_weights=global_weights)
     return model_weights(model)
+
+
+def test_a_small_client_trains_on_smaller_batches_not_fewer_steps() -> None:
+    # 30 samples at batch 16 were 2 steps an epoch; with min_batches_per_epoch = 4: 4 steps
+    assert local_batch_size(30, 16, 4) == 8
+    assert local_batch_size(64, 16, 4) == 16       # enough data: the job's batch size
+    assert local_batch_size(20, 16, 4) == MIN_BATCH   # never below MIN_BATCH samples
+    assert local_batch_size(20, 4, 4) == 4          # nor above the job's own batch size
+    assert local_batch_size(30, 16, 0) == 16        # 0: always batch_size
+    steps = []
+    model = _mlp()
+    model.register_forward_hook(lambda module, args, out: steps.append(len(args[0])))
+    x, y = _blobs(30)
+    train_local(model, x, y, TrainingSpec(number_of_epochs=1, batch_size=16), seed=0)
+    assert steps == [8, 8, 8, 6]
 
 
 def test_fedprox_term_matches_a_hand_computed_sgd_step() -> None:
