@@ -232,6 +232,55 @@ def test_honest_but_curious_aggregator_sees_only_masked_updates() -> None:
     assert not np.array_equal(flatten(again), flatten(received[2][0]))
 
 
+def test_a_dropped_cluster_is_recovered_through_the_executors_masks() -> None:
+    """The executors' own masks (Privacy.protect, sample weights, the round's attempt in
+    the tag): cluster b drops after the masks were fixed; a's and c's Shamir shares of b's
+    key rebuild it, and the survivors' masked sum plus `dropped_correction` is exactly
+    their quantized sum, whose rescaled value is their weighted mean update."""
+    spec = job(secure_aggregation=True, clip_range=1.0)
+    samples = {c: 4 + 5 * i for i, c in enumerate(PLACEMENT)}
+    sides = {c: Privacy(spec, c, locate=PLACEMENT.__getitem__, samples=samples.__getitem__)
+             for c in CLUSTERS}
+    public = {c: p.public_key() for c, p in sides.items()}
+    for p in sides.values():
+        p.set_peer_keys(public)  # type: ignore[arg-type]
+        p.attempt = 2
+    rng = np.random.default_rng(7)
+    start = model(0.2)
+    trained = {c: {k: v + rng.normal(0, 0.05, v.shape).astype(v.dtype) if v.dtype.kind == "f"
+                   else v for k, v in start.items()} for c in PLACEMENT}
+    contributors = sorted(PLACEMENT)
+    sent = {c: flatten(sides[PLACEMENT[c]].protect(c, 6, start, trained[c], contributors, "g"))
+            for c in contributors}
+    survivors = [c for c in contributors if PLACEMENT[c] != "b"]
+    total = sum(samples.values())
+    deltas = {c: flatten(trained[c]) - flatten(start) for c in contributors}
+    quantized = secagg.masked_sum([secagg.quantize(deltas[c], samples[c] / total, 1.0)[0]
+                                   for c in survivors])
+    partial = secagg.masked_sum([sent[c].astype(np.uint32) for c in survivors])
+    assert not np.array_equal(partial, quantized)  # b's pair masks do not cancel
+    shares = secagg.share_key(sides["b"].key, threshold=2, count=3)  # type: ignore[arg-type]
+    rebuilt = secagg.combine_key([shares[2], shares[0]])
+    tag = sides["a"].tag(6, "g")
+    fix = secagg.dropped_correction("b", rebuilt, {c: public[c] for c in ("a", "c")},  # type: ignore[misc]
+                                    JOB, tag, partial.size)
+    recovered = secagg.masked_sum([partial, fix])
+    assert np.array_equal(recovered, quantized)
+    weight = sum(samples[c] for c in survivors)
+    mean = secagg.dequantize(recovered, 1.0) * total / weight
+    plain = sum(samples[c] * deltas[c] for c in survivors) / weight
+    assert np.max(np.abs(mean - plain)) <= len(survivors) * total / weight / 2 ** 22
+    # the previous attempt's tag, or a key from one share, leaves the masks in
+    sides["a"].attempt = 1
+    stale = secagg.dropped_correction("b", rebuilt, {c: public[c] for c in ("a", "c")},  # type: ignore[misc]
+                                      JOB, sides["a"].tag(6, "g"), partial.size)
+    assert not np.array_equal(secagg.masked_sum([partial, stale]), quantized)
+    one = secagg.combine_key([shares[1]])
+    wrong = secagg.dropped_correction("b", one, {c: public[c] for c in ("a", "c")},  # type: ignore[misc]
+                                      JOB, tag, partial.size)
+    assert not np.array_equal(secagg.masked_sum([partial, wrong]), quantized)
+
+
 def test_job_privacy_keys() -> None:
     spec = job(secure_aggregation=True, dp="central", epsilon=4.0, clip_norm=0.7)
     assert spec.privacy.secure_aggregation and spec.privacy.delta == 1e-5

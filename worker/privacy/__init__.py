@@ -150,6 +150,11 @@ class Privacy:
                    else {c: self.samples(c) for c in contributors})
         return self.mask(node, r, delta, trained, contributors, weights, aggregation)
 
+    def tag(self, r: int, aggregation: str) -> str:
+        """The label of round `r`'s masks for the sum `aggregation` takes (its attempt in
+        it: a repeated round masks afresh; `secagg.dropped_correction` takes the same)."""
+        return f"{self.job_id}/{r}.{self.attempt}/{aggregation}"
+
     def mask(self, node: str, r: int, delta: np.ndarray, like: Weights,
              contributors: Sequence[str], weights: Mapping[str, int], aggregation: str
              ) -> Weights:
@@ -168,9 +173,7 @@ class Privacy:
                 where = {c: self.locate(c) for c in contributors}
                 mine = [c for c in contributors if where[c] == self.cluster_id]
                 masks = secagg.cluster_masks(self.cluster_id, mine, sorted(set(where.values())),
-                                             self._secrets,
-                                             f"{self.job_id}/{r}.{self.attempt}/{aggregation}",
-                                             q.size)
+                                             self._secrets, self.tag(r, aggregation), q.size)
                 self._masks = {k: v for k, v in self._masks.items() if k[0] >= r}
                 self._masks.update({(r, self.attempt, aggregation, c): m
                                     for c, m in masks.items()})
