@@ -5,14 +5,19 @@ the same model; central DP reports the epsilon spent and stops at its budget."""
 from __future__ import annotations
 
 import math
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from safetensors.numpy import load as st_load
 
 from fedpilot.loopback import LoopbackMesh
 from proto.job import JobSpec
 from scheduler.run.driver import Driver, JobFailed
+from tests.e2e.test_pinned_loopback import Losing
 from worker.context import InProcessContext
 from worker.executor.runtime import runtime_factory
 from worker.privacy import Privacy, dp, flatten, secagg
@@ -116,3 +121,70 @@ def test_local_dp_on_a_hierarchy_reports_epsilon() -> None:
         pytest.approx(dp.epsilon(4.0, 1.0, r, 1e-5)) for r in (1, 2)]  # local: q = 1
     assert all(math.isfinite(r.accuracy) for r in summary.rounds)
     assert summary.privacy["dp"] == "local" and not summary.privacy["stopped"]
+
+
+def run_losing_b_in_round_3(spec: JobSpec, out: Path) -> Any:
+    """`spec` on clusters a, b, c; b dies while it trains round 3 and answers nothing more
+    (its clients' masked updates never reach the root; the survivors' carry pair masks
+    with b)."""
+    held: dict[str, Any] = {"released": threading.Event()}  # b's thread ends with the job
+    mesh = held["mesh"] = Losing(["a", "b", "c"], lambda cid: killing(cid, held), capacity=6)
+    driver = held["driver"] = Driver(spec, mesh.clusters(), mesh, backend="inprocess",
+                                     timeout=120, run_dir=out)
+    try:
+        return driver.run()
+    finally:
+        held["released"].set()
+        driver.close()
+
+
+def killing(cid: str, held: dict[str, Any]) -> Any:
+    make = runtime_factory(InProcessContext(), cid)
+
+    def factory(spec: JobSpec) -> Any:
+        runtime = make(spec)
+        train = runtime.train
+
+        def train_or_die(node: str, model: Any, round_index: int) -> Any:
+            if cid == "b" and round_index == 3:
+                with held.setdefault("lock", threading.Lock()):
+                    if "b" not in getattr(held["mesh"], "dead", set()):
+                        asked = time.monotonic()  # b holds a lease (the keeper judges it)
+                        while held["driver"].leases.answered_at("b") <= asked:
+                            time.sleep(0.05)
+                        held["mesh"].kill("b")
+                held["released"].wait()
+                raise RuntimeError("cluster b died while it trained round 3")
+            return train(node, model, round_index)
+
+        runtime.train = train_or_die
+        return runtime
+    return factory
+
+
+@pytest.mark.slow
+def test_a_cluster_lost_mid_round_leaves_the_model_of_the_plain_job(tmp_path: Path) -> None:
+    """Secure aggregation's masks of round 3 include b, which dies in it: the round runs
+    again on the survivors under fresh masks (no mask of a lost contributor is left in a
+    sum), and the job ends with the model of the same job without secure aggregation,
+    within fixed point's rounding (a mask left in would put uniform ring values of
+    +-clip_range into the model)."""
+    def losing(**privacy: Any) -> JobSpec:
+        return JobSpec.from_dict({**job(rounds=5).to_dict(),
+                                  "faults": {"on_cluster_loss": "continue", "lease_seconds": 4,
+                                             "checkpoint_every": 1},
+                                  "privacy": privacy})
+
+    masked = run_losing_b_in_round_3(losing(secure_aggregation=True), tmp_path / "masked")
+    plain = run_losing_b_in_round_3(losing(), tmp_path / "plain")
+    for result in (masked, plain):
+        summary = result.summary
+        assert [r.round for r in summary.rounds] == [1, 2, 3, 4, 5]
+        assert [(f["cluster"], f["event"], f["round"]) for f in summary.faults] == [
+            ("b", "lost", 3)]
+        assert all(set(r.by_cluster) == {"a", "c"} for r in summary.rounds[2:])
+    assert masked.summary.privacy["secure_aggregation"]
+    a, b = st_load(masked.model), st_load(plain.model)
+    assert set(a) == set(b)
+    diff = max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in a)
+    assert diff < 1e-4, diff
