@@ -26,6 +26,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from proto.rounds import ACCURACY_THRESHOLDS
+
 #: a path's handler: () -> (body, content type)
 Route = Callable[[], tuple[bytes, str]]
 
@@ -79,6 +81,11 @@ class RunMetrics:
                                    ["job"], buckets=(0, 1, 2, 4, 8, 16, 64), registry=r)
         self.dropped = Counter(f"{p}_contributions_dropped", "contributions dropped: late, or "
                                "beyond aggregation.max_staleness", ["job"], registry=r)
+        self.time_to_accuracy = Gauge(f"{p}_time_to_accuracy_seconds", "seconds of rounds "
+                                      "until the job's accuracy first reached the threshold",
+                                      ["job", "threshold"], registry=r)
+        self._elapsed: dict[str, float] = {}  # job -> seconds of its rounds so far
+        self._reached: set[tuple[str, float]] = set()
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self.address = ""
@@ -101,6 +108,11 @@ class RunMetrics:
             self.contributions.labels(job_id, cluster).inc()
             self.staleness.labels(job_id).observe(contribution.get("staleness", 0))
         self.dropped.labels(job_id).inc(int(getattr(record, "dropped", 0)))
+        elapsed = self._elapsed[job_id] = self._elapsed.get(job_id, 0.0) + float(record.seconds)
+        for t in ACCURACY_THRESHOLDS:
+            if record.accuracy >= t and (job_id, t) not in self._reached:
+                self._reached.add((job_id, t))
+                self.time_to_accuracy.labels(job_id, f"{t:g}").set(elapsed)
 
     def round_finished(self, job_id: str, round: int, *, seconds: float, accuracy: float, loss: float,
                        bytes_intra: int, bytes_inter: int, training_seconds: float | None = None,

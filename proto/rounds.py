@@ -22,6 +22,9 @@ NAN = float("nan")
 #: accuracy within this of chance (1 / classes) counts as chance: the progress line's
 #: warning (scheduler/run/health.py) and an aggregator's on_stall action use this one rule
 CHANCE_MARGIN = 0.05
+#: the accuracies whose first reaching a job reports (summary.json's time_to_accuracy, the
+#: scheduler's time_to_accuracy_seconds metric, the live page)
+ACCURACY_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 
 
 @dataclass

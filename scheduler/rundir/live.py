@@ -21,7 +21,7 @@ from fedcore.metrics import Route
 from scheduler.rundir.status import RunDirError, read_run
 
 ROUND_KEYS = ("round", "accuracy", "loss", "personalized_accuracy", "bytes_intra", "bytes_inter",
-              "seconds", "epsilon", "stalls")
+              "seconds", "epsilon", "stalls", "contributions", "dropped")
 
 
 class LiveState:

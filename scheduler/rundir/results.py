@@ -16,13 +16,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proto.rounds import RoundRecord
+from proto.rounds import ACCURACY_THRESHOLDS, RoundRecord
 from scheduler.rundir.placement import placement_json
 
 ROUND_FIELDS = ("round", "accuracy", "loss", "personalized_accuracy", "participants",
                 "bytes_intra", "bytes_inter", "seconds", "epsilon", "stalls")
-
-ACCURACY_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 
 
 @dataclass

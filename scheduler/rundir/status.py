@@ -219,7 +219,8 @@ def read_run(run_dir: str | Path) -> RunStatus:
     total = summary.get("rounds_total")
     clusters = [c for c in summary.get("clusters") or [] if isinstance(c, dict)]
     details: dict[str, Any] = {k: summary[k] for k in ("backend", "topology", "aggregation", "placement_strategy",
-                                       "compression", "communities", "replans", "migrations")
+                                       "compression", "communities", "replans", "migrations",
+                                       "contributions_dropped", "time_to_accuracy")
                if k in summary}
     return RunStatus(path, str(state), job_id=str(summary.get("job_id") or path.name),
                      rounds=rounds, rounds_total=_int(total) if total is not None else None,

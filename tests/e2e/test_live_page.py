@@ -154,6 +154,35 @@ def test_unknown_path_names_the_pages(tmp_path: Path) -> None:
         assert b"fedpilot_scheduler_info" in get(f"http://{address}/metrics")[1]
 
 
+def test_state_shows_each_aggregations_contributions_and_the_time_to_accuracy(
+        tmp_path: Path) -> None:
+    """A buffered job's rounds as the page gets them mid-job: which clusters each
+    aggregation applied and how stale, what it dropped, the seconds to each accuracy."""
+    from proto.rounds import RoundRecord
+    from scheduler.rundir.live import LiveState
+    from scheduler.rundir.results import JobSummary
+    from scheduler.rundir.status import RunRecorder
+
+    recorder = RunRecorder(tmp_path, JobSummary("buf", "inprocess", "round_robin", "star",
+                                                "fedavg", "none", 1))
+    fresh = {"round": 1, "staleness": 0, "updates": 2}
+    recorder(RoundRecord(1, accuracy=0.55, seconds=2.0, dropped=1,
+                         contributions={"a": fresh, "b": fresh}), 4)
+    recorder(RoundRecord(2, accuracy=0.81, seconds=1.5, contributions={
+        "a": {"round": 2, "staleness": 0, "updates": 2},
+        "c": {"round": 1, "staleness": 1, "updates": 2}}), 4)
+    state = LiveState(tmp_path, "buf").state()
+    assert state["state"] == "running"
+    assert [(r["round"], sorted(r["contributions"]), r["dropped"]) for r in state["rounds"]] == [
+        (1, ["a", "b"], 1), (2, ["a", "c"], 0)]
+    assert state["rounds"][1]["contributions"]["c"]["staleness"] == 1
+    assert state["details"]["contributions_dropped"] == 1
+    assert state["details"]["time_to_accuracy"] == {"0.5": 2.0, "0.6": 3.5, "0.7": 3.5,
+                                                    "0.8": 3.5}
+    page = LiveState(tmp_path).routes()["/"]()[0]
+    assert b"time_to_accuracy" in page and b"r.contributions" in page
+
+
 def chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 

@@ -139,13 +139,22 @@ def test_each_executor_serves_its_own_rounds_and_fabricd_passes_the_endpoint(
 def test_scheduler_metrics_count_contributions_their_staleness_and_the_dropped() -> None:
     with RunMetrics("scheduler") as metrics:
         address = metrics.serve("127.0.0.1:0")
-        for r, contributions, dropped in (
-                (1, {"a": {"round": 1, "staleness": 0}, "b": {"round": 1, "staleness": 0}}, 1),
-                (2, {"a": {"round": 2, "staleness": 0}, "c": {"round": 1, "staleness": 1}}, 0)):
+        for r, seconds, accuracy, contributions, dropped in (
+                (1, 1.5, 0.55, {"a": {"round": 1, "staleness": 0},
+                                "b": {"round": 1, "staleness": 0}}, 1),
+                (2, 2.0, 0.72, {"a": {"round": 2, "staleness": 0},
+                                "c": {"round": 1, "staleness": 1}}, 0),
+                (3, 4.0, 0.71, {}, 0)):
             metrics.observe_round("j", SimpleNamespace(
-                round=r, seconds=1.0, accuracy=0.5, loss=1.0, bytes_intra=0, bytes_inter=0,
-                contributions=contributions, dropped=dropped))
+                round=r, seconds=seconds, accuracy=accuracy, loss=1.0, bytes_intra=0,
+                bytes_inter=0, contributions=contributions, dropped=dropped))
         s = scrape(address)
+    # seconds of rounds until the accuracy first reached each threshold, set once
+    reached = {labels: v for (name, labels), v in s.items()
+               if name == "fedpilot_scheduler_time_to_accuracy_seconds"}
+    assert reached == {frozenset({("job", "j"), ("threshold", "0.5")}): 1.5,
+                       frozenset({("job", "j"), ("threshold", "0.6")}): 3.5,
+                       frozenset({("job", "j"), ("threshold", "0.7")}): 3.5}
     job = frozenset({("job", "j")})
     assert s[("fedpilot_scheduler_contributions_total", job | {("cluster", "a")})] == 2
     assert s[("fedpilot_scheduler_contributions_total", job | {("cluster", "c")})] == 1
