@@ -97,7 +97,8 @@ def curve(rounds: list[RoundRecord]) -> list[dict[str, Any]]:
     out, t, used = [], 0.0, 0
     for r in rounds:
         t += r.seconds
-        used += len(r.contributions) or len(r.by_cluster)
+        used += (sum(1 + c.get("earlier", 0) for c in r.contributions.values())
+                 or len(r.by_cluster))
         out.append({"t": round(t, 2), "contributions": used, "accuracy": round(r.accuracy, 4)})
     return out
 

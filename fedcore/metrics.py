@@ -105,7 +105,7 @@ class RunMetrics:
                                         getattr(record, "actors_created", None)),
             epsilon=getattr(record, "epsilon", None))
         for cluster, contribution in (getattr(record, "contributions", None) or {}).items():
-            self.contributions.labels(job_id, cluster).inc()
+            self.contributions.labels(job_id, cluster).inc(1 + contribution.get("earlier", 0))
             self.staleness.labels(job_id).observe(contribution.get("staleness", 0))
         self.dropped.labels(job_id).inc(int(getattr(record, "dropped", 0)))
         elapsed = self._elapsed[job_id] = self._elapsed.get(job_id, 0.0) + float(record.seconds)

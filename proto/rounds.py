@@ -58,8 +58,9 @@ class RoundRecord:
     # [privacy] dp: the epsilon spent after this round (NaN without DP)
     epsilon: float = NAN
     # a star root whose rounds close early: the clusters whose contributions this
-    # aggregation applied, {cluster: {"round": its model's round, "staleness", "updates"}},
-    # and the contributions it dropped (late, or beyond aggregation.max_staleness)
+    # aggregation applied, {cluster: {"round": its model's round, "staleness", "updates"}}
+    # (its newest; with "earlier": older ones of the cluster applied too, their updates
+    # counted), and the contributions it dropped (late, or beyond aggregation.max_staleness)
     contributions: dict[str, dict[str, int]] = field(default_factory=dict)
     dropped: int = 0
 

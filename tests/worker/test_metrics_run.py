@@ -144,7 +144,7 @@ def test_scheduler_metrics_count_contributions_their_staleness_and_the_dropped()
                                 "b": {"round": 1, "staleness": 0}}, 1),
                 (2, 2.0, 0.72, {"a": {"round": 2, "staleness": 0},
                                 "c": {"round": 1, "staleness": 1}}, 0),
-                (3, 4.0, 0.71, {}, 0)):
+                (3, 4.0, 0.71, {"c": {"round": 3, "staleness": 0, "earlier": 1}}, 0)):
             metrics.observe_round("j", SimpleNamespace(
                 round=r, seconds=seconds, accuracy=accuracy, loss=1.0, bytes_intra=0,
                 bytes_inter=0, contributions=contributions, dropped=dropped))
@@ -157,7 +157,8 @@ def test_scheduler_metrics_count_contributions_their_staleness_and_the_dropped()
                        frozenset({("job", "j"), ("threshold", "0.7")}): 3.5}
     job = frozenset({("job", "j")})
     assert s[("fedpilot_scheduler_contributions_total", job | {("cluster", "a")})] == 2
-    assert s[("fedpilot_scheduler_contributions_total", job | {("cluster", "c")})] == 1
+    # c's late and fresh contributions met in aggregation 3 (its newest, "earlier": 1)
+    assert s[("fedpilot_scheduler_contributions_total", job | {("cluster", "c")})] == 3
     assert s[("fedpilot_scheduler_contributions_dropped_total", job)] == 1
-    assert s[("fedpilot_scheduler_contribution_staleness_count", job)] == 4
+    assert s[("fedpilot_scheduler_contribution_staleness_count", job)] == 5
     assert s[("fedpilot_scheduler_contribution_staleness_sum", job)] == 1

@@ -9,7 +9,9 @@ an aggregation by its `CloseRule`:
 - buffered (`aggregation.mode = "buffered"`): as soon as `buffer_size` contributions of
   any recent round are complete (the root's own cluster's among them) and the round's
   own others had `straggler_grace`, each weighted by its staleness s (the aggregations
-  since its model); older than `max_staleness`, dropped.
+  since its model); older than `max_staleness`, dropped. The round's own others are
+  waited for until the round has lasted PATIENCE x the time the buffer takes to fill
+  with fresh contributions: a cluster about that fast is not a straggler.
 Every update is applied once or dropped once (by message id); dropped contributions are
 counted. Memory is bounded by what the root itself sent down: an update nobody asked
 for is refused.
@@ -31,6 +33,19 @@ from worker.executor.transport import DeliveryRefused, Weights
 #: refused as unknown)
 KEEP_ROUNDS = 64
 POLL_SECONDS = 0.1  # how often a waiting aggregation looks whether its round was aborted
+#: buffered: the round's own contributions on their way are waited for until the round
+#: has lasted PATIENCE x the time the buffer_size-th fastest of its clusters takes (its
+#: contribution this round, else its last one's; straggler_grace after the buffer filled
+#: if that is later): the time the buffer takes to fill with fresh contributions. The
+#: root's own cluster is no yardstick (it gets the model first and reports without a
+#: network hop: 0.4-0.8 s against 2-3 s for the others on 2 loaded cores), and a
+#: contribution that just missed the last aggregation is always there when it is done:
+#: with the grace alone every aggregation of equal clusters closed with the root's and
+#: that one, so a cluster that missed once sat the next round out and missed again, for
+#: good (MNIST, 17 of 34 contributions fresh, 0.938 against sync's 0.949 at equal
+#: contributions). A cluster over PATIENCE x slower is a straggler: it costs the
+#: aggregations it trains in that wait, no more.
+PATIENCE = 2.0
 
 
 @dataclass(frozen=True)
@@ -98,6 +113,8 @@ class ContributionBuffer:
         self._cond = threading.Condition()
         self._pending: dict[tuple[int, str], _Pending] = {}
         self._bases: dict[int, Weights] = {}
+        self._opened: dict[int, float] = {}  # round -> when its model went down
+        self._took: dict[str, float] = {}    # cluster -> seconds its last contribution took
         self._seen: dict[str, int] = {}     # message id -> round (repeats are not applied)
         self._newest = 0
         self.dropped = 0                    # contributions dropped since the last take
@@ -109,6 +126,7 @@ class ContributionBuffer:
         """Round `r`'s model (`base`) goes down to `clients`: their updates are awaited."""
         with self._cond:
             self._newest = max(self._newest, r)
+            self._opened[r] = time.monotonic()
             if self.rule.buffered:
                 self._bases[r] = base
             by_cluster: dict[str, set[str]] = {}
@@ -142,6 +160,8 @@ class ContributionBuffer:
                 self._drop_update(message_id)
                 return True
             pending.arrived[src] = (envelope, message_id)
+            if pending.complete and r in self._opened:
+                self._took[cluster] = time.monotonic() - self._opened[r]
             self._cond.notify_all()
         return True
 
@@ -156,9 +176,13 @@ class ContributionBuffer:
         rule = self.rule
         deadline = time.monotonic() + timeout
         quorum_at: float | None = None
+        until = 0.0  # once closable: how long the round's contributions on their way may take
         with self._cond:
             while True:
                 ready = self._ready(r)
+                # the round's own contributions still on their way get the grace
+                fresh = [p for k, p in self._pending.items()
+                         if k[0] == r and p.state == "open" and not p.complete]
                 if rule.buffered:
                     coming = [k for k, p in self._pending.items() if p.state == "open"
                               and r - rule.max_staleness <= k[0] <= r]
@@ -171,10 +195,9 @@ class ContributionBuffer:
                         1, math.ceil(rule.min_participation * len(own_round) - 1e-9))
                 if closable and quorum_at is None:
                     quorum_at = time.monotonic()
-                # the round's own contributions still on their way get the grace
-                fresh = [p for k, p in self._pending.items()
-                         if k[0] == r and p.state == "open" and not p.complete]
-                closes = closable and (not fresh or time.monotonic() >= (quorum_at or 0.0) + rule.grace)
+                if quorum_at is not None:
+                    until = max(quorum_at + rule.grace, self._patience(r))
+                closes = closable and (not fresh or time.monotonic() >= until)
                 if closes:
                     return self._take(r, ready)
                 why = self._aborted(r)
@@ -184,8 +207,20 @@ class ContributionBuffer:
                 now = time.monotonic()
                 if now >= deadline:
                     raise MessageTimeout(self._missing(r, timeout))
-                until = deadline if quorum_at is None else min(deadline, quorum_at + rule.grace)
-                self._cond.wait(max(0.0, min(POLL_SECONDS, until - now)))
+                wake = deadline if quorum_at is None else min(deadline, until)
+                self._cond.wait(max(0.0, min(POLL_SECONDS, wake - now)))
+
+    def _patience(self, r: int) -> float:
+        """Buffered: until when aggregation `r` waits for the round's own contributions on
+        their way: PATIENCE x the time the buffer_size-th fastest of the round's clusters
+        took (this round, or its last contribution's; 0 while fewer are known)."""
+        opened = self._opened.get(r)
+        clusters = [c for v, c in self._pending if v == r]
+        took = sorted(self._took[c] for c in clusters if c in self._took)
+        k = min(self.rule.buffer_size, len(clusters))
+        if not self.rule.buffered or opened is None or not k or len(took) < k:
+            return 0.0
+        return opened + PATIENCE * took[k - 1]
 
     def _ready(self, r: int) -> list[tuple[int, str]]:
         oldest = r - self.rule.max_staleness
@@ -214,6 +249,7 @@ class ContributionBuffer:
         for key in [k for k in self._pending if k[0] < r - KEEP_ROUNDS]:
             del self._pending[key]
         self._bases = {v: b for v, b in self._bases.items() if v >= usable}
+        self._opened = {v: t for v, t in self._opened.items() if v >= usable}
         self._seen = {m: v for m, v in self._seen.items() if v >= r - KEEP_ROUNDS}
         return out
 
@@ -255,4 +291,18 @@ class ContributionBuffer:
                 f"updates from {named or 'nobody'}")
 
 
-__all__ = ["CloseRule", "Contribution", "ContributionBuffer"]
+def applied(contributions: list[Contribution]) -> dict[str, dict[str, int]]:
+    """A round record's `contributions`: for each cluster its newest contribution's round
+    and staleness, the updates of all of its, and how many older ones came with it
+    ("earlier"): a cluster trains again once it has sent, so its late contribution and
+    its fresh one can meet in one aggregation."""
+    out: dict[str, dict[str, int]] = {}
+    for c in sorted(contributions, key=lambda c: c.round):
+        seen = out.get(c.cluster)
+        out[c.cluster] = {"round": c.round, "staleness": c.staleness,
+                          "updates": len(c.updates) + (seen["updates"] if seen else 0),
+                          **({"earlier": seen.get("earlier", 0) + 1} if seen else {})}
+    return out
+
+
+__all__ = ["CloseRule", "Contribution", "ContributionBuffer", "applied"]

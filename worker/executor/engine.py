@@ -50,7 +50,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from proto.rounds import RoundRecord
-from worker.executor.contributions import CloseRule, Contribution, ContributionBuffer
+from worker.executor.contributions import CloseRule, Contribution, ContributionBuffer, applied
 from worker.executor.graph import DOWN, PEER, UP, RoundGraph, mixing_kind, participants
 from worker.executor.transport import HybridTransport, Weights
 from worker.privacy import flatten
@@ -491,17 +491,15 @@ class ClusterEngine:
                                      self._trusted_samples(src, env.samples, None))
                                     for src, env in envelopes]
             contributions.append(contribution)
-        model = self.combine_contributions(node, current, contributions,
-                                           self._aggregator(node))
+        model = self._calibrated(self.combine_contributions(node, current, contributions,
+                                                            self._aggregator(node)))
         with self._lock:
             self._models[node] = self.pool.put(model)
         accuracy, loss = self._observed(node, model, current, record)
         samples = sum(n for c in contributions for _, n in c.updates)
         with self._lock:
             record.add_evaluation(accuracy, loss, max(samples, 1))
-            record.contributions = {c.cluster: {"round": c.round, "staleness": c.staleness,
-                                                "updates": len(c.updates)}
-                                    for c in contributions}
+            record.contributions = applied(contributions)
             record.dropped += self.buffer.take_dropped()
         log.info("event=aggregation cluster=%s round=%d contributions=%s dropped=%d",
                  self.cluster_id, r, ",".join(f"{c.cluster}:s{c.staleness}"
