@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -152,3 +153,36 @@ def test_personal_epochs_score_a_fine_tuned_copy_and_send_the_trained_model() ->
         np.testing.assert_array_equal(a.weights[name], b.weights[name])
     assert a.local_samples == b.local_samples > 0
     assert a.local_accuracy != b.local_accuracy  # three more epochs moved the scored model
+
+
+def test_a_batchnorm_models_personalized_score_uses_statistics_of_the_clients_own_data(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The personalized figure of a model with BatchNorm: its statistics measured on the
+    client's own training samples (as the engine's global model's), not the running
+    averages of its last training batches; the update keeps training's own statistics."""
+    from dataclasses import replace
+
+    from worker.models import build_model
+    from worker.serialization import load_weights
+    from worker.training import batchnorm_statistics, evaluate
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    spec = replace(SPEC, model=replace(SPEC.model, name="usercnn:BNMLP"))
+    ds = load_dataset("digits")
+    parts = client_data(ds, spec.data, spec.seed)
+    with InProcessContext(num_cpus=2) as ctx:
+        nodes = NodeManager(ctx, config(spec), ds, parts, [0], max_materialized=1,
+                            cpus_per_node=0.25, keep_state=False)
+        with nodes:
+            model = ctx.get(nodes.call(0, "weights")).weights
+            update = ctx.get(nodes.call(0, "train", 1, dict(model)))
+    net = build_model(spec.model, ds.input_shape, ds.num_classes, seed=spec.seed)
+    train, test = parts.train_indices[0], parts.test_indices[0]
+    load_weights(net, update.weights)
+    left = evaluate(net, ds.x_train[test], ds.y_train[test]).accuracy
+    measured = batchnorm_statistics(net, ds.x_train[train])
+    assert measured and any(not np.allclose(measured[k], update.weights[k]) for k in measured)
+    load_weights(net, {**update.weights, **measured})
+    scored = evaluate(net, ds.x_train[test], ds.y_train[test]).accuracy
+    assert update.local_accuracy == pytest.approx(scored)
+    assert update.local_accuracy != pytest.approx(left)

@@ -112,7 +112,7 @@ class FederatedNode:
         the model's), train locally, evaluate on the client's own test split; returns the
         trained weights and what was measured."""
         from worker.serialization import load_weights, model_weights
-        from worker.training import evaluate, round_training, train_local
+        from worker.training import batchnorm_statistics, evaluate, round_training, train_local
 
         client = self._require_client()
         started = time.perf_counter()
@@ -145,8 +145,16 @@ class FederatedNode:
                         replace(self._config.training, number_of_epochs=personal,
                                 fedprox_mu=0.0),
                         seed=client_seed(self._config.seed, client, round_index) + 1)
+        # scored with BatchNorm statistics measured on the client's own training samples
+        # (dropout off, every sample, as the engine's global model): the running averages
+        # training left describe its last few batches (digits, 20 clients, beta 1.0, star
+        # fedavg: personalized BNCNN 0.931 -> 0.951, BNMLP 0.962 -> 0.969). The update sent
+        # keeps training's own statistics
+        measured = batchnorm_statistics(self._model, d.x_train[self._train_idx])
+        if measured:
+            load_weights(self._model, {**model_weights(self._model), **measured})
         local = evaluate(self._model, d.x_train[self._test_idx], d.y_train[self._test_idx])
-        if personal > 0:
+        if personal > 0 or measured:
             load_weights(self._model, trained)
         return LocalUpdate(weights=trained, num_samples=result.num_samples,
                            client_id=client, round=round_index, loss=result.loss,
