@@ -27,16 +27,15 @@ few rounds (CI).
     python bench/bench_stragglers.py --quick
     python bench/bench_stragglers.py                 # MNIST, 12 synchronous rounds
 
-Measured here (2 shared cores, other jobs running; in-process executors; one run each,
-so timings are noisy): centralized 0.959, target 0.863. With cluster-3 under 0.17 CPU
-(1/4 of a fair share, cgroup v1): sync reached the target in round 4 at 37.9 s (rounds
-of ~8.7 s), buffered in aggregation 6 at 18.7 s (~3 s each): time_to_target_ratio 0.493;
-at the synchronous job's end (104 s) 0.947 against 0.949; at its 36 contributions 0.935
-(buffered staleness 0: 38, 1: 26, 2-4: 10; none dropped). With the quota at 0.25 CPU
-(one run before the fair share: the slow cluster was only ~2x slower on the loaded
-machine) the ratio was 0.936. Equal clusters (--equal, buffer_size 2): 0.937 at equal
-contributions against 0.949, 0.942 at equal time (0.938 and 0.939 in a later run;
-docs/job.md, "Slow sites", says why); with buffer_size = clusters buffered is the
+Measured here (2 cores shared with other jobs at load 10-40; in-process executors; one
+run each, so timings are noisy): centralized 0.959, target 0.8631. With cluster-3 under
+0.17 CPU (1/4 of a fair share, cgroup v1): sync reached the target in round 4 at 35.9 s,
+buffered at 18.1 s: time_to_target_ratio 0.503; at
+the synchronous job's end (97 s) 0.951 against 0.949; at its 36 contributions 0.926
+(buffered staleness 0: 76, 2-4: 11; none dropped). Equal clusters (--equal): 0.946 at
+equal contributions against 0.949, 0.952 at equal time, 43 of 44 contributions fresh
+(before the buffer waited for clusters about as fast as the others: 0.934, 16 of 27
+fresh; docs/job.md, "Slow sites"); with buffer_size = clusters buffered is the
 synchronous job exactly (tests/e2e/test_stragglers.py).
 """
 

@@ -155,6 +155,21 @@ def test_a_straggler_costs_an_aggregation_the_wait_and_no_more(
     assert root.closed() == [("a", 0), ("c", 1)]
 
 
+def test_a_cluster_known_to_be_a_straggler_gets_the_grace_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """c's last contribution took 21 s, over 2 x the 10 s the buffer takes to fill."""
+    root = Root(monkeypatch)
+    round_one(root)
+    root.expect(30.0, 2, "abc")  # c trains again once it has sent
+    root.at(40.0, 2, "ab")
+    root.collect(2)
+    assert root.waiting()
+    root.at(40.4)
+    assert root.waiting()
+    root.at(40.5)
+    assert root.closed() == [("a", 0), ("b", 0), ("c", 1)]
+
+
 def test_a_leftover_counts_at_once_when_no_other_cluster_trains_the_round(
         monkeypatch: pytest.MonkeyPatch) -> None:
     root = Root(monkeypatch)
@@ -174,7 +189,7 @@ def test_a_clusters_late_and_fresh_contributions_in_one_aggregation_are_both_cou
     root.expect(30.0, 2, "abc")
     root.at(40.0, 2, "ab")
     root.collect(2)
-    root.at(45.0, 2, "c")
+    root.at(40.2, 2, "c")        # within the grace
     assert root.closed() == [("a", 0), ("b", 0), ("c", 0), ("c", 1)]
     assert root.record() == {"a": {"round": 2, "staleness": 0, "updates": 1},
                              "b": {"round": 2, "staleness": 0, "updates": 1},

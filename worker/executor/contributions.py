@@ -11,7 +11,8 @@ an aggregation by its `CloseRule`:
   own others had `straggler_grace`, each weighted by its staleness s (the aggregations
   since its model); older than `max_staleness`, dropped. The round's own others are
   waited for until the round has lasted PATIENCE x the time the buffer takes to fill
-  with fresh contributions: a cluster about that fast is not a straggler.
+  with fresh contributions, unless their cluster's last one took longer: a cluster
+  about that fast is not a straggler.
 Every update is applied once or dropped once (by message id); dropped contributions are
 counted. Memory is bounded by what the root itself sent down: an update nobody asked
 for is refused.
@@ -43,8 +44,8 @@ POLL_SECONDS = 0.1  # how often a waiting aggregation looks whether its round wa
 #: with the grace alone every aggregation of equal clusters closed with the root's and
 #: that one, so a cluster that missed once sat the next round out and missed again, for
 #: good (MNIST, 17 of 34 contributions fresh, 0.938 against sync's 0.949 at equal
-#: contributions). A cluster over PATIENCE x slower is a straggler: it costs the
-#: aggregations it trains in that wait, no more.
+#: contributions). A cluster whose last contribution took over PATIENCE x that is a
+#: straggler and gets straggler_grace only (one not heard from yet is waited for once).
 PATIENCE = 2.0
 
 
@@ -181,7 +182,7 @@ class ContributionBuffer:
             while True:
                 ready = self._ready(r)
                 # the round's own contributions still on their way get the grace
-                fresh = [p for k, p in self._pending.items()
+                fresh = [k for k, p in self._pending.items()
                          if k[0] == r and p.state == "open" and not p.complete]
                 if rule.buffered:
                     coming = [k for k, p in self._pending.items() if p.state == "open"
@@ -196,7 +197,7 @@ class ContributionBuffer:
                 if closable and quorum_at is None:
                     quorum_at = time.monotonic()
                 if quorum_at is not None:
-                    until = max(quorum_at + rule.grace, self._patience(r))
+                    until = max(quorum_at + rule.grace, self._patience(r, fresh))
                 closes = closable and (not fresh or time.monotonic() >= until)
                 if closes:
                     return self._take(r, ready)
@@ -210,17 +211,19 @@ class ContributionBuffer:
                 wake = deadline if quorum_at is None else min(deadline, until)
                 self._cond.wait(max(0.0, min(POLL_SECONDS, wake - now)))
 
-    def _patience(self, r: int) -> float:
+    def _patience(self, r: int, fresh: list[tuple[int, str]]) -> float:
         """Buffered: until when aggregation `r` waits for the round's own contributions on
-        their way: PATIENCE x the time the buffer_size-th fastest of the round's clusters
-        took (this round, or its last contribution's; 0 while fewer are known)."""
+        their way (`fresh`): PATIENCE x the time the buffer_size-th fastest of the round's
+        clusters took (this round, or its last contribution's), if one of them is of a
+        cluster not known to take longer; else 0 (and while fewer times are known)."""
         opened = self._opened.get(r)
         clusters = [c for v, c in self._pending if v == r]
         took = sorted(self._took[c] for c in clusters if c in self._took)
         k = min(self.rule.buffer_size, len(clusters))
         if not self.rule.buffered or opened is None or not k or len(took) < k:
             return 0.0
-        return opened + PATIENCE * took[k - 1]
+        limit = PATIENCE * took[k - 1]
+        return opened + limit if any(self._took.get(c, 0.0) <= limit for _, c in fresh) else 0.0
 
     def _ready(self, r: int) -> list[tuple[int, str]]:
         oldest = r - self.rule.max_staleness
