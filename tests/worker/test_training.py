@@ -15,9 +15,9 @@ from worker.serialization import load_weights, model_weights
 from worker.training import (
     MIN_BATCH,
     TrainingError,
+    batch_starts,
     batchnorm_statistics,
     evaluate,
-    local_batch_size,
     train_local,
 )
 
@@ -117,19 +117,25 @@ def _one_full_batch_step(spec: TrainingSpec, global_weights: dict | None = None)
     return model_weights(model)
 
 
-def test_a_small_client_trains_on_smaller_batches_not_fewer_steps() -> None:
-    # 30 samples at batch 16 were 2 steps an epoch; with min_batches_per_epoch = 4: 4 steps
-    assert local_batch_size(30, 16, 4) == 8
-    assert local_batch_size(64, 16, 4) == 16       # enough data: the job's batch size
-    assert local_batch_size(20, 16, 4) == MIN_BATCH   # never below MIN_BATCH samples
-    assert local_batch_size(20, 4, 4) == 4          # nor above the job's own batch size
-    assert local_batch_size(30, 16, 0) == 16        # 0: always batch_size
+def test_an_epochs_batches_are_near_equal_and_a_small_client_gets_more_of_them() -> None:
+    def sizes(n: int, batch_size: int, min_batches: int = 0) -> list[int]:
+        starts = batch_starts(n, batch_size, min_batches)
+        return [b - a for a, b in zip(starts, starts[1:], strict=False)]
+
+    assert sizes(82, 16) == [14, 13, 14, 14, 13, 14]   # was 16 x 5 and a batch of 2
+    assert sizes(64, 16, 4) == [16] * 4                  # enough data: the job's batches
+    assert sizes(30, 16, 4) == [10, 10, 10]              # 2 -> 3 steps, each >= MIN_BATCH
+    assert sizes(100, 64, 4) == [25] * 4
+    assert min(sizes(20, 16, 4)) >= MIN_BATCH
+    assert sizes(30, 16) == [15, 15]                     # 0: ceil(n / batch_size) batches
+    assert sizes(5, 2) == [2, 3] and sizes(3, 1) == [1, 1, 1] and sizes(1, 16) == [1]
+    assert sizes(17, 16) == [8, 9]                       # was 16 and a batch of one
     steps = []
     model = _mlp()
     model.register_forward_hook(lambda module, args, out: steps.append(len(args[0])))
     x, y = _blobs(30)
     train_local(model, x, y, TrainingSpec(number_of_epochs=1, batch_size=16), seed=0)
-    assert steps == [8, 8, 8, 6]
+    assert steps == [10, 10, 10]
 
 
 def test_fedprox_term_matches_a_hand_computed_sgd_step() -> None:
