@@ -401,6 +401,7 @@ class Driver(Recovery):
         summary.privacy = {"secure_aggregation": p.secure_aggregation, "dp": p.dp,
                            "clip_norm": p.clip_norm, "delta": p.delta, "budget": p.epsilon,
                            "noise_multiplier": float(infos[0].get("noise_multiplier", 0.0)),
+                           "tree_noise": bool(infos[0].get("tree", False)),
                            "epsilon": 0.0, "stopped": ""}
         if allowed < rounds:
             reason = (f"the privacy budget: round {allowed + 1} would spend more than "

@@ -107,6 +107,12 @@ def test_central_dp_reports_epsilon_and_stops_at_its_budget() -> None:
     assert spent == sorted(spent) and spent[-1] <= 3.0
     assert f"round {allowed + 1} would spend more" in summary.privacy["stopped"]
     assert summary.privacy["epsilon"] == spent[-1]
+    assert summary.privacy["tree_noise"] is False  # an explicit noise_multiplier: a draw a round
+    tree = run(job(rounds=3, dp="central", epsilon=8.0, clip_norm=1.0)).summary
+    z = tree.privacy["noise_multiplier"]
+    assert tree.privacy["tree_noise"] and [r.epsilon for r in tree.rounds] == [
+        pytest.approx(dp.epsilon(z, 1.0, dp.tree_depth(r), 1e-5)) for r in (1, 2, 3)]
+    assert tree.rounds[-1].epsilon == pytest.approx(8.0, rel=0.01)
     with pytest.raises(JobFailed, match="privacy budget"):
         run(job(rounds=2, dp="central", noise_multiplier=0.5, epsilon=0.5))
 
