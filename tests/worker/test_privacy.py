@@ -218,6 +218,16 @@ def test_central_dp_takes_tree_noise_where_it_leaves_less_noise() -> None:
         [(out, _)] = tree.combine(start, [(start, 10)] * 8)
         total += flatten(out)
     assert np.std(total) == pytest.approx(z * 0.5 * 2 / 8, rel=0.05)  # 15 = 8+4+2+1
+    # an executor that first aggregates in round 6 (the root cluster was lost, or the job
+    # resumed): its tree starts there, and the accountant counts the first tree's 3
+    # releases of rounds 1-5 and the second's
+    late = privacy(1.0)
+    assert late.epsilon(9) == pytest.approx(library.get_epsilon(1e-5), rel=0.01)  # 4
+    late.round = 6
+    [(out, _)] = late.combine(start, [(start, 10)] * 8)
+    assert np.std(flatten(out)) == pytest.approx(z * 0.5 / 8, rel=0.05)  # one leaf's draw
+    assert late.epsilon(9) == pytest.approx(dp.epsilon(z, 1.0, 3 + 3, 1e-5))
+    assert late.epsilon(9) > tree.epsilon(9)
 
 
 def test_clipping_leaves_integer_buffers_out() -> None:

@@ -95,6 +95,10 @@ class Privacy:
         self._lock = threading.Lock()
         self._rng = np.random.default_rng()  # noise is never reproducible from the seed
         self._tree: dp.TreeNoise | None = None
+        #: the round this executor's tree began at: 1, or later after a lost root cluster
+        #: or a resume (its draws are gone: a second tree starts there, never re-releasing
+        #: earlier rounds, and the accountant counts both)
+        self._tree_from = 1
         self.round = 1  # the round running (the executor sets it): the tree's leaf
 
     @classmethod
@@ -114,7 +118,11 @@ class Privacy:
         """The Gaussian releases one client's updates of `rounds` rounds enter (a tree's
         nodes: Kairouz et al. 2021 and Denisov et al. 2022 show adaptively chosen rounds
         cost no more than fixed ones)."""
-        return dp.tree_depth(rounds) if self.tree else rounds
+        if not self.tree:
+            return rounds
+        before = min(rounds, self._tree_from - 1)
+        return ((dp.tree_depth(before) if before else 0)
+                + (dp.tree_depth(rounds - before) if rounds > before else 0))
 
     def max_rounds(self) -> int:
         """How many of the job's rounds fit the budget `epsilon` (all without one)."""
@@ -228,7 +236,9 @@ class Privacy:
             if self._tree is None:
                 self._tree = dp.TreeNoise(base.size, self.noise_multiplier * p.clip_norm,
                                           self._rng)
-            mean = mean + self._tree.increment(max(1, self.round)) / len(updates)
+                self._tree_from = max(1, self.round)
+            leaf = max(1, self.round) - self._tree_from + 1
+            mean = mean + self._tree.increment(leaf) / len(updates)
         elif p.dp == "central":
             mean = mean + dp.gaussian(base.size, self.noise_multiplier * p.clip_norm
                                       / len(updates), self._rng)
