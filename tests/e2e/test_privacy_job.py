@@ -194,3 +194,19 @@ def test_a_cluster_lost_mid_round_leaves_the_model_of_the_plain_job(tmp_path: Pa
     assert set(a) == set(b)
     diff = max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in a)
     assert diff < 1e-4, diff
+
+
+def test_a_round_over_the_budget_is_the_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accountant's epsilon after a round above privacy.epsilon (a second tree of
+    noise after a lost root cluster or a resume): the job stops after that round."""
+    epsilon = Privacy.epsilon
+
+    def restarted(self: Privacy, rounds: int) -> float:
+        return epsilon(self, rounds) * (1.5 if rounds >= 2 else 1.0)
+
+    monkeypatch.setattr(Privacy, "epsilon", restarted)
+    monkeypatch.setattr(Privacy, "max_rounds", lambda self: self.rounds)  # as planned
+    summary = run(job(rounds=4, dp="central", epsilon=8.0, clip_norm=1.0)).summary
+    assert [r.round for r in summary.rounds] == [1, 2]
+    assert summary.rounds[-1].epsilon > 8.0
+    assert "round 2 spent epsilon" in summary.privacy["stopped"]
