@@ -93,8 +93,9 @@ class TrainingSpec:
     federated_learning_rounds: int = 30
     number_of_epochs: int = 2
     batch_size: int = 16
-    # a client with fewer than this many batches of batch_size trains on this many smaller
-    # ones (never below training.MIN_BATCH samples); 0 = always batch_size (worker.training)
+    # batch_size is the largest batch (an epoch's are of near-equal sizes); a client with
+    # fewer than min_batches_per_epoch batches trains on that many smaller ones while each
+    # keeps training.MIN_BATCH samples; 0 = ceil(n / batch_size) batches (worker.training)
     min_batches_per_epoch: int = 4
     optimizer: str = "sgd"
     learning_rate: float = 0.05
