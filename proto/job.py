@@ -131,7 +131,9 @@ class AggregationSpec:
     # fedavgm; None: 0.5 with the scaled step (momentum only picks its direction), 0.9
     # (Hsu et al.) with the plain one
     server_momentum: float | None = None
-    beta1: float = 0.9                      # fedadam / fedyogi
+    # fedadam / fedyogi / fedadagrad; None: 0.5 with the scaled step, 0.9 (Reddi et al.)
+    # with the plain one
+    beta1: float | None = None
     beta2: float = 0.99
     tau: float = 1e-3                       # adaptivity (fedadam / fedyogi / fedadagrad)
     # server optimizers: "scaled" (each tensor's step follows its own pseudo-gradient and is
@@ -522,7 +524,7 @@ _RULES: dict[str, Rule] = {
     "aggregation.name": _rule_aggregator,
     "aggregation.server_learning_rate": _rule_optional_positive_float,
     "aggregation.server_momentum": _rule_optional(_rule_float(0.0, 1.0, high_open=True)),
-    "aggregation.beta1": _rule_float(0.0, 1.0, high_open=True),
+    "aggregation.beta1": _rule_optional(_rule_float(0.0, 1.0, high_open=True)),
     "aggregation.beta2": _rule_float(0.0, 1.0, high_open=True),
     "aggregation.tau": _rule_float(0.0, low_open=True),
     "aggregation.server_step": _rule_choice(SERVER_STEPS),
