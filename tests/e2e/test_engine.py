@@ -6,6 +6,7 @@ accounted on the path each message really took.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -19,7 +20,12 @@ from worker.aggregators import get_aggregator
 from worker.executor import graph as g
 from worker.executor.engine import ClusterEngine
 from worker.executor.mailbox import Mailbox, MessageTimeout
-from worker.executor.transport import TARGETS_KEY, DeliveryRefused, HybridTransport
+from worker.executor.transport import (
+    TARGETS_KEY,
+    DeliveryRefused,
+    HybridTransport,
+    RemoteSendError,
+)
 from worker.payload import PayloadError, decode, encode
 
 
@@ -334,6 +340,51 @@ def test_a_failed_training_aborts_the_round_at_once_and_joins_every_thread() -> 
     with pytest.raises(RuntimeError, match="actor for c0 died"):
         engine.run_round(1)
     assert threading.active_count() == before  # the server's thread was joined
+
+
+def test_the_root_sends_the_rounds_model_to_every_cluster_at_once() -> None:
+    """A cluster slow to take the round's model holds back no other's: b and c each take
+    theirs only once the other's is on its way (sent one cluster after the other, the
+    first one's wait never ends)."""
+    graph, _ = graph_of("star", 4)
+    placement = {"server": "a", "c0": "a", "c1": "b", "c2": "c", "c3": "b"}
+    engines, links = build(graph, placement)
+    both = threading.Barrier(2)
+    deliver = links.send_update
+
+    def held(**kw: Any) -> None:
+        if kw["target_cluster"] != "a" and kw["target_node"] in ("c1", "c2"):
+            both.wait(timeout=60)  # broken (BrokenBarrierError) if the other never comes
+        deliver(**kw)
+
+    links.send_update = held  # type: ignore[method-assign]
+    reports = run_round(engines, 1)
+    expected = sum(i * (i + 1) for i in range(4)) / sum(i + 1 for i in range(4))
+    assert reports["a"].accuracy == pytest.approx(expected)
+
+
+def test_a_cluster_the_round_cannot_reach_fails_it_by_name_and_blocks_no_other() -> None:
+    graph, _ = graph_of("star", 3)
+    placement = {"server": "a", "c0": "a", "c1": "b", "c2": "c"}
+    engines, links = build(graph, placement)
+    deliver = links.send_update
+
+    def b_unreachable(**kw: Any) -> None:
+        if kw["target_cluster"] == "b":
+            raise RemoteSendError(f"update {kw['message_id']} to cluster b: unreachable")
+        deliver(**kw)
+
+    links.send_update = b_unreachable  # type: ignore[method-assign]
+    def run_c() -> None:
+        with contextlib.suppress(Exception):  # its update may meet a's aborted round
+            engines["c"].run_round(1)
+
+    c = threading.Thread(target=run_c)
+    c.start()
+    with pytest.raises(RemoteSendError, match="to cluster b: unreachable"):
+        engines["a"].run_round(1)  # c1 (on b) comes before c2 (on c)
+    c.join()
+    assert ("c2", 1) in engines["c"].pool.trained  # c had its model and trained
 
 
 def test_updates_are_checked_against_the_plan() -> None:

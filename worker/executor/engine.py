@@ -482,8 +482,7 @@ class ClusterEngine:
         start = self.current_model(node)
         current = self.pool.resolve(start)
         self.buffer.expect(r, children, current)  # before any update of it can arrive
-        for child in children:
-            self.transport.send(r, DOWN, node, child, start, 0, self._model_nbytes)
+        self._send_down(node, r, children, start)
         taken = self.buffer.collect(r, self.timeout, own=self.cluster_id)
         contributions = []
         for contribution, envelopes in taken:
@@ -505,6 +504,28 @@ class ClusterEngine:
                  self.cluster_id, r, ",".join(f"{c.cluster}:s{c.staleness}"
                                               for c in contributions), record.dropped)
 
+    def _send_down(self, node: str, r: int, children: list[str], model: Any) -> None:
+        """The round's model to `children`, each cluster's on a thread of its own: a cluster
+        slow to take it (a CPU quota, a long link) holds back no other's start. Once every
+        cluster's sends ended, a failure is raised (its message names the cluster; the
+        others' are logged)."""
+        by_cluster: dict[str, list[str]] = {}
+        for child in children:
+            by_cluster.setdefault(self.transport._locate(child), []).append(child)
+
+        def send(group: list[str]) -> None:
+            for child in group:
+                self.transport.send(r, DOWN, node, child, model, 0, self._model_nbytes)
+
+        with ThreadPoolExecutor(max_workers=max(1, len(by_cluster)),
+                                thread_name_prefix=f"down-{node}") as pool:
+            sends = {c: pool.submit(send, group) for c, group in by_cluster.items()}
+        failed = [(c, exc) for c, f in sends.items() if (exc := f.exception()) is not None]
+        for cluster, exc in failed[1:]:
+            log.warning("event=send_down_failed cluster=%s round=%d error=%s", cluster, r, exc)
+        if failed:
+            raise failed[0][1]
+
     def _aggregator_program(self, node: str, r: int, active: set[str],
                             record: RoundRecord) -> None:
         graph = self.graph
@@ -519,8 +540,7 @@ class ClusterEngine:
             start = env.weights if not env.remote else self.pool.put(env.weights)
         else:
             start = self.current_model(node)
-        for child in children:
-            self.transport.send(r, DOWN, node, child, start, 0, nbytes)
+        self._send_down(node, r, children, start)
         updates: list[tuple[Weights, int]] = []
         for child in children:
             env = self.transport.receive(r, UP, child, node, self.timeout)
