@@ -302,18 +302,43 @@ def batchnorm_statistics(model: nn.Module, x: np.ndarray, batch_size: int = 256
 
 def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> EvalResult:
     """Accuracy and mean cross-entropy of `model` on (x, y), in eval mode, without gradients."""
-    xt, yt = _tensors(x, y, model_device(model))
-    n = len(yt)
-    if n == 0:
+    losses, hits = sample_scores(model, x, y)
+    if not len(hits):
         return EvalResult(accuracy=0.0, loss=0.0, num_samples=0)
+    return EvalResult(accuracy=float(hits.mean()), loss=float(losses.mean()),
+                      num_samples=len(hits))
+
+
+def sample_scores(model: nn.Module, x: np.ndarray, y: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Per sample of (x, y): `model`'s cross-entropy and whether its top class is right; in
+    eval mode, without gradients."""
+    xt, yt = _tensors(x, y, model_device(model))
     was_training = model.training
     model.eval()
-    correct, total_loss = 0, 0.0
+    losses, hits = [], []
     with torch.no_grad():
-        for start in range(0, n, EVAL_BATCH_SIZE):
+        for start in range(0, len(yt), EVAL_BATCH_SIZE):
             logits = model(xt[start : start + EVAL_BATCH_SIZE])
             target = yt[start : start + EVAL_BATCH_SIZE]
-            total_loss += float(F.cross_entropy(logits, target, reduction="sum"))
-            correct += int((logits.argmax(dim=1) == target).sum())
+            losses.append(F.cross_entropy(logits, target, reduction="none").cpu().numpy())
+            hits.append((logits.argmax(dim=1) == target).cpu().numpy())
     model.train(was_training)
-    return EvalResult(accuracy=correct / n, loss=total_loss / n, num_samples=n)
+    if not losses:
+        return np.zeros(0), np.zeros(0, dtype=bool)
+    return np.concatenate(losses).astype(np.float64), np.concatenate(hits)
+
+
+def held_out_choice(trained: tuple[np.ndarray, np.ndarray],
+                    received: tuple[np.ndarray, np.ndarray]) -> float:
+    """Accuracy of scoring each sample with the model a client `trained` only where it got
+    more of the *other* samples right than the model it `received` (`sample_scores` of
+    each on the same samples), else with the received one: a choice never made on the
+    sample it is scored on (leave-one-out), and the federation's model unless the
+    client's own is shown better on its held-out data."""
+    trained_hits, received_hits = trained[1], received[1]
+    if not len(trained_hits):
+        return 0.0
+    own_rest = trained_hits.sum() - trained_hits.astype(np.int64)
+    keep = own_rest > received_hits.sum() - received_hits.astype(np.int64)
+    return float(np.where(keep, trained_hits, received_hits).mean())

@@ -186,3 +186,32 @@ def test_a_batchnorm_models_personalized_score_uses_statistics_of_the_clients_ow
     scored = evaluate(net, ds.x_train[test], ds.y_train[test]).accuracy
     assert update.local_accuracy == pytest.approx(scored)
     assert update.local_accuracy != pytest.approx(left)
+
+
+def test_a_client_whose_training_hurts_it_is_scored_with_the_model_it_received() -> None:
+    """Personalized accuracy is per held-out sample the better of the trained and the
+    received model (by their loss on the client's other held-out samples): a client whose
+    training diverges (learning rate 1000) scores what the model it received scores."""
+    from dataclasses import replace
+
+    from worker.models import build_model
+    from worker.serialization import load_weights, model_weights
+    from worker.training import evaluate, train_local
+
+    ds = load_dataset("digits")
+    parts = client_data(ds, SPEC.data, SPEC.seed)
+    net = build_model(SPEC.model, ds.input_shape, ds.num_classes, seed=SPEC.seed)
+    train_local(net, ds.x_train, ds.y_train, SPEC.training, seed=0)
+    good = model_weights(net)
+    test = parts.test_indices[0]
+    received = evaluate(net, ds.x_train[test], ds.y_train[test]).accuracy
+    wild = replace(SPEC, training=replace(SPEC.training, learning_rate=1000.0))
+    with InProcessContext(num_cpus=2) as ctx:
+        nodes = NodeManager(ctx, config(wild), ds, parts, [0], max_materialized=1,
+                            cpus_per_node=0.25, keep_state=False)
+        with nodes:
+            update = ctx.get(nodes.call(0, "train", 1, dict(good)))
+    load_weights(net, update.weights)
+    assert evaluate(net, ds.x_train[test], ds.y_train[test]).accuracy < received - 0.3
+    assert update.local_samples == len(test) > 0
+    assert update.local_accuracy == pytest.approx(received)

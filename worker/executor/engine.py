@@ -10,8 +10,9 @@ own threads. Any failure aborts the round's waits at once, every thread is joine
 the first failure is raised with its cause.
 
 Where each number comes from:
-- personalized accuracy: each trained client's model right after local training, scored
-  on the client's own held-out split (by the actor that trained it);
+- personalized accuracy: each trained client's model right after local training, or the
+  model it received where that got more of the others right, scored on the client's own
+  held-out split (by the actor that trained it; FederatedNode.train);
 - accuracy/loss: the root's new model (star, hierarchical), each group's model after the
   exchange (hybrid), each participating node's model after mixing (decentralized).
 Decentralized mixing uses the job's aggregator at every node, with the node's model
