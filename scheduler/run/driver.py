@@ -334,7 +334,6 @@ class Driver(Recovery):
                         plan = self._readmit(r, plan, histograms, summary)
                     record = self._round(r)
                     summary.rounds.append(record)
-                    rounds = self._over_budget(record, rounds, summary)
                     self.health.observe(record)
                     if self.progress is not None:
                         self.progress(record, rounds)
@@ -402,7 +401,6 @@ class Driver(Recovery):
         summary.privacy = {"secure_aggregation": p.secure_aggregation, "dp": p.dp,
                            "clip_norm": p.clip_norm, "delta": p.delta, "budget": p.epsilon,
                            "noise_multiplier": float(infos[0].get("noise_multiplier", 0.0)),
-                           "tree_noise": bool(infos[0].get("tree", False)),
                            "epsilon": 0.0, "stopped": ""}
         if allowed < rounds:
             reason = (f"the privacy budget: round {allowed + 1} would spend more than "
@@ -415,21 +413,6 @@ class Driver(Recovery):
                 raise JobFailed(reason)
             summary.privacy["stopped"] = reason
         return allowed
-
-    def _over_budget(self, record: RoundRecord, rounds: int, summary: JobSummary) -> int:
-        """The job's last round: this one if it spent more than the DP budget (tree noise
-        started again after a lost root cluster or a resume counts a second tree, which
-        the rounds planned at the start did not)."""
-        budget = self.spec.privacy.epsilon
-        if budget is None or not record.epsilon > budget * (1 + 1e-6) or record.round >= rounds:
-            return rounds
-        reason = (f"the privacy budget: round {record.round} spent epsilon "
-                  f"{record.epsilon:.3g} > privacy.epsilon = {budget:g} (the noise started "
-                  f"again after a lost root cluster or a resume); the job stops after it")
-        log.warning("event=privacy_budget job=%s rounds=%d of=%d reason=%s",
-                    self.spec.job_id, record.round, rounds, reason)
-        summary.privacy["stopped"] = reason
-        return record.round
 
     def _start_body(self, clients: list[int]) -> dict[str, Any]:
         """A cluster's job.start: its clients as a range when they are one (a few bytes

@@ -174,60 +174,25 @@ def test_central_noise_has_the_expected_scale() -> None:
     assert plain.epsilon(3) != plain.epsilon(3)  # NaN: no accountant without DP
 
 
-def test_tree_noise_sums_to_its_decomposition() -> None:
-    """Round t's increment is the tree's noise of rounds 1..t minus that of 1..t-1: the
-    sum of the first t carries popcount(t) node draws (at most tree_depth(t)), not t."""
-    tree = dp.TreeNoise(40_000, 1.0, np.random.default_rng(2))
-    total = np.zeros(40_000)
-    for t in range(1, 16):
-        step = tree.increment(t)
-        if t == 6:  # a repeated round adds the same again
-            assert np.array_equal(tree.increment(6), step)
-        total += step
-        assert np.std(total) == pytest.approx(math.sqrt(bin(t).count("1")), rel=0.03)
-        assert len(tree.nodes(t)) <= dp.tree_depth(t) == t.bit_length()
-    assert [dp.tree_depth(t) for t in (1, 2, 3, 15, 16)] == [1, 2, 2, 4, 5]
+def central(epsilon: float = 8.0, fraction: float = 1.0, **privacy: object) -> Privacy:
+    spec = JobSpec.from_dict({"job": {"id": JOB}, "data": {"number_of_clients": 100},
+                              "training": {"federated_learning_rounds": 15,
+                                           "client_fraction": fraction},
+                              "privacy": {"dp": "central", "epsilon": epsilon, **privacy}})
+    return Privacy(spec, "a", locate=lambda c: "a", samples=lambda c: 10)
 
 
-def test_central_dp_takes_tree_noise_where_it_leaves_less_noise() -> None:
-    """From a target epsilon: 15 full rounds take the tree (z on 4 nodes, unsampled;
-    the accountant's epsilon is the library's for 4 Gaussians), and its noise on the
-    rounds' sum is smaller than a draw a round's; a small sampling rate keeps the draws."""
-    def privacy(fraction: float) -> Privacy:
-        spec = JobSpec.from_dict({"job": {"id": JOB}, "data": {"number_of_clients": 100},
-                                  "training": {"federated_learning_rounds": 15,
-                                               "client_fraction": fraction},
-                                  "privacy": {"dp": "central", "epsilon": 8.0,
-                                              "clip_norm": 0.5}})
-        return Privacy(spec, "a", locate=lambda c: "a", samples=lambda c: 10)
-
-    tree, sampled = privacy(1.0), privacy(0.05)
-    assert tree.tree and not sampled.tree and sampled.sampling_rate == 0.05
-    z = tree.noise_multiplier
-    per_round = dp.noise_for(8.0, 1e-5, 1.0, 15)
-    assert z * 2 < per_round * math.sqrt(15) / 3  # 4 nodes against 15 draws
+def test_central_dp_from_a_target_epsilon_spends_it_over_the_rounds() -> None:
+    """A fresh draw a round (not tree noise: a client in all of 15 rounds changes a tree's
+    nodes by sqrt(120) clip norms, not by the depth's 2), accounted as the library does."""
+    private = central(8.0)
+    z = private.noise_multiplier
     library = pld.PLDAccountant(value_discretization_interval=dp.DISCRETIZATION)
-    library.compose(dp_accounting.GaussianDpEvent(z), 4)
-    assert tree.epsilon(15) == pytest.approx(library.get_epsilon(1e-5)) == pytest.approx(
-        8.0, rel=0.01)
-    assert tree.epsilon(7) == tree.epsilon(4) < tree.epsilon(8)  # 3, 3, 4 releases
-    start = {"w": np.zeros(50_000, np.float32)}
-    total = np.zeros(50_000)
-    for r in range(1, 16):
-        tree.round = r
-        [(out, _)] = tree.combine(start, [(start, 10)] * 8)
-        total += flatten(out)
-    assert np.std(total) == pytest.approx(z * 0.5 * 2 / 8, rel=0.05)  # 15 = 8+4+2+1
-    # an executor that first aggregates in round 6 (the root cluster was lost, or the job
-    # resumed): its tree starts there, and the accountant counts the first tree's 3
-    # releases of rounds 1-5 and the second's
-    late = privacy(1.0)
-    assert late.epsilon(9) == pytest.approx(library.get_epsilon(1e-5), rel=0.01)  # 4
-    late.round = 6
-    [(out, _)] = late.combine(start, [(start, 10)] * 8)
-    assert np.std(flatten(out)) == pytest.approx(z * 0.5 / 8, rel=0.05)  # one leaf's draw
-    assert late.epsilon(9) == pytest.approx(dp.epsilon(z, 1.0, 3 + 3, 1e-5))
-    assert late.epsilon(9) > tree.epsilon(9)
+    library.compose(dp_accounting.GaussianDpEvent(z), 15)
+    assert private.epsilon(15) == pytest.approx(library.get_epsilon(1e-5), rel=1e-12)
+    assert private.epsilon(15) == pytest.approx(8.0, rel=0.01)
+    assert private.epsilon(7) < private.epsilon(8) < private.epsilon(15)
+    assert central(8.0, fraction=0.05).sampling_rate == 0.05
 
 
 def test_clipping_leaves_integer_buffers_out() -> None:

@@ -228,8 +228,7 @@ class ExecutorService:
         if self.privacy is not None:  # the key the others mask with; the rounds DP allows
             reply["privacy"] = {"key": self.privacy.public_key() or b"",
                                 "rounds": self.privacy.max_rounds(),
-                                "noise_multiplier": self.privacy.noise_multiplier,
-                                "tree": self.privacy.tree}
+                                "noise_multiplier": self.privacy.noise_multiplier}
         data_info = getattr(self.runtime, "data_info", None)
         if data_info is not None:  # classes and shape, which pinned clusters must agree on
             reply["data"] = data_info()
@@ -388,7 +387,6 @@ class ExecutorService:
                 self._running = (r, attempt)
             if self.privacy is not None:
                 self.privacy.attempt = attempt
-                self.privacy.round = r
             try:
                 record = self.engine.run_round(r, None if deadline is None else float(deadline),
                                                message.clusters or ())

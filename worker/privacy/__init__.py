@@ -74,17 +74,9 @@ class Privacy:
         # local noise hides a client from the aggregator too, who sees who took part
         self.sampling_rate = 1.0 if p.dp == "local" else spec.training.client_fraction
         z = p.noise_multiplier
-        #: central DP from a target epsilon: binary-tree noise (`dp.TreeNoise`) when it
-        #: leaves less noise in the sum of the job's rounds than a draw a round does
-        self.tree = False
         if z is None and p.dp != "none":
             assert p.epsilon is not None  # JobSpec's rules: one of the two
             z = dp.noise_for(p.epsilon, p.delta, self.sampling_rate, self.rounds)
-            depth = dp.tree_depth(self.rounds)
-            tree_z = (dp.noise_for(p.epsilon, p.delta, 1.0, depth) if p.dp == "central"
-                      else math.inf)
-            if tree_z * math.sqrt(depth) < z * math.sqrt(self.rounds):
-                self.tree, self.sampling_rate, z = True, 1.0, tree_z  # no amplification
         self.noise_multiplier = float(z or 0.0)
         self.key = secagg.new_key() if p.secure_aggregation else None
         self._secrets: dict[str, bytes] = {}
@@ -94,12 +86,6 @@ class Privacy:
         self._masks: dict[tuple[int, int, str, str], np.ndarray] = {}
         self._lock = threading.Lock()
         self._rng = np.random.default_rng()  # noise is never reproducible from the seed
-        self._tree: dp.TreeNoise | None = None
-        #: the round this executor's tree began at: 1, or later after a lost root cluster
-        #: or a resume (its draws are gone: a second tree starts there, never re-releasing
-        #: earlier rounds, and the accountant counts both)
-        self._tree_from = 1
-        self.round = 1  # the round running (the executor sets it): the tree's leaf
 
     @classmethod
     def for_job(cls, spec: JobSpec, cluster_id: str, **kw: Any) -> Privacy | None:
@@ -111,18 +97,7 @@ class Privacy:
         """The epsilon spent after `rounds` rounds (NaN without DP)."""
         if self.spec.dp == "none":
             return math.nan
-        return dp.epsilon(self.noise_multiplier, self.sampling_rate, self._releases(rounds),
-                          self.spec.delta)
-
-    def _releases(self, rounds: int) -> int:
-        """The Gaussian releases one client's updates of `rounds` rounds enter (a tree's
-        nodes: Kairouz et al. 2021 and Denisov et al. 2022 show adaptively chosen rounds
-        cost no more than fixed ones)."""
-        if not self.tree:
-            return rounds
-        before = min(rounds, self._tree_from - 1)
-        return ((dp.tree_depth(before) if before else 0)
-                + (dp.tree_depth(rounds - before) if rounds > before else 0))
+        return dp.epsilon(self.noise_multiplier, self.sampling_rate, rounds, self.spec.delta)
 
     def max_rounds(self) -> int:
         """How many of the job's rounds fit the budget `epsilon` (all without one)."""
@@ -232,14 +207,7 @@ class Privacy:
                 n = np.array([k for _, k in updates], dtype=np.float64)
                 weights = n / n.sum()
             mean = sum(w * d for w, d in zip(weights, deltas, strict=True))
-        if p.dp == "central" and self.tree:  # on the sum (a client changes it by clip_norm)
-            if self._tree is None:
-                self._tree = dp.TreeNoise(base.size, self.noise_multiplier * p.clip_norm,
-                                          self._rng)
-                self._tree_from = max(1, self.round)
-            leaf = max(1, self.round) - self._tree_from + 1
-            mean = mean + self._tree.increment(leaf) / len(updates)
-        elif p.dp == "central":
+        if p.dp == "central":
             mean = mean + dp.gaussian(base.size, self.noise_multiplier * p.clip_norm
                                       / len(updates), self._rng)
         return [(unflatten(base + mean, {**current, **_mean_rest(updates)}),

@@ -9,14 +9,11 @@ adds N(0, (z * clip_norm / m)^2) to the mean of m updates, so one client changes
 released mean by at most clip_norm / m, z times the noise's scale. The round samples clients
 at rate q (`training.client_fraction`); the accountant composes one Poisson-sampled Gaussian
 per round (the engine draws a fixed number, the usual approximation).
-Tree noise (central DP from a target epsilon, where it leaves less noise in the model):
-the noise of binary-tree aggregation (DP-FTRL's, Kairouz et al. 2021) in place of a fresh
-draw a round: the sum of the rounds' means, which the model follows, then carries at
-most log2(T) + 1 node noises rather than T round noises, while each client enters
-log2(T) + 1 releases rather than T, unsampled (the tree gets no amplification). At 15
-full rounds and epsilon 8 the noise on the sum is 3.7 times smaller (z 1.20 on 4 nodes
-against 2.32 on 15 rounds); with few clients a round sampled (q 0.05) a draw a round
-stays.
+Not binary-tree noise (DP-FTRL's, Kairouz et al. 2021; stop 41 to 42 used it): its node
+for rounds [a, a + 2^l) sums 2^l of a client's updates when the client takes part in every
+round, so its sensitivity is 2^l clip_norm there, not clip_norm; a client in all of 15
+rounds changes the 15 released nodes by sqrt(120) clip_norm (1.0 once a tree). Accounted
+so, the tree leaves more noise in the model than a draw a round at every epsilon.
 Local DP: each client adds N(0, (z * clip_norm)^2) to its own clipped update before it
 leaves; nobody, the aggregator included, sees it without noise. Its accountant takes q = 1:
 who takes part in a round is visible to the aggregator, so sampling does not amplify.
@@ -79,42 +76,4 @@ def noise_for(target_epsilon: float, delta: float, sampling_rate: float, rounds:
         bracket_interval=dp_accounting.LowerEndpointAndGuess(0.0, 1.0)))
 
 
-def tree_depth(rounds: int) -> int:
-    """How many nodes of binary-tree aggregation hold one round among `rounds`: the
-    dyadic intervals [a, a + 2^l) with a leaf in them that end by `rounds`."""
-    return max(1, rounds).bit_length()
-
-
-class TreeNoise:
-    """The noise of a sum of per-round values by binary-tree aggregation (Dwork et al.
-    2010; DP-FTRL, Kairouz et al. 2021): every dyadic interval of rounds [a, a + 2^l)
-    gets one Gaussian draw, the sum of rounds 1..t carries those of t's binary
-    decomposition (at most `tree_depth(t)`), and round t is given their change since
-    t - 1. A sum of T rounds then holds sqrt(depth) node noises instead of sqrt(T) round
-    noises, at the price of each value entering `tree_depth(T)` node releases."""
-
-    def __init__(self, n: int, std: float, rng: np.random.Generator) -> None:
-        self.n, self.std, self.rng = n, std, rng
-        self._nodes: dict[tuple[int, int], np.ndarray] = {}
-
-    @staticmethod
-    def nodes(t: int) -> list[tuple[int, int]]:
-        """The dyadic intervals (start, level) whose union is rounds 1..t."""
-        out, start = [], 0
-        for level in reversed(range(t.bit_length())):
-            if t >> level & 1:
-                out.append((start, level))
-                start += 1 << level
-        return out
-
-    def increment(self, t: int) -> np.ndarray:
-        """What round t (1, 2, ...) adds: the noise of rounds 1..t minus that of
-        1..t - 1 (the same again for a repeated round: its nodes are kept)."""
-        before, now = self.nodes(t - 1), self.nodes(t)
-        self._nodes = {k: self._nodes[k] if k in self._nodes
-                       else gaussian(self.n, self.std, self.rng) for k in {*before, *now}}
-        return (sum((self._nodes[k] for k in now), np.zeros(self.n))
-                - sum((self._nodes[k] for k in before), np.zeros(self.n)))
-
-
-__all__ = ["TreeNoise", "tree_depth", "accountant", "clip", "epsilon", "event", "gaussian", "noise_for"]
+__all__ = ["accountant", "clip", "epsilon", "event", "gaussian", "noise_for"]
