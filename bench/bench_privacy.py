@@ -4,6 +4,8 @@ aggregation (accuracy, seconds), and central DP's accuracy-epsilon curve.
     python bench/bench_privacy.py secagg                    # 40 clients, 4 clusters
     python bench/bench_privacy.py dp --clients 100 --epsilons 1,4,8,none
     python bench/bench_privacy.py dp --clients 100 --model mlp   # a second model
+    python bench/bench_privacy.py dp --clients 100 --clip-quantiles none,0.5 --no-secagg
+                                                            # fixed against adaptive clip
     python bench/bench_privacy.py secagg --quick            # digits, 3 rounds
     python bench/bench_privacy.py why --clients 100         # DP's signal against its noise
 
@@ -98,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-step", default="", help="plain | scaled (default: the job's)")
     ap.add_argument("--epsilons", default="1,4,8,none")
     ap.add_argument("--delta", type=float, default=1e-5)
-    ap.add_argument("--clip-norm", type=float, default=0.5)
+    ap.add_argument("--clip-norm", type=float, default=0.5, help="fixed, or the first")
+    ap.add_argument("--clip-quantiles", default="none",
+                    help="none (fixed clip_norm) and/or privacy.clip_quantile values")
+    ap.add_argument("--no-secagg", action="store_true",
+                    help="DP without secure aggregation (clip_quantile needs it off)")
     ap.add_argument("--dataset", choices=("mnist", "digits"), default="mnist")
     ap.add_argument("--model", default="", help="default: bench_learning's for the dataset")
     ap.add_argument("--beta", type=float, default=0.0, help="Dirichlet beta (default: its)")
@@ -122,13 +128,17 @@ def main(argv: list[str] | None = None) -> int:
         jobs = {"plain": {}, "secure_aggregation": {"secure_aggregation": True}}
     else:
         for e in args.epsilons.split(","):
-            jobs[f"epsilon={e}"] = ({} if e == "none" else
-                                    {"dp": "central", "epsilon": float(e), "delta": args.delta,
-                                     "clip_norm": args.clip_norm, "secure_aggregation": True})
+            for c in (["none"] if e == "none" else args.clip_quantiles.split(",")):
+                adaptive = {} if c == "none" else {"clip_quantile": float(c)}
+                jobs[f"epsilon={e}" + (f",quantile={c}" if adaptive else "")] = (
+                    {} if e == "none" else
+                    {"dp": "central", "epsilon": float(e), "delta": args.delta,
+                     "clip_norm": args.clip_norm, **adaptive,
+                     "secure_aggregation": not (adaptive or args.no_secagg)})
     results: dict[str, Any] = {}
     for name, privacy in jobs.items():
         used = cpu_seconds()
-        res = bl.run_engine(job(ds, dataset, args.aggregation, privacy, name.replace("=", "-"),
+        res = bl.run_engine(job(ds, dataset, args.aggregation, privacy, name.replace("=", "-").replace(",", "-"),
                                  args.server_step),
                             ds.clusters)
         res["cpu_seconds"] = round(cpu_seconds() - used, 1)

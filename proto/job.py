@@ -232,7 +232,8 @@ class PrivacySpec:
     secure_aggregation: bool = False        # the aggregator learns only the sum of updates
     clip_range: float = 1.0                 # secure aggregation's fixed point: +-this a coordinate
     dp: str = "none"                        # none | central | local (PRIVACY_DP)
-    clip_norm: float = 1.0                  # L2 bound of one client's update
+    clip_norm: float = 1.0                  # L2 bound of one client's update (the first)
+    clip_quantile: float | None = None      # central: clip_norm follows this quantile of norms
     noise_multiplier: float | None = None   # noise std / clip_norm; None = from epsilon
     epsilon: float | None = None            # the job's budget (with noise_multiplier: a cap)
     delta: float = 1e-5
@@ -700,6 +701,8 @@ _RULES.update({
     "privacy.clip_range": _rule_float(0.0, low_open=True),
     "privacy.dp": _rule_choice(PRIVACY_DP),
     "privacy.clip_norm": _rule_float(0.0, low_open=True),
+    "privacy.clip_quantile": _rule_optional(_rule_float(0.0, 1.0, low_open=True,
+                                                        high_open=True)),
     "privacy.noise_multiplier": _rule_optional_positive_float,
     "privacy.epsilon": _rule_optional_positive_float,
     "privacy.delta": _rule_float(0.0, 1.0, low_open=True, high_open=True),
@@ -735,6 +738,11 @@ def _check_privacy(source: str, spec: JobSpec) -> None:
         raise _fail(source, "transfer.compression", spec.transfer.compression,
                     "'none' with privacy.secure_aggregation: a masked update is uniform in its "
                     "ring, which no codec compresses, and a lossy codec would break the sum")
+    if p.clip_quantile is not None and (p.dp != "central" or p.secure_aggregation):
+        raise _fail(source, "privacy.clip_quantile", p.clip_quantile,
+                    "unset unless privacy.dp = 'central' without secure_aggregation: the "
+                    "aggregator clips to the norm it adapts, where clients clipping before "
+                    "they mask or noise would need each round's norm")
     if p.dp != "none" and p.noise_multiplier is None and p.epsilon is None:
         raise JobSpecError(source, "privacy.noise_multiplier",
                            f"privacy.dp = {p.dp!r} needs privacy.noise_multiplier or a target "

@@ -195,6 +195,38 @@ def test_central_dp_from_a_target_epsilon_spends_it_over_the_rounds() -> None:
     assert central(8.0, fraction=0.05).sampling_rate == 0.05
 
 
+def test_adaptive_clipping_accounts_the_count_and_follows_the_quantile() -> None:
+    """clip_quantile: the update's noise and the noised count of updates within the clip
+    norm (sensitivity 1/2) are one Gaussian of the accountant's z per round, so the epsilon
+    reported is the library's for that Gaussian; the norm moves to the quantile asked."""
+    for epsilon in (1.0, 8.0):
+        private = central(epsilon, clip_quantile=0.5)
+        fixed = central(epsilon)
+        assert private.count_std == max(5.0, fixed.noise_multiplier)  # 0.05 x 100 clients
+        assert private.update_z > fixed.noise_multiplier == private.noise_multiplier
+        joint = (private.update_z ** -2 + (2 * private.count_std) ** -2) ** -0.5
+        library = pld.PLDAccountant(value_discretization_interval=dp.DISCRETIZATION)
+        library.compose(dp_accounting.GaussianDpEvent(joint), 15)
+        assert private.epsilon(15) == pytest.approx(library.get_epsilon(1e-5), rel=1e-6)
+        assert private.epsilon(15) == pytest.approx(epsilon, rel=0.01)
+    private = central(8.0, clip_quantile=0.5, clip_norm=0.1)
+    private._rng = np.random.default_rng(3)
+    start = {"w": np.zeros(400, np.float32)}
+    norms = np.linspace(0.2, 2.0, 100)  # median 1.1
+    updates = [({"w": np.full(400, n / 20, np.float32)}, 10) for n in norms]
+    seen = []
+    for _ in range(60):
+        bound = private.clip.get("root", 0.1)
+        [(out, _)] = private.combine(start, updates, "root")
+        seen.append(bound)
+    assert seen[0] == 0.1 and seen[1] > 0.1  # all clipped: the norm grows
+    assert 0.85 < np.median(seen[-20:]) < 1.4
+    zero = [({"w": np.zeros(400, np.float32)}, 10)] * 100
+    [(out, _)] = private.combine(start, zero, "other")  # its own norm, from clip_norm
+    assert np.std(flatten(out)) == pytest.approx(private.update_z * 0.1 / 100, rel=0.15)
+    assert private.clip["other"] < 0.1  # all within: it shrinks
+
+
 def test_clipping_leaves_integer_buffers_out() -> None:
     privacy = Privacy(job(dp="central", clip_norm=0.5, noise_multiplier=1.0), "a",
                       locate=lambda c: "a", samples=lambda c: 10)
@@ -321,6 +353,10 @@ def test_job_privacy_keys() -> None:
          "each update"),
         ({"privacy": {"dp": "local", "epsilon": 1.0}, "topology": {"kind": "ring"}}, "parent"),
         ({"privacy": {"delta": 1.0}}, "delta"),
+        ({"privacy": {"dp": "central", "epsilon": 1.0, "clip_quantile": 1.0}}, "< 1"),
+        ({"privacy": {"dp": "local", "epsilon": 1.0, "clip_quantile": 0.5}}, "norm it adapts"),
+        ({"privacy": {"dp": "central", "epsilon": 1.0, "clip_quantile": 0.5,
+                      "secure_aggregation": True}}, "norm it adapts"),
     ]
     for data, words in bad:
         with pytest.raises(JobSpecError, match=words):

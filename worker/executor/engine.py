@@ -555,7 +555,7 @@ class ClusterEngine:
         inner = self._make_inner() if group_optimizer else self._aggregator(node)
         private = self.privacy is not None and graph.kind in ("star", "hybrid")
         if private and self.privacy.combines and updates:
-            updates = self.privacy.combine(current, updates)  # unmasked sum, central noise
+            updates = self.privacy.combine(current, updates, node)  # unmasked sum, noise
         model = inner.aggregate(current, updates) if updates else current
         if graph.exchanges(r):
             # groups weigh by the samples behind them, not by who trained this round

@@ -23,6 +23,8 @@ from proto.job import JobSpec
 from worker.privacy import dp, secagg
 
 Weights = dict[str, np.ndarray]
+#: adaptive clipping's geometric rate (Andrew et al. 2021, TFF and Flower: 0.2)
+CLIP_RATE = 0.2
 log = logging.getLogger("fedpilot.executor")
 
 
@@ -78,6 +80,17 @@ class Privacy:
             assert p.epsilon is not None  # JobSpec's rules: one of the two
             z = dp.noise_for(p.epsilon, p.delta, self.sampling_rate, self.rounds)
         self.noise_multiplier = float(z or 0.0)
+        #: adaptive clipping (Andrew et al. 2021; TFF's and Flower's defaults): each
+        #: aggregating node's clip norm starts at clip_norm and follows clip_quantile of the
+        #: updates' norms, from a noised count of the updates within it. The count's noise
+        #: (std 0.05 x the clients a round, or z where that is less) is split off z: a round
+        #: stays one Gaussian of z for the accountant (the paper's Theorem 1)
+        self.clip: dict[str, float] = {}
+        self.count_std, self.update_z = 0.0, self.noise_multiplier
+        if p.clip_quantile is not None:
+            clients = spec.data.number_of_clients * self.sampling_rate
+            self.count_std = max(0.05 * clients, self.noise_multiplier)
+            self.update_z = (self.noise_multiplier ** -2 - (2 * self.count_std) ** -2) ** -0.5
         self.key = secagg.new_key() if p.secure_aggregation else None
         self._secrets: dict[str, bytes] = {}
         #: the round's attempt (round.run's): a repeated round masks afresh, so no mask
@@ -139,7 +152,7 @@ class Privacy:
         p = self.spec
         base = flatten(start)
         delta = flatten(trained) - base
-        if p.dp != "none":
+        if p.dp != "none" and p.clip_quantile is None:  # else the aggregator's clip
             delta, _ = dp.clip(delta, p.clip_norm)
         if p.dp == "local":
             delta = delta + dp.gaussian(delta.size, self.noise_multiplier * p.clip_norm,
@@ -189,27 +202,35 @@ class Privacy:
         total = secagg.masked_sum([flatten(w).astype(np.uint32) for w, _ in updates])
         return secagg.dequantize(total, self.spec.clip_range)
 
-    def combine(self, current: Weights, updates: list[tuple[Weights, int]]
+    def combine(self, current: Weights, updates: list[tuple[Weights, int]], node: str = ""
                 ) -> list[tuple[Weights, int]]:
         """The one update the aggregator's rule sees in place of clients' `updates`: the
         round's start plus the (weighted, or under DP clipped and equally weighted) mean
         update, unmasked from its sum with secure aggregation, with central DP's noise."""
         p = self.spec
         base = flatten(current)
+        bound = self.clip.get(node, p.clip_norm)  # the clients' clip_norm, or adapted
         if p.secure_aggregation:
             mean = self._mean_delta(updates)
         else:
             deltas = [flatten(w) - base for w, _ in updates]
             if p.dp != "none":
-                deltas = [dp.clip(d, p.clip_norm)[0] for d in deltas]
+                clipped = [dp.clip(d, bound) for d in deltas]
+                deltas = [d for d, _ in clipped]
                 weights = np.full(len(deltas), 1.0 / len(deltas))
+                if p.clip_quantile is not None:  # the count less half of them: sensitivity 1/2
+                    within = sum(n <= bound for _, n in clipped) - len(clipped) / 2
+                    share = 0.5 + (within + self._rng.normal(0.0, self.count_std)) / len(clipped)
+                    self.clip[node] = bound * math.exp(-CLIP_RATE * (share - p.clip_quantile))
+                    log.info("event=dp_clip node=%s clip_norm=%.4g next=%.4g", node, bound,
+                             self.clip[node])
             else:
                 n = np.array([k for _, k in updates], dtype=np.float64)
                 weights = n / n.sum()
             mean = sum(w * d for w, d in zip(weights, deltas, strict=True))
         if p.dp == "central":
-            mean = mean + dp.gaussian(base.size, self.noise_multiplier * p.clip_norm
-                                      / len(updates), self._rng)
+            mean = mean + dp.gaussian(base.size, self.update_z * bound / len(updates),
+                                      self._rng)
         return [(unflatten(base + mean, {**current, **_mean_rest(updates)}),
                  sum(k for _, k in updates))]
 
