@@ -51,9 +51,9 @@ def test_curious_root_sees_only_masked_updates_and_the_result_is_unchanged(
     seen: list[np.ndarray] = []
     combine = Privacy.combine
 
-    def recording(self: Privacy, current: Any, updates: list[Any]) -> Any:
+    def recording(self: Privacy, current: Any, updates: list[Any], node: str = "") -> Any:
         seen.extend(flatten(w) for w, _ in updates)  # what the aggregating executor receives
-        return combine(self, current, updates)
+        return combine(self, current, updates, node)
 
     monkeypatch.setattr(Privacy, "combine", recording)
     masked = run(job(secure_aggregation=True)).summary
