@@ -237,17 +237,28 @@ def dial_circuits_too(host: IHost, timeout: float) -> None:
     """Make the host's swarm reach a peer through its /p2p-circuit addresses as well (its own
     dial skips them), for every stream opened to a peer not connected: its direct addresses
     first (half of ``timeout`` when it has relays too), then each relay with its share of
-    ``timeout``, so a dead or silent relay leaves the next its time; the error names each."""
+    ``timeout`` - those this daemon is connected to first (a relay just killed is tried
+    last, not for its whole share) - so a dead or silent relay leaves the next its time;
+    the error names each."""
     swarm = host.get_network()
     direct = swarm.dial_peer
+    own = f"/p2p/{host.get_id()}{CIRCUIT}"  # a gateway reaches a member directly or not at all
+
+    def _linked(circuit: str) -> bool:
+        try:
+            return bool(swarm.get_connections(info_from_p2p_addr(multiaddr.Multiaddr(
+                circuit.partition(CIRCUIT)[0])).peer_id))
+        except Exception:  # noqa: BLE001 - a malformed address: its dial says why, last
+            return False
 
     async def dial_peer(peer_id: ID) -> list[Any]:
         addrs = host.get_peerstore().addrs(peer_id)
-        circuits = [str(a) for a in addrs if is_circuit(a)]
+        circuits = [str(a) for a in addrs if is_circuit(a) and own not in str(a)]
+        circuits.sort(key=lambda c: not _linked(c))  # a gateway this daemon still reaches first
         if not circuits:
             return await direct(peer_id)
         failures = []
-        if len(circuits) < len(addrs):
+        if not all(is_circuit(a) for a in addrs):
             with trio.move_on_after(timeout / 2):
                 try:
                     return await direct(peer_id)

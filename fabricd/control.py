@@ -26,9 +26,9 @@ from typing import Any, Protocol
 
 import trio
 from libp2p.abc import IHost, INetStream
-from libp2p.peer.id import ID
 
 from fabricd._bounded import BoundedDict
+from fabricd._sender import open_stream
 from fabricd._streams import (
     FrameTooSlow,
     close_quietly,
@@ -56,6 +56,8 @@ CONTROL_LIMIT = MAX_MESSAGE_BYTES + 1024
 MAX_OWNED_JOBS = 4096
 #: jobs whose large plan's parts are held (each at most proto.control.MAX_PLAN_BYTES)
 MAX_ASSEMBLING_JOBS = 4
+#: tries to open a control stream (each may dial: bounded by the dial budget)
+OPEN_ATTEMPTS = 4
 
 
 class ControlSink(Protocol):
@@ -204,7 +206,8 @@ class ControlService:
         if self.seal is not None:
             body = self.seal(body, audience)
         await self.m.wait_verdict(peer_id)
-        stream = await self.host.new_stream(ID.from_base58(peer_id), [PROTOCOL_CONTROL])  # type: ignore[list-item]
+        # retried: a link just lost (its relay gone) is redialled, through another relay
+        stream = await open_stream(self.host, peer_id, PROTOCOL_CONTROL, attempts=OPEN_ATTEMPTS)
         try:
             await write_message(stream, ControlRequest(request_id=request_id, body=body))
             with trio.fail_after(self.timeout + 5):

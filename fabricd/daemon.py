@@ -24,7 +24,15 @@ from fabricd import _muxguard, _taskdump
 from fabricd._dataplane import DataPlane
 from fabricd._host import HostStack, open_host_stack
 from fabricd._relay import RelayClient, RelayService
-from fabricd._sender import Body, BodyRefused, DigestGate, FillingBuffer, Gate, RepeatedBody
+from fabricd._sender import (
+    Body,
+    BodyRefused,
+    DigestGate,
+    FillingBuffer,
+    Gate,
+    RepeatedBody,
+    backoff,
+)
 from fabricd.bridge import BridgeServer, RequestFailed
 from fabricd.config import Config
 from fabricd.control import ControlService
@@ -46,6 +54,9 @@ from proto.messages import UpdateHeader, is_transient_rejection
 from proto.stream import body_digest, claimed_digest
 
 log = get_logger("fabricd.daemon")
+
+#: times a round.run is sent again after its link was lost before the reply
+LINK_RESENDS = 3
 
 
 class _ConnectionLost(FabricdError):
@@ -467,18 +478,30 @@ class Daemon:
                           retry=not ok and is_transient_rejection(ack.reason))
 
     async def send_control(self, target_cluster: str, request_id: str, body: dict[str, Any]) -> ControlResult:
-        try:
-            peer_id = await self.resolve(target_cluster)
-            resp = await self.control_service.send(peer_id, request_id, body, audience=target_cluster)
-        except RequestFailed as exc:
-            return ControlResult(request_id=request_id, ok=False, body={}, reason=str(exc))
-        except NotAMember as exc:
-            return ControlResult(request_id=request_id, ok=False, body={},
-                                 reason=f"cluster {target_cluster!r} is not a member: {exc}")
-        except Exception as exc:  # noqa: BLE001 - libp2p stream/dial errors, protocol errors
-            return ControlResult(request_id=request_id, ok=False, body={},
-                                 reason=f"control request to {target_cluster!r} failed: {type(exc).__name__}: {exc}")
-        return ControlResult(request_id=request_id, ok=resp.ok, body=resp.body, reason=resp.reason)
+        # a round.run whose stream broke before the reply (its link lost with a relay) is
+        # sent again, over the link resolve makes anew: the executor answers a round it ran
+        # or runs with that round's report (worker.executor.service), never runs it twice
+        resends = LINK_RESENDS if body.get("kind") == "round.run" else 0
+        lost = ""
+        for attempt in range(resends + 1):
+            try:
+                peer_id = await self.resolve(target_cluster)
+                resp = await self.control_service.send(peer_id, request_id, body, audience=target_cluster)
+            except RequestFailed as exc:
+                return ControlResult(request_id=request_id, ok=False, body={}, reason=f"{exc}{lost}")
+            except NotAMember as exc:
+                return ControlResult(request_id=request_id, ok=False, body={},
+                                     reason=f"cluster {target_cluster!r} is not a member: {exc}")
+            except Exception as exc:  # noqa: BLE001 - libp2p stream/dial errors, protocol errors
+                reason = f"control request to {target_cluster!r} failed: {type(exc).__name__}: {exc}"
+                if attempt == resends or isinstance(exc, trio.TooSlowError):
+                    return ControlResult(request_id=request_id, ok=False, body={}, reason=reason)
+                log.warning("control.resent", cluster=target_cluster, request_id=request_id, reason=reason)
+                lost = f"; the request under way was lost: {reason}"
+                await trio.sleep(backoff(attempt))
+                continue
+            return ControlResult(request_id=request_id, ok=resp.ok, body=resp.body, reason=resp.reason)
+        raise AssertionError("unreachable")
 
 
 def _probe_body(nbytes: int) -> tuple[RepeatedBody, bytes]:

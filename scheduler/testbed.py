@@ -78,8 +78,9 @@ def set_toml_value(path: Path, section: str, key: str, value: str | Sequence[str
     """Set `key = "value"` (or a list of strings) in `[section]` of a generated config
     (adds it if absent)."""
     text = path.read_text()
-    pattern = re.compile(rf"(^\[{re.escape(section)}\][^\[]*?^){re.escape(key)}\s*=.*$",
-                         re.MULTILINE | re.DOTALL)
+    # the section's lines up to the key (none of them a section header)
+    pattern = re.compile(rf"(^\[{re.escape(section)}\]\n(?:(?!\[)[^\n]*\n)*?){re.escape(key)}\s*=.*$",
+                         re.MULTILINE)
     # JSON strings and lists of them are TOML basic strings and arrays
     line = f"{key} = {json.dumps(value if isinstance(value, str) else list(value))}"
     if pattern.search(text):
@@ -196,8 +197,10 @@ class LocalTestbed:
 
     # -- set-up ------------------------------------------------------------------------------
     def start(self, timeout: float = 60.0) -> list[ClusterInfo]:
-        """Write every daemon's config (`prepare`), start them, and wait for the clusters."""
-        self.prepare()
+        """Write every daemon's config (`prepare`, unless called already: a caller may change
+        them in between), start them, and wait for the clusters."""
+        if not self.configs:
+            self.prepare()
         for name, config in self.configs.items():
             self._spawn(name, config)
         return wait_for_clusters(self.bridge_socket("scheduler"), expected=self.cluster_ids,

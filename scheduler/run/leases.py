@@ -145,6 +145,8 @@ class LeaseKeeper:
                 if (connected and not connected.get(cid, False)
                         and silent > max(2 * self.interval, self.lease / 2)):
                     reason = "its daemon left the mesh (connection or heartbeats lost)"
+                    if self._misses.get(cid):  # why, as far as a renewal could tell
+                        reason += f"; the last lease renewal failed: {self._misses[cid][-1]}"
                 elif len(self._misses.get(cid, [])) >= MISSES:
                     reason = f"{MISSES} lease renewals failed: {self._misses[cid][-1]}"
                 elif now - self._answered[cid] > self.lease:
