@@ -248,16 +248,23 @@ def test_local_noise_is_added_by_the_client() -> None:
     assert privacy.sampling_rate == 1.0
 
 
-def test_honest_but_curious_aggregator_sees_only_masked_updates() -> None:
-    """Three clusters' executors; the aggregator (on a) records what reaches it: every
-    update is uniform-looking, and the combined model is FedAvg's."""
-    spec = job(secure_aggregation=True, clip_range=1.0)
-    samples = {c: 5 + 3 * i for i, c in enumerate(PLACEMENT)}
+def privacy_sides(spec: JobSpec, samples: dict[str, int]) -> tuple[dict[str, Privacy], dict[str, bytes | None]]:
+    """Each cluster's executor side of `spec` (clients placed by PLACEMENT), the public keys
+    exchanged: (sides, public keys)."""
     sides = {c: Privacy(spec, c, locate=PLACEMENT.__getitem__, samples=samples.__getitem__)
              for c in CLUSTERS}
     public = {c: p.public_key() for c, p in sides.items()}
     for p in sides.values():
         p.set_peer_keys(public)  # type: ignore[arg-type]
+    return sides, public
+
+
+def test_honest_but_curious_aggregator_sees_only_masked_updates() -> None:
+    """Three clusters' executors; the aggregator (on a) records what reaches it: every
+    update is uniform-looking, and the combined model is FedAvg's."""
+    spec = job(secure_aggregation=True, clip_range=1.0)
+    samples = {c: 5 + 3 * i for i, c in enumerate(PLACEMENT)}
+    sides, _ = privacy_sides(spec, samples)
     rng = np.random.default_rng(3)
     start = model(0.1)
     trained = {c: {k: v + rng.normal(0, 0.05, v.shape).astype(v.dtype)
@@ -292,11 +299,8 @@ def test_a_dropped_cluster_is_recovered_through_the_executors_masks() -> None:
     their quantized sum, whose rescaled value is their weighted mean update."""
     spec = job(secure_aggregation=True, clip_range=1.0)
     samples = {c: 4 + 5 * i for i, c in enumerate(PLACEMENT)}
-    sides = {c: Privacy(spec, c, locate=PLACEMENT.__getitem__, samples=samples.__getitem__)
-             for c in CLUSTERS}
-    public = {c: p.public_key() for c, p in sides.items()}
+    sides, public = privacy_sides(spec, samples)
     for p in sides.values():
-        p.set_peer_keys(public)  # type: ignore[arg-type]
         p.attempt = 2
     rng = np.random.default_rng(7)
     start = model(0.2)
