@@ -36,7 +36,13 @@ the synchronous job's end (97 s) 0.951 against 0.949; at its 36 contributions 0.
 equal contributions against 0.949, 0.952 at equal time, 43 of 44 contributions fresh
 (before the buffer waited for clusters about as fast as the others: 0.934, 16 of 27
 fresh; docs/job.md, "Slow sites"); with buffer_size = clusters buffered is the
-synchronous job exactly (tests/e2e/test_stragglers.py).
+synchronous job exactly (tests/e2e/test_stragglers.py). Stop 42, with the root's model
+sent to every cluster at once, at load 17-56: at --factor 4 the quota no longer bound
+relative to the others (every cluster got about 0.1 CPU): ratio 0.92 and 1.11, 0.950 /
+0.936 against 0.939 at the synchronous end; --equal 0.944 against 0.939; --factor 10
+(cluster-3 at a third of a fast cluster's CPU): ratio 0.415, 0.946 against 0.939 at the
+synchronous end. `slow_cluster.cpu_stat_*` says whether the quota bound (throttled
+periods); whether it made the cluster slower than the others depends on the load.
 """
 
 from __future__ import annotations
@@ -135,6 +141,17 @@ def compare(sync: list[RoundRecord], buffered: list[RoundRecord], target: float
     }
 
 
+def cpu_stat(tb: LocalTestbed, name: str) -> dict[str, int]:
+    """The slowed cluster's cgroup cpu.stat so far (periods, throttled periods and time):
+    whether its quota bound (on a loaded machine every process may get less anyway)."""
+    quota = tb.quotas.get(name)
+    try:
+        text = (quota.path / "cpu.stat").read_text() if quota is not None else ""
+    except OSError:
+        text = ""
+    return {k: int(v) for k, v in (line.split() for line in text.splitlines())}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="digits, few rounds (CI)")
@@ -185,9 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         clusters = tb.start(timeout=120)
         report["slow_cluster"] = {"cluster": slow, "how": tb.slow_notes.get(slow, "")}
         sync = run_job(tb, clusters, job("sync", "sync", rounds), backend)
+        report["slow_cluster"]["cpu_stat_after_sync"] = cpu_stat(tb, slow)
         seconds = sum(r.seconds for r in sync)
         buffered = run_job(tb, clusters, job("buffered", "buffered", rounds * 8), backend,
                            seconds=seconds)
+        report["slow_cluster"]["cpu_stat_after_buffered"] = cpu_stat(tb, slow)
     report.update(compare(sync, buffered, target))
     if args.equal:
         with LocalTestbed(CLUSTERS, backend=backend, workdir=str(out / "equal"),
