@@ -46,7 +46,7 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 from fabricd import _fastpath
 from fabricd._sender import open_stream
 from fabricd._streams import LINGER_SECONDS, Handler, close_quietly, reset_quietly
-from fabricd.admission import RateFloor
+from fabricd.admission import RATE_GRACE, RateFloor
 from fabricd.config import Relay
 from fabricd.metrics import UNWIRED, DaemonMetrics
 from fedcore.logs import get_logger
@@ -279,6 +279,31 @@ def dial_circuits_too(host: IHost, timeout: float) -> None:
     swarm.dial_peer = dial_peer  # type: ignore[method-assign]
 
 
+class _HopMessages:
+    """A hop stream as the library's handler reads it: its messages (RESERVE, CONNECT: a
+    few hundred bytes) must all have come within the rate floor's grace - a member dripping
+    one, or holding the stream open after a reservation, is cut at the grace, not at the
+    library's 30 s per message (and not never: it reads message after message) - and once
+    the stream carries a circuit, reads are the circuit's (_Frames keeps its floor)."""
+
+    def __init__(self, stream: INetStream) -> None:
+        self.stream = stream
+        self.until = trio.current_time() + RATE_GRACE
+        self.circuit = False
+        self.cut = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+    async def read(self, n: int | None = None) -> bytes:
+        if self.circuit:
+            return await self.stream.read(n)
+        with trio.move_on_at(self.until):
+            return await self.stream.read(n)
+        self.cut = True
+        raise trio.TooSlowError
+
+
 class RelayService(CircuitV2Protocol):
     """The hop side of circuit relay v2 on a gateway, for members only (module docstring)."""
 
@@ -297,6 +322,15 @@ class RelayService(CircuitV2Protocol):
 
     def register(self, guard: Guard) -> None:
         self.host.set_stream_handler(PROTOCOL_ID, guard("relay.hop", self._handle_hop_stream, self._refuse))
+
+    async def _handle_hop_stream(self, stream: INetStream) -> None:
+        hop = _HopMessages(stream)
+        await super()._handle_hop_stream(hop)  # type: ignore[arg-type]
+        if hop.cut:
+            log.warning("relay.hop_cut", peer=str(stream.muxed_conn.peer_id),
+                        reason=f"hop messages not whole within the {RATE_GRACE:g} s grace")
+            self.metrics.stream_cut("relay")
+            await reset_quietly(stream)
 
     async def _refuse(self, stream: INetStream, reason: str) -> None:
         self.counts["strangers_refused"] += 1
@@ -336,6 +370,8 @@ class RelayService(CircuitV2Protocol):
             return
         self.counts["circuits_opened"] += 1
         self.by_source[src] = self.by_source.get(src, 0) + 1
+        if isinstance(stream, _HopMessages):
+            stream.circuit = True
         try:
             await super()._handle_connect(stream, msg)
         finally:

@@ -210,3 +210,44 @@ async def test_a_member_dripping_into_a_circuit_is_cut_and_counted(relayed: dict
     assert bridge_status(g)["streams_cut"]["relay"] > before
     assert "event=relay.circuit_cut" in g.log() and "minimum rate" in g.log()
     assert _row(p, "q").get("connected") and _row(p, "q")["link"] == "relayed"
+
+
+@pytest.mark.trio
+async def test_a_member_dripping_a_hop_message_or_holding_a_hop_stream_is_cut(relayed: dict[str, Any]) -> None:
+    """On two hop streams a member drips a RESERVE (a byte every 7 s), and sends a whole
+    RESERVE, reads the answer and then drips the start of another: the gateway cuts both
+    once the grace for their messages is over (fabricd._relay._HopMessages; before, the
+    library waited 30 s a message and left the stream open after), counted as relay cuts,
+    while p and q's relayed link carries a 4 MiB update meanwhile."""
+    g, p, q = relayed["g"], relayed["p"], relayed["q"]
+    wait_until(lambda: _row(p, "q").get("connected") and _row(q, "p").get("connected"), timeout=90)
+    before = bridge_status(g)["streams_cut"]["relay"]
+    key = create_new_key_pair()
+    target = peer_info(g.addr())
+    reserve = HopMessage(type=HopMessage.RESERVE, peer=CircuitPeerId(id=ID.from_pubkey(key.public_key).to_bytes()))
+    body = reserve.SerializeToString()
+    message = bytes([len(body)]) + body  # varint length (< 128) and the message
+    cut: dict[str, bool] = {}
+    async with raw_host(key) as host:
+        await host.connect(target)
+        assert (await hello(host, target.peer_id, certificate_for(key, relayed["ca"], "hopper"))).accepted
+
+        async def dripped() -> None:
+            stream = await host.new_stream(target.peer_id, [PROTOCOL_ID])  # type: ignore[list-item]
+            cut["dripped"] = await drip_until_cut(stream, message, 1, 7.0, timeout=90)
+
+        async def held() -> None:
+            stream = await host.new_stream(target.peer_id, [PROTOCOL_ID])  # type: ignore[list-item]
+            await write_delimited_msg(stream, reserve)
+            with trio.fail_after(30):
+                await read_delimited_msg(stream, HopMessage)  # refused or granted: either way
+            cut["held"] = await drip_until_cut(stream, message, 1, 7.0, timeout=90)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(dripped)
+            nursery.start_soon(held)
+            nursery.start_soon(trio.to_thread.run_sync, lambda: p.probe("q", 4 << 20))
+    assert cut == {"dripped": True, "held": True}, cut
+    assert bridge_status(g)["streams_cut"]["relay"] >= before + 2
+    assert g.log().count("event=relay.hop_cut") >= 2
+    assert _row(p, "q").get("connected") and _row(p, "q")["link"] == "relayed"
