@@ -10,7 +10,7 @@
 #
 # --flat runs the same job on the flat testbed (every site dials every other), to compare.
 # Environment: the testbed's (FP_WAN_RTT_MS, FP_WAN_LOSS, FP_WAN_RATE, FP_RAY, ...), and
-# FP_NETNS_PREFIX (fpwan), FP_STATE_DIR (/tmp/$FP_NETNS_PREFIX-testbed).
+# FP_NETNS_PREFIX (fpwan), FP_STATE_DIR (/tmp/$FP_NETNS_PREFIX-testbed), FP_CAPACITY (10).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -39,6 +39,9 @@ done
 export FP_NETNS_PREFIX=${FP_NETNS_PREFIX:-fpwan}
 export FP_STATE_DIR=${FP_STATE_DIR:-/tmp/$FP_NETNS_PREFIX-testbed}
 export FP_SCHEDULER=1 FP_CLUSTERS="a b c"
+# 10 clients a site: the job's 30 spread over the three (at the testbed's 32 the locality
+# placement put them all on one site, and no model crossed the WAN)
+export FP_CAPACITY=${FP_CAPACITY:-10}
 bin=$(dirname "${FABRICD:-$repo/.venv/bin/fabricd}")  # FABRICD: as for the testbed
 testbed=$here/netns-testbed.sh
 trap '"$testbed" down >/dev/null 2>&1 || true' EXIT
