@@ -399,7 +399,8 @@ class Driver(Recovery):
             return rounds
         allowed = min(int(i.get("rounds", rounds)) for i in infos)
         summary.privacy = {"secure_aggregation": p.secure_aggregation, "dp": p.dp,
-                           "clip_norm": p.clip_norm, "delta": p.delta, "budget": p.epsilon,
+                           "clip_norm": p.clip_norm, "clip_quantile": p.clip_quantile,
+                           "delta": p.delta, "budget": p.epsilon,
                            "noise_multiplier": float(infos[0].get("noise_multiplier", 0.0)),
                            "epsilon": 0.0, "stopped": ""}
         if allowed < rounds:

@@ -107,8 +107,11 @@ def test_central_dp_reports_epsilon_and_stops_at_its_budget() -> None:
     assert spent == sorted(spent) and spent[-1] <= 3.0
     assert f"round {allowed + 1} would spend more" in summary.privacy["stopped"]
     assert summary.privacy["epsilon"] == spent[-1]
-    target = run(job(rounds=3, dp="central", epsilon=8.0, clip_norm=1.0)).summary
+    # adaptive clipping: its noised count is split off z, the epsilon is z's
+    target = run(job(rounds=3, dp="central", epsilon=8.0, clip_norm=1.0,
+                     clip_quantile=0.5)).summary
     z = target.privacy["noise_multiplier"]
+    assert target.privacy["clip_quantile"] == 0.5
     assert [r.epsilon for r in target.rounds] == [
         pytest.approx(dp.epsilon(z, 0.7, r, 1e-5)) for r in (1, 2, 3)]
     assert target.rounds[-1].epsilon == pytest.approx(8.0, rel=0.01)
