@@ -39,7 +39,8 @@ fresh; docs/job.md, "Slow sites"); with buffer_size = clusters buffered is the
 synchronous job exactly (tests/e2e/test_stragglers.py). Stop 42, with the root's model
 sent to every cluster at once, at load 17-56: at --factor 4 the quota no longer bound
 relative to the others (every cluster got about 0.1 CPU): ratio 0.92 and 1.11, 0.950 /
-0.936 against 0.939 at the synchronous end; --equal 0.944 against 0.939; --factor 10
+0.936 against 0.939 at the synchronous end; a third run at load 12-20, where it did
+(cluster-3 at about half a fast cluster's CPU): ratio 0.373, 0.952 against 0.939; --equal 0.944 against 0.939; --factor 10
 (cluster-3 at a third of a fast cluster's CPU): ratio 0.415, 0.946 against 0.939 at the
 synchronous end. `slow_cluster.cpu_stat_*` says whether the quota bound (throttled
 periods); whether it made the cluster slower than the others depends on the load.
