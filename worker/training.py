@@ -329,16 +329,14 @@ def sample_scores(model: nn.Module, x: np.ndarray, y: np.ndarray
     return np.concatenate(losses).astype(np.float64), np.concatenate(hits)
 
 
-def held_out_choice(trained: tuple[np.ndarray, np.ndarray],
-                    received: tuple[np.ndarray, np.ndarray]) -> float:
+def held_out_choice(trained: np.ndarray, received: np.ndarray) -> float:
     """Accuracy of scoring each sample with the model a client `trained` only where it got
-    more of the *other* samples right than the model it `received` (`sample_scores` of
-    each on the same samples), else with the received one: a choice never made on the
-    sample it is scored on (leave-one-out), and the federation's model unless the
+    more of the *other* samples right than the model it `received` (each model's hits on
+    the same samples, `sample_scores`), else with the received one: a choice never made
+    on the sample it is scored on (leave-one-out), and the federation's model unless the
     client's own is shown better on its held-out data."""
-    trained_hits, received_hits = trained[1], received[1]
-    if not len(trained_hits):
+    if not len(trained):
         return 0.0
-    own_rest = trained_hits.sum() - trained_hits.astype(np.int64)
-    keep = own_rest > received_hits.sum() - received_hits.astype(np.int64)
-    return float(np.where(keep, trained_hits, received_hits).mean())
+    own_rest = trained.sum() - trained.astype(np.int64)
+    keep = own_rest > received.sum() - received.astype(np.int64)
+    return float(np.where(keep, trained, received).mean())

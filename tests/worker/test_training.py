@@ -192,19 +192,18 @@ def test_held_out_choice_keeps_the_received_model_unless_the_trained_one_is_show
     """Leave-one-out: each sample is scored by the trained model only where it got more of
     the other samples right than the received one; a tie keeps the received model, and a
     sample's own outcome never decides which model scores it."""
-    losses = np.zeros(4)
-    better = (losses, np.array([True, True, True, False]))
-    worse = (losses, np.array([False, True, False, False]))
+    better = np.array([True, True, True, False])
+    worse = np.array([False, True, False, False])
     assert held_out_choice(better, worse) == 0.75     # trained: 2 or 3 > 1 on the others
     assert held_out_choice(worse, better) == 0.75     # received kept everywhere
-    even = (losses, np.array([True, False, True, False]))
+    even = np.array([True, False, True, False])
     assert held_out_choice(even, better) == 0.75      # ties and less: received
     # the trained model is right on sample 3 only; on the others it is worse, but
     # sample 3's choice sees samples 0-2, where it trails: received's miss is scored
-    lucky = (losses, np.array([False, False, False, True]))
-    steady = (losses, np.array([True, True, False, False]))
+    lucky = np.array([False, False, False, True])
+    steady = np.array([True, True, False, False])
     assert held_out_choice(lucky, steady) == 0.5
-    assert held_out_choice((np.zeros(0), np.zeros(0, bool)), (np.zeros(0), np.zeros(0, bool))) == 0.0
+    assert held_out_choice(np.zeros(0, bool), np.zeros(0, bool)) == 0.0
 
 
 def test_empty_data_and_bad_settings() -> None:
