@@ -515,11 +515,17 @@ class RelayClient:
             self.held.pop(relay, None)
             return
         now = time.monotonic()
-        if held is not None and held[2] is conns[0] and held[1] - time.time() > RENEW_MARGIN:
+        if held is not None and any(c is held[2] for c in conns) and held[1] - time.time() > RENEW_MARGIN:
             return
         if self.refused.get(relay, ("", 0.0))[1] > now:
             return
         try:
+            link = next((c for c in conns if not _relayed(c)), None)
+            if link is None:
+                # reached only through another relay (a restarted gateway dials its members
+                # back so), and a gateway refuses hops over a relayed link: dial it directly
+                link = await self.host.get_network().dial_addr(
+                    info_from_p2p_addr(multiaddr.Multiaddr(gateway)).addrs[0], relay_id)
             stream, resp = await _hop(self.host, relay, HopMessage(
                 type=HopMessage.RESERVE, peer=CircuitPeerId(id=self.host.get_id().to_bytes())))
             await close_quietly(stream)
@@ -532,6 +538,6 @@ class RelayClient:
             log.warning("relay.reservation_failed", relay=relay, reason=why, retry_s=RETRY_REFUSED)
             return
         self.refused.pop(relay, None)
-        self.held[relay] = (gateway, float(resp.reservation.expire), conns[0])
+        self.held[relay] = (gateway, float(resp.reservation.expire), link)
         if held is None:
             log.info("relay.reserved", relay=relay, addr=self.addrs()[-1])
