@@ -62,22 +62,26 @@ class PreAuth:
         """A peer without a verified certificate connected: start its clock."""
         if peer_id in self.pending:
             return
-        self.pending[peer_id] = time.monotonic()
+        since = self.pending[peer_id] = time.monotonic()
         if len(self.pending) > MAX_PENDING_PEERS:
             oldest, _ = next(iter(self.pending.items()))
             self.pending.pop(oldest, None)
             self.drop(oldest, f"more than {MAX_PENDING_PEERS} peers were "
                               "waiting to authenticate; the oldest is dropped")
         if self.spawn is not None:
-            self.spawn.start_soon(self._deadline, peer_id)
+            self.spawn.start_soon(self._deadline, peer_id, since)
 
     def settled(self, peer_id: str) -> None:
         """The peer proved membership, or left."""
         self.pending.pop(peer_id, None)
 
-    async def _deadline(self, peer_id: str) -> None:
-        # Loops because a hang-up can fail under load: the peer is dropped until it is gone.
+    async def _deadline(self, peer_id: str, since: float) -> None:
         await trio.sleep(self.auth_timeout)
+        if self.pending.get(peer_id) != since:
+            # settled since: a member, or gone - and if it came back (a link lost with a
+            # relay, redialled), that arrival has its own clock; this one must not cut it
+            return
+        # Loops because a hang-up can fail under load: the peer is dropped until it is gone.
         while is_connected(self.host, peer_id):
             verdict = self._verdict_of(peer_id)
             if verdict is not None and verdict.certificate is not None:

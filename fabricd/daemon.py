@@ -57,6 +57,9 @@ log = get_logger("fabricd.daemon")
 
 #: times a round.run is sent again after its link was lost before the reply
 LINK_RESENDS = 3
+#: seconds before resolving again once a link was lost: a new link's membership exchange
+#: takes a moment, and a peer whose exchange met the old link's end is hung up after 0.5 s
+RELINK_PAUSE = 1.0
 
 
 class _ConnectionLost(FabricdError):
@@ -480,7 +483,10 @@ class Daemon:
     async def send_control(self, target_cluster: str, request_id: str, body: dict[str, Any]) -> ControlResult:
         # a round.run whose stream broke before the reply (its link lost with a relay) is
         # sent again, over the link resolve makes anew: the executor answers a round it ran
-        # or runs with that round's report (worker.executor.service), never runs it twice
+        # or runs with that round's report (worker.executor.service), never runs it twice.
+        # Once a link was lost, a failed resolve (the new link, or its membership exchange,
+        # not there yet) is tried again within the same resends; it never sends to a peer
+        # that has not proved membership.
         resends = LINK_RESENDS if body.get("kind") == "round.run" else 0
         lost = ""
         for attempt in range(resends + 1):
@@ -488,7 +494,11 @@ class Daemon:
                 peer_id = await self.resolve(target_cluster)
                 resp = await self.control_service.send(peer_id, request_id, body, audience=target_cluster)
             except RequestFailed as exc:
-                return ControlResult(request_id=request_id, ok=False, body={}, reason=f"{exc}{lost}")
+                if not lost or attempt == resends:
+                    return ControlResult(request_id=request_id, ok=False, body={}, reason=f"{exc}{lost}")
+                log.warning("control.resent", cluster=target_cluster, request_id=request_id, reason=str(exc))
+                await trio.sleep(RELINK_PAUSE)
+                continue
             except NotAMember as exc:
                 return ControlResult(request_id=request_id, ok=False, body={},
                                      reason=f"cluster {target_cluster!r} is not a member: {exc}")

@@ -134,9 +134,6 @@ def _drive_killing(tmp_path: Path, gateways: tuple[str, ...], job: JobSpec
     return killed[0][1], rounds, outcome
 
 
-@pytest.mark.skip(reason="flaky: failed in 1 of 2 clean-clone CI runs at stop 42 on an idle "
-                  "machine (passed in the other and in 4 runs of its author); the cause "
-                  "is not found yet (issue 32): remove this mark to run it")
 def test_the_job_goes_on_over_the_other_gateway_when_one_is_killed(tmp_path: Path) -> None:
     killed, rounds, result = _drive_killing(tmp_path, ("g1", "g2"), _job("relay-killed"))
     assert not isinstance(result, JobFailed), str(result)
