@@ -6,6 +6,7 @@ aggregation (accuracy, seconds), and central DP's accuracy-epsilon curve.
     python bench/bench_privacy.py dp --clients 100 --model mlp   # a second model
     python bench/bench_privacy.py dp --clients 100 --clip-quantiles none,0.5 --no-secagg
                                                             # fixed against adaptive clip
+    python bench/bench_privacy.py dp --clients 100 --epochs 5  # more local work a round
     python bench/bench_privacy.py secagg --quick            # digits, 3 rounds
     python bench/bench_privacy.py why --clients 100         # DP's signal against its noise
 
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("what", choices=("secagg", "dp", "why"))
     ap.add_argument("--clients", type=int, default=0, help="default: bench_learning's")
     ap.add_argument("--rounds", type=int, default=0)
+    ap.add_argument("--epochs", type=int, default=0, help="local epochs (default: its)")
     ap.add_argument("--aggregation", default="fedavgm")
     ap.add_argument("--server-step", default="", help="plain | scaled (default: the job's)")
     ap.add_argument("--epsilons", default="1,4,8,none")
@@ -116,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     name = "digits" if args.quick else args.dataset
     ds = bl.DATASETS[name]
     ds = replace(ds, clients=args.clients or ds.clients, model=args.model or ds.model,
-                 beta=args.beta or ds.beta, rounds=3 if args.quick else (args.rounds or ds.rounds))
+                 beta=args.beta or ds.beta, rounds=3 if args.quick else (args.rounds or ds.rounds),
+                 epochs=args.epochs or ds.epochs)
     dataset = bl.mnist_npz(out) if name == "mnist" else name
     if args.what == "why":
         eps = [float(e) for e in args.epsilons.split(",") if e != "none"]
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                    "cpu_seconds": r["cpu_seconds"]} for n, r in results.items()}
     print(json.dumps({"dataset": ds.name, "model": ds.model, "beta": ds.beta,
                       "clients": ds.clients, "clusters": ds.clusters,
-                      "rounds": ds.rounds, "aggregation": args.aggregation,
+                      "rounds": ds.rounds, "epochs": ds.epochs, "aggregation": args.aggregation,
                       "server_step": args.server_step or "default",
                       "summary": summary}, indent=1))
     return 0
