@@ -19,7 +19,8 @@
 # 7. copies summary.json, metrics.csv, placement.json, the model and the PNGs to DIR
 #    (default runs/compose-demo/) and tears everything down, also on Ctrl-C.
 #
-# Prints one JSON line at the end: {"build_seconds": ..., "run_seconds": ..., ...}.
+# Prints one JSON line at the end: {"build_seconds": ..., "run_seconds": ..., ...}, with
+# each fault's detect_seconds and recover_seconds (summary.json's faults).
 # Environment: BASE (base image), DEBIAN_MIRROR (for debootstrap), PROJECT (compose
 # project name, default fedpilot-demo).
 set -euo pipefail
@@ -214,6 +215,8 @@ print(json.dumps({"build_seconds": round(float(built) - float(started), 1),
                   "job_id": s["job_id"], "rounds": len(s["rounds"]), "status": s["status"],
                   "final_accuracy": s["final_accuracy"], "bytes_inter_total": s["bytes_inter_total"],
                   "killed": killed or None, "killed_after_round": int(at) if at else None,
-                  "faults": [{k: f.get(k) for k in ("round", "cluster", "event")} for f in s.get("faults", [])],
+                  "faults": [{k: f.get(k) for k in ("round", "cluster", "event", "detect_seconds",
+                                                     "recover_seconds")}
+                             for f in s.get("faults", [])],
                   "out": out}))
 EOF

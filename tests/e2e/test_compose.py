@@ -383,6 +383,10 @@ def test_compose_demo_in_real_containers(tmp_path: Path) -> None:
     assert report["killed"] == "c" and 2 <= report["killed_after_round"] < rounds
     lost = [f for f in summary["faults"] if f["event"] == "lost"]
     assert [f["cluster"] for f in lost] == ["c"], (summary["faults"], proc.stderr[-2000:])
+    # the report line carries the loss's timings as summary.json has them
+    def timings(faults: list[dict[str, Any]]) -> list[tuple[float, float]]:
+        return [(f["detect_seconds"], f["recover_seconds"]) for f in faults if f["event"] == "lost"]
+    assert timings(report["faults"]) == timings(lost)
     for name in ("metrics.csv", "placement.json", "model.safetensors", "accuracy.png", "traffic.png"):
         assert (out / name).stat().st_size > 0, name
     left = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}"],
