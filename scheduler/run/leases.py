@@ -8,7 +8,9 @@ answered a first time, it is **lost** when
 - the scheduler's daemon no longer sees it connected (mesh connection or heartbeats
   gone: `clusters[].connected` of the daemon status) and it has not answered a lease for
   half the lease (a heartbeat late under load, or an executor busy for seconds in a
-  job.start that holds the GIL, is not a loss), or
+  job.start that holds the GIL, is not a loss) while another cluster answered since (all
+  silent at once: the scheduler's own host stalled, e.g. starved of CPU, as readily as
+  they all died), or
 - two renewals in a row failed (its daemon refused: the executor is gone; or it could
   not be reached), or
 - it has not answered for `lease` seconds.
@@ -134,6 +136,7 @@ class LeaseKeeper:
             except JobFailed as exc:  # our own daemon is unreachable: nothing to conclude
                 log.warning("event=mesh_status_unavailable reason=%s", exc)
         now = time.monotonic()
+        quiet = max(2 * self.interval, self.lease / 2)
         with self._lock:
             for cid in clusters:
                 if cid not in self._armed or cid in self._lost or cid not in self._answered:
@@ -142,8 +145,12 @@ class LeaseKeeper:
                 silent = now - self._answered[cid]
                 # a heartbeat late on a loaded machine flips `connected` for a moment: the
                 # mesh's word counts once the lease has gone unanswered too
-                if (connected and not connected.get(cid, False)
-                        and silent > max(2 * self.interval, self.lease / 2)):
+                # ... and while another cluster answered after it fell silent (all silent
+                # at once: the scheduler's own host more likely stalled; the lease tells)
+                others = max((t for o, t in self._answered.items()
+                              if o != cid and o in self._armed), default=0.0)
+                if (connected and not connected.get(cid, False) and silent > quiet
+                        and others > self._answered[cid] + self.interval):
                     reason = "its daemon left the mesh (connection or heartbeats lost)"
                     if self._misses.get(cid):  # why, as far as a renewal could tell
                         reason += f"; the last lease renewal failed: {self._misses[cid][-1]}"

@@ -17,9 +17,13 @@ class Channel:
     def __init__(self) -> None:
         self.answering = threading.Event()
         self.answering.set()
+        self.silent: set[str] = set()  # these do not answer until `answering` is set
+        self.released = threading.Event()
 
     def request(self, cluster_id: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-        if not self.answering.wait(timeout):
+        if cluster_id in self.silent:
+            self.released.wait(timeout)
+        if cluster_id in self.silent or not self.answering.wait(timeout):
             raise JobFailed(f"cluster {cluster_id} did not answer {body['kind']}")
         return {}
 
@@ -34,16 +38,47 @@ def test_a_disconnected_flag_alone_does_not_lose_a_cluster_that_answers() -> Non
     try:
         time.sleep(4 * keeper.interval)
         assert keeper.lost() == {}  # b's heartbeats look late, but b answers its lease
-        channel.answering.clear()  # now b (and a) fall silent
+        channel.silent.add("b")  # now b falls silent; a goes on answering
         deadline = time.monotonic() + 30
         while "b" not in keeper.lost() and time.monotonic() < deadline:
             time.sleep(0.1)
         loss = keeper.lost()["b"]
         assert "left the mesh" in loss.reason
         assert loss.detected - loss.last_seen > keeper.lease / 2
+        assert "a" not in keeper.lost()
     finally:
-        channel.answering.set()
+        channel.released.set()
         keeper.stop()
+
+
+def test_all_clusters_silent_and_gone_at_once_wait_for_the_whole_lease() -> None:
+    """Every cluster silent and out of the scheduler's mesh view at once: the scheduler's
+    own host more likely stalled (a compose run at load 70 lost all three clusters this
+    way while Ray actors started, then restarted every executor); only the lease tells.
+    One cluster silent while another answers is lost after half the lease, as before."""
+    gone = {"a": False, "b": False, "c": True}
+    keeper = LeaseKeeper(Channel(), "j", ["a", "b", "c"], lease=12.0,  # type: ignore[arg-type]
+                         connected=lambda: gone)  # not started: _check is driven here
+    now = time.monotonic()
+
+    def check(silent: dict[str, float]) -> dict[str, str]:
+        keeper._armed = set(silent)
+        keeper._answered = {cid: now - s for cid, s in silent.items()}
+        keeper._lost = {}
+        keeper._check(list(silent))
+        return {cid: loss.reason for cid, loss in keeper.lost().items()}
+
+    # a and b fell silent together (c answers, in the mesh): a stall of ours, or both gone
+    assert set(check({"a": 7.0, "b": 7.0, "c": 0.5})) == {"a", "b"}
+    # all three silent at once, a and b out of the mesh view: not yet
+    assert check({"a": 7.0, "b": 7.5, "c": 7.2}) == {}
+    # ... until the lease ran out
+    lost = check({"a": 12.5, "b": 12.5, "c": 12.5})
+    assert set(lost) == {"a", "b", "c"} and all("no lease answer" in r for r in lost.values())
+    # only a silent: the mesh's word after half the lease
+    lost = check({"a": 6.5, "b": 0.5, "c": 1.0})
+    assert list(lost) == ["a"] and "left the mesh" in lost["a"]
+    keeper.stop()
 
 
 def test_stop_during_a_pass_starts_no_renewal_after_it(monkeypatch: Any) -> None:
