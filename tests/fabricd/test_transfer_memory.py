@@ -58,7 +58,9 @@ def test_more_updates_than_the_budget_all_arrive_within_it(pair) -> None:
     # The receiving executor reads nothing until the sender had to retry: the receiver holds
     # one 3 MiB update of its 4 MiB meanwhile, so the next one must be refused as busy
     # (without the hold, a loaded machine may send them one after the other, never busy).
-    result = blast(sender, receiver, count=16, size=3 * MIB, sockets=2, sample_status=True,
+    # timeout: blast's wait (+ 60 s for deliveries) ends before pytest-timeout's 600 s, so a
+    # stuck transfer fails with its summary instead of a dump of the test's threads
+    result = blast(sender, receiver, count=16, size=3 * MIB, sockets=2, sample_status=True, timeout=420,
                    hold_first_until=lambda: bridge_status(sender)["transfer"]["send_retries"] > 0)
     assert result.failed == [] and result.ok == 16, result.summary()
     assert result.delivered == 16 and result.digest_mismatch == 0, result.summary()
