@@ -227,3 +227,20 @@ def test_server_learning_rate_none_means_the_algorithm_default(
     with caplog.at_level("WARNING"):
         _agg("fedadam", server_learning_rate=1.0, server_step="plain")
     assert "large_server_learning_rate aggregator=fedadam" in caplog.text
+
+
+def test_on_stall_restores_a_real_collapse_not_early_jitter_on_a_flat_loss() -> None:
+    """Early rounds' accuracy jumps between chance and a few classes while the loss sits
+    near ln(classes): 0.25 then 0.165 on 2.27 against 2.27 is no collapse (restoring there
+    halved fedavgm's step twice on MNIST beta 0.1); 0.9 then 0.2 with the loss tripled is."""
+    def run(steps: list[tuple[float, float]]) -> list[bool]:
+        agg = get_aggregator(replace(AggregationSpec(), name="fedavgm"), classes=10)
+        acted = []
+        for i, (accuracy, loss) in enumerate(steps):
+            acted.append(agg.observe(_w([float(i)]), accuracy, loss, start=_w([0.0]))
+                         is not None)
+        return acted
+
+    assert run([(0.25, 2.27), (0.165, 2.2737), (0.14, 2.2766), (0.4, 1.9)]) == [False] * 4
+    collapse = run([(0.5, 1.2), (0.9, 0.35), (0.2, 1.05)])
+    assert collapse == [False, False, True]
