@@ -220,8 +220,11 @@ class NodeRuntime:
         per_call = self.spec.placement.clients_per_call
         if per_call != 1 and not self._norm_names:  # (local BatchNorm: one call each)
             manager = self.manager
+            # a heavy client's own call goes to the same `parallel` slots as a batch: no
+            # more actors start than the CPUs train on at once (in a 2-CPU container the
+            # other 6 took 100 s to start in round 2, beside the round's training)
             self.batcher = TrainBatcher(
-                lambda c, model, r: manager.call(c, "train", r, model),
+                lambda c, model, r: manager.train_batch([c], r, model)[0],
                 lambda cs, model, r: manager.train_batch(cs, r, model), slots=parallel,
                 max_chunk=per_call or 64)
         self.manager.batch_slots = parallel
