@@ -68,3 +68,18 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         yield m
     finally:
         m.stop_all()
+
+
+@pytest.fixture(autouse=True)
+def _stop_added_daemons(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Daemons a test adds to the shared mesh are stopped when it ends. Left running, a
+    foreign-CA daemon or a revoked member redials a, b and c for the rest of the session
+    (hundreds of rejected exchanges, gossip and connections under every later test)."""
+    if "mesh" not in request.fixturenames:
+        yield
+        return
+    mesh: Mesh = request.getfixturevalue("mesh")
+    before = set(mesh.nodes)
+    yield
+    for name in set(mesh.nodes) - before:
+        mesh.nodes.pop(name).stop()
