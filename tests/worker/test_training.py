@@ -19,6 +19,8 @@ from worker.training import (
     batchnorm_statistics,
     evaluate,
     held_out_choice,
+    label_offsets,
+    sample_scores,
     train_local,
 )
 
@@ -204,6 +206,34 @@ def test_held_out_choice_keeps_the_received_model_unless_the_trained_one_is_show
     steady = np.array([True, True, False, False])
     assert held_out_choice(lucky, steady) == 0.5
     assert held_out_choice(np.zeros(0, bool), np.zeros(0, bool)) == 0.0
+
+
+def test_label_offsets_shift_a_balanced_model_to_a_clients_label_mix() -> None:
+    """A model of two equally likely classes (threshold at 0), a client whose samples are
+    90% class 0: the offsets are the log of its (Laplace) label prior against a uniform
+    one, they move the threshold its way, and its held-out samples (the same mix, other
+    draws) are scored better; a class the client never saw keeps a finite offset."""
+    model = torch.nn.Linear(1, 2)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[-1.0], [1.0]]))
+        model.bias.zero_()
+    rng = np.random.default_rng(0)
+
+    def draw(n: int) -> tuple[np.ndarray, np.ndarray]:
+        y = (rng.random(n) < 0.1).astype(np.int64)
+        return (rng.normal(0.0, 1.0, n) + np.where(y == 1, 0.5, -0.5))[:, None], y
+
+    _, y_train = draw(200)
+    x_test, y_test = draw(2000)
+    offsets = label_offsets(y_train, 2)
+    counts = np.bincount(y_train, minlength=2) + 1.0
+    assert offsets.numpy() == pytest.approx(np.log(counts / counts.sum() * 2), rel=1e-6)
+    plain = sample_scores(model, x_test, y_test)[1].mean()
+    fitted = sample_scores(model, x_test, y_test, offsets)[1].mean()
+    assert fitted > plain + 0.1                   # ~0.9 against ~0.6
+    unseen = label_offsets(np.zeros(20, dtype=np.int64), 3)
+    assert torch.isfinite(unseen).all() and unseen[1] == unseen[2] < 0 < unseen[0]
+    assert label_offsets(np.zeros(0, dtype=np.int64), 4).abs().sum() == 0
 
 
 def test_empty_data_and_bad_settings() -> None:

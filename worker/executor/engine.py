@@ -11,7 +11,8 @@ the first failure is raised with its cause.
 
 Where each number comes from:
 - personalized accuracy: each trained client's model right after local training, or the
-  model it received where that got more of the others right, scored on the client's own
+  model it received (its outputs shifted to the client's label mix: `label_offsets`)
+  where that got more of the others right, scored on the client's own
   held-out split (by the actor that trained it; FederatedNode.train);
 - accuracy/loss: the root's new model (star, hierarchical), each group's model after the
   exchange (hybrid), each participating node's model after mixing (decentralized).

@@ -148,10 +148,11 @@ class FederatedNode:
         # personalized accuracy: per held-out sample, the model trained here where it got
         # more of the client's other held-out samples right than the model received, else
         # the received one (held_out_choice), as it came (its BatchNorm statistics the
-        # federation's). A near-IID client's fine-tuned copy scores below the federation's
-        # model: digits BNCNN beta 0.3, 50 clients, star fedavg, personalized 0.913 against
-        # the final model's 0.955 on the same splits, 0.965 with this choice; the choice by
-        # loss, or with ties to the trained model, 0.937 / 0.920
+        # federation's) but fitted to the client's label mix (`label_offsets`). A near-IID
+        # client's fine-tuned copy scores below the federation's model: digits BNCNN beta
+        # 0.3, 50 clients, star fedavg, personalized 0.913 against the final model's 0.955
+        # on the same splits, 0.965 with this choice; the choice by loss, or with ties to
+        # the trained model, 0.937 / 0.920
         hits = self._held_out_hits(measure=True)
         chosen = float(hits.mean()) if len(hits) else 0.0
         if anchor is not None:
@@ -167,17 +168,21 @@ class FederatedNode:
         """Whether the model is right on each sample of the client's own test split
         (`sample_scores`); with `measure`, its BatchNorm statistics first measured on the
         client's own training samples (dropout off, every sample, as the engine's global
-        model): the running averages training left describe its last few batches (digits, 20 clients, beta 1.0, star fedavg:
-        personalized BNCNN 0.931 -> 0.951, BNMLP 0.962 -> 0.969)."""
+        model): the running averages training left describe its last few batches (digits,
+        20 clients, beta 1.0, star fedavg: personalized BNCNN 0.931 -> 0.951, BNMLP 0.962
+        -> 0.969); without (the model received), its outputs shifted to the label mix of
+        the client's training samples (`label_offsets`)."""
         from worker.serialization import load_weights, model_weights
-        from worker.training import batchnorm_statistics, sample_scores
+        from worker.training import batchnorm_statistics, label_offsets, sample_scores
 
         d = self._dataset
-        measured = measure and batchnorm_statistics(self._model, d.x_train[self._train_idx])
+        x, y = d.x_train[self._train_idx], d.y_train[self._train_idx]
+        measured = measure and batchnorm_statistics(self._model, x)
         if measured:
             load_weights(self._model, {**model_weights(self._model), **measured})
+        offsets = None if measure else label_offsets(y, self._config.num_classes)
         return sample_scores(self._model, d.x_train[self._test_idx],
-                             d.y_train[self._test_idx])[1]
+                             d.y_train[self._test_idx], offsets)[1]
 
     def train_batch(self, round_index: int, model: Message | Mapping[str, np.ndarray],
                     clients: Sequence[tuple[int, np.ndarray, np.ndarray]]
