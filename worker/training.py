@@ -192,7 +192,7 @@ def train_local(
 #: the smallest mini-batch `batch_starts` makes to reach `min_batches` (BatchNorm's batch
 #: statistics over fewer samples are noise: MNIST BNCNN, beta 0.1, 100 clients, reference
 #: FedAvg 0.898 with batches of 16, 0.858 with batches down to 2, 0.924 down to 8)
-MIN_BATCH = 8
+MIN_BATCH = 4
 
 
 def batch_starts(n: int, batch_size: int, min_batches: int = 0) -> list[int]:

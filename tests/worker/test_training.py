@@ -127,7 +127,8 @@ def test_an_epochs_batches_are_near_equal_and_a_small_client_gets_more_of_them()
 
     assert sizes(82, 16) == [14, 13, 14, 14, 13, 14]   # was 16 x 5 and a batch of 2
     assert sizes(64, 16, 4) == [16] * 4                  # enough data: the job's batches
-    assert sizes(30, 16, 4) == [10, 10, 10]              # 2 -> 3 steps, each >= MIN_BATCH
+    assert sizes(30, 16, 4) == [8, 7, 7, 8]              # 2 -> 4 steps, each >= MIN_BATCH
+    assert sizes(30, 16, 8) == [4, 5, 4, 4, 4, 5, 4]     # 7: as many as keep MIN_BATCH
     assert sizes(100, 64, 4) == [25] * 4
     assert min(sizes(20, 16, 4)) >= MIN_BATCH
     assert sizes(30, 16) == [15, 15]                     # 0: ceil(n / batch_size) batches
@@ -138,7 +139,7 @@ def test_an_epochs_batches_are_near_equal_and_a_small_client_gets_more_of_them()
     model.register_forward_hook(lambda module, args, out: steps.append(len(args[0])))
     x, y = _blobs(30)
     train_local(model, x, y, TrainingSpec(number_of_epochs=1, batch_size=16), seed=0)
-    assert steps == [10, 10, 10]
+    assert steps == [4, 5, 4, 4, 4, 5, 4]               # the default: 8 batches at most
 
 
 def test_fedprox_term_matches_a_hand_computed_sgd_step() -> None:
