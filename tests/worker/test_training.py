@@ -14,6 +14,7 @@ from worker.models import build_model
 from worker.serialization import load_weights, model_weights
 from worker.training import (
     MIN_BATCH,
+    MIN_BATCH_NORM,
     TrainingError,
     batch_starts,
     batchnorm_statistics,
@@ -140,6 +141,13 @@ def test_an_epochs_batches_are_near_equal_and_a_small_client_gets_more_of_them()
     x, y = _blobs(30)
     train_local(model, x, y, TrainingSpec(number_of_epochs=1, batch_size=16), seed=0)
     assert steps == [4, 5, 4, 4, 4, 5, 4]               # the default: 8 batches at most
+    # a model with BatchNorm: half as many, of MIN_BATCH_NORM or more (batch statistics)
+    steps.clear()
+    norm = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.BatchNorm1d(8),
+                               torch.nn.Linear(8, 3))
+    norm.register_forward_hook(lambda module, args, out: steps.append(len(args[0])))
+    train_local(norm, x, y, TrainingSpec(number_of_epochs=1, batch_size=16), seed=0)
+    assert steps == [10, 10, 10] and MIN_BATCH_NORM == 8
 
 
 def test_fedprox_term_matches_a_hand_computed_sgd_step() -> None:

@@ -148,7 +148,7 @@ class FederatedNode:
         # personalized accuracy: per held-out sample, the model trained here where it got
         # more of the client's other held-out samples right than the model received, else
         # the received one (held_out_choice), as it came (its BatchNorm statistics the
-        # federation's) but fitted to the client's label mix (`label_offsets`). A near-IID
+        # federation's) but shifted to the client's label mix (`label_offsets`). A near-IID
         # client's fine-tuned copy scores below the federation's model: digits BNCNN beta
         # 0.3, 50 clients, star fedavg, personalized 0.913 against the final model's 0.955
         # on the same splits, 0.965 with this choice; the choice by loss, or with ties to
