@@ -321,10 +321,15 @@ wait_ready() {
 
 # pid_alive PIDFILE [NAME]: the pid in PIDFILE is a running fabricd (or NAME).
 pid_alive() {
-    local pid
+    local pid cmd state
     pid=$(cat "$1" 2>/dev/null) || return 1
     [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "${2:-fabricd}"
+    state=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) || return 1
+    [ -n "$state" ] && [ "$state" != Z ] || return 1
+    cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)
+    # a process in the middle of an exec (setsid -> ip netns exec -> fabricd) reads an
+    # empty cmdline for a moment: a clean-clone CI run at load 20 took it for "exited"
+    [ -z "$cmd" ] || grep -q "${2:-fabricd}" <<<"$cmd"
 }
 
 cmd_up() {
