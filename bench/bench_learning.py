@@ -578,6 +578,8 @@ def main_grid(args: argparse.Namespace) -> int:
         cells = [c for c in cells if c[2] in {float(b) for b in args.betas.split(",")}]
     if args.clients:
         cells = [c for c in cells if c[3] in {int(n) for n in args.clients.split(",")}]
+    if args.seeds:
+        cells = [c for c in cells if c[4] in {int(n) for n in args.seeds.split(",")}]
     if args.rounds:
         cells = [(*c[:5], args.rounds) for c in cells]
     jobs = grid_jobs(size)
@@ -644,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="", help="grid: comma-separated models only")
     parser.add_argument("--betas", default="", help="grid: comma-separated betas only")
     parser.add_argument("--clients", default="", help="grid: comma-separated client counts")
+    parser.add_argument("--seeds", default="", help="grid: comma-separated seeds only")
     args = parser.parse_args(argv)
     if args.grid:
         return main_grid(args)
