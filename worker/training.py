@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -341,11 +341,16 @@ def sample_scores(model: nn.Module, x: np.ndarray, y: np.ndarray,
     return np.concatenate(losses).astype(np.float64), np.concatenate(hits)
 
 
-def label_offsets(y: np.ndarray, classes: int) -> torch.Tensor:
+def label_offsets(y: np.ndarray, classes: int, pooled: Sequence[int] = ()) -> torch.Tensor:
     """Per-class offsets to a model's outputs for a client whose labels are `y`: log of the
-    client's label prior (counts + 1, Laplace) against a uniform one, the label-shift
-    correction of a model trained on a balanced mix (Saerens et al. 2002). A federation's
-    model learned the pooled mix, a client's own differs (a Dirichlet split). Measured on
+    client's label prior (counts + 1, Laplace) against the one the model learned, the
+    label-shift correction (Saerens et al. 2002). A federation's model learned the `pooled`
+    mix (label counts of every client's training samples; none given: a uniform one), a
+    client's own differs (a Dirichlet split). Against the pooled mix rather than a uniform
+    one (reference FedAvg loop, then chosen against the trained model): breast-cancer
+    table BNMLP beta 0.1 / 0.3 / 1.0, 20 clients 0.956 / 0.935 / 0.944 -> 0.967 / 0.935 /
+    0.956, mlp beta 0.5 1.0 -> 0.989, digits BNCNN / SmallCNN beta 0.3 / 50 0.951 / 0.829
+    -> 0.955 / 0.836. Against a uniform one, measured on
     the reference FedAvg loop's final model against it uncorrected (chosen against the
     trained model either way): MNIST SmallCNN beta 0.3 / 50 clients 0.904 -> 0.944,
     digits BNMLP beta 0.1 / 50 0.934 -> 0.937, BNCNN beta 1.0 / 20 0.979 -> 0.983, beta
@@ -354,7 +359,9 @@ def label_offsets(y: np.ndarray, classes: int) -> torch.Tensor:
     figure). Offsets fitted by cross-entropy on the client's training samples, which the
     model has learned, went to their bounds: 0.899 on the BNCNN cell."""
     counts = np.bincount(np.asarray(y, dtype=np.int64), minlength=classes)[:classes] + 1.0
-    return torch.as_tensor(np.log(counts / counts.sum() * classes), dtype=torch.float32)
+    learned = np.ones(classes) if len(pooled) != classes else np.asarray(pooled) + 1.0
+    return torch.as_tensor(np.log(counts / counts.sum()) - np.log(learned / learned.sum()),
+                           dtype=torch.float32)
 
 
 def held_out_choice(trained: np.ndarray, received: np.ndarray) -> float:

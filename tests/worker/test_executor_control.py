@@ -130,6 +130,10 @@ def test_histograms_come_in_pages_of_this_clusters_own_clients_only() -> None:
         assert service.runtime is not None
         whole = service.runtime.histograms(list(range(1, 30, 2)))
         assert np.array_equal(np.concatenate(pages), [whole[c] for c in range(1, 30, 2)])
+        # the clients' label mix the model learns: personalized accuracy's reference
+        every = service.runtime.histograms(list(range(spec.data.number_of_clients)))
+        pooled = np.sum(list(every.values()), axis=0)
+        assert service.runtime._config.pooled_labels == tuple(int(n) for n in pooled)
 
         for body, field in [({"offset": 15, "count": 1}, "offset"),   # not one of its clients
                             ({"offset": 14, "count": 2}, "count"),

@@ -243,6 +243,13 @@ def test_label_offsets_shift_a_balanced_model_to_a_clients_label_mix() -> None:
     unseen = label_offsets(np.zeros(20, dtype=np.int64), 3)
     assert torch.isfinite(unseen).all() and unseen[1] == unseen[2] < 0 < unseen[0]
     assert label_offsets(np.zeros(0, dtype=np.int64), 4).abs().sum() == 0
+    # against the mix the model learned: a client with that mix needs no shift, one with
+    # a uniform mix is shifted away from it; a pooled mix of other classes is ignored
+    mix = np.bincount(y_train, minlength=2)
+    assert label_offsets(y_train, 2, tuple(mix)).abs().max() < 1e-6
+    away = label_offsets(np.array([0, 1]), 2, tuple(mix)).numpy()
+    assert away == pytest.approx(-np.log((mix + 1.0) / (mix.sum() + 2.0) * 2), rel=1e-6)
+    assert torch.equal(label_offsets(y_train, 2, (5, 5, 5)), offsets)
 
 
 def test_empty_data_and_bad_settings() -> None:

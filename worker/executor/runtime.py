@@ -131,7 +131,9 @@ class NodeRuntime:
         self._config = NodeConfig(job_id=spec.job_id, seed=spec.seed, model=spec.model,
                                   training=spec.training, aggregation=spec.aggregation,
                                   input_shape=tuple(self.dataset.input_shape),
-                                  num_classes=self.dataset.num_classes)
+                                  num_classes=self.dataset.num_classes,
+                                  pooled_labels=() if self._partition is None else tuple(
+                                      int(n) for n in self._partition.histograms.sum(axis=0)))
         self.manager: Any = None
         self._local: list[int] = []
         self.batcher: TrainBatcher | None = None

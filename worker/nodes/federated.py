@@ -171,7 +171,7 @@ class FederatedNode:
         model): the running averages training left describe its last few batches (digits,
         20 clients, beta 1.0, star fedavg: personalized BNCNN 0.931 -> 0.951, BNMLP 0.962
         -> 0.969); without (the model received), its outputs shifted to the label mix of
-        the client's training samples (`label_offsets`)."""
+        the client's training samples against the job's pooled one (`label_offsets`)."""
         from worker.serialization import load_weights, model_weights
         from worker.training import batchnorm_statistics, label_offsets, sample_scores
 
@@ -180,7 +180,8 @@ class FederatedNode:
         measured = measure and batchnorm_statistics(self._model, x)
         if measured:
             load_weights(self._model, {**model_weights(self._model), **measured})
-        offsets = None if measure else label_offsets(y, self._config.num_classes)
+        offsets = None if measure else label_offsets(y, self._config.num_classes,
+                                                     self._config.pooled_labels)
         return sample_scores(self._model, d.x_train[self._test_idx],
                              d.y_train[self._test_idx], offsets)[1]
 

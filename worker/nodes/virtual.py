@@ -21,6 +21,9 @@ class NodeConfig:
     aggregation: AggregationSpec
     input_shape: tuple[int, ...]
     num_classes: int
+    #: label counts of every client's training samples, the mix the federation's model
+    #: learns (personalized accuracy's reference: `label_offsets`); () where unknown
+    pooled_labels: tuple[int, ...] = ()
 
 
 class VirtualNode:
