@@ -3,6 +3,12 @@
 py-libp2p 0.8.1 defaults we change, and why:
 - yamux ``MAX_MESSAGE_SIZE`` 64 KiB -> 4 MiB: 4 MiB writes measured ~545 MB/s vs ~160 MB/s.
   It is a module global, so it applies to every yamux connection in this process.
+- yamux credit: a stream's reader grants its sender more window once half of it was read
+  (go-yamux's rule), where the library sent a WINDOW_UPDATE frame after nearly every read
+  of a small message (its release-on-read and "partial slack" paths): a frame back for each
+  one, and through a relay four (the inner session's update crosses the hop too). Measured
+  on the private testbed of test_relay_job at rest (2 gateways, 4 private daemons, 40 s):
+  daemons' CPU 3.4-3.9 -> 2.2-2.3 s each, the relaying gateway's 5.3-6.1 -> 2.9 s.
 - ``max_connections_per_peer=1``: otherwise ``connect()`` waits 250 ms for more.
 - Gossipsub heartbeat 120 s -> ``heartbeat_interval`` (1 s), so meshes form quickly.
 - ``max_connections`` 300 -> 1024 and pruning above 768: unauthenticated peers are
@@ -47,7 +53,19 @@ def tune_yamux(max_message_size: int = YAMUX_FRAME, window: int = YAMUX_WINDOW) 
     """Raise yamux's frame size and initial window, install the Noise/TCP fast path."""
     _yamux.MAX_MESSAGE_SIZE = max_message_size
     _yamux.DEFAULT_WINDOW_SIZE = window
+    _yamux.YamuxStream._auto_tune_and_send_window_update = _grant_half_read  # type: ignore[method-assign]
     _fastpath.apply()
+
+
+async def _grant_half_read(self: Any, *, bytes_read: int = 0) -> None:
+    """Give the sender back the window the reader consumed, once that is half of it."""
+    async with self.window_lock:
+        buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
+        consumed = self.target_recv_window - (self.recv_window + buffered)
+        if consumed < self.target_recv_window // 2:
+            return
+        self.recv_window += consumed
+    await self.send_window_update(consumed, skip_lock=True)
 
 
 @dataclass
