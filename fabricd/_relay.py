@@ -208,17 +208,25 @@ async def _hop(host: IHost, relay: str, msg: HopMessage) -> tuple[INetStream, Ho
         raise
 
 
-async def dial(host: IHost, circuit: str, peer_id: ID) -> None:
+async def dial(host: IHost, circuit: str, peer_id: ID, reach: float = math.inf,
+               handshakes: float = math.inf) -> None:
     """A libp2p connection to ``peer_id`` through the relay ``circuit`` names
-    (``<relay addr>/p2p/<relay>/p2p-circuit/p2p/<peer>``); ConnectionError saying why not."""
+    (``<relay addr>/p2p/<relay>/p2p-circuit/p2p/<peer>``); ConnectionError saying why not.
+    The relay must answer within ``reach`` seconds, the connection's handshakes through the
+    circuit it opened then get ``handshakes`` seconds of their own: on a loaded machine
+    they, not the relay, are the slow part, and a circuit given up then is work thrown away
+    on three daemons."""
     relay_addr = circuit.partition(CIRCUIT)[0]
     relay_info = info_from_p2p_addr(multiaddr.Multiaddr(relay_addr))
     relay = str(relay_info.peer_id)
     try:
-        if not host.get_network().get_connections(relay_info.peer_id):
-            await host.connect(relay_info)
-        stream, resp = await _hop(host, relay, HopMessage(
-            type=HopMessage.CONNECT, peer=CircuitPeerId(id=peer_id.to_bytes())))
+        with trio.fail_after(reach):
+            if not host.get_network().get_connections(relay_info.peer_id):
+                await host.connect(relay_info)
+            stream, resp = await _hop(host, relay, HopMessage(
+                type=HopMessage.CONNECT, peer=CircuitPeerId(id=peer_id.to_bytes())))
+    except trio.TooSlowError:
+        raise ConnectionError(f"relay {relay_addr} did not answer in {reach:.0f} s") from None
     except Exception as exc:  # noqa: BLE001 - whatever ended it, the relay is the cause
         raise ConnectionError(f"relay {relay_addr} unreachable: {type(exc).__name__}: {exc}") from exc
     if resp.status != to_proto_status(StatusCode.OK):
@@ -226,7 +234,12 @@ async def dial(host: IHost, circuit: str, peer_id: ID) -> None:
         raise ConnectionError(f"relay {relay} refused a circuit to {peer_id}: {_status_name(resp.status)}")
     ma = multiaddr.Multiaddr(circuit)
     try:
-        conn = await host.upgrade_outbound_connection(_raw(stream, True, ma), peer_id)
+        with trio.fail_after(handshakes):
+            conn = await host.upgrade_outbound_connection(_raw(stream, True, ma), peer_id)
+    except trio.TooSlowError:
+        await reset_quietly(stream)
+        raise ConnectionError(f"no connection to {peer_id} through relay {relay} in {handshakes:.0f} s "
+                              "(its handshakes did not finish)") from None
     except BaseException:
         await reset_quietly(stream)
         raise
@@ -237,12 +250,17 @@ def dial_circuits_too(host: IHost, timeout: float) -> None:
     """Make the host's swarm reach a peer through its /p2p-circuit addresses as well (its own
     dial skips them), for every stream opened to a peer not connected: its direct addresses
     first (half of ``timeout`` when it has relays too), then each relay with its share of
-    ``timeout`` - those this daemon is connected to first (a relay just killed is tried
-    last, not for its whole share) - so a dead or silent relay leaves the next its time;
-    the error names each."""
+    ``timeout`` to answer - those this daemon is connected to first (a relay just killed is
+    tried last, not for its whole share) - so a dead or silent relay leaves the next its
+    time, and a relay that opened the circuit leaves the handshakes ``timeout`` (``dial``);
+    the error names each. One dial per peer at a time: the lease, a resent request,
+    discovery and the membership exchange all ask for a link at once when one is lost,
+    and wait for that dial (its connection, or its error) instead of each making a circuit."""
     swarm = host.get_network()
     direct = swarm.dial_peer
     own = f"/p2p/{host.get_id()}{CIRCUIT}"  # a gateway reaches a member directly or not at all
+    #: peer -> (the dial under way finished, its error)
+    under_way: dict[ID, tuple[trio.Event, list[str]]] = {}
 
     def _linked(circuit: str) -> bool:
         try:
@@ -252,6 +270,25 @@ def dial_circuits_too(host: IHost, timeout: float) -> None:
             return False
 
     async def dial_peer(peer_id: ID) -> list[Any]:
+        while peer_id in under_way:
+            done, error = under_way[peer_id]
+            await done.wait()
+            if swarm.get_connections(peer_id):
+                return swarm.get_connections(peer_id)
+            if error:
+                raise ConnectionError(error[0])
+            # that dial was given up (its caller's deadline): this caller dials
+        under_way[peer_id] = (trio.Event(), [])
+        try:
+            return await _dial(peer_id)
+        except Exception as exc:  # whatever it was, those waiting on this dial are told (then raised)
+            under_way[peer_id][1].append(str(exc) if isinstance(exc, ConnectionError)
+                                         else f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            under_way.pop(peer_id)[0].set()
+
+    async def _dial(peer_id: ID) -> list[Any]:
         addrs = host.get_peerstore().addrs(peer_id)
         circuits = [str(a) for a in addrs if is_circuit(a) and own not in str(a)]
         circuits.sort(key=lambda c: not _linked(c))  # a gateway this daemon still reaches first
@@ -266,12 +303,8 @@ def dial_circuits_too(host: IHost, timeout: float) -> None:
                     failures.append(f"{type(exc).__name__}: {exc}")
         for circuit in circuits:
             try:
-                with trio.fail_after(timeout / len(circuits)):
-                    await dial(host, circuit, peer_id)
+                await dial(host, circuit, peer_id, reach=timeout / len(circuits), handshakes=timeout)
                 return swarm.get_connections(peer_id)
-            except trio.TooSlowError:
-                failures.append(f"relay {circuit.partition(CIRCUIT)[0]} did not answer in "
-                                f"{timeout / len(circuits):.0f} s")
             except Exception as exc:  # noqa: BLE001 - the next relay may do
                 failures.append(str(exc) if isinstance(exc, ConnectionError) else f"{type(exc).__name__}: {exc}")
         raise ConnectionError("; ".join(failures))
