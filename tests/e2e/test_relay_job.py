@@ -134,13 +134,6 @@ def _drive_killing(tmp_path: Path, gateways: tuple[str, ...], job: JobSpec
     return killed[0][1], rounds, outcome
 
 
-@pytest.mark.skip(reason="flaky under load (issue 32): its CI failure's cause, a stale auth "
-                  "deadline cutting the relink's membership exchange, is fixed; since then 12 runs "
-                  "passed and 2 at load 25-60 failed, each a cluster without the scheduler for longer "
-                  "than the job's 10 s lease, so its executor left: once a relink through the other "
-                  "gateway took 22 s (the circuit dial's 5 s share ran out; the link made meanwhile "
-                  "never finished its exchange and was dropped at its own 10 s auth deadline), once "
-                  "a cluster did not relink at all: remove this mark to run it")
 def test_the_job_goes_on_over_the_other_gateway_when_one_is_killed(tmp_path: Path) -> None:
     killed, rounds, result = _drive_killing(tmp_path, ("g1", "g2"), _job("relay-killed"))
     assert not isinstance(result, JobFailed), str(result)
