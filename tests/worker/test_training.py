@@ -140,14 +140,18 @@ def test_an_epochs_batches_are_near_equal_and_a_small_client_gets_more_of_them()
     model.register_forward_hook(lambda module, args, out: steps.append(len(args[0])))
     x, y = _blobs(30)
     train_local(model, x, y, TrainingSpec(number_of_epochs=1, batch_size=16), seed=0)
-    assert steps == [4, 5, 4, 4, 4, 5, 4]               # the default: 8 batches at most
+    # the default 8: 7 batches keep MIN_BATCH, so the epoch passes twice (reshuffled)
+    assert steps == [4, 5, 4, 4, 4, 5, 4] * 2
     # a model with BatchNorm: half as many, of MIN_BATCH_NORM or more (batch statistics)
     steps.clear()
     norm = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.BatchNorm1d(8),
                                torch.nn.Linear(8, 3))
     norm.register_forward_hook(lambda module, args, out: steps.append(len(args[0])))
     train_local(norm, x, y, TrainingSpec(number_of_epochs=1, batch_size=16), seed=0)
-    assert steps == [10, 10, 10] and MIN_BATCH_NORM == 8
+    assert steps == [10, 10, 10] * 2 and MIN_BATCH_NORM == 8
+    steps.clear()                                      # enough samples: one pass
+    train_local(model, *_blobs(64), TrainingSpec(number_of_epochs=1, batch_size=8), seed=0)
+    assert steps == [8] * 8
 
 
 def test_fedprox_term_matches_a_hand_computed_sgd_step() -> None:
