@@ -360,14 +360,14 @@ def label_offsets(y: np.ndarray, classes: int, pooled: Sequence[int] = ()) -> to
     one (reference FedAvg loop, then chosen against the trained model): breast-cancer
     table BNMLP beta 0.1 / 0.3 / 1.0, 20 clients 0.956 / 0.935 / 0.944 -> 0.967 / 0.935 /
     0.956, mlp beta 0.5 1.0 -> 0.989, digits BNCNN / SmallCNN beta 0.3 / 50 0.951 / 0.829
-    -> 0.955 / 0.836. Against a uniform one, measured on
-    the reference FedAvg loop's final model against it uncorrected (chosen against the
-    trained model either way): MNIST SmallCNN beta 0.3 / 50 clients 0.904 -> 0.944,
-    digits BNMLP beta 0.1 / 50 0.934 -> 0.937, BNCNN beta 1.0 / 20 0.979 -> 0.983, beta
-    0.3 / 50 0.962 -> 0.951; where the pooled mix is far from uniform the correction
-    overshoots (breast-cancer table, 37% / 63%: 0.967 -> 0.944, the global model's own
-    figure). Offsets fitted by cross-entropy on the client's training samples, which the
-    model has learned, went to their bounds: 0.899 on the BNCNN cell."""
+    -> 0.955 / 0.836. Against a uniform one, on the reference FedAvg loop's final model
+    against it uncorrected (chosen against the trained model either way): MNIST SmallCNN
+    beta 0.3 / 50 clients 0.904 -> 0.944, digits BNMLP beta 0.1 / 50 0.934 -> 0.937,
+    BNCNN beta 1.0 / 20 0.979 -> 0.983, beta 0.3 / 50 0.962 -> 0.951; where the pooled
+    mix is far from uniform it overshot (breast-cancer table, 37% / 63%: 0.967 -> 0.944,
+    the global model's own figure). Offsets fitted by cross-entropy on the client's
+    training samples, which the model has learned, went to their bounds: 0.899 on the
+    BNCNN cell."""
     counts = np.bincount(np.asarray(y, dtype=np.int64), minlength=classes)[:classes] + 1.0
     learned = np.ones(classes) if len(pooled) != classes else np.asarray(pooled) + 1.0
     return torch.as_tensor(np.log(counts / counts.sum()) - np.log(learned / learned.sum()),
