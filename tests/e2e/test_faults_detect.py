@@ -12,6 +12,7 @@ from fedpilot.loopback import LoopbackMesh
 from proto.job import JobSpec
 from proto.rounds import RoundRecord
 from scheduler.run.driver import Driver, JobFailed
+from scheduler.run.leases import ClusterLost
 from tests.e2e._faults import job_driver, kill
 from worker.context import InProcessContext
 from worker.executor.runtime import runtime_factory
@@ -75,8 +76,10 @@ def test_a_killed_cluster_fails_the_job_in_seconds_naming_it(three_clusters: Any
     with (job_driver(tb, clusters, job, timeout=ROUND_TIMEOUT, progress=kill_at_round_3) as driver,
           pytest.raises(JobFailed) as failed):
         driver.run()
-    took = time.monotonic() - killed[0]
     message = str(failed.value)
+    print(f"failed {time.monotonic() - killed[0]:.1f} s after the kill: {message}")
     assert f"cluster {victim}" in message and "on_cluster_loss = 'fail'" in message, message
-    # noticed by the lease / the mesh, long before any deadline (900 s for this job)
-    assert took < ROUND_TIMEOUT / 10, (took, message)
+    # noticed by the lease / the mesh (a lost cluster, its loss measured from its last
+    # answer), not by a round's deadline (a JobFailed naming the deadline; 900 s here)
+    assert isinstance(failed.value, ClusterLost) and set(failed.value.lost) == {victim}, message
+    assert "deadline" not in message, message
