@@ -88,9 +88,13 @@ def test_adaptive_first_moment_restarts_when_the_clients_turn_back(name: str) ->
     w1 = float(agg.aggregate(_w([0.0]), [(_w([1.0]), 1)])["w"][0])
     assert w1 > 0
     # the clients now average 1 below: kept, m_hat = (0.09 - 0.1) / 0.19 and the step
-    # barely turns; restarted, m_hat = -1 and the step is the scaled one, at most 2 x FedAvg's
+    # barely turns; restarted, m_hat = -1 and the step goes back, no further than FedAvg's
+    # own (the job went past a minimum: not 2 x, as fedavgm's restarted velocity)
     w2 = float(agg.aggregate(_w([w1]), [(_w([w1 - 1.0]), 1)])["w"][0])
-    assert w2 == pytest.approx(w1 - 2.0)
+    assert w2 == pytest.approx(w1 - 1.0)
+    # and the next round in the same direction may go further again
+    w3 = float(agg.aggregate(_w([w2]), [(_w([w2 - 1.0]), 1)])["w"][0])
+    assert w3 < w2 - 1.0
 
 
 def _adaptive_two_rounds(name: str) -> tuple[float, float]:
