@@ -15,7 +15,7 @@ signed ControlRequest, and the executor (`worker/executor/service.py`) answers e
   histograms (in the order of its clients: this cluster's own, no other), the job.start
   reply's dtype, at most `histogram_bytes` of counts (or one row);
 - `job.plan` {routing | routing_sha256 + routing_size, imports, next_round, client_samples?,
-  absent?}: adopt the routing matrix (the whole plan:
+  absent?, pooled_labels?}: adopt the routing matrix (the whole plan:
   the round graph is a read-only view of it), materialize the local clients, and take the
   states of nodes that migrated here (`imports`: node names; the states arrive as update
   streams); a pinned-data job's plan also carries every client's training-sample count
@@ -355,6 +355,10 @@ class JobPlan(ControlMessage):
     client_samples: tuple[int, ...] | None = spec(
         OrNone(ListOf(Int(0, 2**63 - 1), MAX_ITEMS)), default=None)
     absent: tuple[int, ...] = spec(ListOf(Int(0, U32_MAX), MAX_ITEMS), default=())
+    #: pinned data: the label counts of every client's training samples, summed (the mix
+    #: the model learns: personalized accuracy's reference, `label_offsets`)
+    pooled_labels: tuple[int, ...] | None = spec(
+        OrNone(ListOf(Int(0, 2**63 - 1), MAX_ITEMS)), default=None)
     routing_sha256: str | None = spec(OrNone(SHA256_HEX), default=None)
     routing_size: int | None = spec(OrNone(Int(1, MAX_PLAN_BYTES)), default=None)
     #: [privacy] secure_aggregation: every cluster's X25519 public key (from its job.start

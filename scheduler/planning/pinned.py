@@ -110,10 +110,12 @@ def fixed_assignment(pinned: Sequence[str], cluster_ids: Sequence[str],
     return out, absent
 
 
-def pinned_plan_extra(plan: Plan, client_samples: Sequence[int]) -> dict[str, Any]:
+def pinned_plan_extra(plan: Plan, client_samples: Sequence[int],
+                      pooled_labels: Sequence[int] = ()) -> dict[str, Any]:
     """What a pinned job's `job.plan` carries besides the matrix: every client's training
     samples as its own cluster reported them (another cluster cannot count them; they
-    weigh its updates), zero for clients that sit out, and those clients (`absent`)."""
+    weigh its updates), zero for clients that sit out, those clients (`absent`), and the
+    clients' label counts summed (`pooled_labels`, the label mix the model learns)."""
     absent = list(plan.placement.absent)
     samples = [int(k) for k in client_samples]
     for i in absent:
@@ -121,4 +123,5 @@ def pinned_plan_extra(plan: Plan, client_samples: Sequence[int]) -> dict[str, An
     if absent:
         log.warning("event=pinned_clients_sit_out job=%s epoch=%d clients=%s", plan.spec.job_id,
                     plan.routing.epoch, ",".join(f"c{i}" for i in absent))
-    return {"client_samples": samples, "absent": absent}
+    return {"client_samples": samples, "absent": absent,
+            **({"pooled_labels": [int(k) for k in pooled_labels]} if len(pooled_labels) else {})}

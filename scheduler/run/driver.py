@@ -170,6 +170,7 @@ class Driver(Recovery):
         self.plan: Plan | None = None  # the newest published plan (read by the live page)
         self._pinned: list[str] | None = None  # data.placement = "pinned": each client's cluster
         self._client_samples: list[int] = []    # ... and its training samples (histogram sums)
+        self._pooled_labels: list[int] = []     # ... and every label's (column sums)
         self._privacy_keys: dict[str, bytes] = {}  # [privacy]: each executor's public key
         #: a routing matrix over this many bytes goes as job.plan.parts, then a job.plan
         #: naming them by sha256 (every control body is capped at 4 MiB)
@@ -294,6 +295,7 @@ class Driver(Recovery):
             check_pinned_data(started, spec.data.dataset)
         histograms = self._histograms(started, holders)
         self._client_samples = [int(x) for x in histograms.sum(axis=1)]
+        self._pooled_labels = [int(x) for x in histograms.sum(axis=0)]
         # says when accuracy sits at chance or the loss explodes, naming the key to change
         self.health = LearningWatch(spec, histograms.shape[1])
         slots = [ClusterSlot(c.cluster_id, c.capacity or int(started[c.cluster_id].get("capacity") or n),
@@ -486,7 +488,8 @@ class Driver(Recovery):
         # pinned data: a cluster cannot count another's clients' samples itself; the
         # weights of their updates are what their own clusters reported at start
         extra: dict[str, Any] = ({} if self._pinned is None
-                                 else pinned_plan_extra(plan, self._client_samples))
+                                 else pinned_plan_extra(plan, self._client_samples,
+                                                        self._pooled_labels))
         if self._pinned is None and plan.placement.absent:
             extra["absent"] = list(plan.placement.absent)
             log.warning("event=clients_sit_out job=%s epoch=%d clients=%d reason=%s",

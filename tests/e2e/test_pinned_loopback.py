@@ -69,6 +69,11 @@ def test_every_client_trains_on_the_cluster_that_holds_its_data(
         # its clients' samples are its file's (the site's skew), the others' are not here
         assert hist[own].sum(axis=0)[site_classes(k)].sum() > 0.7 * hist[own].sum()
         assert hist[[i for i in range(9) if i not in own]].sum() == 0
+    # every cluster corrects personalized accuracy against the label mix of all sites
+    # (the scheduler's column sums; no cluster sees the others' clients)
+    pooled = sum(mesh.services[cid].runtime.partition.histograms.sum(axis=0) for cid in CLUSTERS)
+    for cid in CLUSTERS:
+        assert mesh.services[cid].runtime._config.pooled_labels == tuple(int(k) for k in pooled)
 
 
 def test_histograms_choose_neighbours_on_the_same_site(

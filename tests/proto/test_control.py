@@ -78,6 +78,8 @@ def refused(body: dict[str, Any]) -> ControlMessageError:
     ({**PLAN, "client_samples": [5, 5]}, "client_samples", "must be 3 non-negative integers"),
     ({**PLAN, "client_samples": [5, -1, 5]}, "client_samples[1]", "outside 0.."),
     ({**PLAN, "client_samples": [5, True, 5]}, "client_samples[1]", "expected an integer"),
+    ({**PLAN, "pooled_labels": [5, -1]}, "pooled_labels[1]", "outside 0.."),
+    ({**PLAN, "pooled_labels": 7}, "pooled_labels", "expected a list"),
     ({**PLAN, "absent": [3]}, "absent", "client ids in 0..2"),
     ({**PLAN, "absent": [0.5]}, "absent[0]", "expected an integer"),
     ({**PLAN, "job_id": ""}, "job_id", "length 0"),

@@ -56,6 +56,9 @@ def test_a_malformed_plan_or_round_is_refused_and_changes_nothing() -> None:
         with pytest.raises(JobFailed, match=r"cluster a refused job.plan: ControlMessageError: "
                                             r"job.plan: field 'client_samples': must be 3 "):
             mesh.request("a", {**good_plan, "client_samples": [10, 10]}, 60)
+        with pytest.raises(JobFailed, match=r"job.plan: field 'pooled_labels': must be 10 "
+                                            r"counts \(one per class of the job's data\), got 3"):
+            mesh.request("a", {**good_plan, "pooled_labels": [1, 2, 3]}, 60)
         assert service.transport is None and service.engine is None  # not even half-planned
         mesh.request("a", good_plan, 60)
 

@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -247,10 +247,14 @@ class NodeRuntime:
             return self._remote_samples[index]
         return int(len(self.partition.train_indices[index]))
 
-    def set_client_samples(self, counts: list[int]) -> None:
+    def set_client_samples(self, counts: list[int], pooled: Sequence[int] = ()) -> None:
         """Every client's training samples as the scheduler gathered them (pinned data:
-        only a client's own cluster can count them)."""
+        only a client's own cluster can count them), and `pooled`, every label's (the label
+        mix the model learns, which personalized accuracy corrects against; it reaches the
+        clients that start after it: one per class, else the clients keep a uniform one)."""
         self._remote_samples = [int(k) for k in counts]
+        if len(pooled) == self.dataset.num_classes and self.manager is None:
+            self._config = replace(self._config, pooled_labels=tuple(int(k) for k in pooled))
 
     def put(self, weights: Weights) -> Any:
         return self.context.put(weights)

@@ -277,6 +277,12 @@ class ExecutorService:
                                f"job fixes {fixed} (topology.mixing_steps = "
                                f"{self.spec.topology.mixing_steps}, aggregation.name = "
                                f"{self.spec.aggregation.name!r})")
+        classes = getattr(getattr(self.runtime, "dataset", None), "num_classes", None)
+        if (message.pooled_labels is not None and classes is not None
+                and len(message.pooled_labels) != classes):
+            raise ControlMessageError(message.TYPE, "pooled_labels", "field 'pooled_labels': "
+                                      f"must be {classes} counts (one per class of the job's "
+                                      f"data), got {len(message.pooled_labels)}")
         with self._exclusive(f"re-planned (epoch {routing.epoch}) while round "
                              "{round} ran here"):
             return self._install(message, routing)
@@ -302,7 +308,7 @@ class ExecutorService:
         if message.client_samples is not None:  # pinned: other clusters' clients' samples
             set_samples = getattr(self.runtime, "set_client_samples", None)
             if set_samples is not None:
-                set_samples(list(message.client_samples))
+                set_samples(list(message.client_samples), list(message.pooled_labels or ()))
         self.runtime.assign(local_clients)
         previous = self.engine
         self.engine = ClusterEngine(
