@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 
 from fedcore.data import Dataset, DatasetError, clear_cache, load_dataset
+from fedcore.data.datasets import DIGITS_SPLIT_SEED, DIGITS_TEST_FRACTION, stratified_split
 
 
 def test_data_imports_pull_neither_torch_nor_ray() -> None:
     code = (
         "import sys\n"
         "import worker, fedcore.data, fedcore.data.partition, fedcore.data.datasets\n"
+        "fedcore.data.load_dataset('digits')\n"
         "heavy = sorted(m for m in ('torch', 'ray', 'sklearn', 'libp2p') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )
@@ -35,6 +37,15 @@ def test_digits_shape_range_and_stratified_split() -> None:
     # stratified: every class is about 20 % test
     test_share = np.bincount(d.y_test) / (np.bincount(d.y_test) + np.bincount(d.y_train))
     assert np.all(np.abs(test_share - 0.2) < 0.02)
+    # scikit-learn's load_digits, split the same way (digits is read from its data file)
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    train, test = stratified_split(y, DIGITS_TEST_FRACTION, DIGITS_SPLIT_SEED)
+    np.testing.assert_array_equal(d.x_train, (x[train] / 16.0).astype(np.float32).reshape(-1, 1, 8, 8))
+    np.testing.assert_array_equal(d.x_test, (x[test] / 16.0).astype(np.float32).reshape(-1, 1, 8, 8))
+    np.testing.assert_array_equal(d.y_train, y[train])
+    np.testing.assert_array_equal(d.y_test, y[test])
 
 
 def test_digits_is_cached_deterministic_and_read_only() -> None:

@@ -18,8 +18,6 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
-from sklearn.cluster import AffinityPropagation
-from sklearn.exceptions import ConvergenceWarning
 
 from scheduler.planning.placement.similarity import (
     cosine_similarity,
@@ -67,6 +65,11 @@ def affinity_propagation(
     n = similarity.shape[0]
     if n == 1:
         return np.zeros(1, dtype=np.int64)
+    # imported here: every scheduler process would pay sklearn's ~2 s import (status, a
+    # submit or plan refused before it plans)
+    from sklearn.cluster import AffinityPropagation
+    from sklearn.exceptions import ConvergenceWarning
+
     s = np.asarray(similarity, dtype=np.float64)
     pref = float(np.median(s)) if preference is None else preference
     attempts = ((damping, 200), (max(damping, 0.9), 1000))
