@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
-import dp_accounting
 import numpy as np
-from dp_accounting import pld
+
+if TYPE_CHECKING:  # imported where used: an executor without DP never needs it (~1.5 s, scipy)
+    import dp_accounting
+    from dp_accounting import pld
 
 #: the PLD's discretization of privacy loss: its pessimistic estimate stays an upper bound
 #: (epsilon 1..8 over 15..200 rounds: 0.1-0.2 s an accounting, within 1% of 1e-4's)
@@ -34,6 +37,8 @@ DISCRETIZATION = 1e-3
 
 
 def accountant() -> pld.PLDAccountant:
+    from dp_accounting import pld
+
     return pld.PLDAccountant(value_discretization_interval=DISCRETIZATION)
 
 
@@ -51,6 +56,8 @@ def gaussian(n: int, std: float, rng: np.random.Generator) -> np.ndarray:
 
 def event(noise_multiplier: float, sampling_rate: float, rounds: int) -> dp_accounting.DpEvent:
     """`rounds` compositions of the Gaussian mechanism, Poisson-sampled at `sampling_rate`."""
+    import dp_accounting
+
     gauss: dp_accounting.DpEvent = dp_accounting.GaussianDpEvent(noise_multiplier)
     if sampling_rate < 1.0:
         gauss = dp_accounting.PoissonSampledDpEvent(sampling_rate, gauss)
@@ -74,6 +81,8 @@ def epsilon(noise_multiplier: float, sampling_rate: float, rounds: int, delta: f
 @functools.lru_cache(maxsize=64)
 def noise_for(target_epsilon: float, delta: float, sampling_rate: float, rounds: int) -> float:
     """The smallest noise multiplier whose `rounds` rounds spend at most `target_epsilon`."""
+    import dp_accounting
+
     return float(dp_accounting.calibrate_dp_mechanism(
         accountant,
         lambda z: event(z, sampling_rate, rounds),
