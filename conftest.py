@@ -1,11 +1,20 @@
-"""Session-wide test settings: keep Ray on loopback and quiet; under pytest-xdist (`make
-test` runs two workers) give each worker its own share of the ports."""
+"""Session-wide test settings: keep Ray on loopback and quiet, one BLAS thread a process;
+under pytest-xdist (`make test` runs two workers) give each worker its own share of the
+ports."""
 
 import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DISABLE_DOCKER_CPU_WARNING", "1")
+# One BLAS / OpenMP thread in every test process and the daemons and executors it starts
+# (set before numpy or torch loads): two xdist workers fill the two cores, and a second
+# thread spins while it waits for the first one's share of a busy machine. At load 20, a
+# 1000-node mixing_factor's eigvalsh took 6.7 s of CPU with the default threads, 0.24 s
+# with one; test_topology, test_mixing_steps, test_placement(_populations) and
+# test_learning_robustness 55 -> 37-43 s of CPU. Production keeps the libraries' defaults.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _share_ports_between_workers() -> None:
