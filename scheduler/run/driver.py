@@ -229,6 +229,7 @@ class Driver(Recovery):
             return {}
         since = time.monotonic()
         until = since + self.leases.lease + self.leases.interval
+        self.leases.renew_now()
         while True:
             lost = {cid: v for cid, v in self.leases.lost().items() if cid in failed}
             if lost or time.monotonic() > until:

@@ -79,6 +79,7 @@ class LeaseKeeper:
         self._misses: dict[str, list[str]] = {}
         self._lost: dict[str, Loss] = {}
         self._stop = threading.Event()
+        self._pass_now = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(clusters) + 1),
                                         thread_name_prefix="lease")
         self._inflight: dict[str, Future[None]] = {}
@@ -99,6 +100,11 @@ class LeaseKeeper:
         with self._lock:
             return self._answered.get(cluster_id, 0.0)
 
+    def renew_now(self) -> None:
+        """Renew every lease now, not at the next pass (a job.start that fails right after
+        the keeper started waited its first interval, 2 s, for the answers)."""
+        self._pass_now.set()
+
     def watch(self, cluster_id: str) -> None:
         """Hold a lease with `cluster_id` (again: a returning cluster), counting from now."""
         with self._lock:
@@ -115,7 +121,11 @@ class LeaseKeeper:
 
     # -- the thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.is_set():
+            self._pass_now.wait(self.interval)
+            self._pass_now.clear()
+            if self._stop.is_set():
+                return
             with self._lock:
                 clusters = list(self._answered)
             for cid in clusters:
@@ -182,6 +192,7 @@ class LeaseKeeper:
         """End the leases: the keeper's thread is joined (it is between two passes within
         a moment) before its pool is shut down, so no renewal starts after this."""
         self._stop.set()
+        self._pass_now.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(5.0, 2 * self.interval))
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -101,3 +101,22 @@ def test_stop_during_a_pass_starts_no_renewal_after_it(monkeypatch: Any) -> None
     keeper._thread.join(timeout=30)
     assert not stopper.is_alive() and not keeper._thread.is_alive()
     assert crashed == []
+
+
+def test_renew_now_asks_for_the_answers_before_the_next_pass() -> None:
+    """The driver, judging a failed request, asks for the leases' answers at once (a job
+    whose job.start failed right after the keeper started waited its first interval)."""
+    keeper = LeaseKeeper(Channel(), "j", ["a", "b"], lease=15.0)  # type: ignore[arg-type]
+    keeper.interval = 3600.0  # no pass of its own within the test
+    since = time.monotonic()
+    keeper.start()
+    try:
+        keeper.renew_now()
+        deadline = time.monotonic() + 60
+        while min(keeper.answered_at("a"), keeper.answered_at("b")) <= since:
+            assert time.monotonic() < deadline, "no lease was renewed"
+            time.sleep(0.01)
+    finally:
+        keeper.stop()
+        keeper._pool.shutdown(wait=True)
+    assert not keeper._thread.is_alive()  # stop() wakes the waiting keeper
