@@ -158,6 +158,7 @@ def killing(cid: str, held: dict[str, Any]) -> Any:
                 with held.setdefault("lock", threading.Lock()):
                     if "b" not in getattr(held["mesh"], "dead", set()):
                         asked = time.monotonic()  # b holds a lease (the keeper judges it)
+                        held["driver"].leases.renew_now()
                         while held["driver"].leases.answered_at("b") <= asked:
                             time.sleep(0.05)
                         held["mesh"].kill("b")

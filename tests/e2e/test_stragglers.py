@@ -236,6 +236,7 @@ def test_buffered_job_rides_through_a_lost_cluster_and_a_resume_counting_every_u
             if record.round == 3 and not resume:
                 asked = time.monotonic()  # the lease keeper judges a cluster that answered
                 assert driver.leases is not None
+                driver.leases.renew_now()
                 while driver.leases.answered_at("b") <= asked and time.monotonic() < asked + 60:
                     time.sleep(0.05)
                 mesh.kill("b")
