@@ -124,16 +124,22 @@ def test_a_new_models_batchnorm_statistics_are_measured_on_itself() -> None:
     assert all(np.all(measured[k] > 0) for k in statistics if k.endswith("running_var"))
 
 
-def _pooled(weights: list[dict[str, np.ndarray]], shares: list[float], name: str) -> np.ndarray:
+def _pooled(weights: list[dict[str, np.ndarray]], shares: list[float], name: str,
+            samples: list[int]) -> np.ndarray:
+    """The clients' mean variance plus the spread of their means, less what a mean of n
+    samples scatters by chance (var / n): an unbiased between-clients variance"""
     mean = sum(s * w[f"{name}.running_mean"] for w, s in zip(weights, shares, strict=True))
-    return sum(s * (w[f"{name}.running_var"] + (w[f"{name}.running_mean"] - mean) ** 2)
-               for w, s in zip(weights, shares, strict=True))
+    within = sum(s * w[f"{name}.running_var"] for w, s in zip(weights, shares, strict=True))
+    between = sum(s * ((w[f"{name}.running_mean"] - mean) ** 2 - w[f"{name}.running_var"] / n)
+                  for w, s, n in zip(weights, shares, samples, strict=True))
+    return within + np.maximum(between, 0.0)
 
 
 @pytest.mark.parametrize("name", ["fedavg", *SERVER_OPTIMIZERS])
 def test_batchnorm_statistics_are_pooled_never_stepped(name: str) -> None:
-    """Two clients whose activations have means 0 and 4, variance 1: the population's
-    variance is 5, not the mean of the variances (1); a server optimizer takes the same
+    """Two clients of 4 samples whose activations have means 0 and 4, variance 1: the
+    population's variance is 1 + 4 - 1/4 (a 4-sample mean scatters by 1/4 by chance), not
+    the mean of the variances (1); a server optimizer takes the same
     statistics (stepping them can make a variance negative: NaN at evaluation), and with
     such statistics in the model it moves no weight further than FedAvg would (the
     statistics describe models around the clients' mean)."""
@@ -145,12 +151,18 @@ def test_batchnorm_statistics_are_pooled_never_stepped(name: str) -> None:
                                                                          "bn.running_var",
                                                                          "bn.num_batches_tracked"])
     for _ in range(3):   # several rounds: momentum would carry a step on a statistic on
-        out = agg.aggregate(g, [(a, 1), (b, 1)])
+        out = agg.aggregate(g, [(a, 4), (b, 4)])
         np.testing.assert_allclose(out["bn.running_mean"], [2.0, 2.0])
-        np.testing.assert_allclose(out["bn.running_var"], _pooled([a, b], [0.5, 0.5], "bn"))
-        np.testing.assert_allclose(out["bn.running_var"], [5.0, 5.0])
+        np.testing.assert_allclose(out["bn.running_var"], _pooled([a, b], [0.5, 0.5], "bn", [4, 4]))
+        np.testing.assert_allclose(out["bn.running_var"], [4.75, 4.75])
         assert out["bn.num_batches_tracked"].dtype == g["bn.num_batches_tracked"].dtype
         assert np.linalg.norm(out["bn.weight"] - 1.0) <= np.linalg.norm([0.25, 0.25]) + 1e-6
+    # two 2-sample clients of one population: means each 0.5 from theirs are chance (a
+    # 2-sample mean scatters by var / 2 = 0.5), so the pooled variance is the clients' own
+    # (the spread added, as before: 1.25)
+    near = dict(g, **{"bn.running_mean": np.full(2, 1.0, np.float32)})
+    out = get_aggregator(replace(AggregationSpec(), name=name)).aggregate(g, [(g, 2), (near, 2)])
+    np.testing.assert_allclose(out["bn.running_var"], [1.0, 1.0])
 
 
 def _cnn_round(seed: int) -> tuple[dict[str, np.ndarray], list[tuple[dict[str, np.ndarray], int]]]:

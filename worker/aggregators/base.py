@@ -9,10 +9,14 @@ and expose it through `state_dict`/`load_state_dict` so it can move with a migra
 Buffers (BatchNorm's running statistics, counters, any tensor of the model that is not a
 trained parameter) are statistics, not weights: a server optimizer never steps them, they
 take the sample-weighted mean, and a normalization layer's running variance is the variance
-of the pooled clients, sum_i s_i (var_i + (mean_i - mean)^2), not the mean of the
-variances (which leaves out how far the clients' means are apart: with label-skewed
-clients it is several times too small, and the averaged model's activations come out
-several times too large).
+of the pooled clients, sum_i s_i var_i + sum_i s_i ((mean_i - mean)^2 - var_i / n_i), not
+the mean of the variances (which leaves out how far the clients' means are apart: with
+label-skewed clients it is several times too small, and the averaged model's activations
+come out several times too large). The var_i / n_i is what a mean of n_i samples scatters
+by chance, so the spread term is an unbiased between-clients variance (clipped at 0): a
+client of 4 samples had its noise counted as spread (breast-cancer table BNMLP beta 0.1,
+100 clients, star fedavg 0.681 -> 0.708, the reference loop's plain mean 0.735; digits
+BNCNN beta 0.3 / 100, table BNMLP beta 0.3 and 1.0 / 20 unchanged).
 """
 
 from __future__ import annotations
@@ -258,19 +262,21 @@ def weighted_average(updates: Sequence[Update], shares: np.ndarray) -> Weights:
 
 def pool_statistics(mean: Weights, updates: Sequence[Update], shares: np.ndarray) -> Weights:
     """`mean` (the weighted average of `updates`) with every normalization layer's
-    `running_var` replaced by the pooled variance of the clients' populations:
-    sum_i s_i (var_i + (mean_i - mean)^2), from the sibling `running_mean`."""
+    `running_var` replaced by the pooled variance of the clients' populations: their mean
+    variance plus max(0, sum_i s_i ((mean_i - mean)^2 - var_i / n_i)), from the sibling
+    `running_mean` and the updates' sample counts n_i (module docstring)."""
     out = dict(mean)
     for name in mean:
         prefix, _, leaf = name.rpartition(".")
         mean_name = f"{prefix}.running_mean" if prefix else "running_mean"
         if leaf != "running_var" or mean_name not in mean:
             continue
-        pooled = np.array(mean[name], dtype=np.float64)
-        for (weights, _), share in zip(updates, shares, strict=True):
+        between = np.zeros_like(np.asarray(mean[name], dtype=np.float64))
+        for (weights, n), share in zip(updates, shares, strict=True):
             spread = np.asarray(weights[mean_name], dtype=np.float64) - mean[mean_name]
-            pooled += share * spread**2
-        out[name] = pooled
+            chance = np.asarray(weights[name], dtype=np.float64) / max(int(n), 1)
+            between += share * (spread**2 - chance)
+        out[name] = np.asarray(mean[name], dtype=np.float64) + np.maximum(between, 0.0)
     return out
 
 
