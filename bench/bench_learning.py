@@ -474,16 +474,11 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
     star_fedavg = star_bytes.get("star+fedavg") or float("nan")
     ref_final = reference.get("final", float("nan"))
     rows: dict[str, Any] = {}
+    finals = {job: r["final"] for job, r in results.items() if "final" in r}
     for job_name, res in results.items():
         if "curve" not in res:
             rows[job_name] = res
             continue
-        topology, aggregation = job_name.split("+")
-        slack = 0.02 if topology in ("k_connected", "ring") else 0.01
-        # FedAvg on the same topology; where that job was not run, star's, else the
-        # reference loop (plain FedAvg; star+fedavg reproduces it)
-        fedavg = next((results[j]["final"] for j in (f"{topology}+fedavg", "star+fedavg")
-                       if "final" in results.get(j, {})), ref_final)
         row = {"final": res["final"], "personalized": res["personalized"],
                "global_on_clients": res.get("global_on_clients"),
                "over_centralized": round(res["final"] / best, 4),
@@ -492,12 +487,8 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
                "bytes_over_star": round(res["bytes_inter"] / star_fedavg, 3),
                "at_chance_after_round_3": any(a <= chance + CHANCE_MARGIN
                                               for a in res["curve"][3:]),
-               "curve": res["curve"], "stalls": res.get("stalls", 0)}
-        row["meets_reference"] = bool(row["minus_reference"] >= -slack
-                                      or row["over_centralized"] >= 0.95)
-        if aggregation in ("fedadam", "fedyogi", "fedadagrad"):
-            row["adaptive_meets_fedavg"] = (bool(res["final"] >= fedavg - 0.01)
-                                            if math.isfinite(fedavg) else None)
+               "curve": res["curve"], "stalls": res.get("stalls", 0),
+               **judge(job_name, res["final"], ref_final, best, finals)}
         if row["global_on_clients"] is not None:
             row["personalized_meets_global"] = bool(
                 res["personalized"] >= row["global_on_clients"])
@@ -573,6 +564,24 @@ def grid_table(cells: list[dict[str, Any]]) -> dict[str, Any]:
     return table
 
 
+def judge(job: str, final: float, reference: float, centralized: float,
+          finals: dict[str, float]) -> dict[str, Any]:
+    """A job's verdicts in a cell (or a cell's mean over seeds): within the reference loop's
+    slack (0.01; 0.02 decentralized) or >= 0.95 x centralized; an adaptive aggregator
+    against FedAvg on the same topology, where that job was not run star's, else the
+    reference loop (plain FedAvg; star+fedavg reproduces it); `finals` every job's final."""
+    topology, aggregation = job.split("+")[:2]
+    slack = 0.02 if topology in ("k_connected", "ring") else 0.01
+    out: dict[str, Any] = {"meets_reference": bool(round(final - reference, 4) >= -slack
+                                                   or round(final / centralized, 4) >= 0.95)}
+    if aggregation in ("fedadam", "fedyogi", "fedadagrad"):
+        fedavg = next((finals[j] for j in (f"{topology}+fedavg", "star+fedavg") if j in finals),
+                      reference)
+        out["adaptive_meets_fedavg"] = (bool(final >= fedavg - 0.01) if math.isfinite(fedavg)
+                                        else None)
+    return out
+
+
 def seed_means(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each (data set, model, beta, clients) over its seeds: the mean final accuracy of
     centralized, the reference loop and every job, judged as a cell is. A very skewed
@@ -594,18 +603,10 @@ def seed_means(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for job, row in cell["jobs"].items():
                 if "final" in row:
                     finals.setdefault(job, []).append(row["final"])
-        jobs = {}
-        for job, values in finals.items():
-            topology, aggregation = job.split("+")[:2]
-            slack = 0.02 if topology in ("k_connected", "ring") else 0.01
-            final = mean(values)
-            fedavg = next((mean(finals[j]) for j in (f"{topology}+fedavg", "star+fedavg")
-                           if j in finals), ref)
-            jobs[job] = {"final": final, "seeds": len(values),
-                         "meets_reference": bool(final - ref >= -slack
-                                                 or final / central >= 0.95),
-                         **({"adaptive_meets_fedavg": bool(final >= fedavg - 0.01)}
-                            if aggregation in ("fedadam", "fedyogi", "fedadagrad") else {})}
+        means = {job: mean(values) for job, values in finals.items()}
+        jobs = {job: {"final": means[job], "seeds": len(values),
+                      **judge(job, means[job], ref, central, means)}
+                for job, values in finals.items()}
         out.append({"dataset": name, "model": model, "beta": beta, "clients": clients,
                     "seeds": [c["seed"] for c in group], "centralized_best": central,
                     "reference_fedavg": ref, "jobs": jobs})

@@ -251,9 +251,9 @@ class NodeRuntime:
         """Every client's training samples as the scheduler gathered them (pinned data:
         only a client's own cluster can count them), and `pooled`, every label's (the label
         mix the model learns, which personalized accuracy corrects against; it reaches the
-        clients that start after it: one per class, else the clients keep a uniform one)."""
+        clients that start after it; the service refused any but one count per class)."""
         self._remote_samples = [int(k) for k in counts]
-        if len(pooled) == self.dataset.num_classes and self.manager is None:
+        if pooled and self.manager is None:
             self._config = replace(self._config, pooled_labels=tuple(int(k) for k in pooled))
 
     def put(self, weights: Weights) -> Any:
