@@ -79,13 +79,16 @@ class RepeatedBody:
 class FillingBuffer:
     """A payload still arriving from the bridge while it is already being sent (cut-through):
     ``filled`` bytes of ``buf`` are there; ``wait_filled(n)`` waits for n of them and returns
-    why they will never come (the client went away or broke the frame), or None."""
+    why they will never come (the client went away or broke the frame), or None. Callbacks
+    given to ``on_fail`` run once it fails (a sender blocked elsewhere, on a stalled stream
+    write or a busy peer's slot, stops there and frees what it holds)."""
 
     def __init__(self, buf: bytearray | memoryview) -> None:
         self.buf = buf
         self.filled = 0
         self.failed: str | None = None
         self._changed = trio.Event()
+        self._on_fail: list[Callable[[], None]] = []
 
     def __len__(self) -> int:
         return len(self.buf)
@@ -97,6 +100,15 @@ class FillingBuffer:
     def fail(self, reason: str) -> None:
         self.failed = reason
         self._wake()
+        for callback in self._on_fail:
+            callback()
+
+    def on_fail(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the payload fails (at once if it already has)."""
+        if self.failed is not None:
+            callback()
+        else:
+            self._on_fail.append(callback)
 
     def _wake(self) -> None:
         self._changed.set()

@@ -456,8 +456,17 @@ class Daemon:
         # bridge), so a mismatching or incomplete one is never delivered.
         async with trio.open_nursery() as nursery:
             gate = DigestGate(payload, header, nursery)
-            result = await self._send_checked(target_cluster, header, payload, gate)
+            with trio.CancelScope() as sending:
+                if isinstance(payload, FillingBuffer):
+                    # the client hung up mid-payload: stop wherever the send waits (a
+                    # stalled stream write, a busy peer's slot), so its budget is freed now;
+                    # the stream is reset, and a receiver delivers no partial body
+                    payload.on_fail(sending.cancel)
+                result = await self._send_checked(target_cluster, header, payload, gate)
             nursery.cancel_scope.cancel()  # a gate the data plane settled never started
+        if sending.cancelled_caught and isinstance(payload, FillingBuffer):
+            return self._refused(header, f"the payload did not arrive in full from the bridge client "
+                                         f"({payload.failed}); nothing was delivered")
         return result
 
     def _refused(self, header: UpdateHeader, reason: str) -> SendResult:

@@ -625,7 +625,10 @@ class UpdateService:
                 await trio.sleep(0 if reused else backoff(failures))
                 continue
             except BaseException as exc:
-                await discard(stream, clean=False)
+                # also when cancelled (its bridge client left mid-payload): the stream is
+                # reset all the same, so the receiver drops the partial body at once
+                with trio.CancelScope(shield=True), trio.move_on_after(2):
+                    await discard(stream, clean=False)
                 log.info("update.send_failed", peer=peer_id, message_id=header.message_id,
                          reason=f"{type(exc).__name__}: {exc}")
                 raise

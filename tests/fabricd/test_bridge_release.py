@@ -8,6 +8,7 @@ import os
 import tempfile
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import blake3
@@ -15,7 +16,9 @@ import pytest
 import trio
 
 from fabricd import bridge as fabricd_bridge
+from fabricd._sender import FillingBuffer
 from fabricd.bridge import BridgeServer
+from fabricd.daemon import Daemon
 from proto.bridge import BridgeClient, SendResult, SendUpdate
 from proto.messages import UpdateHeader
 
@@ -74,3 +77,36 @@ async def test_the_answer_goes_before_the_payload_is_unmapped_off_the_loop(
     assert isinstance(reply, SendResult) and reply.ok and backend.sent == [SIZE]
     assert seen["answered_first"], "the payload was unmapped before the executor had its answer"
     assert seen["thread"] != loop_thread, "the payload was unmapped on the event loop"
+
+
+@pytest.mark.trio
+async def test_a_send_stalled_on_the_network_ends_when_its_client_leaves_mid_payload() -> None:
+    """A cut-through send blocked anywhere (a stalled stream write, a busy peer's slot)
+    stops once its bridge client hangs up: refused, nothing delivered, and at once, so the
+    bridge frees its share of the outgoing budget (CI once waited out 30 s for it)."""
+    stalled = trio.Event()
+
+    async def send_checked(*_: Any) -> SendResult:
+        stalled.set()
+        await trio.sleep_forever()  # a network write that never drains
+        raise AssertionError("unreachable")
+
+    daemon = SimpleNamespace(_send_checked=send_checked,
+                             _refused=lambda header, reason: Daemon._refused(daemon, header, reason))  # type: ignore[arg-type]
+    body = FillingBuffer(bytearray(SIZE))
+    header = UpdateHeader(job_id="j", round=1, source_node="s", target_node="t", message_id="j-1",
+                          tensor_count=1, byte_length=SIZE, blake3=blake3.blake3(bytes(SIZE)).digest())
+    got: list[SendResult] = []
+
+    async def send() -> None:
+        got.append(await Daemon.send_update(daemon, "b", header, body))  # type: ignore[arg-type]
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            await stalled.wait()
+            body.advance(SIZE // 2)
+            body.fail("ConnectionResetError: the client hung up")
+    assert len(got) == 1 and not got[0].ok and not got[0].retry, got
+    assert "did not arrive in full" in got[0].reason and "nothing was delivered" in got[0].reason
+    assert "hung up" in got[0].reason
