@@ -171,24 +171,26 @@ def train_local(
     passes = max(1, -(-least // (len(starts) - 1)))
     dropout = any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
     step = 0
-    for _ in range(epochs * passes):
-        order = torch.randperm(n, generator=gen).to(xt.device)
-        total = 0.0
-        for start, end in zip(starts, starts[1:], strict=False):
-            batch = order[start:end]
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            with _batch_statistics_frozen(model, len(batch) == 1), \
-                    _masks_seeded(seed, step) if dropout else nullcontext():
-                data_loss = F.cross_entropy(model(xt[batch]), yt[batch])
-            loss = data_loss
-            if anchors:
-                prox = sum(((p - a) ** 2).sum() for p, a in anchors)
-                loss = data_loss + 0.5 * mu * prox
-            loss.backward()
-            optimizer.step()
-            total += float(data_loss.detach()) * len(batch)
-        last_loss = total / n
+    # a BatchNorm layer a batch gives too few values per channel normalizes with its
+    # running statistics (`_thin_batches_normalized_by_running_statistics`)
+    with _thin_batches_normalized_by_running_statistics(model) if norm else nullcontext():
+        for _ in range(epochs * passes):
+            order = torch.randperm(n, generator=gen).to(xt.device)
+            total = 0.0
+            for start, end in zip(starts, starts[1:], strict=False):
+                batch = order[start:end]
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                with _masks_seeded(seed, step) if dropout else nullcontext():
+                    data_loss = F.cross_entropy(model(xt[batch]), yt[batch])
+                loss = data_loss
+                if anchors:
+                    prox = sum(((p - a) ** 2).sum() for p, a in anchors)
+                    loss = data_loss + 0.5 * mu * prox
+                loss.backward()
+                optimizer.step()
+                total += float(data_loss.detach()) * len(batch)
+            last_loss = total / n
     if not math.isfinite(last_loss):
         log.warning("event=train_diverged samples=%d loss=%s lr=%s", n, last_loss,
                     training.learning_rate)
@@ -246,15 +248,38 @@ def _masks_seeded(seed: int, step: int) -> Iterator[None]:
 
 
 @contextmanager
-def _batch_statistics_frozen(model: nn.Module, frozen: bool) -> Iterator[None]:
-    """A client with a single sample trains with its normalization layers in eval mode
-    (their running statistics normalize, and stay as they are)."""
-    norms = [m for _, m in batchnorm_layers(model) if m.training] if frozen else []
-    for m in norms:
-        m.eval()
+def _thin_batches_normalized_by_running_statistics(model: nn.Module) -> Iterator[None]:
+    """While training: a BatchNorm layer whose batch gives it fewer than MIN_BATCH_NORM
+    values per channel (a dense layer's batch of 7 samples; a convolution's 1 sample of
+    8x8 gives 64) normalizes with its running statistics, as in eval mode, and leaves them
+    as they are; a batch of one sample always. Its batch statistics would be noise, and
+    over a label-skewed client's few samples they take out the very differences between
+    classes the layer should pass on: breast-cancer table, BatchNorm MLP, 100 clients of
+    4-5 samples, reference FedAvg loop (seeds 0 / 1 / 2), the model flipped between the two
+    classes round after round and ended at 0.628 / 0.735 / 0.628 (centralized 0.956);
+    with this rule 0.956 / 0.956 / 0.938. Normalizing with the running statistics from
+    16 values down cost digits and MNIST models with a dense BatchNorm up to 0.12."""
+    norms = [m for _, m in batchnorm_layers(model) if m.training]
+    switched: list[nn.Module] = []
+
+    def before(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        x = inputs[0]
+        if x.shape[0] == 1 or x.numel() // max(1, x.shape[1]) < MIN_BATCH_NORM:
+            module.training = False
+            switched.append(module)
+
+    def after(module: nn.Module, inputs: object, output: object) -> None:
+        if switched and switched[-1] is module:
+            switched.pop()
+            module.training = True
+
+    handles = [h for m in norms
+               for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
     try:
         yield
     finally:
+        for h in handles:
+            h.remove()
         for m in norms:
             m.train()
 
