@@ -418,10 +418,16 @@ GRID_SIZES: dict[str, tuple[tuple[str, ...], tuple[float, ...], tuple[int, ...],
 }
 
 
-def grid_cells(size: str, datasets: list[str] | None, models: list[str] | None
+def grid_cells(size: str, datasets: list[str] | None, models: list[str] | None,
+               betas: list[float] | None = None, clients: list[int] | None = None,
+               seeds: list[int] | None = None, rounds: int | None = None
                ) -> list[tuple[str, str, float, int, int, int]]:
-    """(data set, model, beta, clients, seed, rounds) of every cell of a grid slice."""
-    names, betas, clients, seeds, rounds = GRID_SIZES[size]
+    """(data set, model, beta, clients, seed, rounds) of every cell of a grid slice; each
+    of betas, clients, seeds and rounds given replaces the slice's own (any value: a
+    user's 40 clients, not only the slice's 20 / 50 / 100)."""
+    names, slice_betas, slice_clients, slice_seeds, slice_rounds = GRID_SIZES[size]
+    betas, clients = betas or list(slice_betas), clients or list(slice_clients)
+    seeds, rounds = seeds or list(slice_seeds), rounds or slice_rounds
     cells = []
     for name in datasets or names:
         for model in models or GRID_MODELS[name]:
@@ -617,15 +623,12 @@ def main_grid(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     size = "quick" if args.quick else args.grid
-    cells = grid_cells(size, args.dataset, [m for m in args.models.split(",") if m] or None)
-    if args.betas:
-        cells = [c for c in cells if c[2] in {float(b) for b in args.betas.split(",")}]
-    if args.clients:
-        cells = [c for c in cells if c[3] in {int(n) for n in args.clients.split(",")}]
-    if args.seeds:
-        cells = [c for c in cells if c[4] in {int(n) for n in args.seeds.split(",")}]
-    if args.rounds:
-        cells = [(*c[:5], args.rounds) for c in cells]
+    def values(text: str, kind: type) -> list[Any]:
+        return [kind(v) for v in text.split(",") if v]
+
+    cells = grid_cells(size, args.dataset, values(args.models, str) or None,
+                       values(args.betas, float), values(args.clients, int),
+                       values(args.seeds, int), args.rounds)
     jobs = grid_jobs(size)
     if args.jobs:
         jobs = [tuple(j.split(":")[:2]) if ":" in j else (j, "fedavg")  # type: ignore[misc]
@@ -688,10 +691,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the grid (data sets x models x betas x clients x seeds, every "
                              "topology x aggregator at its defaults); with --quick: its "
                              "quick slice")
-    parser.add_argument("--models", default="", help="grid: comma-separated models only")
-    parser.add_argument("--betas", default="", help="grid: comma-separated betas only")
-    parser.add_argument("--clients", default="", help="grid: comma-separated client counts")
-    parser.add_argument("--seeds", default="", help="grid: comma-separated seeds only")
+    parser.add_argument("--models", default="", help="grid: comma-separated models instead of the slice's")
+    parser.add_argument("--betas", default="", help="grid: comma-separated Dirichlet betas instead of the slice's")
+    parser.add_argument("--clients", default="", help="grid: comma-separated client counts instead of the slice's (any)")
+    parser.add_argument("--seeds", default="", help="grid: comma-separated seeds instead of the slice's")
     args = parser.parse_args(argv)
     if args.grid:
         return main_grid(args)

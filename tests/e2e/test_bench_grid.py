@@ -31,3 +31,13 @@ def test_seed_means_judge_each_split_over_its_seeds() -> None:
     assert not jobs["hybrid+fedadam"]["meets_reference"]
     assert not jobs["hybrid+fedadam"]["adaptive_meets_fedavg"]
     assert "adaptive_meets_fedavg" not in jobs["star+fedavg"]
+
+
+def test_a_grid_slice_takes_any_split_the_user_names() -> None:
+    """--clients 40 ran nothing before (it only filtered the slice's 20 / 50 / 100)."""
+    cells = bench.grid_cells("full", ["table"], ["mlp"], betas=[0.5], clients=[40], seeds=[3],
+                             rounds=6)
+    assert cells == [("table", "mlp", 0.5, 40, 3, 6)]
+    slice_ = bench.grid_cells("medium", ["table"], None)
+    assert {c[3] for c in slice_} == {20, 50} and {c[2] for c in slice_} == {0.1, 0.3, 1.0}
+    assert {c[1] for c in slice_} == set(bench.GRID_MODELS["table"]) and {c[5] for c in slice_} == {15}
