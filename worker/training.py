@@ -250,9 +250,9 @@ def _masks_seeded(seed: int, step: int) -> Iterator[None]:
 @contextmanager
 def _thin_batches_normalized_by_running_statistics(model: nn.Module) -> Iterator[None]:
     """While training: a BatchNorm layer whose batch gives it fewer than MIN_BATCH_NORM
-    values per channel (a dense layer's batch of 7 samples; a convolution's 1 sample of
-    8x8 gives 64) normalizes with its running statistics, as in eval mode, and leaves them
-    as they are; a batch of one sample always. Its batch statistics would be noise, and
+    values per channel (a dense layer's batch of 7 samples; a convolution's 2 samples of
+    8x8 give 128) normalizes with its running statistics, as in eval mode, and leaves them
+    as they are; every layer on a batch of one sample. Its batch statistics would be noise, and
     over a label-skewed client's few samples they take out the very differences between
     classes the layer should pass on: breast-cancer table, BatchNorm MLP, 100 clients of
     4-5 samples, reference FedAvg loop (seeds 0 / 1 / 2), the model flipped between the two
