@@ -383,8 +383,16 @@ class TlsStream:
             raise StreamEOF("data-plane connection closed")
         stop = threading.Event()
         done = threading.Event()
+        # "waiting" until the thread takes the work ("running"); "dropped" if it was
+        # cancelled first (waiting for a thread of the busy limiter, or not yet begun)
+        phase = ["waiting"]
+        phase_lock = threading.Lock()
 
         def run() -> T:
+            with phase_lock:
+                if phase[0] == "dropped":
+                    raise _Stopped("cancelled before it began")
+                phase[0] = "running"
             try:
                 return work(stop)
             finally:
@@ -395,12 +403,17 @@ class TlsStream:
                 run, abandon_on_cancel=True, limiter=self.limiter)
         except trio.Cancelled:
             # The thread owns the socket's record state: wake it with a shutdown (the
-            # descriptor stays its own) and close only once it let go.
+            # descriptor stays its own) and close only once it let go. Work that never
+            # began holds nothing: no wait (it waited WRITE_SECONDS for a thread that
+            # would never come, and kept a bridge client's budget booked that long)
             stop.set()
             with contextlib.suppress(OSError):
                 self.records.sock.shutdown(socket.SHUT_RDWR)
+            with phase_lock:
+                began = phase[0] == "running"
+                phase[0] = phase[0] if began else "dropped"
             with trio.CancelScope(shield=True):
-                let_go = await trio.to_thread.run_sync(done.wait, WRITE_SECONDS)
+                let_go = not began or await trio.to_thread.run_sync(done.wait, WRITE_SECONDS)
             if let_go:
                 await self.close()
             else:

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import trio
 from libp2p.network.stream.exceptions import StreamEOF
+from libp2p.peer.id import ID
 
+from fabricd import _dataplane as dataplane
 from fabricd._dataplane import (
     KEY_BYTES,
     RECORD_BYTES,
@@ -137,3 +139,29 @@ def test_records_open_only_in_order_and_untouched() -> None:
     assert _open([first, third]) == [b"header", "RecordRefused"]  # one dropped
     too_long = (RECORD_BYTES + 1).to_bytes(4, "big") + bytes(16)
     assert _open([too_long]) == ["RecordRefused"]
+
+
+@pytest.mark.trio
+async def test_work_cancelled_before_a_thread_took_it_never_runs_and_closes_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write cancelled while it waits for one of the data plane's threads (all busy) never
+    runs, and its connection is closed at once. It waited WRITE_SECONDS (30 s) for a thread
+    that would never take it, with its bridge client's budget booked (the CI failure of
+    test_a_client_that_leaves_mid_payload_delivers_nothing_and_frees_its_budget), and then
+    left the socket open (the thread "had not let go")."""
+    monkeypatch.setattr(dataplane, "WRITE_SECONDS", 3.0)  # the old code's wait, made short
+    left, right = socket.socketpair()
+    limiter = trio.CapacityLimiter(1)
+    stream = TlsStream(Records(left, KEYS[:KEY_BYTES], KEYS[KEY_BYTES:]),
+                       ID.from_base58("12D3KooWJ9E8H78YqyCWnVhxU1ur4ZfMnSQnXrZhaSLtcdapbU82"), limiter)
+    ran: list[bool] = []
+    try:
+        async with limiter:  # every data-plane thread busy
+            with trio.move_on_after(0.2) as cancelled:
+                await stream._in_thread(lambda stop: ran.append(True))
+        await trio.sleep(0.2)  # a thread that took it late would have run it by now
+        assert cancelled.cancelled_caught and not ran
+        assert stream.closed and left.fileno() == -1  # closed, not left to a thread
+    finally:
+        left.close()
+        right.close()

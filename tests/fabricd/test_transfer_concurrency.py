@@ -143,7 +143,12 @@ def test_a_client_that_leaves_mid_payload_delivers_nothing_and_frees_its_budget(
         with BridgeClient(path_a, role="executor", cluster_id="a", job_id=job, timeout=30) as quitter:
             quitter.sock.sendall(bridge_header(msg, len(payload)))
             quitter.sock.sendall(payload[: len(payload) // 2])
-        wait_until(lambda: bridge_status(a)["transfer"]["outgoing_bytes"] == 0, timeout=30)
+        try:
+            wait_until(lambda: bridge_status(a)["transfer"]["outgoing_bytes"] == 0, timeout=30)
+        except AssertionError as exc:  # what a's send of it did, for the next reader
+            told = [line for line in a.log().splitlines() if "cut-" in line or "bridge.rejected" in line]
+            raise AssertionError(f"{exc}; transfer {bridge_status(a)['transfer']}; a's log: "
+                                 + "\n".join(told[-20:])) from None
         executor.sock.settimeout(2.0)
         with pytest.raises(socket.timeout):
             executor.recv()
