@@ -171,9 +171,7 @@ def train_local(
     passes = max(1, -(-least // (len(starts) - 1)))
     dropout = any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
     step = 0
-    # a BatchNorm layer a batch gives too few values per channel normalizes with its
-    # running statistics (`_thin_batches_normalized_by_running_statistics`)
-    with _thin_batches_normalized_by_running_statistics(model) if norm else nullcontext():
+    with _thin_batches_normalized_by_running_statistics(model):
         for _ in range(epochs * passes):
             order = torch.randperm(n, generator=gen).to(xt.device)
             total = 0.0
