@@ -42,6 +42,9 @@ signed ControlRequest, and the executor (`worker/executor/service.py`) answers e
 - `job.restore` {phase: expect, source_cluster, nodes} then {phase: apply, codec?}: take
   those nodes' states, streamed by the scheduler from a checkpoint, and adopt them (with
   `codec`, a resume of the whole job, their compression references too);
+- `job.score` {phase: expect, round, source_cluster} then {phase: apply, round}: take the
+  job's final model, streamed by the scheduler, and reply with the personalized accuracy
+  of `round` (the last) against it: {correct, total} over this cluster's clients;
 - `round.abort` {round, reason}: end that round's waits at once (a cluster was lost; the
   round is run again, `round.run` with a new `attempt`, on the survivors);
 - `job.lease` {lease}: the scheduler is alive (`scheduler/run/leases.py`, every few
@@ -564,4 +567,20 @@ class JobRestore(ControlMessage):
     def _check(self) -> None:
         if self.phase == "expect" and self.source_cluster is None:
             raise self._refuse("source_cluster", "the cluster the states come from is required "
+                               "with phase 'expect'")
+
+
+@dataclass(frozen=True)
+class JobScore(ControlMessage):
+    """`expect` the final model from `source_cluster`, then `apply`: score `round`'s
+    personalized accuracy against it."""
+
+    TYPE: ClassVar[str] = "job.score"
+    phase: str = spec(Text(16, choices=("expect", "apply")))
+    round: int = spec(ROUND)
+    source_cluster: str | None = spec(OrNone(CLUSTER_ID), default=None)
+
+    def _check(self) -> None:
+        if self.phase == "expect" and self.source_cluster is None:
+            raise self._refuse("source_cluster", "the cluster the model comes from is required "
                                "with phase 'expect'")

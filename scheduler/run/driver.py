@@ -38,6 +38,7 @@ from proto.control import (
     JobModel,
     JobPlan,
     JobProfile,
+    JobScore,
     JobStart,
     JobStop,
     NodeExport,
@@ -371,6 +372,8 @@ class Driver(Recovery):
         if summary.rounds:
             self._fold_late(summary.rounds[-1])
         model, info = self._fetch_model(plan.routing) if rounds else (None, {})
+        if model and summary.rounds:
+            info["score_bytes"] = self._final_personal(plan.routing, summary.rounds[-1], model)
         # the job ends its leases itself: an executor that stopped must not count as lost
         if self.leases is not None:
             self.leases.stop()
@@ -712,6 +715,42 @@ class Driver(Recovery):
                      "bytes": len(model), "share_bytes": share_bytes,
                      "transfer_bytes": share_bytes + len(model)})
         return model, info
+
+    def _final_personal(self, routing: RoutingMatrix, record: RoundRecord, model: bytes
+                        ) -> int:
+        """The last round's personalized accuracy against the final `model` (job.score:
+        the round's own compares each client's trained model with the model the round
+        started from, one aggregation behind the accuracy set against it); returns the
+        bytes streamed. Best effort: a cluster that fails leaves the round's own number,
+        logged, and the job ends as it would have."""
+        send = getattr(self.channel, "send_update", None)
+        if send is None:
+            return 0
+        job, r, here = self.spec.job_id, record.round, self.channel.local_cluster
+        ids = sorted(set(node_clusters(routing).values()))
+        timeout = min(self.timeout, STOP_TIMEOUT)
+        sent = 0
+        try:
+            self._all({cid: JobScore(job, phase="expect", round=r, source_cluster=here).to_body()
+                       for cid in ids}, timeout)
+            for cid in ids:
+                send(target_cluster=cid, job_id=job, round=0, source_node="score",
+                     target_node="score", message_id=f"{job}/0/score-{cid}/score/score", payload=model,
+                     timeout=timeout)
+                sent += len(model)
+            replies = self._all({cid: JobScore(job, phase="apply", round=r).to_body()
+                                 for cid in ids}, timeout)
+        except (JobFailed, ClusterLost) as exc:
+            log.warning("event=final_personal_skipped job=%s round=%d reason=%s", job, r, exc)
+            return sent
+        correct = sum(int(reply.get("correct", 0)) for reply in replies.values())
+        total = sum(int(reply.get("total", 0)) for reply in replies.values())
+        if total > 0:
+            log.info("event=final_personal job=%s round=%d personalized=%.4f before=%.4f",
+                     job, r, correct / total, record.personalized_accuracy)
+            record.personal_correct, record.personal_total = 0, 0
+            record.add_personal(correct, total)
+        return sent
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

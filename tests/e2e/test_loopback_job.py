@@ -175,3 +175,68 @@ def test_a_migrated_node_arrives_with_the_model_it_had() -> None:
     assert all(np.array_equal(moved_moments[k], moments[k]) for k in moments)
     initial = mesh.services[target].runtime.initial_weights
     assert not all(np.array_equal(after[k], initial[k]) for k in initial)
+
+
+def test_the_last_rounds_personalized_accuracy_is_scored_against_the_final_model() -> None:
+    """job.score: the last round's personalized accuracy sets each client's trained model
+    against the job's final model (per held-out sample, held_out_choice), not against the
+    model the round started from (a one-round job: the untrained initial model)."""
+    from fedcore.data import client_data, load_dataset
+    from worker.models import build_model
+    from worker.nodes import NodeConfig
+    from worker.nodes.federated import FederatedNode
+    from worker.serialization import model_weights
+    from worker.training import held_out_choice
+
+    spec = job(topology={"kind": "star"}, training={"federated_learning_rounds": 1})
+    result, mesh = run(spec)
+    ds = load_dataset(spec.data.dataset)
+    parts = client_data(ds, spec.data, spec.seed)
+    config = NodeConfig(spec.job_id, spec.seed, spec.model, spec.training, spec.aggregation,
+                        ds.input_shape, ds.num_classes,
+                        pooled_labels=tuple(int(n) for n in parts.histograms.sum(axis=0)))
+    node = FederatedNode(config, ds)
+    initial = model_weights(build_model(spec.model, ds.input_shape, ds.num_classes,
+                                        seed=spec.seed))
+    final = dict(st_load(result.model))
+    against_final = against_start = total = 0.0
+    for c in range(spec.data.number_of_clients):
+        node.bind(c, parts.train_indices[c], parts.test_indices[c])
+        trained = node.train(1, initial).held_out_hits
+        n = len(trained)
+        against_final += held_out_choice(trained, node.held_out_hits(final)) * n
+        against_start += held_out_choice(trained, node.held_out_hits(initial)) * n
+        total += n
+    personalized = result.summary.rounds[-1].personalized_accuracy
+    assert personalized == pytest.approx(against_final / total)
+    assert abs(against_final - against_start) / total > 0.02  # the old number was another
+    # the scheduler streamed the model to each cluster once, as final-model bytes
+    assert result.summary.final_model["score_bytes"] == 3 * len(result.model)
+    assert sum(mesh.bytes_final.values()) >= result.summary.final_model["score_bytes"]
+
+
+def test_a_model_to_score_comes_only_from_the_cluster_the_scheduler_named() -> None:
+    import numpy as np
+
+    from proto.control import JobScore
+    from worker import payload as wire
+    from worker.errors import WorkerError
+    from worker.executor.graph import STATE
+    from worker.executor.service import ControlError
+
+    spec = job(topology={"kind": "star"}, training={"federated_learning_rounds": 1})
+    result, mesh = run(spec)
+    service = mesh.services["a"]
+    sent = {"job_id": spec.job_id, "round": 0, "source_node": "score", "target_node": "score"}
+    with pytest.raises(ControlError, match="unexpected model to score"):  # none expected
+        service.deliver(source_cluster=mesh.local_cluster, payload=result.model, **sent)
+    service.handle(JobScore(spec.job_id, phase="expect", round=1,
+                            source_cluster=mesh.local_cluster).to_body())
+    with pytest.raises(ControlError, match="unexpected model to score"):  # a member posing
+        service.deliver(source_cluster="b", payload=result.model, **sent)
+    state = wire.encode({"w": np.zeros(2, np.float32)}, kind=STATE, samples=0)
+    with pytest.raises(ControlError, match="'state' payload"):
+        service.deliver(source_cluster=mesh.local_cluster, payload=state, **sent)
+    assert service.runtime is not None
+    with pytest.raises(WorkerError, match="does not have this job's tensors"):
+        service.runtime.final_personal(["c0"], {"w": np.zeros(2, np.float32)}, 1)

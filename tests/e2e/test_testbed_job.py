@@ -60,11 +60,14 @@ def test_inter_cluster_bytes_equal_the_daemons_counters(inprocess_testbed: Any) 
     received = {c: job_counters(testbed, c, spec.job_id).get("received_bytes", 0)
                 for c in testbed.cluster_ids}
     # the rounds' inter-cluster bytes plus the final model's streams (shares between
-    # clusters, then the model to the scheduler's daemon)
+    # clusters, then the model to the scheduler's daemon, which streams it back to every
+    # cluster to score the last round's personalized accuracy against)
     final = summary.final_model
     assert final["transfer_bytes"] == final["share_bytes"] + final["bytes"] > 0
+    assert final["score_bytes"] == len(testbed.cluster_ids) * final["bytes"]
     assert sum(sent.values()) == summary.bytes_inter_total + final["transfer_bytes"]
-    assert sum(received.values()) == summary.bytes_inter_total + final["share_bytes"]
+    assert sum(received.values()) == (summary.bytes_inter_total + final["share_bytes"]
+                                      + final["score_bytes"])
     # the executors asked their daemons too, and the summary carries it
     assert (sum(c.daemon_bytes_sent for c in summary.clusters)
             == summary.bytes_inter_total + final["transfer_bytes"])

@@ -26,6 +26,7 @@ from proto.control import (
     JobPlanPart,
     JobProfile,
     JobRestore,
+    JobScore,
     JobStart,
     JobStop,
     NodeExport,
@@ -62,6 +63,7 @@ log = logging.getLogger("fedpilot.executor")
 
 RESTORE = "restore"        # target node of a state streamed back from a checkpoint
 CHECKPOINT = "checkpoint"  # target node of a state streamed to the scheduler's checkpoint
+SCORE = "score"            # source and target node of the final model the scheduler streams
 
 #: lease before the scheduler named one: starting a job (data, Ray) may take this long
 FIRST_LEASE = 180.0
@@ -80,6 +82,8 @@ class JobRuntime(ClientPool, Protocol):
     def make_aggregator(self, node: str) -> Any: ...
     def make_inner_aggregator(self) -> Any: ...
     def make_codec(self) -> Any: ...
+    def final_personal(self, nodes: list[str], weights: Weights, round_index: int
+                       ) -> tuple[int, int]: ...
     def close(self) -> None: ...
 
 
@@ -124,6 +128,7 @@ class ExecutorService:
         self._ran: tuple[int, int, dict[str, Any]] | None = None
         self.lease_seconds = FIRST_LEASE
         self._restoring: tuple[str, set[str]] | None = None  # (from cluster, nodes)
+        self._scoring: str | None = None  # the cluster the final model to score comes from
         self._plan_parts = PlanAssembly()  # a large plan's parts, until its job.plan
         #: the job.start's label histograms (a row per client it named), sent in pages
         self._histograms = np.zeros((0, 0), dtype=np.int64)
@@ -163,7 +168,7 @@ class ExecutorService:
             NodeExport: self._export, JobModel: self._model, JobStop: self._stop,
             JobCheckpoint: self._checkpoint, JobRestore: self._restore,
             RoundAbort: self._abort_round, JobPlanPart: self._plan_part,
-            JobProfile: self._profile,
+            JobProfile: self._profile, JobScore: self._score,
         }
         if not isinstance(message, JobStart) and self.spec is None:
             raise ControlError(f"{message.TYPE} before job.start")
@@ -182,6 +187,9 @@ class ExecutorService:
                                    "job was planned")
         if target_node == RESTORE:
             self._take_restore(job_id, round, source_node, source_cluster, payload)
+            return True
+        if target_node == SCORE:
+            self._take_score(job_id, source_node, source_cluster, payload)
             return True
         return transport.deliver_remote(job_id=job_id, round=round, source_node=source_node,
                                         target_node=target_node, source_cluster=source_cluster,
@@ -564,6 +572,40 @@ class ExecutorService:
             raise ControlError(f"restore of node {node!r} is a {decoded.kind!r} payload")
         weights = {k: np.array(v) for k, v in decoded.tensors.items()}
         self.mailbox.put((0, RESTORE, node, RESTORE), Envelope(weights, 0, len(payload), True))
+
+    def _score(self, message: JobScore) -> dict[str, Any]:
+        """The personalized accuracy of `round` (the job's last) against the final model the
+        scheduler streams between `expect` and `apply` (NodeRuntime.final_personal)."""
+        if self.engine is None or self.runtime is None:
+            raise ControlError("job.score before job.plan")
+        if message.phase == "expect":
+            self._scoring = str(message.source_cluster)
+            return {"expecting": 1}
+        if self._scoring is None:
+            raise ControlError("job.score apply without expect")
+        self._scoring = None
+        env = self.mailbox.take((0, SCORE, SCORE, SCORE), self.round_timeout,
+                                " (the final model to score)")
+        engine = self.engine
+        trained = engine.participants(message.round)
+        nodes = [c for c in engine.local_clients() if c in trained]
+        correct, total = self.runtime.final_personal(nodes, dict(env.weights), message.round)
+        return {"correct": correct, "total": total}
+
+    def _take_score(self, job_id: str, node: str, source_cluster: str, payload: bytes) -> None:
+        """The final model to score: only from the cluster the scheduler named, while a
+        score is expected, once."""
+        if self._scoring is None or source_cluster != self._scoring or node != SCORE:
+            raise ControlError(f"unexpected model to score from node {node!r} of cluster "
+                               f"{source_cluster!r}")
+        if self.spec is None or job_id != self.spec.job_id:
+            raise ControlError(f"model to score for job {job_id!r}")
+        decoded = wire.decode(payload, source="the final model to score")
+        if decoded.kind != FINAL:
+            raise ControlError(f"the model to score is a {decoded.kind!r} payload")
+        weights = {k: np.array(v) for k, v in decoded.tensors.items()}
+        # round 0, as the final model's other streams
+        self.mailbox.put((0, SCORE, SCORE, SCORE), Envelope(weights, 0, len(payload), True))
 
     def _share_name(self) -> str:
         assert self.engine is not None

@@ -162,7 +162,26 @@ class FederatedNode:
         return LocalUpdate(weights=trained, num_samples=result.num_samples,
                            client_id=client, round=round_index, loss=result.loss,
                            local_accuracy=chosen, local_samples=len(hits),
-                           extra={"seconds": time.perf_counter() - started})
+                           extra={"seconds": time.perf_counter() - started},
+                           held_out_hits=hits.astype(bool))
+
+    def held_out_hits(self, *incoming: Message | Mapping[str, np.ndarray]) -> np.ndarray:
+        """Whether the model in `incoming` (a second entry: the client's own tensors, as in
+        `train`) is right on each sample of the bound client's test split, as it came, its
+        outputs shifted to the client's label mix: what `train` scores a received model by
+        (the job's final model, NodeRuntime.final_personal). The resident weights stay."""
+        from worker.serialization import load_weights, model_weights
+
+        self._require_client()
+        resident = model_weights(self._model)
+        weights = dict(as_message(incoming[0]).weights)
+        for extra in incoming[1:]:
+            weights.update(as_message(extra).weights)
+        load_weights(self._model, weights)
+        try:
+            return self._held_out_hits(measure=False).astype(bool)
+        finally:
+            load_weights(self._model, resident)
 
     def _held_out_hits(self, measure: bool) -> np.ndarray:
         """Whether the model is right on each sample of the client's own test split

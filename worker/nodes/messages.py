@@ -31,6 +31,9 @@ class LocalUpdate(Message):
     local_accuracy: float = 0.0
     local_samples: int = 0
     extra: Mapping[str, float] = field(default_factory=dict)
+    #: per sample of the client's test split, whether the model trained there got it
+    #: right (the job's last personalized accuracy is scored against its final model)
+    held_out_hits: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
 
 def as_message(value: Message | Mapping[str, np.ndarray]) -> Message:
