@@ -740,11 +740,16 @@ class Driver(Recovery):
                 sent += len(model)
             replies = self._all({cid: JobScore(job, phase="apply", round=r).to_body()
                                  for cid in ids}, timeout)
-        except (JobFailed, ClusterLost) as exc:
+        except Exception as exc:  # any failure of this optional pass: the job's result stands
             log.warning("event=final_personal_skipped job=%s round=%d reason=%s", job, r, exc)
             return sent
-        correct = sum(int(reply.get("correct", 0)) for reply in replies.values())
-        total = sum(int(reply.get("total", 0)) for reply in replies.values())
+        counts = [(reply.get("correct"), reply.get("total")) for reply in replies.values()]
+        valid = [(c, t) for c, t in counts if type(c) is int and type(t) is int and 0 <= c <= t]
+        if len(valid) < len(counts):  # a cluster's own number is not a count of its samples
+            log.warning("event=final_personal_skipped job=%s round=%d reason=replies %s are "
+                        "not counts", job, r, counts)
+            return sent
+        correct, total = sum(c for c, _ in valid), sum(t for _, t in valid)
         if total > 0:
             log.info("event=final_personal job=%s round=%d personalized=%.4f before=%.4f",
                      job, r, correct / total, record.personalized_accuracy)

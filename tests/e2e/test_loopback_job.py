@@ -240,3 +240,34 @@ def test_a_model_to_score_comes_only_from_the_cluster_the_scheduler_named() -> N
     assert service.runtime is not None
     with pytest.raises(WorkerError, match="does not have this job's tensors"):
         service.runtime.final_personal(["c0"], {"w": np.zeros(2, np.float32)}, 1)
+
+
+def test_a_cluster_that_cannot_score_the_final_model_leaves_the_job_as_it_was(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """job.score is best effort: a failure there keeps the last round's own number and
+    the job's result; a reply that is not a count is not summed."""
+    from worker.executor.runtime import NodeRuntime
+
+    spec = job(topology={"kind": "star"}, training={"federated_learning_rounds": 1})
+    scored, _ = run(spec)
+
+    def broken(self: NodeRuntime, *args: Any) -> tuple[int, int]:
+        raise RuntimeError("actor died")
+
+    monkeypatch.setattr(NodeRuntime, "final_personal", broken)
+    with caplog.at_level("WARNING", logger="fedpilot.scheduler"):
+        failed, _ = run(spec)
+    assert "event=final_personal_skipped" in caplog.text and "actor died" in caplog.text
+    same = st_load(failed.model), st_load(scored.model)
+    assert all((same[0][k] == v).all() for k, v in same[1].items())
+    assert failed.summary.final_accuracy == scored.summary.final_accuracy > 0
+    assert (failed.summary.rounds[-1].personalized_accuracy
+            != scored.summary.rounds[-1].personalized_accuracy)
+
+    monkeypatch.setattr(NodeRuntime, "final_personal", lambda self, *a: (5, 3))  # lies
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedpilot.scheduler"):
+        lied, _ = run(spec)
+    assert "are not counts" in caplog.text
+    assert (lied.summary.rounds[-1].personalized_accuracy
+            == failed.summary.rounds[-1].personalized_accuracy)
