@@ -13,6 +13,7 @@ from proto.job import ModelSpec, TrainingSpec
 from worker.models import build_model
 from worker.serialization import load_weights, model_weights
 from worker.training import (
+    LABEL_PRIOR,
     MIN_BATCH,
     MIN_BATCH_NORM,
     TrainingError,
@@ -239,7 +240,7 @@ def test_label_offsets_shift_a_balanced_model_to_a_clients_label_mix() -> None:
     _, y_train = draw(200)
     x_test, y_test = draw(2000)
     offsets = label_offsets(y_train, 2)
-    counts = np.bincount(y_train, minlength=2) + 1.0
+    counts = np.bincount(y_train, minlength=2) + LABEL_PRIOR  # 2 x LABEL_PRIOR samples, 1:1
     assert offsets.numpy() == pytest.approx(np.log(counts / counts.sum() * 2), rel=1e-6)
     plain = sample_scores(model, x_test, y_test)[1].mean()
     fitted = sample_scores(model, x_test, y_test, offsets)[1].mean()
@@ -247,12 +248,18 @@ def test_label_offsets_shift_a_balanced_model_to_a_clients_label_mix() -> None:
     unseen = label_offsets(np.zeros(20, dtype=np.int64), 3)
     assert torch.isfinite(unseen).all() and unseen[1] == unseen[2] < 0 < unseen[0]
     assert label_offsets(np.zeros(0, dtype=np.int64), 4).abs().sum() == 0
-    # against the mix the model learned: a client with that mix needs no shift, one with
-    # a uniform mix is shifted away from it; a pooled mix of other classes is ignored
+    # against the mix the model learned: a client with that mix needs (next to) no shift,
+    # one with a uniform mix is shifted away from it, a client of few samples less than
+    # its counts say (its prior starts from the learned mix); a pooled mix of other
+    # classes is ignored
     mix = np.bincount(y_train, minlength=2)
-    assert label_offsets(y_train, 2, tuple(mix)).abs().max() < 1e-6
+    # (the learned mix is the pool's counts + 1: 22 / 202 for 21 samples of 200 here)
+    assert label_offsets(y_train, 2, tuple(mix)).abs().max() < 0.05
+    learned = (mix + 1.0) / (mix.sum() + 2.0)
     away = label_offsets(np.array([0, 1]), 2, tuple(mix)).numpy()
-    assert away == pytest.approx(-np.log((mix + 1.0) / (mix.sum() + 2.0) * 2), rel=1e-6)
+    prior = np.array([1.0, 1.0]) + 2 * LABEL_PRIOR * learned
+    assert away == pytest.approx(np.log(prior / prior.sum()) - np.log(learned), rel=1e-6)
+    assert (np.abs(away) < np.abs(np.log(0.5 / learned))).all()
     assert torch.equal(label_offsets(y_train, 2, (5, 5, 5)), offsets)
 
 
