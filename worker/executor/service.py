@@ -583,9 +583,11 @@ class ExecutorService:
             return {"expecting": 1}
         if self._scoring is None:
             raise ControlError("job.score apply without expect")
-        self._scoring = None
-        env = self.mailbox.take((0, SCORE, SCORE, SCORE), self.round_timeout,
-                                " (the final model to score)")
+        try:  # (the stream may still be on its way: it is expected until it is taken)
+            env = self.mailbox.take((0, SCORE, SCORE, SCORE), self.round_timeout,
+                                    " (the final model to score)")
+        finally:
+            self._scoring = None
         engine = self.engine
         trained = engine.participants(message.round)
         nodes = [c for c in engine.local_clients() if c in trained]
