@@ -221,7 +221,7 @@ def test_a_model_to_score_comes_only_from_the_cluster_the_scheduler_named() -> N
     from proto.control import JobScore
     from worker import payload as wire
     from worker.errors import WorkerError
-    from worker.executor.graph import STATE
+    from worker.executor.graph import FINAL, STATE
     from worker.executor.service import ControlError
 
     spec = job(topology={"kind": "star"}, training={"federated_learning_rounds": 1})
@@ -237,9 +237,19 @@ def test_a_model_to_score_comes_only_from_the_cluster_the_scheduler_named() -> N
     state = wire.encode({"w": np.zeros(2, np.float32)}, kind=STATE, samples=0)
     with pytest.raises(ControlError, match="'state' payload"):
         service.deliver(source_cluster=mesh.local_cluster, payload=state, **sent)
-    assert service.runtime is not None
-    with pytest.raises(WorkerError, match="does not have this job's tensors"):
-        service.runtime.final_personal(["c0"], {"w": np.zeros(2, np.float32)}, 1)
+    # a model that is not the job's (other tensors; NaN) is refused as it arrives, and
+    # nothing is kept for the apply to score
+    held = len(service.mailbox)
+    other = wire.encode({"w": np.zeros(2, np.float32)}, kind=FINAL, samples=0)
+    with pytest.raises(WorkerError, match="tensors differ from the job's model"):
+        service.deliver(source_cluster=mesh.local_cluster, payload=other, **sent)
+    tensors = {k: np.array(v) for k, v in st_load(result.model).items()}
+    first = next(iter(tensors))
+    tensors[first] = np.full_like(tensors[first], np.nan)
+    with pytest.raises(WorkerError, match="NaN or infinite"):
+        service.deliver(source_cluster=mesh.local_cluster,
+                        payload=wire.encode(tensors, kind=FINAL, samples=0), **sent)
+    assert len(service.mailbox) == held
 
 
 def test_a_cluster_that_cannot_score_the_final_model_leaves_the_job_as_it_was(

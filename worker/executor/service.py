@@ -605,7 +605,10 @@ class ExecutorService:
         decoded = wire.decode(payload, source="the final model to score")
         if decoded.kind != FINAL:
             raise ControlError(f"the model to score is a {decoded.kind!r} payload")
-        weights = {k: np.array(v) for k, v in decoded.tensors.items()}
+        assert self.transport is not None  # (deliver refuses anything before job.plan)
+        # the job's model, as every model from another cluster (names, shapes, finite)
+        weights = self.transport._conform({k: np.array(v) for k, v in decoded.tensors.items()},
+                                          "the final model to score")
         # round 0, as the final model's other streams
         self.mailbox.put((0, SCORE, SCORE, SCORE), Envelope(weights, 0, len(payload), True))
 
