@@ -44,7 +44,8 @@ signed ControlRequest, and the executor (`worker/executor/service.py`) answers e
   `codec`, a resume of the whole job, their compression references too);
 - `job.score` {phase: expect, round, source_cluster} then {phase: apply, round}: take the
   job's final model, streamed by the scheduler, and reply with the personalized accuracy
-  of `round` (the last) against it: {correct, total} over this cluster's clients;
+  of `round` (the last) against it as counts over this cluster's clients: {total, global,
+  local: [wins, losses], shifted: [wins, losses]} (proto.rounds.personal_reply);
 - `round.abort` {round, reason}: end that round's waits at once (a cluster was lost; the
   round is run again, `round.run` with a new `attempt`, on the survivors);
 - `job.lease` {lease}: the scheduler is alive (`scheduler/run/leases.py`, every few

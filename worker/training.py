@@ -410,14 +410,12 @@ def label_offsets(y: np.ndarray, classes: int, pooled: Sequence[int] = ()) -> to
     return torch.as_tensor(np.log(counts / counts.sum()) - np.log(learned), dtype=torch.float32)
 
 
-def held_out_choice(trained: np.ndarray, received: np.ndarray) -> float:
-    """Accuracy of scoring each sample with the model a client `trained` only where it got
-    more of the *other* samples right than the model it `received` (each model's hits on
-    the same samples, `sample_scores`), else with the received one: a choice never made
-    on the sample it is scored on (leave-one-out), and the federation's model unless the
-    client's own is shown better on its held-out data."""
-    if not len(trained):
-        return 0.0
+def held_out_choice(trained: np.ndarray, received: np.ndarray) -> np.ndarray:
+    """Per sample, whether it is right when scored with the model a client `trained` only
+    where that got more of the *other* samples right than the model it `received` (each
+    model's hits on the same samples, `sample_scores`), else with the received one: a
+    choice never made on the sample it is scored on (leave-one-out), and the federation's
+    model unless the client's own is shown better on its held-out data."""
     own_rest = trained.sum() - trained.astype(np.int64)
     keep = own_rest > received.sum() - received.astype(np.int64)
-    return float(np.where(keep, trained, received).mean())
+    return np.where(keep, trained, received).astype(bool)

@@ -52,7 +52,7 @@ from proto.control import (
 )
 from proto.errors import ControlMessageError
 from proto.job import JobSpec, early_close
-from proto.rounds import RoundRecord
+from proto.rounds import RoundRecord, personal_choice, personal_reply
 from proto.routing import RoutingMatrix
 from scheduler.errors import JobFailed
 from scheduler.planning.clusters import ClusterSlot
@@ -743,16 +743,17 @@ class Driver(Recovery):
         except Exception as exc:  # any failure of this optional pass: the job's result stands
             log.warning("event=final_personal_skipped job=%s round=%d reason=%s", job, r, exc)
             return sent
-        counts = [(reply.get("correct"), reply.get("total")) for reply in replies.values()]
-        valid = [(c, t) for c, t in counts if type(c) is int and type(t) is int and 0 <= c <= t]
+        counts = {cid: personal_reply(reply) for cid, reply in replies.items()}
+        valid = {cid: c for cid, c in counts.items() if c is not None}
         if len(valid) < len(counts):  # a cluster's own number is not a count of its samples
-            log.warning("event=final_personal_skipped job=%s round=%d reason=replies %s are "
-                        "not counts", job, r, counts)
+            log.warning("event=final_personal_skipped job=%s round=%d reason=replies of %s "
+                        "are not counts", job, r, sorted(set(counts) - set(valid)))
             return sent
-        correct, total = sum(c for c, _ in valid), sum(t for _, t in valid)
+        correct, total, chosen = personal_choice(valid)
         if total > 0:
-            log.info("event=final_personal job=%s round=%d personalized=%.4f before=%.4f",
-                     job, r, correct / total, record.personalized_accuracy)
+            log.info("event=final_personal job=%s round=%d personalized=%.4f before=%.4f "
+                     "policies=%s", job, r, correct / total, record.personalized_accuracy,
+                     ",".join(f"{cid}:{p}" for cid, p in chosen.items()))
             record.personal_correct, record.personal_total = 0, 0
             record.add_personal(correct, total)
         return sent

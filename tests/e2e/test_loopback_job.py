@@ -180,8 +180,11 @@ def test_a_migrated_node_arrives_with_the_model_it_had() -> None:
 def test_the_last_rounds_personalized_accuracy_is_scored_against_the_final_model() -> None:
     """job.score: the last round's personalized accuracy sets each client's trained model
     against the job's final model (per held-out sample, held_out_choice), not against the
-    model the round started from (a one-round job: the untrained initial model)."""
+    model the round started from (a one-round job: the untrained initial model), under
+    the policy the other clusters' counts pick for each cluster (personal_choice)."""
     from fedcore.data import client_data, load_dataset
+    from proto.rounds import personal_choice
+    from worker.executor.graph import client_index
     from worker.models import build_model
     from worker.nodes import NodeConfig
     from worker.nodes.federated import FederatedNode
@@ -199,16 +202,27 @@ def test_the_last_rounds_personalized_accuracy_is_scored_against_the_final_model
     initial = model_weights(build_model(spec.model, ds.input_shape, ds.num_classes,
                                         seed=spec.seed))
     final = dict(st_load(result.model))
-    against_final = against_start = total = 0.0
-    for c in range(spec.data.number_of_clients):
-        node.bind(c, parts.train_indices[c], parts.test_indices[c])
-        trained = node.train(1, initial).held_out_hits
-        n = len(trained)
-        against_final += held_out_choice(trained, node.held_out_hits(final)) * n
-        against_start += held_out_choice(trained, node.held_out_hits(initial)) * n
-        total += n
+    counts, against_final, against_start, total = {}, 0, 0, 0
+    for cid, service in mesh.services.items():
+        reply = {"total": 0, "global": 0, "local": [0, 0], "shifted": [0, 0]}
+        for c in map(client_index, service.engine.local_clients()):
+            node.bind(c, parts.train_indices[c], parts.test_indices[c])
+            trained = node.train(1, initial).held_out_hits
+            plain, shifted = node.held_out_hits(final)
+            reply["total"] += len(trained)
+            reply["global"] += int(plain.sum())
+            for policy, received in (("local", plain), ("shifted", shifted)):
+                chosen = held_out_choice(trained, received)
+                reply[policy][0] += int((chosen & ~plain).sum())
+                reply[policy][1] += int((plain & ~chosen).sum())
+            against_final += int(held_out_choice(trained, shifted).sum())
+            against_start += int(held_out_choice(trained, node.held_out_hits(initial)[1]).sum())
+            total += len(trained)
+        counts[cid] = reply
+    correct, scored, _chosen = personal_choice(counts)
+    assert scored == total
     personalized = result.summary.rounds[-1].personalized_accuracy
-    assert personalized == pytest.approx(against_final / total)
+    assert personalized == pytest.approx(correct / total)
     assert abs(against_final - against_start) / total > 0.02  # the old number was another
     # the scheduler streamed the model to each cluster once, as final-model bytes
     assert result.summary.final_model["score_bytes"] == 3 * len(result.model)
@@ -261,7 +275,7 @@ def test_a_cluster_that_cannot_score_the_final_model_leaves_the_job_as_it_was(
     spec = job(topology={"kind": "star"}, training={"federated_learning_rounds": 1})
     scored, _ = run(spec)
 
-    def broken(self: NodeRuntime, *args: Any) -> tuple[int, int]:
+    def broken(self: NodeRuntime, *args: Any) -> dict[str, Any]:
         raise RuntimeError("actor died")
 
     monkeypatch.setattr(NodeRuntime, "final_personal", broken)
@@ -274,7 +288,9 @@ def test_a_cluster_that_cannot_score_the_final_model_leaves_the_job_as_it_was(
     assert (failed.summary.rounds[-1].personalized_accuracy
             != scored.summary.rounds[-1].personalized_accuracy)
 
-    monkeypatch.setattr(NodeRuntime, "final_personal", lambda self, *a: (5, 3))  # lies
+    monkeypatch.setattr(NodeRuntime, "final_personal",  # lies: more right than it holds
+                        lambda self, *a: {"total": 3, "global": 5, "local": [0, 0],
+                                          "shifted": [0, 0]})
     caplog.clear()
     with caplog.at_level("WARNING", logger="fedpilot.scheduler"):
         lied, _ = run(spec)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from proto.errors import InvalidMessage
-from proto.rounds import RoundRecord
+from proto.rounds import RoundRecord, personal_choice, personal_reply
 
 
 def test_combine_weighs_accuracy_by_evaluated_samples_and_sums_the_rest() -> None:
@@ -35,3 +35,41 @@ def test_combine_weighs_accuracy_by_evaluated_samples_and_sums_the_rest() -> Non
 def test_a_bad_report_is_refused_naming_the_field(data: object, needle: str) -> None:
     with pytest.raises(InvalidMessage, match=needle):
         RoundRecord.from_dict(data, source="cluster a's round report")
+
+
+def _reply(total: int, right: int, local: tuple[int, int], shifted: tuple[int, int]
+           ) -> dict[str, object]:
+    return {"total": total, "global": right, "local": list(local), "shifted": list(shifted)}
+
+
+def test_the_final_pass_scores_a_cluster_by_what_the_other_clusters_show() -> None:
+    """personal_choice: a policy scores a cluster's samples only where the *other*
+    clusters' samples show it better than the global model by the sign test; a cluster's
+    own wins never decide its own policy, and one cluster alone is scored globally."""
+    replies = {"a": _reply(100, 90, (8, 1), (2, 2)),   # local clearly better
+               "b": _reply(100, 90, (6, 0), (9, 0)),   # shifted better here alone
+               "c": _reply(100, 90, (0, 4), (0, 0))}   # local worse here
+    replies = {k: personal_reply(v) for k, v in replies.items()}
+    assert all(v is not None for v in replies.values())
+    correct, total, chosen = personal_choice(replies)  # type: ignore[arg-type]
+    # a: others (b, c) local 6-4 (no: 2 <= sqrt 10), shifted 9-0 (9 > 3): shifted
+    # b: others (a, c) local 8-5 (3 <= sqrt 13), shifted 2-2: global
+    # c: others (a, b) local 14-1 (13 > sqrt 15), shifted 11-2 (9 < 13): local
+    assert chosen == {"a": "shifted", "b": "global", "c": "local"}
+    assert (correct, total) == (90 + 2 - 2 + 90 + 90 + 0 - 4, 300)
+    alone = personal_choice({"a": replies["a"]})  # type: ignore[dict-item]
+    assert alone == (90, 100, {"a": "global"})
+
+
+@pytest.mark.parametrize("reply", [
+    {"total": 3, "global": 5, "local": [0, 0], "shifted": [0, 0]},   # more right than held
+    {"total": 10, "global": 5, "local": [6, 0], "shifted": [0, 0]},  # wins past the misses
+    {"total": 10, "global": 5, "local": [0, 6], "shifted": [0, 0]},  # losses past the hits
+    {"total": 10, "global": 5, "local": [0, 0]},                     # a policy missing
+    {"total": 10, "global": 5, "local": [0, 0], "shifted": [True, 0]},
+    {"total": 10.0, "global": 5, "local": [0, 0], "shifted": [0, 0]},
+    {"total": 10, "global": 5, "local": [0, 0, 0], "shifted": [0, 0]},
+    {"correct": 5, "total": 3},
+])
+def test_a_final_pass_reply_that_is_not_a_count_is_refused(reply: dict[str, object]) -> None:
+    assert personal_reply(reply) is None

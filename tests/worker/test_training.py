@@ -210,16 +210,16 @@ def test_held_out_choice_keeps_the_received_model_unless_the_trained_one_is_show
     sample's own outcome never decides which model scores it."""
     better = np.array([True, True, True, False])
     worse = np.array([False, True, False, False])
-    assert held_out_choice(better, worse) == 0.75     # trained: 2 or 3 > 1 on the others
-    assert held_out_choice(worse, better) == 0.75     # received kept everywhere
+    assert held_out_choice(better, worse).tolist() == [True, True, True, False]  # trained
+    assert held_out_choice(worse, better).tolist() == better.tolist()  # received everywhere
     even = np.array([True, False, True, False])
-    assert held_out_choice(even, better) == 0.75      # ties and less: received
+    assert held_out_choice(even, better).tolist() == better.tolist()  # ties and less
     # the trained model is right on sample 3 only; on the others it is worse, but
     # sample 3's choice sees samples 0-2, where it trails: received's miss is scored
     lucky = np.array([False, False, False, True])
     steady = np.array([True, True, False, False])
-    assert held_out_choice(lucky, steady) == 0.5
-    assert held_out_choice(np.zeros(0, bool), np.zeros(0, bool)) == 0.0
+    assert held_out_choice(lucky, steady).tolist() == steady.tolist()
+    assert held_out_choice(np.zeros(0, bool), np.zeros(0, bool)).shape == (0,)
 
 
 def test_label_offsets_shift_a_balanced_model_to_a_clients_label_mix() -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from proto.job import JobSpec
+from proto.rounds import PERSONAL_POLICIES
 from worker.context import ExecutionContext, InProcessContext
 from worker.errors import WorkerError
 from worker.executor.codec import EdgeCodec
@@ -291,31 +292,43 @@ class NodeRuntime:
         return int(round(update.local_accuracy * update.local_samples)), int(update.local_samples)
 
     def final_personal(self, nodes: Sequence[str], weights: Weights, round_index: int
-                       ) -> tuple[int, int]:
-        """(correct, total) of round `round_index`'s personalized accuracy against
-        `weights`, the job's final model: per client of `nodes` that trained in that round,
-        `held_out_choice` between its trained model's hits and the final model's. A round's
-        own number compares with the model the round started from, one aggregation behind
-        the global accuracy it is set against (digits BNCNN beta 0.3, 50 clients, 6 rounds,
-        star fedavg: personalized 0.899, the final model on the same splits 0.916)."""
+                       ) -> dict[str, Any]:
+        """Round `round_index`'s personalized accuracy against `weights`, the job's final
+        model, as counts (proto.rounds.personal_reply): of every held-out sample of the
+        clients of `nodes` that trained in that round, the "total", those the final model
+        gets right ("global"), and per policy of PERSONAL_POLICIES [wins, losses] against
+        it: `held_out_choice` between the client's trained model's hits and the final
+        model's, as it came ("local") or shifted to the client's label mix ("shifted").
+        The scheduler picks a policy per cluster from the other clusters' counts
+        (proto.rounds.personal_choice). A round's own number compares with the model the
+        round started from, one aggregation behind the global accuracy it is set against
+        (digits BNCNN beta 0.3, 50 clients, 6 rounds, star fedavg: personalized 0.899,
+        the final model on the same splits 0.916)."""
         from worker.training import held_out_choice
 
+        out: dict[str, Any] = {"total": 0, "global": 0,
+                               **{p: [0, 0] for p in PERSONAL_POLICIES}}
         kept = [(c, hits) for c in map(client_index, nodes)
                 if (entry := self._held_out.get(c)) is not None and entry[0] == round_index
                 and len(hits := entry[1])]
         if self.manager is None or not kept:
-            return 0, 0
+            return out
         handle = self.context.put(weights)
         calls = [(hits, self.manager.call(c, "held_out_hits", handle,
                                           *([own] if (own := self._local_norm.get(c)) else [])))
                  for c, hits in kept]
-        correct = total = 0
         for hits, ref in calls:
             final = np.asarray(self.context.get(ref), dtype=bool)
-            if final.shape == hits.shape:
-                correct += int(round(held_out_choice(hits, final) * len(hits)))
-                total += len(hits)
-        return correct, total
+            if final.shape != (2, len(hits)):
+                continue
+            plain = final[0]
+            out["total"] += len(hits)
+            out["global"] += int(plain.sum())
+            for policy, received in (("local", plain), ("shifted", final[1])):
+                chosen = held_out_choice(hits, received)
+                out[policy][0] += int((chosen & ~plain).sum())
+                out[policy][1] += int((plain & ~chosen).sum())
+        return out
 
     def calibrate(self, weights: Weights) -> Weights:
         """`weights` with every BatchNorm layer's running statistics measured on the model

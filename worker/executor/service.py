@@ -83,7 +83,7 @@ class JobRuntime(ClientPool, Protocol):
     def make_inner_aggregator(self) -> Any: ...
     def make_codec(self) -> Any: ...
     def final_personal(self, nodes: list[str], weights: Weights, round_index: int
-                       ) -> tuple[int, int]: ...
+                       ) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
 
@@ -591,8 +591,7 @@ class ExecutorService:
         engine = self.engine
         trained = engine.participants(message.round)
         nodes = [c for c in engine.local_clients() if c in trained]
-        correct, total = self.runtime.final_personal(nodes, dict(env.weights), message.round)
-        return {"correct": correct, "total": total}
+        return self.runtime.final_personal(nodes, dict(env.weights), message.round)
 
     def _take_score(self, job_id: str, node: str, source_cluster: str, payload: bytes) -> None:
         """The final model to score: only from the cluster the scheduler named, while a

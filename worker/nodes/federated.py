@@ -157,7 +157,7 @@ class FederatedNode:
         chosen = float(hits.mean()) if len(hits) else 0.0
         if anchor is not None:
             load_weights(self._model, anchor)
-            chosen = held_out_choice(hits, self._held_out_hits(measure=False))
+            chosen = float(held_out_choice(hits, self._held_out_hits(measure=False)).mean())
         load_weights(self._model, trained)
         return LocalUpdate(weights=trained, num_samples=result.num_samples,
                            client_id=client, round=round_index, loss=result.loss,
@@ -167,9 +167,10 @@ class FederatedNode:
 
     def held_out_hits(self, *incoming: Message | Mapping[str, np.ndarray]) -> np.ndarray:
         """Whether the model in `incoming` (a second entry: the client's own tensors, as in
-        `train`) is right on each sample of the bound client's test split, as it came, its
-        outputs shifted to the client's label mix: what `train` scores a received model by
-        (the job's final model, NodeRuntime.final_personal). The resident weights stay."""
+        `train`) is right on each sample of the bound client's test split: row 0 as it
+        came, row 1 its outputs shifted to the client's label mix, what `train` scores a
+        received model by (for the job's final model: NodeRuntime.final_personal). The
+        resident weights stay."""
         from worker.serialization import load_weights, model_weights
 
         self._require_client()
@@ -179,18 +180,20 @@ class FederatedNode:
             weights.update(as_message(extra).weights)
         load_weights(self._model, weights)
         try:
-            return self._held_out_hits(measure=False).astype(bool)
+            return np.stack([self._held_out_hits(measure=False, shift=False),
+                             self._held_out_hits(measure=False)]).astype(bool)
         finally:
             load_weights(self._model, resident)
 
-    def _held_out_hits(self, measure: bool) -> np.ndarray:
+    def _held_out_hits(self, measure: bool, shift: bool = True) -> np.ndarray:
         """Whether the model is right on each sample of the client's own test split
         (`sample_scores`); with `measure`, its BatchNorm statistics first measured on the
         client's own training samples (dropout off, every sample, as the engine's global
         model): the running averages training left describe its last few batches (digits,
         20 clients, beta 1.0, star fedavg: personalized BNCNN 0.931 -> 0.951, BNMLP 0.962
         -> 0.969); without (the model received), its outputs shifted to the label mix of
-        the client's training samples against the job's pooled one (`label_offsets`)."""
+        the client's training samples against the job's pooled one (`label_offsets`),
+        unless not to `shift`."""
         from worker.serialization import load_weights, model_weights
         from worker.training import batchnorm_statistics, label_offsets, sample_scores
 
@@ -199,7 +202,7 @@ class FederatedNode:
         measured = measure and batchnorm_statistics(self._model, x)
         if measured:
             load_weights(self._model, {**model_weights(self._model), **measured})
-        offsets = None if measure else label_offsets(y, self._config.num_classes,
+        offsets = None if measure or not shift else label_offsets(y, self._config.num_classes,
                                                      self._config.pooled_labels)
         return sample_scores(self._model, d.x_train[self._test_idx],
                              d.y_train[self._test_idx], offsets)[1]
