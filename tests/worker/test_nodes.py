@@ -219,3 +219,22 @@ def test_a_client_whose_training_hurts_it_is_scored_with_the_model_it_received()
     assert evaluate(net, ds.x_train[test], ds.y_train[test]).accuracy < received - 0.3
     assert update.local_samples == len(test) > 0
     assert update.local_accuracy == pytest.approx(received)
+
+
+def test_a_client_without_held_out_samples_trains_from_a_received_model() -> None:
+    """A client whose test split is empty (client_test_fraction small, few samples) trains
+    from the model it received and reports no personalized samples: nothing to choose
+    between (before: the choice's mean of no samples was NaN and failed the round)."""
+    from worker.models import build_model
+    from worker.nodes.federated import FederatedNode
+    from worker.serialization import model_weights
+
+    ds = load_dataset("digits")
+    parts = client_data(ds, SPEC.data, SPEC.seed)
+    node = FederatedNode(config(SPEC), ds)
+    node.bind(0, parts.train_indices[0], np.zeros(0, dtype=np.int64))
+    received = model_weights(build_model(SPEC.model, ds.input_shape, ds.num_classes, seed=1))
+    update = node.train(1, received)
+    assert (update.local_accuracy, update.local_samples) == (0.0, 0)
+    assert update.held_out_hits.shape == (0,)
+    assert node.held_out_hits(received).shape == (2, 0)

@@ -155,7 +155,7 @@ class FederatedNode:
         # the trained model, 0.937 / 0.920
         hits = self._held_out_hits(measure=True)
         chosen = float(hits.mean()) if len(hits) else 0.0
-        if anchor is not None:
+        if anchor is not None and len(hits):
             load_weights(self._model, anchor)
             chosen = float(held_out_choice(hits, self._held_out_hits(measure=False)).mean())
         load_weights(self._model, trained)
