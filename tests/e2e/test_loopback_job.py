@@ -266,6 +266,48 @@ def test_a_model_to_score_comes_only_from_the_cluster_the_scheduler_named() -> N
     assert len(service.mailbox) == held
 
 
+def test_a_checkpoints_node_state_comes_only_from_the_cluster_and_for_the_nodes_named(
+        ) -> None:
+    """job.restore's streams pass the same gate as job.score's (_take_expected): refused
+    when none is expected, from another cluster, for a node not named, or of another kind;
+    nothing is kept."""
+    import numpy as np
+
+    from proto.control import JobRestore
+    from worker import payload as wire
+    from worker.executor.graph import FINAL, STATE
+    from worker.executor.service import ControlError
+
+    spec = job(topology={"kind": "star"}, training={"federated_learning_rounds": 1})
+    _result, mesh = run(spec)
+    cid, service = next((c, s) for c, s in mesh.services.items() if s.engine.local_clients())
+    node = service.engine.local_clients()[0]
+    state = wire.encode({"w": np.zeros(2, np.float32)}, kind=STATE, samples=0)
+    sent = {"job_id": spec.job_id, "round": 0, "target_node": "restore"}
+    held = len(service.mailbox)
+    with pytest.raises(ControlError, match="unexpected restore"):  # none expected
+        service.deliver(source_cluster=mesh.local_cluster, source_node=node, payload=state,
+                        **sent)
+    service.handle(JobRestore(spec.job_id, phase="expect", source_cluster=mesh.local_cluster,
+                              nodes=(node,)).to_body())
+    with pytest.raises(ControlError, match="unexpected restore"):  # a member posing
+        service.deliver(source_cluster=cid, source_node=node, payload=state, **sent)
+    with pytest.raises(ControlError, match="unexpected restore"):  # a node not named
+        service.deliver(source_cluster=mesh.local_cluster, source_node="server",
+                        payload=state, **sent)
+    with pytest.raises(ControlError, match="restore for job 'other'"):
+        service.deliver(source_cluster=mesh.local_cluster, source_node=node, payload=state,
+                        **{**sent, "job_id": "other"})
+    final = wire.encode({"w": np.zeros(2, np.float32)}, kind=FINAL, samples=0)
+    with pytest.raises(ControlError, match="'final' payload"):
+        service.deliver(source_cluster=mesh.local_cluster, source_node=node, payload=final,
+                        **sent)
+    assert len(service.mailbox) == held
+    assert service.deliver(source_cluster=mesh.local_cluster, source_node=node,
+                           payload=state, **sent)
+    assert len(service.mailbox) == held + 1
+
+
 def test_a_cluster_that_cannot_score_the_final_model_leaves_the_job_as_it_was(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """job.score is best effort: a failure there keeps the last round's own number and

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -185,11 +185,20 @@ class ExecutorService:
         if transport is None:
             raise DeliveryNotReady(f"update {source_node} -> {target_node} arrived before the "
                                    "job was planned")
-        if target_node == RESTORE:
-            self._take_restore(job_id, round, source_node, source_cluster, payload)
+        if target_node == RESTORE:  # a node state from the checkpoint (job.restore)
+            weights = self._take_expected("restore", self._restoring, job_id, source_node,
+                                          source_cluster, payload, STATE)
+            self.mailbox.put((0, RESTORE, source_node, RESTORE),
+                             Envelope(weights, 0, len(payload), True))
             return True
-        if target_node == SCORE:
-            self._take_score(job_id, source_node, source_cluster, payload)
+        if target_node == SCORE:  # the final model to score (job.score), once
+            weights = self._take_expected(
+                "model to score", None if self._scoring is None else (self._scoring, (SCORE,)),
+                job_id, source_node, source_cluster, payload, FINAL)
+            # the job's model, as every model from another cluster (names, shapes, finite)
+            weights = transport._conform(weights, "the final model to score")
+            # round 0, as the final model's other streams
+            self.mailbox.put((0, SCORE, SCORE, SCORE), Envelope(weights, 0, len(payload), True))
             return True
         return transport.deliver_remote(job_id=job_id, round=round, source_node=source_node,
                                         target_node=target_node, source_cluster=source_cluster,
@@ -557,21 +566,21 @@ class ExecutorService:
                  self.cluster_id, len(nodes))
         return {"restored": sorted(nodes)}
 
-    def _take_restore(self, job_id: str, r: int, node: str, source_cluster: str,
-                      payload: bytes) -> None:
-        """A node state from the checkpoint: only from the cluster the scheduler named,
-        only for the nodes it named, while a restore is expected."""
-        expected = self._restoring
+    def _take_expected(self, what: str, expected: tuple[str, Collection[str]] | None,
+                       job_id: str, node: str, source_cluster: str, payload: bytes, kind: str
+                       ) -> dict[str, np.ndarray]:
+        """The tensors of a `what` the scheduler streams (a checkpoint's node state, the
+        final model to score): only from the cluster it named, for the nodes it named,
+        while one is `expected` (that pair), for this job, a payload of `kind`."""
         if expected is None or source_cluster != expected[0] or node not in expected[1]:
-            raise ControlError(f"unexpected restore of node {node!r} from cluster "
+            raise ControlError(f"unexpected {what} of node {node!r} from cluster "
                                f"{source_cluster!r}")
         if self.spec is None or job_id != self.spec.job_id:
-            raise ControlError(f"restore for job {job_id!r}")
-        decoded = wire.decode(payload, source=f"checkpoint of node {node}")
-        if decoded.kind != STATE:
-            raise ControlError(f"restore of node {node!r} is a {decoded.kind!r} payload")
-        weights = {k: np.array(v) for k, v in decoded.tensors.items()}
-        self.mailbox.put((0, RESTORE, node, RESTORE), Envelope(weights, 0, len(payload), True))
+            raise ControlError(f"{what} for job {job_id!r}")
+        decoded = wire.decode(payload, source=f"{what} of node {node}")
+        if decoded.kind != kind:
+            raise ControlError(f"the {what} of node {node!r} is a {decoded.kind!r} payload")
+        return {k: np.array(v) for k, v in decoded.tensors.items()}
 
     def _score(self, message: JobScore) -> dict[str, Any]:
         """The personalized accuracy of `round` (the job's last) against the final model the
@@ -592,24 +601,6 @@ class ExecutorService:
         trained = engine.participants(message.round)
         nodes = [c for c in engine.local_clients() if c in trained]
         return self.runtime.final_personal(nodes, dict(env.weights), message.round)
-
-    def _take_score(self, job_id: str, node: str, source_cluster: str, payload: bytes) -> None:
-        """The final model to score: only from the cluster the scheduler named, while a
-        score is expected, once."""
-        if self._scoring is None or source_cluster != self._scoring or node != SCORE:
-            raise ControlError(f"unexpected model to score from node {node!r} of cluster "
-                               f"{source_cluster!r}")
-        if self.spec is None or job_id != self.spec.job_id:
-            raise ControlError(f"model to score for job {job_id!r}")
-        decoded = wire.decode(payload, source="the final model to score")
-        if decoded.kind != FINAL:
-            raise ControlError(f"the model to score is a {decoded.kind!r} payload")
-        assert self.transport is not None  # (deliver refuses anything before job.plan)
-        # the job's model, as every model from another cluster (names, shapes, finite)
-        weights = self.transport._conform({k: np.array(v) for k, v in decoded.tensors.items()},
-                                          "the final model to score")
-        # round 0, as the final model's other streams
-        self.mailbox.put((0, SCORE, SCORE, SCORE), Envelope(weights, 0, len(payload), True))
 
     def _share_name(self) -> str:
         assert self.engine is not None
