@@ -162,12 +162,13 @@ def test_decentralized_final_model_is_the_evaluated_consensus() -> None:
                    for r in result.summary.rounds)
 
 
-def test_digits_star_fedavg_30_clients_reaches_080() -> None:
+def test_digits_star_fedavg_30_clients_reaches_090_in_10_rounds() -> None:
+    """(30 rounds to 0.80 before: 0.833 at round 4, 0.967 at 30; 10 rounds end at 0.936)"""
     spec = JobSpec.from_dict({"job": {"id": "digits-star", "seed": 0},
-                              "training": {"federated_learning_rounds": 30},
+                              "training": {"federated_learning_rounds": 10},
                               "placement": {"max_materialized": 8}})
     result, _ = run(spec, ("solo",))
-    assert result.summary.rounds[-1].accuracy >= 0.80
+    assert result.summary.rounds[-1].accuracy >= 0.90
     # 30 clients on recycled actors: at most max_materialized; light clients batched per
     # call keep only as many busy as the cluster has CPUs
     assert 1 <= result.summary.clusters[0].actors_materialized <= 8
