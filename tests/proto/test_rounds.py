@@ -42,23 +42,33 @@ def _reply(total: int, right: int, local: tuple[int, int], shifted: tuple[int, i
     return {"total": total, "global": right, "local": list(local), "shifted": list(shifted)}
 
 
-def test_the_final_pass_scores_a_cluster_by_what_the_other_clusters_show() -> None:
-    """personal_choice: a policy scores a cluster's samples only where the *other*
-    clusters' samples show it better than the global model by the sign test; a cluster's
-    own wins never decide its own policy, and one cluster alone is scored globally."""
-    replies = {"a": _reply(100, 90, (8, 1), (2, 2)),   # local clearly better
-               "b": _reply(100, 90, (6, 0), (9, 0)),   # shifted better here alone
-               "c": _reply(100, 90, (0, 4), (0, 0))}   # local worse here
-    replies = {k: personal_reply(v) for k, v in replies.items()}
-    assert all(v is not None for v in replies.values())
-    correct, total, chosen = personal_choice(replies)  # type: ignore[arg-type]
-    # a: others (b, c) local 6-4 (no: 2 <= sqrt 10), shifted 9-0 (9 > 3): shifted
-    # b: others (a, c) local 8-5 (3 <= sqrt 13), shifted 2-2: global
-    # c: others (a, b) local 14-1 (13 > sqrt 15), shifted 11-2 (9 < 13): local
-    assert chosen == {"a": "shifted", "b": "global", "c": "local"}
-    assert (correct, total) == (90 + 2 - 2 + 90 + 90 + 0 - 4, 300)
-    alone = personal_choice({"a": replies["a"]})  # type: ignore[dict-item]
-    assert alone == (90, 100, {"a": "global"})
+def test_the_final_pass_takes_a_policy_only_where_every_cluster_left_out_agrees() -> None:
+    """personal_choice: a cluster's choice is the policy the *other* clusters' samples
+    show better than the global model by the sign test; the policy scores the job only
+    where every cluster's choice is the same, else the global model scores every cluster;
+    one cluster alone is scored globally."""
+    def counts(*rows: tuple[int, int, tuple[int, int], tuple[int, int]]
+               ) -> dict[str, dict[str, object]]:
+        out = {}
+        for name, row in zip("abc", rows, strict=True):
+            reply = personal_reply(_reply(*row))
+            assert reply is not None
+            out[name] = reply
+        return out
+
+    # local shown by the others for each of a, b, c (a: 14-1 from b + c, ...); c's own
+    # samples lose with it and are scored with it all the same: the choice is not theirs
+    agree = counts((100, 90, (8, 1), (2, 2)), (100, 90, (6, 0), (0, 3)),
+                   (100, 90, (1, 2), (0, 0)))
+    correct, total, chosen = personal_choice(agree)
+    assert chosen == {"a": "local", "b": "local", "c": "local"}
+    assert (correct, total) == (90 + 7 + 90 + 6 + 90 - 1, 300)
+    # a: others (b, c) local 6-4 (2 <= sqrt 10), shifted 9-0 (9 > 3): shifted; b: others
+    # (a, c) local 8-5 (3 <= sqrt 13), shifted 2-2: global; c: local 14-1: choices differ
+    differ = counts((100, 90, (8, 1), (2, 2)), (100, 90, (6, 0), (9, 0)),
+                    (100, 90, (0, 4), (0, 0)))
+    assert personal_choice(differ) == (270, 300, dict.fromkeys("abc", "global"))
+    assert personal_choice({"a": agree["a"]}) == (90, 100, {"a": "global"})
 
 
 @pytest.mark.parametrize("reply", [

@@ -14,9 +14,9 @@ Where each number comes from:
   model it received (its outputs shifted to the client's label mix: `label_offsets`)
   where that got more of the others right, scored on the client's own
   held-out split (by the actor that trained it; FederatedNode.train); the job's last
-  round is scored again against the final model (job.score), each cluster by the policy
-  the other clusters' samples show better than the final model, else by the final model
-  (proto.rounds.personal_choice);
+  round is scored again against the final model (job.score), by a personalization
+  policy only where, for every cluster, the other clusters' samples show it better than
+  the final model, else by the final model (proto.rounds.personal_choice);
 - accuracy/loss: the root's new model (star, hierarchical), each group's model after the
   exchange (hybrid), each participating node's model after mixing (decentralized).
 Decentralized mixing uses the job's aggregator at every node, with the node's model
