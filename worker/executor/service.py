@@ -191,7 +191,7 @@ class ExecutorService:
             self.mailbox.put((0, RESTORE, source_node, RESTORE),
                              Envelope(weights, 0, len(payload), True))
             return True
-        if target_node == SCORE:  # the final model to score (job.score), once
+        if target_node == SCORE:  # the final model to score (job.score)
             weights = self._take_expected(
                 "model to score", None if self._scoring is None else (self._scoring, (SCORE,)),
                 job_id, source_node, source_cluster, payload, FINAL)
