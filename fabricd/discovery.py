@@ -47,8 +47,10 @@ HEARTBEAT_MAX_BYTES = 16 * 1024
 RECORD_MAX_BYTES = 16 * 1024
 DIAL_TIMEOUT = 10.0
 #: a member we learnt of (not a bootstrap peer) is dialled at once only by the side with the
-#: smaller peer id; the other side waits this long for that dial before dialling itself
-DIAL_DEFER = 5.0
+#: smaller peer id; the other side waits this long for that dial before dialling itself:
+#: longer than a whole dial may take (DIAL_TIMEOUT), else a dial slowed by load meets the
+#: other side's (two workers of the whole suite: 5 s left two connections to one member)
+DIAL_DEFER = DIAL_TIMEOUT + 2.0
 RECORD_REFRESH = 30.0
 #: dial hints kept (peers we heard of but are not connected to) and addresses per hint
 MAX_DIAL_HINTS = 256
