@@ -130,7 +130,9 @@ def test_a_hybrid_job_exchanging_every_few_rounds_resumes_from_its_anchors(
 @pytest.mark.slow
 def test_a_hybrid_job_on_ray_resumes_to_the_uninterrupted_model_bytes(tmp_path: Path) -> None:
     """The same on the production backend: clients are Ray actors (batched calls), the
-    models travel through Ray's object store."""
+    models travel through Ray's object store; the job resumed on Ray ends with the model
+    the in-process backend trains uninterrupted (the same bytes: each Ray job starts its
+    actors' processes, 12-30 s of this test's, so the uninterrupted one runs in-process)."""
     import os
 
     ray = pytest.importorskip("ray")
@@ -144,7 +146,7 @@ def test_a_hybrid_job_on_ray_resumes_to_the_uninterrupted_model_bytes(tmp_path: 
     context = RayContext()
     try:
         spec = job("hybrid", tmp_path)
-        whole = run(spec, tmp_path / "whole", context=context)
+        whole = run(spec, tmp_path / "whole")
         out = tmp_path / "broken"
         with pytest.raises(Interrupted):
             run(spec, out, stop_after=3, context=context)
