@@ -47,6 +47,11 @@
 #   FP_WAN_RTT_MS    --wan: round-trip time added per site uplink (40)
 #   FP_WAN_LOSS      --wan: loss in % each way on a site uplink (0.1)
 #   FP_WAN_RATE      --wan: rate of a site uplink, tc units (100mbit)
+#   FP_SLOW          slow sites, "ID=FACTOR ..." (FACTOR > 1): the site's daemon, and the
+#                    executor and Ray it starts, get 1/FACTOR of a fair share of the CPUs
+#                    (CPUs / sites, at most one) in a cgroup of their own (cgroup v2
+#                    cpu.max, else v1; python -m scheduler.cpuquota), as `submit --local
+#                    --slow`; `up` logs how, or why this machine cannot ("")
 # Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2; --wan also iptables.
 set -euo pipefail
 
@@ -92,6 +97,37 @@ DAEMONS=("${CLUSTERS[@]}")
 
 log() { echo "netns-testbed: $*" >&2; }
 die() { log "$*"; exit 1; }
+
+# FP_SLOW's factor for site ID ("" when it is not slowed).
+slow_factor() {
+    local entry
+    for entry in ${FP_SLOW:-}; do
+        [ "${entry%%=*}" != "$1" ] || { echo "${entry#*=}"; return; }
+    done
+}
+
+check_slow() {
+    local entry
+    for entry in ${FP_SLOW:-}; do
+        [[ " ${CLUSTERS[*]} " == *" ${entry%%=*} "* ]] \
+            || die "FP_SLOW: $entry names no site (sites: ${CLUSTERS[*]})"
+        awk -v f="${entry#*=}" 'BEGIN { exit !(f ~ /^[0-9]+([.][0-9]+)?$/ && f > 1) }' \
+            || die "FP_SLOW: $entry: expected ID=FACTOR with FACTOR > 1, e.g. b=4"
+    done
+}
+
+# slow_site ID PID: put the daemon PID of site ID under its FP_SLOW quota (before it starts
+# an executor, which inherits the cgroup); the cgroup's path goes to its state dir for `down`.
+slow_site() {
+    local factor out path
+    factor=$(slow_factor "$1")
+    [ -n "$factor" ] || return 0
+    out=$("$PYTHON" -m scheduler.cpuquota apply "$2" "$factor" "${#CLUSTERS[@]}" \
+          "$PREFIX-$1" 2>&1) || out=$'\n'"not slowed: $out"
+    path=$(head -n 1 <<<"$out")
+    [ -z "$path" ] || echo "$path" >"$STATE/$1/cpuquota"
+    log "site $1 slowed by $factor: $(tail -n 1 <<<"$out")"
+}
 
 ns_of() { echo "$PREFIX-$1"; }
 
@@ -294,6 +330,7 @@ start_daemons() {
         pid=$!
         echo "$pid" >"$dir/fabricd.pid"
         echo "daemon=$c" >>"$MARKER"
+        slow_site "$c" "$pid"
         log "started fabricd for $c in $ns (pid $pid, log $dir/fabricd.log)"
     done
 }
@@ -334,6 +371,7 @@ pid_alive() {
 
 cmd_up() {
     check_prerequisites
+    check_slow
     local ns
     while read -r ns; do
         ! ns_exists "$ns" || die "namespace $ns already exists: run '$0 down' first"
@@ -394,6 +432,17 @@ cmd_down() {
         ns_exists "$ns" || continue
         for pid in $(ip netns pids "$ns" 2>/dev/null); do
             if kill -KILL "$pid" 2>/dev/null; then log "killed pid $pid left in $ns"; fi
+        done
+    done
+    #    A slow site's cgroup goes once its processes have (best effort).
+    local quota path
+    for quota in "$STATE"/*/cpuquota; do
+        [ -f "$quota" ] || continue
+        path=$(cat "$quota")
+        for _ in $(seq 25); do  # a killed process leaves its cgroup once it is reaped
+            [ -d "$path" ] || break
+            if rmdir "$path" 2>/dev/null; then log "removed cgroup $path"; break; fi
+            sleep 0.2
         done
     done
     # 3. Deleting a namespace deletes its veth end, and with it the pair, and the bridge.

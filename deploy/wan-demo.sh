@@ -6,10 +6,12 @@
 # runs/wan-demo/ (summary.json, wan-bytes.json), prints where the update bytes went and
 # tears everything down, also on Ctrl-C or a failure.
 #
-#   deploy/wan-demo.sh [--job FILE] [--out DIR] [--flat]
+#   deploy/wan-demo.sh [--job FILE] [--out DIR] [--flat] [--slow ID=FACTOR ...]
 #
 # --flat runs the same job on the flat testbed (every site dials every other), to compare.
-# Environment: the testbed's (FP_WAN_RTT_MS, FP_WAN_LOSS, FP_WAN_RATE, FP_RAY, ...), and
+# --slow b=4: site b trains under 1/4 of a fair CPU share (the testbed's FP_SLOW), as
+# `submit --local --slow`; with `[aggregation] mode = "buffered"` the others do not wait.
+# Environment: the testbed's (FP_WAN_RTT_MS, FP_WAN_LOSS, FP_WAN_RATE, FP_RAY, FP_SLOW, ...), and
 # FP_NETNS_PREFIX (fpwan), FP_STATE_DIR (/tmp/$FP_NETNS_PREFIX-testbed), FP_CAPACITY (10).
 set -euo pipefail
 
@@ -23,7 +25,8 @@ while [ $# -gt 0 ]; do
         --job) job=$(realpath "${2:?--job needs a file}"); shift 2 ;;
         --out) out=$(realpath -m "${2:?--out needs a directory}"); shift 2 ;;
         --flat) mode=""; shift ;;
-        *) sed -n '2,13s/^# \{0,1\}//p' "$0" >&2; exit 2 ;;
+        --slow) FP_SLOW="${FP_SLOW:-} ${2:?--slow needs ID=FACTOR}"; export FP_SLOW; shift 2 ;;
+        *) sed -n '2,15s/^# \{0,1\}//p' "$0" >&2; exit 2 ;;
     esac
 done
 

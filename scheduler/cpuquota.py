@@ -5,12 +5,17 @@ Ray, in a cgroup of its own whose processes together get 1 / F of a fair share o
 machine's CPUs (CPUs / clusters, at most one CPU): cgroup v2's
 `cpu.max` where the unified hierarchy has the cpu controller, else cgroup v1's
 `cpu.cfs_quota_us`. Where neither can be written (no permission, no cpu controller),
-`CpuQuota.apply` says why and nothing is slowed.
+`CpuQuota.apply` says why and nothing is slowed. deploy/netns-testbed.sh (`FP_SLOW`) slows
+its sites' daemons through this module's command line:
+
+    python -m scheduler.cpuquota apply PID FACTOR CLUSTERS NAME   # the cgroup, then how
+    python -m scheduler.cpuquota remove PATH
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +53,38 @@ class CpuQuota:
     def remove(self) -> None:
         """Remove the cgroup once its processes are gone (best effort)."""
         _rmdir(self.path)
+
+
+def slow_down(pid: int, factor: float, clusters: int, name: str) -> tuple[CpuQuota | None, str]:
+    """Put process `pid` (a cluster's daemon, before it starts an executor) under 1 /
+    `factor` of a fair share of this machine's CPUs (CPUs / `clusters`, at most one: what
+    an unslowed cluster gets here at most): the quota and how, or None and why not."""
+    share = min(1.0, len(os.sched_getaffinity(0)) / max(1, clusters))
+    try:
+        quota = CpuQuota.apply(pid, share / factor, name)
+    except OSError as exc:
+        return None, f"not slowed: {exc}"
+    return quota, f"{share / factor:.2f} of a CPU, 1/{factor:g} of a fair share ({quota.kind})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        if args[:1] == ["remove"] and len(args) == 2:
+            CpuQuota(Path(args[1]), "").remove()
+            return 0
+        if args[:1] != ["apply"] or len(args) != 5:
+            raise ValueError("expected apply PID FACTOR CLUSTERS NAME, or remove PATH")
+        pid, factor, clusters = int(args[1]), float(args[2]), int(args[3])
+        if not factor > 1.0 or clusters < 1:
+            raise ValueError(f"FACTOR must be > 1 and CLUSTERS >= 1, got {args[2]} and {args[3]}")
+    except (ValueError, IndexError) as exc:
+        print(f"python -m scheduler.cpuquota: {exc}", file=sys.stderr)
+        return 2
+    quota, how = slow_down(pid, factor, clusters, args[4])
+    print(quota.path if quota else "")
+    print(how)
+    return 0
 
 
 def _candidates(quota: int) -> list[tuple[str, Path, dict[str, str]]]:
@@ -91,4 +128,7 @@ def _rmdir(path: Path) -> None:
         pass
 
 
-__all__ = ["CpuQuota"]
+__all__ = ["CpuQuota", "slow_down"]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from scheduler.cpuquota import CpuQuota
+from scheduler.cpuquota import CpuQuota, slow_down
 from scheduler.run.driver import ClusterInfo, JobFailed
 from scheduler.run.mesh import wait_for_clusters
 
@@ -256,18 +256,13 @@ class LocalTestbed:
             [*fabricd_command(), "--config", str(config)], stdout=log_file,
             stderr=subprocess.STDOUT, start_new_session=True, env=env)
         if name in self.slow:  # before a job starts its executor, which inherits the cgroup
-            factor = self.slow[name]
-            # what an unslowed cluster gets on this machine at most: a fair share of its CPUs
-            share = min(1.0, len(os.sched_getaffinity(0)) / len(self.cluster_ids))
-            try:
-                quota = self.quotas[name] = CpuQuota.apply(
-                    self.procs[name].pid, share / factor, f"fedpilot-{name}-{os.getpid()}")
-                self.slow_notes[name] = (f"{share / factor:.2f} of a CPU, 1/{factor:g} of a "
-                                         f"fair share ({quota.kind})")
-            except OSError as exc:
-                self.slow_notes[name] = f"not slowed: {exc}"
-            log.warning("event=testbed_slow cluster=%s factor=%g how=%s", name, factor,
-                        self.slow_notes[name])
+            quota, self.slow_notes[name] = slow_down(
+                self.procs[name].pid, self.slow[name], len(self.cluster_ids),
+                f"fedpilot-{name}-{os.getpid()}")
+            if quota is not None:
+                self.quotas[name] = quota
+            log.warning("event=testbed_slow cluster=%s factor=%g how=%s", name,
+                        self.slow[name], self.slow_notes[name])
 
     def bridge_socket(self, name: str) -> str:
         return config_socket(self.configs[name])

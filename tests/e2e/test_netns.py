@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,7 @@ PORT = 4001
 PROBE_BYTES = 4 * 1024 * 1024
 # Generous: the mesh normally forms in a few seconds; this only bounds a hung run.
 MESH_DEADLINE_S = 90.0
+SLOW = 1.5  # FP_SLOW's factor for site c
 
 
 def _netns_unavailable() -> str | None:
@@ -72,6 +74,7 @@ class NetnsTestbed:
     prefix: str
     state: Path
     env: dict[str, str]
+    up_log: str = ""
 
     @classmethod
     def fresh(cls, tmp_path_factory: pytest.TempPathFactory, prefix: str, **env: str) -> Self:
@@ -143,6 +146,8 @@ def brought_up(bed: NetnsTestbed, *args: str) -> Iterator[None]:
         up = _script(bed.env, "up", *args)
         if up.returncode != 0:
             pytest.fail(f"netns-testbed.sh up {' '.join(args)} failed:\n{up.stderr}\n{bed.logs()}")
+        bed.up_log = up.stderr
+        cgroups = [Path(p.read_text().strip()) for p in bed.state.glob("*/cpuquota")]
         yield
     finally:
         down = _script(bed.env, "down")
@@ -150,6 +155,7 @@ def brought_up(bed: NetnsTestbed, *args: str) -> Iterator[None]:
         assert down.returncode == 0, f"netns-testbed.sh down failed:\n{down.stderr}"
         assert not left, f"namespaces left behind after down: {sorted(left)}"
         assert not bed.state.exists(), f"{bed.state} left behind after down"
+        assert not [g for g in cgroups if g.exists()], f"cgroups left behind: {cgroups}"
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +163,31 @@ def testbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsTestbed]:
     reason = _netns_unavailable()
     if reason is not None:
         pytest.skip(reason)
-    bed = NetnsTestbed.fresh(tmp_path_factory, "fpt", FP_SUBNET=SUBNET, FP_SCHEDULER="1")
+    # c slowed a little (1/1.5 of a fair CPU share: about what 4 daemons on 2 cores get
+    # anyway), so the job below runs at the pace it would
+    bed = NetnsTestbed.fresh(tmp_path_factory, "fpt", FP_SUBNET=SUBNET, FP_SCHEDULER="1",
+                             FP_SLOW=f"c={SLOW}")
     with brought_up(bed):
         yield bed
+
+
+def test_a_slow_site_runs_under_its_cpu_quota(testbed: NetnsTestbed) -> None:
+    """FP_SLOW: the site's daemon (and so the executor and Ray it starts) in a cgroup of
+    its own with 1/FACTOR of a fair CPU share, removed by `down` (checked by brought_up)."""
+    from scheduler.cpuquota import PERIOD_US, _candidates
+
+    quota_file = testbed.state / "c" / "cpuquota"
+    if not quota_file.exists():
+        assert not _candidates(1000), f"c was not slowed:\n{testbed.up_log}"
+        pytest.skip("this machine allows no CPU quota (no writable cgroup cpu controller)")
+    cgroup = Path(quota_file.read_text().strip())
+    assert str(testbed.pid("c")) in (cgroup / "cgroup.procs").read_text().split()
+    share = min(1.0, len(os.sched_getaffinity(0)) / len(CLUSTERS)) / SLOW
+    quota = ((cgroup / "cpu.max").read_text().split()[0] if (cgroup / "cpu.max").exists()
+             else (cgroup / "cpu.cfs_quota_us").read_text().strip())
+    assert int(quota) == int(PERIOD_US * share)
+    assert not (testbed.state / "a" / "cpuquota").exists()
+    assert re.search(r"site c slowed by 1.5: 0\.\d\d of a CPU", testbed.up_log)
 
 
 def wait_for_full_mesh(bed: NetnsTestbed, deadline_s: float = MESH_DEADLINE_S) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from scheduler import cpuquota
 from scheduler.cpuquota import PERIOD_US, CpuQuota
 from scheduler.errors import JobFailed
 from scheduler.submit import slow_factors
@@ -58,3 +59,13 @@ def test_slow_options_name_a_cluster_and_a_factor_above_one() -> None:
     for bad in ("cluster-2", "cluster-2=1", "=4", "cluster-2=fast"):
         with pytest.raises(JobFailed, match="ID=FACTOR"):
             slow_factors([bad])
+
+
+def test_the_testbeds_command_line_refuses_what_is_not_a_slow_down(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """deploy/netns-testbed.sh's FP_SLOW calls `python -m scheduler.cpuquota apply`; what
+    is not PID, FACTOR > 1, CLUSTERS >= 1 and a name changes nothing and says why."""
+    for bad in ([], ["apply", "1", "4", "3"], ["apply", "x", "4", "3", "n"],
+                ["apply", "1", "1", "3", "n"], ["apply", "1", "4", "0", "n"], ["slow", "1"]):
+        assert cpuquota.main(bad) == 2, bad
+        assert "python -m scheduler.cpuquota:" in capsys.readouterr().err
