@@ -122,8 +122,9 @@ slow_site() {
     local factor out path
     factor=$(slow_factor "$1")
     [ -n "$factor" ] || return 0
+    # its errors go to stderr as they come; stdout is the cgroup's path, then how
     out=$("$PYTHON" -m scheduler.cpuquota apply "$2" "$factor" "${#CLUSTERS[@]}" \
-          "$PREFIX-$1" 2>&1) || out=$'\n'"not slowed: $out"
+          "$PREFIX-$1") || out=$'\n'"not slowed: python -m scheduler.cpuquota failed (above)"
     path=$(head -n 1 <<<"$out")
     [ -z "$path" ] || echo "$path" >"$STATE/$1/cpuquota"
     log "site $1 slowed by $factor: $(tail -n 1 <<<"$out")"

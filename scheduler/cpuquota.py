@@ -6,10 +6,9 @@ machine's CPUs (CPUs / clusters, at most one CPU): cgroup v2's
 `cpu.max` where the unified hierarchy has the cpu controller, else cgroup v1's
 `cpu.cfs_quota_us`. Where neither can be written (no permission, no cpu controller),
 `CpuQuota.apply` says why and nothing is slowed. deploy/netns-testbed.sh (`FP_SLOW`) slows
-its sites' daemons through this module's command line:
+its sites' daemons through this module's command line (it prints the cgroup, then how):
 
-    python -m scheduler.cpuquota apply PID FACTOR CLUSTERS NAME   # the cgroup, then how
-    python -m scheduler.cpuquota remove PATH
+    python -m scheduler.cpuquota apply PID FACTOR CLUSTERS NAME
 """
 
 from __future__ import annotations
@@ -70,15 +69,12 @@ def slow_down(pid: int, factor: float, clusters: int, name: str) -> tuple[CpuQuo
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
-        if args[:1] == ["remove"] and len(args) == 2:
-            CpuQuota(Path(args[1]), "").remove()
-            return 0
         if args[:1] != ["apply"] or len(args) != 5:
-            raise ValueError("expected apply PID FACTOR CLUSTERS NAME, or remove PATH")
+            raise ValueError("expected apply PID FACTOR CLUSTERS NAME")
         pid, factor, clusters = int(args[1]), float(args[2]), int(args[3])
         if not factor > 1.0 or clusters < 1:
             raise ValueError(f"FACTOR must be > 1 and CLUSTERS >= 1, got {args[2]} and {args[3]}")
-    except (ValueError, IndexError) as exc:
+    except ValueError as exc:
         print(f"python -m scheduler.cpuquota: {exc}", file=sys.stderr)
         return 2
     quota, how = slow_down(pid, factor, clusters, args[4])
