@@ -142,6 +142,7 @@ def _script(bed_env: dict[str, str], *args: str) -> subprocess.CompletedProcess[
 def brought_up(bed: NetnsTestbed, *args: str) -> Iterator[None]:
     """`netns-testbed.sh up` (with ``args``) for ``bed``, then `down`, checking that no
     namespace or state is left behind."""
+    cgroups: list[Path] = []  # slow sites' (FP_SLOW), each gone after down
     try:
         up = _script(bed.env, "up", *args)
         if up.returncode != 0:
