@@ -172,6 +172,23 @@ def testbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsTestbed]:
         yield bed
 
 
+@pytest.mark.parametrize(("slow", "says"), [
+    ("z=4", "FP_SLOW: z=4 names no site"),
+    ("a=1", "FP_SLOW: a=1: expected ID=FACTOR with FACTOR > 1"),
+    ("a=fast", "FP_SLOW: a=fast: expected ID=FACTOR with FACTOR > 1"),
+])
+def test_a_bad_slow_site_is_refused_before_anything_is_made(
+        tmp_path_factory: pytest.TempPathFactory, slow: str, says: str) -> None:
+    reason = _netns_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    bed = NetnsTestbed.fresh(tmp_path_factory, "fpx", FP_SLOW=slow)
+    up = _script(bed.env, "up")
+    assert up.returncode == 1 and says in up.stderr, up.stderr
+    assert not {ns for ns in _namespaces() if ns.startswith(bed.prefix + "-")}
+    assert not bed.state.exists()
+
+
 def test_a_slow_site_runs_under_its_cpu_quota(testbed: NetnsTestbed) -> None:
     """FP_SLOW: the site's daemon (and so the executor and Ray it starts) in a cgroup of
     its own with 1/FACTOR of a fair CPU share, removed by `down` (checked by brought_up)."""
