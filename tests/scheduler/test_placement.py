@@ -365,10 +365,23 @@ def test_grouped_nearest_rows_is_nearest_rows() -> None:
     targets = hist[np.random.default_rng(1).choice(len(hist), 300, replace=False)]
     expected = nearest_rows(hist, targets)
     for group in (tight, arbitrary):
-        assert np.array_equal(nearest_rows_grouped(hist, group, targets), expected)
+        assert_same_nearest(hist, targets, nearest_rows_grouped(hist, group, targets), expected)
     zero_target = np.vstack([targets, np.zeros((1, hist.shape[1]), dtype=hist.dtype)])
-    assert np.array_equal(nearest_rows_grouped(hist, tight, zero_target),
-                          nearest_rows(hist, zero_target))
+    assert_same_nearest(hist, zero_target, nearest_rows_grouped(hist, tight, zero_target),
+                        nearest_rows(hist, zero_target))
+
+
+def assert_same_nearest(queries: np.ndarray, targets: np.ndarray, got: np.ndarray,
+                        expected: np.ndarray) -> None:
+    """The same target for every query, or one exactly as similar: two targets with the
+    same proportions (counts 3 and 6 of one label) differ in their float32 unit rows by an
+    ulp, and which one a float32 product favours depends on the BLAS kernel the matrix
+    shape picks (seen on an AMD EPYC, one query of 20,000)."""
+    differ = np.flatnonzero(got != expected)
+    assert len(differ) <= len(queries) // 1000, differ
+    q, t = unit_rows(queries).astype(np.float64), unit_rows(targets).astype(np.float64)
+    for i in differ:
+        assert abs(q[i] @ t[got[i]] - q[i] @ t[expected[i]]) < 1e-6, (i, got[i], expected[i])
 
 
 def test_distinct_rows_inverse_rebuilds_the_rows() -> None:
