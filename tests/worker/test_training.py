@@ -22,6 +22,7 @@ from worker.training import (
     evaluate,
     held_out_choice,
     label_offsets,
+    make_optimizer,
     sample_scores,
     train_local,
 )
@@ -187,6 +188,57 @@ def test_weight_decay_matches_a_hand_computed_sgd_step() -> None:
     decayed = _one_full_batch_step(TrainingSpec(learning_rate=lr, weight_decay=wd))
     for k in start:
         np.testing.assert_allclose(decayed[k] - plain[k], -lr * wd * start[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(("optimizer", "momentum", "weight_decay"),
+                         [("sgd", 0.0, 0.0), ("sgd", 0.9, 1e-3), ("adam", 0.0, 0.0),
+                          ("adam", 0.0, 1e-3)])
+def test_the_local_optimizer_is_torch_optims_update_bit_for_bit(
+        optimizer: str, momentum: float, weight_decay: float) -> None:
+    """The same weights as torch.optim's SGD / Adam after 30 steps, every other one with a
+    layer left without a gradient (it keeps its own step count and momentum)."""
+    x, y = _blobs()
+    ours, theirs = _mlp(), _mlp()
+    spec = TrainingSpec(optimizer=optimizer, learning_rate=0.05, momentum=momentum,
+                        weight_decay=weight_decay)
+    local = make_optimizer(ours, spec)
+    if optimizer == "sgd":
+        torch_opt: torch.optim.Optimizer = torch.optim.SGD(
+            theirs.parameters(), lr=0.05, momentum=momentum, weight_decay=weight_decay)
+    else:
+        torch_opt = torch.optim.Adam(theirs.parameters(), lr=0.05, weight_decay=weight_decay)
+    first = next(ours.parameters())
+    for step in range(30):
+        batch = slice(4 * step, 4 * step + 8)
+        for model, opt in ((ours, local), (theirs, torch_opt)):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(torch.from_numpy(x[batch])),
+                                              torch.from_numpy(y[batch])).backward()
+            if step % 2:
+                next(model.parameters()).grad = None
+            opt.step()
+    assert not torch.equal(first, next(_mlp().parameters()))
+    for (name, a), b in zip(ours.state_dict().items(), theirs.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_training_leaves_torch_dynamo_unimported() -> None:
+    """What LocalOptimizer is for: an executor or Ray actor that trains never imports
+    torch._dynamo (torch.optim does at its first use: 1 s of CPU and 70 MB a process)."""
+    code = ("import sys, numpy as np\n"
+            "from proto.job import ModelSpec, TrainingSpec\n"
+            "from worker.models import build_model\n"
+            "from worker.training import train_local\n"
+            "model = build_model(ModelSpec(name='mlp', hidden=8), (2,), 3, seed=0)\n"
+            "for kind in ('sgd', 'adam'):\n"
+            "    train_local(model, np.zeros((16, 2), np.float32), np.arange(16) % 3,\n"
+            "                TrainingSpec(optimizer=kind, momentum=0.9), seed=0)\n"
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n")
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_evaluate_by_hand() -> None:
