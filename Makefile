@@ -49,9 +49,9 @@ test-tools:
 # process: make test XDIST=. A clean clone on an idle 2-core machine: one process 27 min 51 s
 # (pytest 25 min 27 s), two workers 19 min 32 s (pytest 17 min 24 s; its one failure, two
 # members dialling each other at once under load, is fixed: fabricd.discovery.DIAL_DEFER).
-# On a faster machine of the same kind (stop 50): 11 min 34 s, then 9 min 29 s and 9 min
-# 55 s with the install's --no-compile and training without torch.optim (pytest 607 ->
-# 528 / 553 s); three workers: 582 s and a starved timer. Earlier two-worker runs on
+# On a faster machine of the same kind (stop 50): 11 min 34 s, then 9 min 29 s, 9 min 55 s
+# and 10 min 1 s with the install's --no-compile and training without torch.optim (pytest
+# 607 -> 528 / 553 / 555 s); three workers: 582 s and a starved timer. Earlier two-worker runs on
 # machines at load 16-58 (other benches beside them) failed on starved timers; the suite
 # is not meant to share its 2 cores.
 TWO := -n 2 --dist loadfile
