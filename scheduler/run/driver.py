@@ -225,17 +225,25 @@ class Driver(Recovery):
     def _lost_among(self, failed: list[str]) -> dict[str, Any]:
         """Which of these clusters (one just failed a request) the lease keeper finds lost:
         waits for its verdict until each answered a lease since (all alive: the failure is
-        the job's own) or at most one lease."""
-        if self.leases is None or not failed:
+        the job's own) or the keeper judged them after a whole lease of silence. That wait
+        counts the keeper's own verdicts, not the clock: on a loaded machine its pass comes
+        late (its mesh status query alone can take seconds), and a wall-clock bound gave up
+        just before a killed cluster was found lost, failing the job instead of going on."""
+        leases = self.leases
+        if leases is None or not failed:
             return {}
         since = time.monotonic()
-        until = since + self.leases.lease + self.leases.interval
-        self.leases.renew_now()
+        settled = since + leases.lease  # a later verdict finds every silent one lost
+        until = since + 4 * (leases.lease + leases.interval)  # its thread stopped for good
+        leases.renew_now()
         while True:
-            lost = {cid: v for cid, v in self.leases.lost().items() if cid in failed}
-            if lost or time.monotonic() > until:
+            checked = leases.checked_at()  # before lost(): that verdict is in what follows
+            lost = {cid: v for cid, v in leases.lost().items() if cid in failed}
+            if lost:
                 return lost
-            if all(self.leases.answered_at(cid) > since for cid in failed):
+            if all(leases.answered_at(cid) > since for cid in failed):
+                return {}
+            if checked > settled or time.monotonic() > until:
                 return {}
             time.sleep(0.1)
 

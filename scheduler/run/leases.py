@@ -78,6 +78,7 @@ class LeaseKeeper:
         self._armed: set[str] = set()
         self._misses: dict[str, list[str]] = {}
         self._lost: dict[str, Loss] = {}
+        self._checked = 0.0  # monotonic time of the last verdict (_check)
         self._stop = threading.Event()
         self._pass_now = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(clusters) + 1),
@@ -99,6 +100,12 @@ class LeaseKeeper:
         """Monotonic time of the cluster's last lease answer (0 if it is not watched)."""
         with self._lock:
             return self._answered.get(cluster_id, 0.0)
+
+    def checked_at(self) -> float:
+        """Monotonic time of the keeper's last verdict: a cluster armed and silent since
+        before `t` is in `lost()` once `checked_at() > t + lease` (read this first)."""
+        with self._lock:
+            return self._checked
 
     def renew_now(self) -> None:
         """Renew every lease now, not at the next pass (a job.start that fails right after
@@ -172,6 +179,7 @@ class LeaseKeeper:
                     self._lost[cid] = Loss(reason, self._answered[cid], now)
                     log.warning("event=cluster_lost job=%s cluster=%s reason=%s", self.job_id,
                                 cid, reason)
+            self._checked = now
 
     def _renew(self, cluster_id: str) -> None:
         try:

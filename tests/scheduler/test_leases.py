@@ -7,7 +7,10 @@ import threading
 import time
 from typing import Any
 
+from proto.job import JobSpec
 from scheduler.errors import JobFailed
+from scheduler.run.channel import ClusterInfo
+from scheduler.run.driver import Driver
 from scheduler.run.leases import LeaseKeeper
 
 
@@ -120,3 +123,37 @@ def test_renew_now_asks_for_the_answers_before_the_next_pass() -> None:
         keeper.stop()
         keeper._pool.shutdown(wait=True)
     assert not keeper._thread.is_alive()  # stop() wakes the waiting keeper
+
+
+def test_a_failed_request_waits_for_a_late_verdict_not_the_clock() -> None:
+    """A request to a killed cluster fails at once (a refused dial); the driver then asks
+    the keeper whether that cluster is lost. On a loaded machine the keeper's passes come
+    late (its mesh status query alone can take seconds): CI failed a job with "recently
+    failed all addresses" because the driver stopped waiting one lease + one interval after
+    the failure, just before the verdict. The driver now waits for a verdict made a whole
+    lease after the failure (a killed cluster is lost by then); one that answers is not."""
+    channel = Channel()
+
+    def mesh_status() -> dict[str, bool]:
+        if channel.silent:
+            time.sleep(2.5)  # a loaded machine: > lease + interval between two verdicts
+        return {"b": True}
+
+    keeper = LeaseKeeper(channel, "j", ["b"], lease=1.0,  # type: ignore[arg-type]
+                         connected=mesh_status)
+    driver = Driver(JobSpec.from_dict({"job": {"id": "j"}}), [ClusterInfo("b")],
+                    channel, backend="inprocess")  # type: ignore[arg-type]
+    driver.leases = keeper.start()
+    try:
+        deadline = time.monotonic() + 60
+        while "b" not in keeper._armed:
+            assert time.monotonic() < deadline, "the lease was never answered"
+            time.sleep(0.05)
+        assert driver._lost_among(["b"]) == {}  # it answers: the failure was the job's
+        channel.silent.add("b")  # b is killed: its requests fail from now on
+        lost = driver._lost_among(["b"])
+        assert list(lost) == ["b"]
+    finally:
+        channel.released.set()
+        keeper.stop()
+        keeper._pool.shutdown(wait=True)
