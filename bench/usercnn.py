@@ -10,6 +10,11 @@ train them through the engine.
   write: running statistics (buffers) and a train/eval difference.
 - WideBNCNN: WideCNN with BatchNorm everywhere and dropout 0.5.
 - BNMLP: any input flattened, two BatchNorm + dropout layers (tables and images alike).
+- GNResCNN: GroupNorm and residual blocks, global pooling, a LayerNorm + GELU head and
+  dropout: normalization with no running statistics, and no bias in the convolutions.
+- LNMLP: any input flattened, LayerNorm + GELU layers (a transformer's MLP block).
+GNResCNN and LNMLP came after the engine's defaults were set (stop 51) and are not in the
+grid's default models: `--models usercnn:GNResCNN` runs them (docs/job.md, "Does it learn?").
 """
 
 from __future__ import annotations
@@ -99,6 +104,53 @@ class BNMLP(nn.Module):
             nn.Flatten(), nn.Linear(width, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Dropout(0.25),
             nn.Linear(128, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Dropout(0.25),
             nn.Linear(128, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class _Residual(nn.Module):
+    """x + two 3x3 conv-GroupNorm layers, then ReLU."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.GroupNorm(4, channels),
+            nn.ReLU(), nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+            nn.GroupNorm(4, channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.body(x))
+
+
+class GNResCNN(nn.Module):
+    """A GroupNorm stem, two residual blocks around a 2x2 max-pool, 2x2 average pooling,
+    dropout 0.3 and a LayerNorm + GELU head."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        c, h, w = self.shape = _chw(input_shape)
+        self.net = nn.Sequential(
+            nn.Conv2d(c, 24, 3, padding=1), nn.GroupNorm(4, 24), nn.ReLU(),
+            _Residual(24), nn.MaxPool2d(2), _Residual(24), nn.AdaptiveAvgPool2d(2),
+            nn.Flatten(), nn.Dropout(0.3), nn.Linear(96, 48), nn.LayerNorm(48), nn.GELU(),
+            nn.Linear(48, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.reshape(x.shape[0], *self.shape))
+
+
+class LNMLP(nn.Module):
+    """Any input flattened; 256 then 64 hidden units, each with LayerNorm and GELU."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        width = 1
+        for d in input_shape:
+            width *= int(d)
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(width, 256), nn.LayerNorm(256), nn.GELU(), nn.Dropout(0.1),
+            nn.Linear(256, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
