@@ -19,6 +19,8 @@ grid's default models: `--models usercnn:GNResCNN` runs them (docs/job.md, "Does
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -26,6 +28,11 @@ from torch import nn
 def _chw(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
     c, h, w = input_shape if len(input_shape) == 3 else (1, *input_shape)
     return int(c), int(h), int(w)
+
+
+def _width(input_shape: tuple[int, ...]) -> int:
+    """Features of one sample, flattened."""
+    return math.prod(int(d) for d in input_shape)
 
 
 class SmallCNN(nn.Module):
@@ -97,9 +104,7 @@ class BNMLP(nn.Module):
 
     def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
         super().__init__()
-        width = 1
-        for d in input_shape:
-            width *= int(d)
+        width = _width(input_shape)
         self.net = nn.Sequential(
             nn.Flatten(), nn.Linear(width, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Dropout(0.25),
             nn.Linear(128, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Dropout(0.25),
@@ -145,9 +150,7 @@ class LNMLP(nn.Module):
 
     def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
         super().__init__()
-        width = 1
-        for d in input_shape:
-            width *= int(d)
+        width = _width(input_shape)
         self.net = nn.Sequential(
             nn.Flatten(), nn.Linear(width, 256), nn.LayerNorm(256), nn.GELU(), nn.Dropout(0.1),
             nn.Linear(256, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, num_classes))
