@@ -155,5 +155,6 @@ def test_a_failed_request_waits_for_a_late_verdict_not_the_clock() -> None:
         assert list(lost) == ["b"]
     finally:
         channel.released.set()
+        driver.close()
         keeper.stop()
         keeper._pool.shutdown(wait=True)
