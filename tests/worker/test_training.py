@@ -3,6 +3,8 @@ checked against one hand-computed SGD step."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -234,8 +236,6 @@ def test_training_leaves_torch_dynamo_unimported() -> None:
             "    train_local(model, np.zeros((16, 2), np.float32), np.arange(16) % 3,\n"
             "                TrainingSpec(optimizer=kind, momentum=0.9), seed=0)\n"
             "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n")
-    import subprocess
-    import sys
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
