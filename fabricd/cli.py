@@ -47,7 +47,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 # ---- certs -----------------------------------------------------------------------------
 
-def cmd_init_ca(args: argparse.Namespace) -> int:
+def cmd_init_ca(args: argparse.Namespace) -> dict[str, Any]:
     from proto.certs import save_ca
 
     out = Path(args.out)
@@ -55,8 +55,7 @@ def cmd_init_ca(args: argparse.Namespace) -> int:
         save_ca(out)
     except (FileExistsError, ValueError) as exc:
         raise CliError(str(exc)) from None
-    _print_json({"ca_key": str(out / "ca.key"), "ca_pub": str(out / "ca.pub")})
-    return 0
+    return {"ca_key": str(out / "ca.key"), "ca_pub": str(out / "ca.pub")}
 
 
 def _issue(ca_dir: Path, peer_id: str, cluster_id: str, role: str, days: float,
@@ -94,7 +93,7 @@ def _read_request(path: Path) -> dict[str, str]:
     return {k: data[k] for k in ("peer_id", "cluster_id", "role")}
 
 
-def cmd_issue(args: argparse.Namespace) -> int:
+def cmd_issue(args: argparse.Namespace) -> dict[str, Any]:
     from proto.certs import parse_certificate
 
     if args.request:
@@ -111,12 +110,11 @@ def cmd_issue(args: argparse.Namespace) -> int:
                   allow_readable=args.allow_readable_ca_key)
     Path(args.out).write_bytes(data)
     cert = parse_certificate(data)
-    _print_json({"certificate": args.out, "peer_id": cert.peer_id, "cluster_id": cert.cluster_id,
-                 "role": cert.role, "serial": cert.serial, "not_after": cert.not_after})
-    return 0
+    return {"certificate": args.out, "peer_id": cert.peer_id, "cluster_id": cert.cluster_id,
+            "role": cert.role, "serial": cert.serial, "not_after": cert.not_after}
 
 
-def cmd_revoke(args: argparse.Namespace) -> int:
+def cmd_revoke(args: argparse.Namespace) -> dict[str, Any]:
     from proto.certs import RevocationList, parse_certificate
 
     try:
@@ -131,12 +129,11 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     RevocationList.append(config.revocation_list, cert.serial,
                           comment=f"{cert.cluster_id} {cert.peer_id} revoked {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
-    _print_json({"revoked_serial": cert.serial, "cluster_id": cert.cluster_id,
-                 "peer_id": cert.peer_id, "revocation_list": str(config.revocation_list)})
-    return 0
+    return {"revoked_serial": cert.serial, "cluster_id": cert.cluster_id,
+            "peer_id": cert.peer_id, "revocation_list": str(config.revocation_list)}
 
 
-def _revoke_signed(args: argparse.Namespace, serial: int, cluster_id: str, peer_id: str) -> int:
+def _revoke_signed(args: argparse.Namespace, serial: int, cluster_id: str, peer_id: str) -> dict[str, Any]:
     """Add ``serial`` to the CA-signed revocation list at --out (created if missing)."""
     from proto.certs import load_ca_private, sign_revocations, verify_revocations
 
@@ -158,16 +155,15 @@ def _revoke_signed(args: argparse.Namespace, serial: int, cluster_id: str, peer_
     serials.add(serial)
     issued_at = max(int(time.time()), previous + 1)  # strictly newer, or members ignore it
     out.write_bytes(sign_revocations(ca_key, serials, issued_at))
-    _print_json({"revoked_serial": serial, "cluster_id": cluster_id, "peer_id": peer_id,
-                 "signed_revocations": str(out), "serials": len(serials), "issued_at": issued_at,
-                 "next": "copy it to any member as <config dir>/revocations.signed; every member "
-                         "applies it within seconds"})
-    return 0
+    return {"revoked_serial": serial, "cluster_id": cluster_id, "peer_id": peer_id,
+            "signed_revocations": str(out), "serials": len(serials), "issued_at": issued_at,
+            "next": "copy it to any member as <config dir>/revocations.signed; every member "
+                    "applies it within seconds"}
 
 
 # ---- init / id -------------------------------------------------------------------------
 
-def cmd_init(args: argparse.Namespace) -> int:
+def cmd_init(args: argparse.Namespace) -> dict[str, Any]:
     import shutil
 
     from fabricd.config import _addr_list  # validation shared with load_config
@@ -203,21 +199,20 @@ def cmd_init(args: argparse.Namespace) -> int:
         bootstrap=args.bootstrap, announce=args.announce,
     ))
     config = load_config(cfg_path)  # what we wrote must load
-    _print_json({"config": str(cfg_path), "cluster_id": config.cluster_id, "peer_id": peer_id,
-                 "addrs": _full_addrs(config.announce or config.listen, peer_id),
-                 "bridge_socket": str(config.bridge_socket),
-                 **({"signing_request": str(request_path),
-                     "next": f"on the CA machine: fabricd certs issue --ca CA_DIR --request {request_path.name} "
-                             f"--out membership.cert; then copy membership.cert to {out}/"}
-                    if request_path is not None else {})})
-    return 0
+    return {"config": str(cfg_path), "cluster_id": config.cluster_id, "peer_id": peer_id,
+            "addrs": _full_addrs(config.announce or config.listen, peer_id),
+            "bridge_socket": str(config.bridge_socket),
+            **({"signing_request": str(request_path),
+                "next": f"on the CA machine: fabricd certs issue --ca CA_DIR --request {request_path.name} "
+                        f"--out membership.cert; then copy membership.cert to {out}/"}
+               if request_path is not None else {})}
 
 
 def _full_addrs(addrs: tuple[str, ...] | list[str], peer_id: str) -> list[str]:
     return [a if "/p2p/" in a else f"{a}/p2p/{peer_id}" for a in addrs]
 
 
-def cmd_id(args: argparse.Namespace) -> int:
+def cmd_id(args: argparse.Namespace) -> dict[str, Any]:
     from fabricd.identity import IdentityError, peer_id_of, read_identity
 
     config = load_config(args.config)
@@ -225,9 +220,8 @@ def cmd_id(args: argparse.Namespace) -> int:
         peer_id = str(peer_id_of(read_identity(config.identity_key)))
     except IdentityError as exc:
         raise CliError(str(exc)) from None
-    _print_json({"cluster_id": config.cluster_id, "peer_id": peer_id,
-                 "addrs": _full_addrs(config.announce or config.listen, peer_id)})
-    return 0
+    return {"cluster_id": config.cluster_id, "peer_id": peer_id,
+            "addrs": _full_addrs(config.announce or config.listen, peer_id)}
 
 
 # ---- talking to the running daemon -----------------------------------------------------
@@ -254,21 +248,19 @@ def _bridge_request(config_path: str, msg: Any, reply_type: type, timeout: float
     return reply
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def cmd_status(args: argparse.Namespace) -> dict[str, Any]:
     from proto.bridge import StatusReply, StatusRequest
 
-    _print_json(_bridge_request(args.config, StatusRequest(), StatusReply, args.timeout).status)
-    return 0
+    return _bridge_request(args.config, StatusRequest(), StatusReply, args.timeout).status
 
 
-def cmd_probe(args: argparse.Namespace) -> int:
+def cmd_probe(args: argparse.Namespace) -> dict[str, Any]:
     from proto.bridge import ProbeReply, ProbeRequest
 
     reply = _bridge_request(args.config, ProbeRequest(cluster_id=args.cluster, bytes=args.bytes),
                             ProbeReply, args.timeout)
-    _print_json({"cluster_id": reply.cluster_id, "rtt_ms": round(reply.rtt_ms, 3), "bytes": reply.bytes,
-                 "seconds": round(reply.seconds, 6), "throughput_mb_s": round(reply.throughput_mb_s, 2)})
-    return 0
+    return {"cluster_id": reply.cluster_id, "rtt_ms": round(reply.rtt_ms, 3), "bytes": reply.bytes,
+            "seconds": round(reply.seconds, 6), "throughput_mb_s": round(reply.throughput_mb_s, 2)}
 
 
 # ---- parser ----------------------------------------------------------------------------
@@ -351,6 +343,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def call(argv: list[str]) -> dict[str, Any]:
+    """A one-shot subcommand (``certs init-ca``, ``init``, ``id``, ...) run in this process:
+    the JSON it would print. Raises CliError or ConfigError where the command line would
+    print them (a testbed initialises its daemons this way: one import of libp2p, not one
+    per daemon)."""
+    args = build_parser().parse_args(argv)
+    if args.command is None:
+        raise CliError("call() runs one-shot subcommands; start a daemon with `fabricd --config`")
+    result: dict[str, Any] = args.func(args)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -360,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command is None:
             return cmd_run(args)
-        return int(args.func(args))
+        _print_json(args.func(args))  # every subcommand answers in JSON
+        return 0
     except ConfigError as exc:
         print(f"fabricd: config error: {exc}", file=sys.stderr)
         return EXIT_USAGE

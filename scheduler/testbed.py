@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 from scheduler.cpuquota import CpuQuota, slow_down
 from scheduler.run.driver import ClusterInfo, JobFailed
@@ -55,12 +55,16 @@ def free_port() -> int:
     return port
 
 
-def _run(args: list[str], what: str) -> str:
-    proc = subprocess.run([*fabricd_command(), *args], capture_output=True, text=True,
-                          timeout=120)
-    if proc.returncode != 0:
-        raise JobFailed(f"testbed: {what} failed: {proc.stderr.strip() or proc.stdout.strip()}")
-    return proc.stdout
+def _run(args: list[str], what: str) -> dict[str, Any]:
+    """`fabricd ARGS` (a one-shot subcommand) in this process: a testbed's five `init`s
+    as subprocesses spent 3-5 s importing libp2p five times before any daemon started."""
+    from fabricd.cli import CliError, call
+    from fabricd.config import ConfigError
+
+    try:
+        return call(args)
+    except (CliError, ConfigError, OSError) as exc:
+        raise JobFailed(f"testbed: {what} failed: {exc}") from None
 
 
 def config_socket(config: Path | str) -> str:
@@ -221,7 +225,7 @@ class LocalTestbed:
                 args += ["--capacity", str(self.capacity)]
             if first_addr:
                 args += ["--bootstrap", first_addr]
-            _run(args, f"initialising daemon {name}")
+            made = _run(args, f"initialising daemon {name}")
             config = out / "cluster.toml"
             if name != "scheduler":
                 set_toml_value(config, "ray", "address", self.backend)
@@ -240,8 +244,7 @@ class LocalTestbed:
                 set_toml_value(config, "datasets", dataset, where)
             self.configs[name] = config
             if first_addr is None:
-                ids = json.loads(_run(["id", "--config", str(config)], f"reading {name}'s id"))
-                first_addr = ids["addrs"][0]  # `fabricd id` prints {cluster_id, peer_id, addrs}
+                first_addr = str(made["addrs"][0])  # `fabricd init` answers {config, peer_id, addrs, ...}
         return self.configs
 
     def _spawn(self, name: str, config: Path) -> None:

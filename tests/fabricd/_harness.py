@@ -30,18 +30,10 @@ def cli_json(*args: str, timeout: float = 120) -> Any:
 
 
 def cli_inprocess(*args: str) -> Any:
-    """Run a one-shot fabricd subcommand in this process (no daemon) and parse its JSON."""
-    import contextlib
-    import io
+    """Run a one-shot fabricd subcommand in this process (no daemon): its JSON answer."""
+    from fabricd.cli import call
 
-    from fabricd.cli import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main(list(args))
-    if code != 0:
-        raise AssertionError(f"fabricd {' '.join(args)} exited {code}")
-    return json.loads(out.getvalue())
+    return call(list(args))
 
 
 @dataclass
