@@ -26,7 +26,7 @@ from libp2p.pubsub.pubsub import PUBSUB_SIGNING_PREFIX
 from fabricd._host import GOSSIPSUB_PROTOCOLS, open_host_stack
 from fabricd._member_tables import MAX_UNVERIFIED_CLAIMS
 from fabricd._preauth import MAX_PENDING_PEERS
-from fabricd.discovery import DIAL_DEFER
+from fabricd.discovery import _defers_to
 from proto.codec import encode
 from proto.ids import PROTOCOL_CONTROL, PROTOCOL_MEMBER, PROTOCOL_UPDATE, TOPIC_HEARTBEAT
 from proto.messages import Heartbeat
@@ -128,6 +128,17 @@ def _stop(mesh, nodes: list[Node]) -> None:  # type: ignore[no-untyped-def]
         mesh.nodes.pop(node.name)
 
 
+def _dialled_at_once_by(own: str):  # type: ignore[no-untyped-def]
+    """A stranger key pair whose peer id the member ``own`` would dial without waiting
+    DIAL_DEFER for it to dial first (fabricd.discovery._defers_to), were its hint taken."""
+    from libp2p.peer.id import ID
+
+    while True:
+        key_pair = create_new_key_pair()
+        if not _defers_to(own, str(ID.from_pubkey(key_pair.public_key))):
+            return key_pair
+
+
 def _forged_heartbeat(key_pair, victim_port: int) -> rpc_pb2.Message:
     """A heartbeat signed (for gossip) by a stranger key, naming the victim's address."""
     from libp2p.peer.id import ID
@@ -146,6 +157,7 @@ def _forged_heartbeat(key_pair, victim_port: int) -> rpc_pb2.Message:
 async def test_forged_heartbeats_relayed_by_a_member_cause_no_dials(mesh) -> None:
     a = mesh.nodes["a"]
     target = peer_info(a.addr())
+    own = str(target.peer_id)
     victim = socket.socket()
     victim.bind(("127.0.0.1", 0))
     victim.listen(512)
@@ -166,7 +178,7 @@ async def test_forged_heartbeats_relayed_by_a_member_cause_no_dials(mesh) -> Non
         stream = await stack.host.new_stream(target.peer_id, list(GOSSIPSUB_PROTOCOLS))
         forged = 200
         for _ in range(forged // 10):
-            rpc = rpc_pb2.RPC(publish=[_forged_heartbeat(create_new_key_pair(), victim_port) for _ in range(10)])
+            rpc = rpc_pb2.RPC(publish=[_forged_heartbeat(_dialled_at_once_by(own), victim_port) for _ in range(10)])
             assert await stack.pubsub.write_msg(stream, rpc)
         # Wait until a has judged them: its counter rises by as many, or rises and then
         # stays put (gossipsub's peer scoring may mute the liar after a while, which is
@@ -180,9 +192,9 @@ async def test_forged_heartbeats_relayed_by_a_member_cause_no_dials(mesh) -> Non
                 if now != last:
                     last, stable_since = now, time.monotonic()
                 await trio.sleep(0.2)
-        # The dial loop runs every 0.25 s, and waits DIAL_DEFER before dialling a member that
-        # should dial it: after that it has had many rounds to (wrongly) use a hint.
-        await trio.sleep(DIAL_DEFER + 1)
+        # The dial loop runs every 0.25 s, and dials these peers at once (not after
+        # DIAL_DEFER: _dialled_at_once_by): 5 s are many rounds to (wrongly) use a hint.
+        await trio.sleep(5)
     assert last > before, "the member never judged the forged heartbeats"
     dials = 0
     while True:
