@@ -33,6 +33,7 @@ from proto.messages import Heartbeat
 from tests.fabricd._harness import (
     Node,
     bridge_status,
+    configure,
     connected_fast,
     init_ca,
     join_and_probe,
@@ -44,12 +45,17 @@ pytestmark = pytest.mark.slow
 
 #: 300 is the issue's figure; lower it on a machine that cannot hold that many hosts.
 STRANGERS = int(os.environ.get("FABRICD_TEST_STRANGERS", "300"))
+#: limits.auth_timeout of the member the strangers stall
+AUTH_TIMEOUT_S = 4
 
 
 @pytest.mark.trio
 async def test_stalled_strangers_are_dropped_and_a_new_member_still_joins(mesh) -> None:
     a = mesh.nodes["a"]
-    t = await trio.to_thread.run_sync(lambda: mesh.add("t1", [a.addr()]))
+    t = mesh.add("t1", [a.addr()], start=False)
+    # the strangers' deadline in seconds, not production's 10 (the same code path)
+    configure(t, limits=f"auth_timeout = {AUTH_TIMEOUT_S}")
+    await trio.to_thread.run_sync(lambda: (t.start(), t.wait_ready()))
     target = peer_info(t.addr())
     async with stalled_strangers(target, STRANGERS, [PROTOCOL_MEMBER, PROTOCOL_UPDATE, PROTOCOL_CONTROL]) \
             as (hosts, refused):
