@@ -48,7 +48,11 @@ def test_members_that_find_each_other_at_once_keep_one_connection(mesh) -> None:
             for x, y in itertools.permutations(nodes, 2):
                 links.setdefault((x.name, y.name), set()).add(_rows(x)[y.name]["links"])
             time.sleep(0.3)
-        assert all(seen == {1} for seen in links.values()), links
+        # the whole picture on failure (pytest shortens a dict): which side holds the
+        # extra connection, of which kind, and when each member joined the other
+        assert all(seen == {1} for seen in links.values()), "\n".join(
+            [f"links seen {sorted(links.items())}"]
+            + [f"{x.name} -> {y.name}: {_rows(x)[y.name]}" for x, y in itertools.permutations(nodes, 2)])
     finally:
         for node in nodes:
             node.stop()
