@@ -116,8 +116,9 @@ def test_a_cluster_that_disappears_before_start_fails_the_job_naming_it(
     with LocalTestbed(2, backend="inprocess", workdir=str(tmp_path), capacity=4) as testbed:
         clusters = testbed.start(timeout=60)
         testbed.kill("cluster-2")
+        # judged lost after a 4 s lease, not production's 15 s (the same code path)
         with pytest.raises(JobFailed, match="cluster-2"):
-            drive(testbed, clusters, small_job("gone"))
+            drive(testbed, clusters, small_job("gone", faults={"lease_seconds": 4}))
 
 
 def test_job_on_two_embedded_ray_clusters(tmp_path: Path) -> None:
