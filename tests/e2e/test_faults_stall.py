@@ -19,7 +19,7 @@ from tests.e2e._faults import drive, executor_pid
 
 pytestmark = pytest.mark.slow
 ROUNDS = 10
-STALL_SECONDS = 12.0  # heartbeat_timeout is 5 s
+STALL_SECONDS = 8.0  # past the heartbeat timeout (5 s) and the lease (6 s)
 
 
 @pytest.mark.parametrize("topology", ["star", "hybrid"])
