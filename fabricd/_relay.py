@@ -44,7 +44,7 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
 from fabricd import _fastpath
-from fabricd._sender import open_stream
+from fabricd._sender import NoRoute, open_stream
 from fabricd._streams import LINGER_SECONDS, Handler, close_quietly, reset_quietly
 from fabricd.admission import RATE_GRACE, RateFloor
 from fabricd.config import Relay
@@ -260,7 +260,7 @@ def dial_circuits_too(host: IHost, timeout: float) -> None:
     direct = swarm.dial_peer
     own = f"/p2p/{host.get_id()}{CIRCUIT}"  # a gateway reaches a member directly or not at all
     #: peer -> (the dial under way finished, its error)
-    under_way: dict[ID, tuple[trio.Event, list[str]]] = {}
+    under_way: dict[ID, tuple[trio.Event, list[ConnectionError]]] = {}
 
     def _linked(circuit: str) -> bool:
         try:
@@ -276,14 +276,14 @@ def dial_circuits_too(host: IHost, timeout: float) -> None:
             if swarm.get_connections(peer_id):
                 return swarm.get_connections(peer_id)
             if error:
-                raise ConnectionError(error[0])
+                raise error[0]
             # that dial was given up (its caller's deadline): this caller dials
         under_way[peer_id] = (trio.Event(), [])
         try:
             return await _dial(peer_id)
         except Exception as exc:  # whatever it was, those waiting on this dial are told (then raised)
-            under_way[peer_id][1].append(str(exc) if isinstance(exc, ConnectionError)
-                                         else f"{type(exc).__name__}: {exc}")
+            under_way[peer_id][1].append(NoRoute(str(exc)) if isinstance(exc, NoRoute) else ConnectionError(
+                str(exc) if isinstance(exc, ConnectionError) else f"{type(exc).__name__}: {exc}"))
             raise
         finally:
             under_way.pop(peer_id)[0].set()
@@ -307,7 +307,7 @@ def dial_circuits_too(host: IHost, timeout: float) -> None:
                 return swarm.get_connections(peer_id)
             except Exception as exc:  # noqa: BLE001 - the next relay may do
                 failures.append(str(exc) if isinstance(exc, ConnectionError) else f"{type(exc).__name__}: {exc}")
-        raise ConnectionError("; ".join(failures))
+        raise NoRoute("; ".join(failures))
 
     swarm.dial_peer = dial_peer  # type: ignore[method-assign]
 
