@@ -162,7 +162,7 @@ class BodyRefused(FabricdError):
     """The sender's own check of the body failed; the stream was cut before its last chunk."""
 
 
-class NoRoute(ConnectionError):
+class NoRoute(FabricdError, ConnectionError):
     """One dial tried every way to a peer - its direct addresses and each relay it
     announces - and none reached it. Opening a stream again at once tries the same ways:
     ``open_stream`` leaves this to its caller's retries, seconds apart (an update to a
