@@ -275,15 +275,15 @@ def dial_circuits_too(host: IHost, timeout: float) -> None:
             await done.wait()
             if swarm.get_connections(peer_id):
                 return swarm.get_connections(peer_id)
-            if error:
-                raise error[0]
+            if error:  # its error, anew for each caller (NoRoute stays NoRoute: not retried at once)
+                raise (NoRoute if isinstance(error[0], NoRoute) else ConnectionError)(str(error[0]))
             # that dial was given up (its caller's deadline): this caller dials
         under_way[peer_id] = (trio.Event(), [])
         try:
             return await _dial(peer_id)
         except Exception as exc:  # whatever it was, those waiting on this dial are told (then raised)
-            under_way[peer_id][1].append(NoRoute(str(exc)) if isinstance(exc, NoRoute) else ConnectionError(
-                str(exc) if isinstance(exc, ConnectionError) else f"{type(exc).__name__}: {exc}"))
+            under_way[peer_id][1].append(exc if isinstance(exc, ConnectionError)
+                                         else ConnectionError(f"{type(exc).__name__}: {exc}"))
             raise
         finally:
             under_way.pop(peer_id)[0].set()
