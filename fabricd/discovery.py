@@ -184,6 +184,7 @@ class Discovery:
         now = time.time()
         rows = []
         for info in sorted(self.clusters.values(), key=lambda i: i.cluster_id):
+            links = _links_to(self.host, info.peer_id)
             rows.append({
                 "cluster_id": info.cluster_id,
                 "peer_id": info.peer_id,
@@ -193,9 +194,11 @@ class Discovery:
                 "capacity": info.capacity,
                 "last_heartbeat_age_s": round(now - info.last_heartbeat, 3) if info.last_heartbeat else None,
                 "joins": info.joins,
-                "links": _links_to(self.host, info.peer_id),
+                "links": links,
                 "link": _relay.link_kind(self.host, info.peer_id),
             })
+            if links > 1:  # one is the rule: which side dialled each, and what each carries
+                rows[-1]["link_details"] = _link_details(self.host, info.peer_id)
         return rows
 
     # ---- services ----------------------------------------------------------------------
@@ -458,6 +461,16 @@ def _defers_to(own: str, peer: str) -> bool:
     opens its streams on the connection it prefers - the one with more streams - so the
     pair runs two yamux sessions with their own windows and buffers for one link."""
     return own > peer
+
+
+def _link_details(host: Any, peer_id: str) -> list[dict[str, Any]]:
+    """Each libp2p connection to ``peer_id``: who dialled it, its age and its open streams."""
+    now = time.time()
+    dialled = {True: "by us", False: "by them"}
+    return [{"dialled": dialled.get(bool(getattr(c.muxed_conn, "is_initiator_value", False))),
+             "age_s": round(now - c._created_at, 1) if isinstance(getattr(c, "_created_at", None), float) else None,
+             "streams": len(c.get_streams())}
+            for c in host.get_network().get_connections(ID.from_base58(peer_id))]
 
 
 def _links_to(host: Any, peer_id: str) -> int:

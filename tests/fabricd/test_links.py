@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import itertools
 import time
+import types
 
 import pytest
 
+from fabricd.discovery import _link_details
 from tests.fabricd._harness import Node, bridge_status, init_node, wait_until
-
-pytestmark = pytest.mark.slow
 
 JOINERS = ("l1", "l2", "l3")
 
@@ -21,6 +21,7 @@ def _rows(node: Node) -> dict[str, dict]:  # type: ignore[type-arg]
     return {row["cluster_id"]: row for row in bridge_status(node)["clusters"]}
 
 
+@pytest.mark.slow
 def test_members_that_find_each_other_at_once_keep_one_connection(mesh) -> None:  # type: ignore[no-untyped-def]
     a_addr = mesh.nodes["a"].addr()
     # Started together, each learns of the others from their heartbeats (via a) at about
@@ -57,3 +58,29 @@ def test_members_that_find_each_other_at_once_keep_one_connection(mesh) -> None:
         for node in nodes:
             node.stop()
             mesh.nodes.pop(node.name, None)
+
+
+class _Conn:
+    def __init__(self, initiator: bool, age: float, streams: int) -> None:
+        self.muxed_conn = types.SimpleNamespace(is_initiator_value=initiator)
+        self._created_at = time.time() - age
+        self._streams = streams
+
+    def get_streams(self) -> tuple[object, ...]:
+        return (object(),) * self._streams
+
+
+def test_a_second_connection_is_described_in_the_status_row() -> None:
+    """What `fabricd status` shows when a pair holds two connections (the failure above
+    prints it): which side dialled each, its age and its open streams."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.id import ID
+
+    peer = str(ID.from_pubkey(create_new_key_pair().public_key))
+    network = types.SimpleNamespace(get_connections=lambda pid: [_Conn(True, 30.0, 4), _Conn(False, 2.0, 0)]
+                                    if str(pid) == peer else [])
+    host = types.SimpleNamespace(get_network=lambda: network)
+    details = _link_details(host, peer)
+    assert [d["dialled"] for d in details] == ["by us", "by them"]
+    assert [d["streams"] for d in details] == [4, 0]
+    assert 29 < details[0]["age_s"] < 40 and 1 < details[1]["age_s"] < 10
