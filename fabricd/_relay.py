@@ -61,11 +61,6 @@ RENEW_MARGIN = 600.0
 #: a gateway that refused a reservation, or offers no relay, is asked again after this
 RETRY_REFUSED = 30.0
 RELAY_READ = 1024 * 1024
-#: a gateway is pinged this often; one silent for SILENT_AFTER (frozen, its machine gone)
-#: has its connection closed, and the circuits through it with it: members redial through
-#: another relay instead of waiting on a TCP connection nobody reads
-PING_EVERY = 5.0
-SILENT_AFTER = 10.0
 HOP_TIMEOUT = 10.0
 CIRCUIT = "/p2p-circuit"
 #: multistream-select's message choosing Noise (varint length, "/noise\n")
@@ -479,9 +474,14 @@ class _StopSide(CircuitV2Protocol):
 class RelayClient:
     """Reservations at the bootstrap gateways and the stop side of circuits (module docstring)."""
 
-    def __init__(self, host: IHost, gateways: tuple[str, ...], private: bool) -> None:
+    def __init__(self, host: IHost, gateways: tuple[str, ...], private: bool,
+                 silent_after: float = Relay.silent_after) -> None:
         self.host = host
         self.gateways = gateways
+        #: a gateway is pinged every half of this; one silent this long (frozen, its machine
+        #: gone) has its connection closed, and the circuits through it with it: members
+        #: redial through another relay instead of waiting on a TCP connection nobody reads
+        self.silent_after = silent_after
         if private:
             # identify, heartbeats and the DHT record then give only /p2p-circuit addresses:
             # nobody (the DHT included) wastes a dial on an address behind the NAT
@@ -510,18 +510,18 @@ class RelayClient:
         while True:
             for gateway in self.gateways:
                 await self._keep(gateway)
-                if pinged.get(gateway, 0.0) < time.monotonic() - PING_EVERY:
+                if pinged.get(gateway, 0.0) < time.monotonic() - self.silent_after / 2:
                     await self._ping(info_from_p2p_addr(multiaddr.Multiaddr(gateway)).peer_id)
                     pinged[gateway] = time.monotonic()
             await trio.sleep(1.0)
 
     async def _ping(self, relay_id: ID) -> None:
-        """Close the connections to a gateway that does not answer a ping in SILENT_AFTER."""
+        """Close the connections to a gateway that does not answer a ping in silent_after."""
         conns = self.host.get_network().get_connections(relay_id)
         if not conns:
             return
         try:
-            with trio.fail_after(SILENT_AFTER):
+            with trio.fail_after(self.silent_after):
                 stream = await self.host.new_stream(relay_id, [PING_ID])
                 await perform_ping_roundtrip(stream)
             await close_quietly(stream)
@@ -530,7 +530,7 @@ class RelayClient:
             pass
         except Exception:  # noqa: BLE001 - a refused or broken stream is no silence: its end follows
             return
-        log.warning("relay.silent", relay=str(relay_id), after_s=SILENT_AFTER,
+        log.warning("relay.silent", relay=str(relay_id), after_s=self.silent_after,
                     action="connection closed; links through it redial through another relay")
         for conn in conns:
             with trio.move_on_after(1):

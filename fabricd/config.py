@@ -90,6 +90,9 @@ class Relay:
     #: bytes and seconds per circuit (0 = unlimited)
     circuit_bytes: int = 0
     circuit_seconds: int = 0
+    #: a member pings its gateways every half of this; one silent this long (frozen, its
+    #: machine gone) has its connection closed, so links redial through another relay
+    silent_after: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -343,7 +346,9 @@ def _relay(path: Path, net: dict[str, Any], has_bootstrap: bool) -> Relay:
                  max_reservations=num("relay_max_reservations", d.max_reservations, 1, 1 << 16),
                  max_circuits=num("relay_max_circuits", d.max_circuits, 1, 1 << 16),
                  circuit_bytes=num("relay_circuit_bytes", d.circuit_bytes, 0, 1 << 50),
-                 circuit_seconds=num("relay_circuit_seconds", d.circuit_seconds, 0, 1 << 30))
+                 circuit_seconds=num("relay_circuit_seconds", d.circuit_seconds, 0, 1 << 30),
+                 silent_after=float(_num(path, net, "network", "relay_silent_after", d.silent_after, 1.0, 600.0,
+                                         False)))
 
 
 def _datasets(path: Path, sect: dict[str, Any], base: Path,

@@ -219,7 +219,7 @@ class Daemon:
                 self.relay_service.register(self.membership.guard)
             if cfg.relay.reachability != "public":
                 private = cfg.relay.reachability == "private"
-                self.discovery.relays = RelayClient(host, cfg.bootstrap, private)
+                self.discovery.relays = RelayClient(host, cfg.bootstrap, private, cfg.relay.silent_after)
                 self.discovery.relays.register(self.membership.guard)
                 if self.dataplane is not None:
                     self.dataplane.behind_nat = private

@@ -202,11 +202,13 @@ def start_pair(root: Path, limits: str = "", prepare: Callable[[Node], None] | N
 
 
 def start_relayed(root: Path, ca: Path, members: tuple[str, ...], relay: str, gateway_limits: str = "",
-                  member_limits: str = "", gateways: tuple[str, ...] = ("g",)) -> list[Node]:
+                  member_limits: str = "", gateways: tuple[str, ...] = ("g",), member_network: str = "",
+                  ) -> list[Node]:
     """Gateways (``relay``: lines for their [network], relay_service = true among them) and
     ``members`` that bootstrap from all of them and announce only relayed addresses
-    (reachability = "private"), all started and ready: [*gateways, *members]. The caller
-    stops them; should this fail, it stops those it started itself."""
+    (reachability = "private", and ``member_network``'s lines), all started and ready:
+    [*gateways, *members]. The caller stops them; should this fail, it stops those it
+    started itself."""
     nodes: list[Node] = []
     try:
         for name in gateways:
@@ -218,7 +220,7 @@ def start_relayed(root: Path, ca: Path, members: tuple[str, ...], relay: str, ga
         addrs = [g.addr() for g in nodes]
         for name in members:
             node = init_node(root, name, ca, addrs)
-            configure(node, 'reachability = "private"', member_limits)
+            configure(node, '\n'.join(filter(None, ['reachability = "private"', member_network])), member_limits)
             nodes.append(node)
             node.start()
         for node in nodes:

@@ -53,7 +53,9 @@ def _update_cut_by(g: Node, p: Node, how: signal.Signals) -> tuple[subprocess.Co
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 def test_the_other_gateway_carries_the_link_when_one_dies(tmp_path: Path, how: signal.Signals) -> None:
-    nodes = start_relayed(tmp_path, init_ca(tmp_path), ("p", "q"), "relay_service = true", gateways=("g1", "g2"))
+    # the members find a frozen gateway silent after 4 s, not production's 10 (the same code path)
+    nodes = start_relayed(tmp_path, init_ca(tmp_path), ("p", "q"), "relay_service = true", gateways=("g1", "g2"),
+                          member_network="relay_silent_after = 4")
     g1, g2, p, q = nodes
     try:
         for member in (p, q):
