@@ -128,21 +128,14 @@ def test_a_hybrid_job_exchanging_every_few_rounds_resumes_from_its_anchors(
 
 
 @pytest.mark.slow
-def test_a_hybrid_job_on_ray_resumes_to_the_uninterrupted_model_bytes(tmp_path: Path) -> None:
+def test_a_hybrid_job_on_ray_resumes_to_the_uninterrupted_model_bytes(tmp_path: Path, ray_session: None) -> None:
     """The same on the production backend: clients are Ray actors (batched calls), the
     models travel through Ray's object store; the job resumed on Ray ends with the model
     the in-process backend trains uninterrupted (the same bytes: each Ray job starts its
-    actors' processes, 12-30 s of this test's, so the uninterrupted one runs in-process)."""
-    import os
-
-    ray = pytest.importorskip("ray")
+    actors' processes, 12-30 s of this test's, so the uninterrupted one runs in-process).
+    On the session's Ray (conftest.py), which the worker tests share."""
     from worker.context import RayContext
 
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2,
-                 log_to_driver=False)
     context = RayContext()
     try:
         spec = job("hybrid", tmp_path)
@@ -156,8 +149,6 @@ def test_a_hybrid_job_on_ray_resumes_to_the_uninterrupted_model_bytes(tmp_path: 
         assert tensor_bytes(resumed.model) == tensor_bytes(whole.model)
     finally:
         context.shutdown()
-        if started:
-            ray.shutdown()
 
 
 def test_without_the_compression_references_a_resume_would_differ(tmp_path: Path) -> None:
