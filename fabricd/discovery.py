@@ -465,12 +465,14 @@ def _defers_to(own: str, peer: str) -> bool:
 
 def _link_details(host: Any, peer_id: str) -> list[dict[str, Any]]:
     """Each libp2p connection to ``peer_id``: who dialled it, its age and its open streams."""
-    now = time.time()
-    dialled = {True: "by us", False: "by them"}
-    return [{"dialled": dialled.get(bool(getattr(c.muxed_conn, "is_initiator_value", False))),
-             "age_s": round(now - c._created_at, 1) if isinstance(getattr(c, "_created_at", None), float) else None,
-             "streams": len(c.get_streams())}
-            for c in host.get_network().get_connections(ID.from_base58(peer_id))]
+    now, details = time.time(), []
+    for conn in host.get_network().get_connections(ID.from_base58(peer_id)):
+        initiator = getattr(conn.muxed_conn, "is_initiator_value", None)  # py-libp2p 0.8.1's yamux
+        created = getattr(conn, "_created_at", None)
+        details.append({"dialled": "?" if initiator is None else "by us" if initiator else "by them",
+                        "age_s": round(now - created, 1) if isinstance(created, float) else None,
+                        "streams": len(conn.get_streams())})
+    return details
 
 
 def _links_to(host: Any, peer_id: str) -> int:
