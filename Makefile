@@ -53,8 +53,9 @@ test-tools:
 # 607 -> 528 / 553 / 555 s); three workers: 582 s and a starved timer. Stop 51: 10 min 19 s
 # to 11 min 17 s; stop 52 (tests' fault timers cut where they waited longer than the
 # behaviour needs, an update to a member whose only relay died failing in 6 s, not 28):
-# 9 min 45 s, 10 min 3 s, 10 min 20 s and 10 min 18 s (install 42 s, pytest 553-584 s;
-# the same code's user CPU rose 11 min 44 s -> 12 min 28 s over the session). Two of
+# 9 min 45 s, 10 min 3 s, 10 min 20 s, 10 min 18 s and 10 min 26 s (install 42 s, pytest
+# 553-592 s; nearly the same code's user CPU rose 11 min 44 s -> 12 min 46 s over the
+# session: compare only runs made back to back). Two of
 # those stops' runs failed test_links (two connections between two members, cause not
 # found yet: its failure prints each member's link_details). Earlier two-worker runs on
 # machines at load 16-58 (other benches beside them) failed on starved timers; the suite
