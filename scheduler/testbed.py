@@ -58,12 +58,12 @@ def free_port() -> int:
 def _run(args: list[str], what: str) -> dict[str, Any]:
     """`fabricd ARGS` (a one-shot subcommand) in this process: a testbed's five `init`s
     as subprocesses spent 3-5 s importing libp2p five times before any daemon started."""
-    from fabricd.cli import CliError, call
-    from fabricd.config import ConfigError
+    from fabricd.cli import call
+    from fabricd.errors import FabricdError
 
     try:
         return call(args)
-    except (CliError, ConfigError, OSError) as exc:
+    except (FabricdError, OSError) as exc:  # CliError, ConfigError, IdentityError; a full disk
         raise JobFailed(f"testbed: {what} failed: {exc}") from None
 
 
