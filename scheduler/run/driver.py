@@ -213,6 +213,9 @@ class Driver(Recovery):
                 replies[cid] = fut.result()
             except JobFailed as exc:
                 failures[cid] = str(exc)
+            else:
+                if self.leases is not None:
+                    self.leases.heard_from(cid)
         if failures:
             # a failure is often the first sign of a lost cluster (the failing one, or one
             # its round needed): let the lease decide

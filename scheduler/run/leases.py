@@ -4,7 +4,7 @@ A thread sends `job.lease` {lease} to every cluster every `interval` seconds (at
 2 s, at most a third of the lease). The executor renews its lease on arrival (an
 executor whose lease runs out releases its actors and exits: worker/executor/__main__.py),
 and its answer tells the scheduler the cluster is still there. Once a cluster has
-answered a first time, it is **lost** when
+answered a first time (a lease, or any request of the job: its job.start), it is **lost** when
 - the scheduler's daemon no longer sees it connected (mesh connection or heartbeats
   gone: `clusters[].connected` of the daemon status) and it has not answered a lease for
   half the lease (a heartbeat late under load, or an executor busy for seconds in a
@@ -119,6 +119,17 @@ class LeaseKeeper:
             self._armed.discard(cluster_id)
             self._misses.pop(cluster_id, None)
             self._lost.pop(cluster_id, None)
+
+    def heard_from(self, cluster_id: str) -> None:
+        """The cluster's executor answered another request (its job.start, a round): as
+        good as a lease answer. A cluster killed before its first renewal came back (rounds
+        of milliseconds, or a first renewal refused while its executor started) was never
+        armed, so never found lost: the job failed on the request to it instead of going on."""
+        with self._lock:
+            if cluster_id in self._answered:
+                self._answered[cluster_id] = max(self._answered[cluster_id], time.monotonic())
+                self._armed.add(cluster_id)
+                self._misses.pop(cluster_id, None)
 
     def forget(self, cluster_id: str) -> None:
         with self._lock:

@@ -158,3 +158,33 @@ def test_a_failed_request_waits_for_a_late_verdict_not_the_clock() -> None:
         driver.close()
         keeper.stop()
         keeper._pool.shutdown(wait=True)
+
+
+def test_a_cluster_killed_before_its_first_lease_answer_is_still_found_lost() -> None:
+    """Rounds of milliseconds: a cluster answered job.start and ran rounds, then was killed
+    before any lease renewal came back (the first one, sent while its executor started,
+    was refused). It was never armed, so never found lost, and the job failed on the next
+    request to it ("refused job.checkpoint ... negative cache") instead of going on."""
+
+    class Refusing(Channel):
+        killed = False
+
+        def request(self, cluster_id: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+            if cluster_id == "b" and (self.killed or body["kind"] == "job.lease"):
+                raise JobFailed(f"cluster b refused {body['kind']}: no executor")
+            return {}
+
+    channel = Refusing()
+    keeper = LeaseKeeper(channel, "j", ["a", "b"], lease=1.5)  # type: ignore[arg-type]
+    driver = Driver(JobSpec.from_dict({"job": {"id": "j"}}), [ClusterInfo("a"), ClusterInfo("b")],
+                    channel, backend="inprocess")  # type: ignore[arg-type]
+    driver.leases = keeper.start()
+    try:
+        assert set(driver._all({"a": {"kind": "job.start"}, "b": {"kind": "job.start"}})) == {"a", "b"}
+        channel.killed = True
+        lost = driver._lost_among(["a", "b"])
+        assert list(lost) == ["b"] and "renewals failed" in lost["b"].reason
+    finally:
+        driver.close()
+        keeper.stop()
+        keeper._pool.shutdown(wait=True)
