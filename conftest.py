@@ -41,6 +41,18 @@ def _share_ports_between_workers() -> None:
 _share_ports_between_workers()
 
 
+def _fork_daemons() -> None:
+    """The tests' daemons are forked from a warm process, not started from nothing:
+    tests/_zygote.py says why (FEDPILOT_TEST_ZYGOTE=0: from nothing)."""
+    import scheduler.testbed
+    from tests import _zygote
+
+    scheduler.testbed.LocalTestbed.popen = staticmethod(_zygote.popen)  # type: ignore[assignment]
+
+
+_fork_daemons()
+
+
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[None]:
     """A real 2-CPU Ray cluster on 127.0.0.1, started once and shut down at the end."""

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -247,6 +247,9 @@ class LocalTestbed:
                 first_addr = str(made["addrs"][0])  # `fabricd init` answers {config, peer_id, addrs, ...}
         return self.configs
 
+    #: starts a daemon (the tests fork theirs from a warm process: tests/_zygote.py)
+    popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen
+
     def _spawn(self, name: str, config: Path) -> None:
         log_file = (self.root / f"{name}.log").open("ab")
         self._logs.append(log_file)
@@ -255,7 +258,7 @@ class LocalTestbed:
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join(
                 [*self.allow.import_paths, *filter(None, [env.get("PYTHONPATH")])])
-        self.procs[name] = subprocess.Popen(
+        self.procs[name] = self.popen(
             [*fabricd_command(), "--config", str(config)], stdout=log_file,
             stderr=subprocess.STDOUT, start_new_session=True, env=env)
         if name in self.slow:  # before a job starts its executor, which inherits the cgroup

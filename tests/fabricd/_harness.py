@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.testbed import free_port
+from tests import _zygote
 
 FABRICD = [sys.executable, "-m", "fabricd.cli"]
 
@@ -65,8 +66,8 @@ class Node:
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the subprocess
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen([*FABRICD, "--config", self.config], stdout=log, stderr=log,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = _zygote.popen([*FABRICD, "--config", self.config], stdout=log, stderr=log,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
         log.close()
 
     def wait_ready(self, timeout: float = 90.0) -> None:
