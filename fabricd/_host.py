@@ -20,7 +20,7 @@ py-libp2p 0.8.1 defaults we change, and why:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +28,13 @@ from typing import Any
 import multiaddr
 import trio
 from libp2p import new_host
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetStream
 from libp2p.crypto.keys import KeyPair
+from libp2p.custom_types import TProtocol
+from libp2p.host.exceptions import StreamFailure
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.stream_muxer.yamux import yamux as _yamux
@@ -123,6 +126,27 @@ def _disable_auto_connector(host: IHost) -> None:
         connector.maybe_connect = never
 
 
+class _ConnectedOnly:
+    """The host as the DHT sees it: streams to peers this daemon is connected to, no dial.
+
+    py-libp2p's Kademlia lookups open a stream to every peer a FIND_NODE reply names, at
+    the addresses the reply gives: a member could make every daemon dial any address (the
+    reflection the auto-connector was switched off for), and a lookup dialled members that
+    fabricd.discovery's tie-break left to the other side (two connections for one pair).
+    Members are linked by discovery; the DHT uses those links."""
+
+    def __init__(self, host: IHost) -> None:
+        self._host = host
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._host, name)
+
+    async def new_stream(self, peer_id: ID, protocol_ids: Sequence[TProtocol]) -> INetStream:
+        if not self._host.get_network().get_connections(peer_id):
+            raise StreamFailure(f"DHT: not connected to {peer_id} (it dials no one)")
+        return await self._host.new_stream(peer_id, protocol_ids)
+
+
 def build_gossipsub(heartbeat_interval: float) -> GossipSub:
     return GossipSub(
         protocols=list(GOSSIPSUB_PROTOCOLS),  # type: ignore[arg-type]
@@ -145,7 +169,7 @@ async def open_host_stack(key_pair: KeyPair, listen: list[str], announce: list[s
     host = build_host(key_pair, announce)
     gossipsub = build_gossipsub(heartbeat_interval)
     pubsub = Pubsub(host, gossipsub)
-    dht = KadDHT(host, DHTMode.SERVER, enable_random_walk=False)
+    dht = KadDHT(_ConnectedOnly(host), DHTMode.SERVER, enable_random_walk=False)  # type: ignore[arg-type]
     try:
         async with host.run([multiaddr.Multiaddr(a) for a in listen]):
             async with background_trio_service(pubsub), background_trio_service(gossipsub):

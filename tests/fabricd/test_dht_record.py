@@ -105,3 +105,53 @@ async def test_record_put_by_one_daemon_is_found_by_another() -> None:
         forged = _record(ca, key_a, "a", time.time() + 10).sign(Ed25519PrivateKey.generate())
         with pytest.raises(Exception):  # noqa: B017 - the library wraps the validator's ValueError
             await a.dht.put_value(dht_key("a"), encode(forged))
+
+
+@pytest.mark.trio
+async def test_a_lookup_dials_no_address_a_reply_named() -> None:
+    """Kademlia lookups talk to connected members only: a peer that a FIND_NODE reply named
+    (here put straight into the routing table, with a bystander's address) is not dialled,
+    and the record is still stored at the member this daemon is linked with."""
+    import multiaddr
+    import trio
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.id import ID
+    from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+
+    from fabricd._host import open_host_stack
+    from fabricd.identity import raw_private_key
+
+    accepted: list[int] = []
+
+    async def bystander(stream: trio.SocketStream) -> None:
+        accepted.append(1)
+        await stream.aclose()
+
+    ca = generate_ca()
+    membership = SimpleNamespace(ca_public=public_key_bytes(ca.public_key()), revoked=frozenset())
+    kp_a, kp_b = create_new_key_pair(), create_new_key_pair()
+    key_a = Ed25519PrivateKey.from_private_bytes(raw_private_key(kp_a))
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    async with (
+        trio.open_nursery() as nursery,
+        open_host_stack(kp_a, ["/ip4/127.0.0.1/tcp/0"], None, 1.0) as a,
+        open_host_stack(kp_b, ["/ip4/127.0.0.1/tcp/0"], None, 1.0) as b,
+    ):
+        nursery.start_soon(trio.serve_listeners, bystander, listeners)
+        for stack in (a, b):
+            stack.dht.register_validator(ClusterRecordValidator.namespace, ClusterRecordValidator(membership))
+        addr = f"{b.host.get_addrs()[0]}"
+        addr = addr if "/p2p/" in addr else f"{addr}/p2p/{b.host.get_id()}"
+        await a.host.connect(info_from_p2p_addr(multiaddr.Multiaddr(addr)))
+        await a.dht.add_peer(b.host.get_id())
+        stranger = ID.from_pubkey(create_new_key_pair().public_key)
+        where = [multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/{port}")]
+        a.host.get_peerstore().add_addrs(stranger, where, 3600)
+        await a.dht.routing_table.add_peer(PeerInfo(stranger, where))
+        with trio.fail_after(30):
+            await a.dht.put_value(dht_key("a"), encode(_record(ca, key_a, "a", time.time()).sign(key_a)))
+        await trio.sleep(0.5)
+        assert accepted == []
+        assert b.dht.value_store.get(dht_key("a").encode()) is not None
+        nursery.cancel_scope.cancel()
