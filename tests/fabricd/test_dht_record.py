@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -23,6 +26,31 @@ def _record(ca: Ed25519PrivateKey, key: Ed25519PrivateKey, cluster: str, issued_
     peer = peer_id_from_ed25519_public(public_key_bytes(key.public_key()))
     return ClusterRecord(cluster_id=cluster, peer_id=peer, addrs=("/ip4/127.0.0.1/tcp/1",),
                          capacity=3, issued_at=issued_at, certificate=cert)
+
+
+@asynccontextmanager
+async def _linked_stacks(membership: SimpleNamespace) -> AsyncIterator[tuple[Any, Any, Any]]:
+    """Two host stacks on 127.0.0.1 with the record validator, b connected to a and each
+    in the other's DHT routing table: (a, b, a's key pair)."""
+    import multiaddr
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    from fabricd._host import open_host_stack
+
+    kp_a = create_new_key_pair()
+    async with (
+        open_host_stack(kp_a, ["/ip4/127.0.0.1/tcp/0"], None, 1.0) as a,
+        open_host_stack(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"], None, 1.0) as b,
+    ):
+        for stack in (a, b):
+            stack.dht.register_validator(ClusterRecordValidator.namespace, ClusterRecordValidator(membership))
+        addr = f"{a.host.get_addrs()[0]}"
+        addr = addr if "/p2p/" in addr else f"{addr}/p2p/{a.host.get_id()}"
+        await b.host.connect(info_from_p2p_addr(multiaddr.Multiaddr(addr)))
+        await b.dht.add_peer(a.host.get_id())
+        await a.dht.add_peer(b.host.get_id())
+        yield a, b, kp_a
 
 
 @pytest.fixture
@@ -71,31 +99,16 @@ def test_bad_records_are_refused(setup, case: str) -> None:
 
 @pytest.mark.trio
 async def test_record_put_by_one_daemon_is_found_by_another() -> None:
-    import multiaddr
     import trio
-    from libp2p.crypto.ed25519 import create_new_key_pair
-    from libp2p.peer.peerinfo import info_from_p2p_addr
 
-    from fabricd._host import open_host_stack
     from fabricd.identity import raw_private_key
     from proto.codec import decode
 
     ca = generate_ca()
     membership = SimpleNamespace(ca_public=public_key_bytes(ca.public_key()), revoked=frozenset())
-    kp_a, kp_b = create_new_key_pair(), create_new_key_pair()
-    key_a = Ed25519PrivateKey.from_private_bytes(raw_private_key(kp_a))
-    assert public_key_bytes(key_a.public_key()) == kp_a.public_key.to_bytes()
-    async with (
-        open_host_stack(kp_a, ["/ip4/127.0.0.1/tcp/0"], None, 1.0) as a,
-        open_host_stack(kp_b, ["/ip4/127.0.0.1/tcp/0"], None, 1.0) as b,
-    ):
-        for stack in (a, b):
-            stack.dht.register_validator(ClusterRecordValidator.namespace, ClusterRecordValidator(membership))
-        addr = f"{a.host.get_addrs()[0]}"
-        addr = addr if "/p2p/" in addr else f"{addr}/p2p/{a.host.get_id()}"
-        await b.host.connect(info_from_p2p_addr(multiaddr.Multiaddr(addr)))
-        await b.dht.add_peer(a.host.get_id())
-        await a.dht.add_peer(b.host.get_id())
+    async with _linked_stacks(membership) as (a, b, kp_a):
+        key_a = Ed25519PrivateKey.from_private_bytes(raw_private_key(kp_a))
+        assert public_key_bytes(key_a.public_key()) == kp_a.public_key.to_bytes()
         record = _record(ca, key_a, "a", time.time()).sign(key_a)
         with trio.fail_after(30):
             await a.dht.put_value(dht_key("a"), encode(record))
@@ -116,9 +129,8 @@ async def test_a_lookup_dials_no_address_a_reply_named() -> None:
     import trio
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.peer.id import ID
-    from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+    from libp2p.peer.peerinfo import PeerInfo
 
-    from fabricd._host import open_host_stack
     from fabricd.identity import raw_private_key
 
     accepted: list[int] = []
@@ -129,22 +141,11 @@ async def test_a_lookup_dials_no_address_a_reply_named() -> None:
 
     ca = generate_ca()
     membership = SimpleNamespace(ca_public=public_key_bytes(ca.public_key()), revoked=frozenset())
-    kp_a, kp_b = create_new_key_pair(), create_new_key_pair()
-    key_a = Ed25519PrivateKey.from_private_bytes(raw_private_key(kp_a))
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
-    async with (
-        trio.open_nursery() as nursery,
-        open_host_stack(kp_a, ["/ip4/127.0.0.1/tcp/0"], None, 1.0) as a,
-        open_host_stack(kp_b, ["/ip4/127.0.0.1/tcp/0"], None, 1.0) as b,
-    ):
+    async with trio.open_nursery() as nursery, _linked_stacks(membership) as (a, b, kp_a):
         nursery.start_soon(trio.serve_listeners, bystander, listeners)
-        for stack in (a, b):
-            stack.dht.register_validator(ClusterRecordValidator.namespace, ClusterRecordValidator(membership))
-        addr = f"{b.host.get_addrs()[0]}"
-        addr = addr if "/p2p/" in addr else f"{addr}/p2p/{b.host.get_id()}"
-        await a.host.connect(info_from_p2p_addr(multiaddr.Multiaddr(addr)))
-        await a.dht.add_peer(b.host.get_id())
+        key_a = Ed25519PrivateKey.from_private_bytes(raw_private_key(kp_a))
         stranger = ID.from_pubkey(create_new_key_pair().public_key)
         where = [multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/{port}")]
         a.host.get_peerstore().add_addrs(stranger, where, 3600)
