@@ -67,6 +67,8 @@ def _serve() -> None:
     import fabricd.daemon  # noqa: F401 - the warm part every child shares
     import fedcore.logs  # noqa: F401
 
+    # a daemon must see SIGTERM whichever thread of the test process started the zygote
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
