@@ -8,20 +8,23 @@ child sets its session, log file, working directory and environment as `subproce
 would and runs `fabricd.cli.main(argv)`: the same code from the command line on, in its own
 process, over real sockets. The zygote reaps its children and reports their exit codes, so
 `ZygoteProcess` answers `pid`, `poll`, `wait`, `send_signal`, `kill` and `terminate` as a
-`Popen` does. Anything else (and every daemon that `fedpilot-scheduler submit --local` or
-`fabricd --config` starts outside the tests) is started from nothing as before.
+`Popen` does (`ps` shows a forked daemon with the zygote's command line; its pid is the
+one `ZygoteProcess.pid` gives). Anything else (and every daemon that `fedpilot-scheduler
+submit --local` or `fabricd --config` starts outside the tests) is started from nothing.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import selectors
 import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -218,11 +221,14 @@ class Zygote:
             return None
 
     def wait_exit(self, pid: int, timeout: float | None) -> int | None:
+        """Its exit code; None when `timeout` ran out first (also once the zygote died and
+        the orphan is watched through /proc)."""
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._cond.wait_for(lambda: pid in self._exits or self._gone, timeout)
         code = self.exit_code(pid)
-        while code is None and self._gone:  # orphaned: wait for it by its /proc entry
-            threading.Event().wait(0.05)
+        while code is None and self._gone and time.monotonic() < deadline:
+            time.sleep(0.05)
             code = self.exit_code(pid)
         return code
 

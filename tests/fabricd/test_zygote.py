@@ -58,3 +58,20 @@ def test_exit_codes_sessions_and_what_is_not_forked(tmp_path: Path) -> None:
     plain = _zygote.popen([sys.executable, "-c", "print('x')"], stdout=subprocess.PIPE)
     assert isinstance(plain, subprocess.Popen)
     assert plain.communicate(timeout=60)[0] == b"x\n"
+
+
+def test_a_daemon_outlives_a_dead_zygote_and_wait_keeps_its_timeout(tmp_path: Path) -> None:
+    """The zygote killed under a running daemon: its exit code can no longer come back, so
+    the daemon is watched through /proc; `wait(timeout)` still times out while it runs."""
+    zygote = _zygote.Zygote()  # its own, not this process's shared one
+    node = init_node(tmp_path, "z3", init_ca(tmp_path))
+    proc = zygote.spawn(FABRICD[0], ["--config", node.config],
+                        log=str(tmp_path / "z3-own.log"), env=None, session=True)
+    zygote._proc.kill()
+    zygote._proc.wait(timeout=60)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.5)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=60) == -1  # reaped by init: its code is lost, its end is not
