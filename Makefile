@@ -57,9 +57,10 @@ test-tools:
 # 553-592 s; nearly the same code's user CPU rose 11 min 44 s -> 12 min 46 s over the
 # session: compare only runs made back to back). Stop 53: the tests fork their ~240
 # daemons from a warm process (tests/_zygote.py) instead of importing libp2p for each:
-# back to back on one machine, 10 min 18 s before, then 8 min 32 s, 8 min 25 s and 8 min
-# 16 s (pytest 585 -> 479 / 471 / 463 s). Earlier two-worker runs on machines at load 16-58 (other benches
-# beside them) failed on starved timers; the suite is not meant to share its 2 cores.
+# back to back on one machine, 10 min 18 s before, then 8 min 32 s, 8 min 25 s, 8 min
+# 16 s and 8 min 20 s (pytest 585 -> 479 / 471 / 463 / 459 s). Earlier two-worker runs on
+# machines at load 16-58 (other benches beside them) failed on starved timers; the suite
+# is not meant to share its 2 cores.
 TWO := -n 2 --dist loadfile
 XDIST ?= $(TWO)
 
