@@ -24,10 +24,12 @@ Prints one JSON object with, each against raw loopback TCP measured in the same 
   second forwarder passes its port), then with that port unreachable (as behind a NAT
   that passes only libp2p): the fallback to libp2p, the first probe after the loss (it
   pays the lost connection and the refused dial) and the next.
-``--relay``: only this - 64 MiB probes from a site behind NAT (``reachability = "private"``,
-data plane off so both paths are libp2p) to another such site through a gateway's relay,
-each run beside one to the gateway itself (direct), all on loopback in one run; the ratio
-is the median of the per-run ratios (goal >= 0.4: a relay costs one more Python hop).
+``--relay``: only this - 64 MiB probes from a site behind NAT (``reachability = "private"``)
+to another such site through a gateway, each run beside one to the gateway itself
+(direct), all on loopback in one run; the ratio is the median of the per-run ratios (goal
+>= 0.4: a relay costs one more Python hop). At the defaults the bodies go over the data
+plane, the relayed one spliced by the gateway (fabricd/_splice.py); ``libp2p_only``
+repeats it with the data plane off (the relayed one through a circuit v2 relay).
 ``--quick`` shrinks every size and count (a smoke run, not a measurement).
 - 2026-11-26 ``--relay`` (5 runs of 64 MiB, loadavg 12-20): relayed 17-29 MB/s vs direct
   71-245 MB/s, ratio 0.22 before the circuit's stream was read ahead; after it 22-40 vs
@@ -751,10 +753,13 @@ def long_link(root: Path, nbytes: int, delay_ms: float = 25.0, rate_mbit: float 
             "target_rtts": 1.2, "updates_failed": fc["failed"]}
 
 
-def relay_runs(root: Path, nbytes: int, runs: int) -> dict[str, Any]:
-    """``--relay`` (module docstring): relayed a -> b against direct a -> g, run by run."""
+def relay_runs(root: Path, nbytes: int, runs: int, dataplane: bool = True) -> dict[str, Any]:
+    """``--relay`` (module docstring): relayed a -> b against direct a -> g, run by run;
+    ``dataplane``: at the defaults (bodies over the data plane, spliced by g for b), else
+    with the data plane off (both over libp2p, b's through a circuit)."""
+    root.mkdir(parents=True, exist_ok=True)
     nodes = start_relayed(root, init_ca(root), ("a", "b"), "relay_service = true",
-                          member_limits="dataplane_min_bytes = 0")
+                          member_limits="" if dataplane else "dataplane_min_bytes = 0")
     g, a, b = nodes
     try:
         wait_until(lambda: {"b", "g"} <= connected_fast(a), timeout=90)
@@ -764,12 +769,14 @@ def relay_runs(root: Path, nbytes: int, runs: int) -> dict[str, Any]:
             relayed.append(probe_runs(a, b, nbytes, 1)[0]["throughput_mb_s"])
             direct.append(probe_runs(a, g, nbytes, 1)[0]["throughput_mb_s"])
         service = bridge_status(g)["relay"]["service"]
+        paths = bridge_status(a)["transfer"]["bytes_by_path"]
     finally:
         for node in nodes:
             node.stop()
     return {"bytes": nbytes, "relayed_mb_s": relayed, "direct_mb_s": direct, "links": links,
             "ratio": round(statistics.median(r / d for r, d in zip(relayed, direct, strict=True)), 3),
-            "target_ratio": 0.4, "relay_bytes_relayed": service["bytes_relayed"]}
+            "target_ratio": 0.4, "relay_bytes_relayed": service["bytes_relayed"],
+            "relay_bytes_spliced": service["bytes_spliced"], "sender_bytes_by_path": paths}
 
 
 def _with_memory(a: Node, b: Node, result: BlastResult, in_flight_cap: int) -> dict[str, Any]:
@@ -817,7 +824,8 @@ def main() -> None:
     budget = 256 * MIB if q else 1024 * MIB
     if args.relay:
         with tempfile.TemporaryDirectory(prefix="fbench") as tmp:
-            relay = relay_runs(Path(tmp), big, args.runs or 5)
+            relay = relay_runs(Path(tmp) / "dataplane", big, args.runs or 5)
+            relay["libp2p_only"] = relay_runs(Path(tmp) / "libp2p", big, args.runs or 5, dataplane=False)
         print(json.dumps({"benchmark": "transfer", "quick": q, "relay_64mib": relay,
                           "loadavg_1m": round(os.getloadavg()[0], 2)}))
         return

@@ -14,7 +14,10 @@ A peer whose data-plane port cannot be reached (a NAT, firewall or forwarder tha
 only the libp2p port) costs one short dial (``DIAL_SECONDS``): the update goes over libp2p
 at once, and so does every large update to that peer while it is remembered as
 unreachable (``UNREACHABLE_SECONDS``, doubling per failure again up to
-``UNREACHABLE_MAX_SECONDS``; a success forgets it).
+``UNREACHABLE_MAX_SECONDS``; a success forgets it). A receiver behind NAT
+(``reachability = "private"``) has its gateway splice the connection instead
+(fabricd/_splice.py): its ticket names the gateway, and the handshake below runs end to
+end through it.
 
 Trust comes only from the membership already proven on libp2p - no new root. Python's
 ``ssl`` has no verify callback, so a TLS certificate cannot be checked against the
@@ -89,8 +92,11 @@ from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 
 from fabricd._bounded import BoundedDict, Throttle
-from fabricd._relay import link_kind
+from fabricd._relay import relay_of
 from fabricd._sender import INLINE_BODY_BYTES, open_stream
+from fabricd._splice import SPLICE_MAGIC, SpliceService, park, peer_ip
+from fabricd._splice import TOKEN_BYTES as SPLICE_TOKEN_BYTES
+from fabricd._splice import request as request_splice
 from fabricd._streams import close_quietly, read_message_exact, remote_peer, write_message
 from fabricd.admission import RateFloor
 from fabricd.errors import FabricdError
@@ -336,15 +342,16 @@ class RecordRefused(FabricdError):
     (the connection is closed)."""
 
 
-def dial(address: str, port: int, ctx: ssl.SSLContext, ticket: bytes) -> Records:
+def dial(address: str, port: int, ctx: ssl.SSLContext, ticket: bytes, splice: bytes = b"") -> Records:
     """Connect, run TLS 1.3 (``ctx`` pins the receiver's certificate), present the ticket
     and two fresh record keys inside it, then leave TLS (close_notify both ways): the
-    receiver's close_notify is its acceptance. Blocking; OSError/ssl.SSLError if refused."""
+    receiver's close_notify is its acceptance. Blocking; OSError/ssl.SSLError if refused.
+    ``splice``: ``address`` is the receiver's gateway, which joins us to it by this token."""
     raw = socket.create_connection((address, port), timeout=DIAL_SECONDS)
     try:
         raw.settimeout(HANDSHAKE_SECONDS)
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        raw.sendall(TICKET_MAGIC + _ticket_tag(ticket))
+        raw.sendall((SPLICE_MAGIC + splice if splice else b"") + TICKET_MAGIC + _ticket_tag(ticket))
         sock = ctx.wrap_socket(raw, server_side=False)
         keys = secrets.token_bytes(2 * KEY_BYTES)
         sock.sendall(ticket + keys)
@@ -366,8 +373,10 @@ class TlsStream:
 
     half_duplex = True
 
-    def __init__(self, records: Records, peer_id: ID, limiter: trio.CapacityLimiter) -> None:
+    def __init__(self, records: Records, peer_id: ID, limiter: trio.CapacityLimiter, via: str = "") -> None:
         self.records = records
+        #: the gateway that splices this connection (its receiver is behind NAT), or ""
+        self.via = via
         self.muxed_conn = _Conn(peer_id)
         self.closed = False
         #: the data plane's own threads: idle connections polling must not take the
@@ -698,8 +707,13 @@ class DataPlane:
         self.opened = 0
         #: connections that could not be made (each is one dial or ticket request)
         self.failed = 0
-        #: network.reachability = "private": nobody can dial our port, so no tickets
+        #: network.reachability = "private": nobody can dial our port; a ticket then names
+        #: a gateway that splices the sender's connection to one of ours (fabricd/_splice.py)
         self.behind_nat = False
+        #: the gateways this daemon holds relay reservations at (a private daemon's)
+        self.gateways: Callable[[], list[str]] = list
+        #: a gateway's splices (relay_service = true)
+        self.splices: SpliceService | None = None
         self._nursery: trio.Nursery | None = None
 
     # ---- receiving ---------------------------------------------------------------------
@@ -719,9 +733,8 @@ class DataPlane:
             if not isinstance(offer, DataPlaneOffer):
                 await self._refuse(stream, f"expected DataPlaneOffer, got {offer.TYPE}")
                 return
-            if not self.port or self.behind_nat:
-                await self._refuse(stream, "unavailable: the data plane is not listening" if not self.port else
-                                   "unavailable: this daemon is behind NAT (network.reachability = private)")
+            if not self.port or self._nursery is None:
+                await self._refuse(stream, "unavailable: the data plane is not listening")
                 return
             outstanding = sum(1 for p, _, _ in self.tickets.values() if p == peer)
             if outstanding >= TICKETS_PER_PEER:
@@ -729,11 +742,19 @@ class DataPlane:
                                            f"outstanding, at most {TICKETS_PER_PEER}; retry later")
                 return
             self._trust(peer, offer.certificate)
+            port, via, splice = self.port, "", b""
+            if self.behind_nat:
+                spliced = await self._spliced(peer)
+                if isinstance(spliced, str):
+                    await self._refuse(stream, "unavailable: this daemon is behind NAT (network.reachability = "
+                                               f"private) and no gateway spliced: {spliced}")
+                    return
+                port, via, splice = spliced
             ticket = secrets.token_bytes(TICKET_BYTES)
             self.tickets[ticket] = (peer, _fingerprint(offer.certificate), time.monotonic() + TICKET_SECONDS)
             self.ticket_tags[_ticket_tag(ticket)] = True
-            await write_message(stream, DataPlaneTicket(port=self.port, certificate=self.identity.der,
-                                                        ticket=ticket, reason=""))
+            await write_message(stream, DataPlaneTicket(port=port, certificate=self.identity.der,
+                                                        ticket=ticket, reason="", via=via, splice=splice))
         except (ssl.SSLError, ValueError) as exc:
             await self._refuse(stream, f"bad data-plane certificate: {exc}")
         except trio.TooSlowError:
@@ -742,6 +763,24 @@ class DataPlane:
                      reason=f"no DataPlaneOffer within {HANDSHAKE_SECONDS:g} s")
         finally:
             await close_quietly(stream)
+
+    async def _spliced(self, peer: str) -> tuple[int, str, bytes] | str:
+        """Behind NAT: a splice for sender ``peer`` at one of our gateways, our half
+        connected and served as if our listener had accepted it: (the gateway's port, its
+        peer id, the sender's token), or why none could be had."""
+        failures = []
+        carrying = relay_of(self.host, peer)  # first the gateway our libp2p link to the sender uses
+        for gateway in sorted(self.gateways(), key=lambda g: g != carrying):
+            try:
+                ip, grant = await request_splice(self.host, gateway, peer)
+                sock = await park(ip, grant.port, grant.listen_token)
+            except (ConnectionError, OSError, trio.TooSlowError) as exc:
+                failures.append(f"{gateway}: {type(exc).__name__}: {exc}")
+                continue
+            assert self._nursery is not None
+            self._nursery.start_soon(self._accept, sock, f"{ip}:{grant.port} (spliced by {gateway})")
+            return grant.port, gateway, grant.dial_token
+        return "; ".join(failures) or "no relay reservation held"
 
     def _trust(self, peer: str, der: bytes) -> None:
         """Trust ``der`` as member ``peer``'s client certificate (replacing its previous one).
@@ -805,12 +844,14 @@ class DataPlane:
         except Exception as exc:  # noqa: BLE001 - one connection's failure is only logged
             log.error("dataplane.connection_crashed", address=where, reason=f"{type(exc).__name__}: {exc}")
 
-    async def _first_bytes(self, tsock: trio.socket.SocketType) -> tuple[bool | None, str]:
-        """Wait, holding no handshake slot, for the connection's first bytes: (True, "")
-        after an outstanding ticket's tag (consumed), (False, "") for anything else (left
-        for TLS), (None, why) for nothing in time, an unknown tag, or a newcomer's turn."""
+    async def _first_bytes(self, tsock: trio.socket.SocketType) -> tuple[str, str | bytes]:
+        """Wait, holding no handshake slot, for the connection's first bytes: ("ticket", "")
+        after an outstanding ticket's tag (consumed), ("tls", "") for anything else (left
+        for TLS), ("refused", why) for nothing in time, an unknown tag, or a newcomer's
+        turn; on a gateway, ("splice", token) for half of a splice (SPLICE_MAGIC, consumed)."""
         key = object()
         head = b""
+        splice = self.splices is not None
         with trio.move_on_after(HANDSHAKE_SECONDS) as scope:
             self._waiting[key] = scope
             if len(self._waiting) > MAX_WAITING:
@@ -819,30 +860,40 @@ class DataPlane:
                 want = len(TICKET_MAGIC) + TICKET_TAG_BYTES
                 while True:
                     head = await tsock.recv(want, socket.MSG_PEEK)
-                    if not head or not TICKET_MAGIC.startswith(head[:len(TICKET_MAGIC)]) or len(head) == want:
+                    if splice and head.startswith(SPLICE_MAGIC):
+                        want = len(SPLICE_MAGIC) + SPLICE_TOKEN_BYTES
+                    prefix = head[:len(TICKET_MAGIC)]
+                    if (not head or len(head) == want or not (TICKET_MAGIC.startswith(prefix)
+                                                              or splice and SPLICE_MAGIC.startswith(prefix))):
                         break
                     await trio.sleep(0.01)  # a tag cut in two: wait for the rest
             finally:
                 self._waiting.pop(key, None)
         if scope.cancelled_caught or not head:
-            return None, f"nothing within {HANDSHAKE_SECONDS:g} s" if scope.cancelled_caught else "closed"
+            return "refused", f"nothing within {HANDSHAKE_SECONDS:g} s" if scope.cancelled_caught else "closed"
+        if splice and head.startswith(SPLICE_MAGIC) and len(head) == want:
+            await tsock.recv(len(head))
+            return "splice", head[len(SPLICE_MAGIC):]
         if not head.startswith(TICKET_MAGIC):
-            return False, ""
+            return "tls", ""
         await tsock.recv(len(head))
         if self.ticket_tags.pop(head[len(TICKET_MAGIC):], None) is None:
-            return None, "no outstanding ticket has this tag"
-        return True, ""
+            return "refused", "no outstanding ticket has this tag"
+        return "ticket", ""
 
     async def _accept_unguarded(self, tsock: trio.socket.SocketType, where: str) -> None:
-        expected, first = await self._first_bytes(tsock)
-        if expected is None:
+        kind, first = await self._first_bytes(tsock)
+        if kind == "splice" and self.splices is not None:
+            await self.splices.take(bytes(first), tsock, where)  # type: ignore[arg-type]
+            return
+        if kind == "refused":
             self.refused += 1
             self._throttle.warning("dataplane.handshake_refused", address=where, reason=first)
             tsock.close()
             return
         raw = socket.socket(fileno=tsock.detach())
         raw.setblocking(True)
-        slots = self._expected if expected else self._handshakes
+        slots = self._expected if kind == "ticket" else self._handshakes
         if slots.value == 0:
             self._throttle.warning("dataplane.handshake_refused", address=where,
                                    reason=f"more than {MAX_HANDSHAKES} data-plane handshakes at once")
@@ -911,8 +962,6 @@ class DataPlane:
 
         Until a peer was reached once, one dial to it runs at a time: updates sent together
         to a peer behind a NAT pay one failed dial, not one each."""
-        if link_kind(self.host, peer_id) == "relayed":  # a site behind NAT: its port is out of reach
-            raise DataPlaneUnavailable(f"the link to {peer_id} is relayed", remembered=True)
         while (first := self._first_dial.get(peer_id)) is not None:
             await first.wait()
         until, failures = self.unreachable.get(peer_id, (0.0, 0))
@@ -952,18 +1001,23 @@ class DataPlane:
             raise DataPlaneUnavailable(f"no data-plane ticket from {peer_id}: {type(exc).__name__}: {exc}") from exc
         finally:
             await close_quietly(stream)
-        if not isinstance(answer, DataPlaneTicket) or not answer.ticket or address is None:
+        if not isinstance(answer, DataPlaneTicket) or not answer.ticket:
             reason = answer.reason if isinstance(answer, DataPlaneTicket) else f"got {answer.TYPE}"
             raise DataPlaneUnavailable(f"{peer_id} gave no data-plane ticket: {reason}")
+        ip = peer_ip(self.host, answer.via) if answer.via else address[0] if address else None
+        if ip is None:
+            raise DataPlaneUnavailable(f"{peer_id}'s data plane is out of reach: " + (
+                f"its gateway {answer.via} has no direct link from here" if answer.via else "the link is relayed"))
+        where = f"{ip}:{answer.port}" + (f" (gateway {answer.via})" if answer.via else "")
         ctx = _context(self.identity, server=False, pinned=answer.certificate)
         try:
-            records = await trio.to_thread.run_sync(dial, address[0], answer.port, ctx, answer.ticket,
+            records = await trio.to_thread.run_sync(dial, ip, answer.port, ctx, answer.ticket, answer.splice,
                                                     limiter=self.limiter)
         except (OSError, ssl.SSLError) as exc:
-            raise DataPlaneUnavailable(f"data-plane connection to {peer_id} at {address[0]}:{answer.port} "
+            raise DataPlaneUnavailable(f"data-plane connection to {peer_id} at {where} "
                                        f"failed: {type(exc).__name__}: {exc}") from exc
         self.opened += 1
-        return TlsStream(records, ID.from_base58(peer_id), self.limiter)
+        return TlsStream(records, ID.from_base58(peer_id), self.limiter, via=answer.via)
 
     def status(self) -> dict[str, int]:
         return {"dataplane_port": self.port, "dataplane_accepted": self.accepted,

@@ -91,6 +91,21 @@ def link_kind(host: IHost, peer_id: str) -> str:
     return "relayed" if all(_relayed(c) for c in conns) else "direct"
 
 
+def relay_of(host: IHost, peer_id: str) -> str | None:
+    """The gateway carrying this host's relayed link to ``peer_id`` (None: no such link)."""
+    try:
+        conns = host.get_network().get_connections(ID.from_base58(peer_id))
+    except ValueError:
+        return None
+    for conn in conns:
+        if _relayed(conn):
+            for addr in conn.get_transport_addresses():
+                head = str(addr).partition(CIRCUIT)[0]
+                if "/p2p/" in head:
+                    return head.rsplit("/p2p/", 1)[1]
+    return None
+
+
 def _status_name(code: int) -> str:
     try:
         return StatusCode(code).name
@@ -462,7 +477,7 @@ class _StopSide(CircuitV2Protocol):
     async def handle_incoming_connection(self, stream: INetStream, remote_peer_id: bytes) -> None:
         """The library's, with the circuit's stream read ahead (CircuitStream)."""
         peer_id = ID(remote_peer_id)
-        ma = multiaddr.Multiaddr(f"/p2p/{self.host.get_id()}{CIRCUIT}/p2p/{peer_id}")
+        ma = multiaddr.Multiaddr(f"/p2p/{stream.muxed_conn.peer_id}{CIRCUIT}/p2p/{peer_id}")  # via that relay
         try:
             muxed = await self.host.upgrade_inbound_connection(_raw(stream, False, ma), ma)
         except BaseException:

@@ -19,6 +19,7 @@ import blake3
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
 
 from fabricd import _muxguard, _taskdump
 from fabricd._dataplane import DataPlane
@@ -33,6 +34,7 @@ from fabricd._sender import (
     RepeatedBody,
     backoff,
 )
+from fabricd._splice import SpliceService
 from fabricd.bridge import BridgeServer, RequestFailed
 from fabricd.config import Config
 from fabricd.control import ControlService
@@ -217,12 +219,17 @@ class Daemon:
             if self.relay_service is not None:
                 self.relay_service.metrics = self.metrics
                 self.relay_service.register(self.membership.guard)
+                if self.dataplane is not None:  # members behind NAT get the data plane spliced
+                    self.dataplane.splices = _splices(host, cfg, self.relay_service, self.dataplane)
+                    self.dataplane.splices.register(self.membership.guard)
             if cfg.relay.reachability != "public":
                 private = cfg.relay.reachability == "private"
                 self.discovery.relays = RelayClient(host, cfg.bootstrap, private, cfg.relay.silent_after)
                 self.discovery.relays.register(self.membership.guard)
                 if self.dataplane is not None:
                     self.dataplane.behind_nat = private
+                    relays = self.discovery.relays
+                    self.dataplane.gateways = lambda: list(relays.held)
             self.updates.register()
             self.control_service.register()
             self.membership.guard_all_handlers()
@@ -307,11 +314,16 @@ class Daemon:
             "transfer": {**self.updates.transfer_status(), "outgoing_bytes": self.bridge.outgoing.used,
                          "outgoing_peak_bytes": self.bridge.outgoing.peak},
             "relay": {"reachability": self.config.relay.reachability,
-                      **({"service": self.relay_service.status()} if self.relay_service else {}),
+                      **({"service": {**self.relay_service.status(), **self._splice_status()}}
+                         if self.relay_service else {}),
                       **(self.discovery.relays.status() if self.discovery.relays else {})},
             "gossip": {"rejected_heartbeats": self.discovery.rejected_heartbeats,
                        "dial_hints": len(self.discovery.dial_hints)},
         }
+
+    def _splice_status(self) -> dict[str, int]:
+        splices = self.dataplane.splices if self.dataplane is not None else None
+        return splices.status() if splices is not None else {}
 
     def snapshot(self) -> StateSnapshot:
         """The state the metrics endpoint reports (called on the trio thread)."""
@@ -545,3 +557,8 @@ async def _scoped(serve: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) ->
         async with trio.open_nursery() as nursery:
             await nursery.start(serve)
             task_status.started(scope)
+
+
+def _splices(host: Any, cfg: Config, relay: RelayService, dataplane: DataPlane) -> SpliceService:
+    return SpliceService(host, cfg.relay, lambda: dataplane.port,
+                         lambda peer: relay.resource_manager.has_reservation(ID.from_base58(peer)))

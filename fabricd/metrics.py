@@ -155,7 +155,8 @@ class DaemonMetrics:
                                  "seconds per update: sent = header to ack, received = header to delivery",
                                  ["direction"], buckets=LATENCY_BUCKETS, registry=r)
         self.path_bytes = Counter("fabricd_update_path_bytes", "update body bytes acknowledged, by the path they "
-                                  "took: dataplane, direct or relayed (libp2p)", ["cluster", "path"], registry=r)
+                                  "took: dataplane, dataplane_relayed (spliced by a gateway), direct or relayed (libp2p)",
+                                  ["cluster", "path"], registry=r)
         self.refusals = Counter("fabricd_refusals", "things refused, by stage (membership, stream, update) and reason",
                                 ["stage", "reason"], registry=r)
         self.membership = Counter("fabricd_membership_events", "membership events", ["event"], registry=r)

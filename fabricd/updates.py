@@ -180,7 +180,8 @@ class UpdateService:
         #: memfds allocated ahead for the next large data-plane body (off until use_dataplane)
         self.spares = SpareMemfds(0)
         self.dataplane_fallbacks = 0
-        #: acknowledged update bytes sent by path: dataplane, direct or relayed (libp2p)
+        #: acknowledged update bytes sent by path: dataplane, dataplane_relayed (spliced by the
+        #: receiver's gateway), direct or relayed (libp2p)
         self.bytes_by_path: dict[str, int] = {}
         self.send_retries = 0
 
@@ -237,7 +238,8 @@ class UpdateService:
                 "send_retries": self.send_retries, "inflight_in_bytes": self.inflight,
                 "inflight_in_peak_bytes": self.inflight_peak, "dedup_ids": len(self.delivered),
                 "dedup_refused": self.delivered.refused, "bytes_by_path": dict(self.bytes_by_path),
-                "bytes_relayed_total": self.bytes_by_path.get("relayed", 0)}
+                "bytes_relayed_total": self.bytes_by_path.get("relayed", 0)
+                + self.bytes_by_path.get("dataplane_relayed", 0)}
 
     def counters(self) -> dict[str, dict[str, int]]:
         return {job: asdict(c) for job, c in sorted(self.jobs.items())}
@@ -566,8 +568,9 @@ class UpdateService:
             counters.sent_bytes += header.byte_length
             counters.sent_updates += 1
             self.metrics.update_sent(cert.cluster_id, header.byte_length, time.perf_counter() - started)
-            # the path the body took: the data plane, or libp2p over a direct or a relayed link
-            path = via[-1] if via and via[-1] == "dataplane" else link_kind(self.host, peer_id)
+            # the path the body took: the data plane (direct, or spliced by the receiver's
+            # gateway), or libp2p over a direct or a relayed link
+            path = via[-1] if via and via[-1].startswith("dataplane") else link_kind(self.host, peer_id)
             self.bytes_by_path[path] = self.bytes_by_path.get(path, 0) + header.byte_length
             self.metrics.update_path(cert.cluster_id, path, header.byte_length)
         return result
@@ -656,7 +659,8 @@ class UpdateService:
                 await trio.sleep(backoff(busy))
                 continue
             if via is not None:
-                via.append("libp2p" if pool is self.pool else "dataplane")
+                via.append("libp2p" if pool is self.pool else
+                           "dataplane_relayed" if getattr(stream, "via", "") else "dataplane")
             return result
 
 

@@ -13,6 +13,8 @@ PROTOCOL_CONTROL = "/fedpilot/control/1.0.0"
 PROTOCOL_MEMBER = "/fedpilot/member/1.0.0"
 #: Tickets for the bulk data plane (TLS 1.3 connections for large update bodies).
 PROTOCOL_DATAPLANE = "/fedpilot/dataplane/1.0.0"
+#: A member behind NAT asks its gateway to join a sender's data-plane connection to its own.
+PROTOCOL_SPLICE = "/fedpilot/dataplane-splice/1.0.0"
 
 TOPIC_HEARTBEAT = "fedpilot/heartbeat/1"
 

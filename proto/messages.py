@@ -322,3 +322,28 @@ class DataPlaneTicket(Message):
     certificate: bytes = spec(Bin(MAX_CERTIFICATE_BYTES))
     ticket: bytes = spec(Bin(32, exact=(0, 32)))
     reason: str = spec(REASON)
+    #: a receiver behind NAT: connect to this gateway's data plane (``port`` is the
+    #: gateway's) and open with ``splice``, the gateway joins the receiver's connection
+    via: str = spec(Text(128, 0, pattern=r"[1-9A-HJ-NP-Za-km-z]*"), default="")
+    splice: bytes = spec(Bin(32, exact=(0, 32)), default=b"")
+
+
+@dataclass(frozen=True)
+class SpliceRequest(Message):
+    """On /fedpilot/dataplane-splice/1.0.0, a member behind NAT to its gateway: join one
+    data-plane connection of ``peer`` (the sender it gives a ticket to) with one of mine."""
+
+    TYPE: ClassVar[str] = "SpliceRequest"
+    peer: str = spec(PEER_ID)
+
+
+@dataclass(frozen=True)
+class SpliceGrant(Message):
+    """The gateway's answer: its data-plane port and the two one-time tokens each side
+    opens its connection with (port 0 and empty tokens: refused, see reason)."""
+
+    TYPE: ClassVar[str] = "SpliceGrant"
+    port: int = spec(Int(0, 65535))
+    listen_token: bytes = spec(Bin(32, exact=(0, 32)))
+    dial_token: bytes = spec(Bin(32, exact=(0, 32)))
+    reason: str = spec(REASON)

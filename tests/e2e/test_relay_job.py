@@ -53,7 +53,9 @@ def _job(job_id: str, lease: float = 10) -> JobSpec:
 
 
 def _relayed(g: Node) -> int:
-    return int(bridge_status(g)["relay"]["service"]["bytes_relayed"])
+    """Bytes gateway g passed on: in circuits, and spliced data-plane connections."""
+    service = bridge_status(g)["relay"]["service"]
+    return int(service["bytes_relayed"]) + int(service["bytes_spliced"])
 
 
 def _circuits(g: Node) -> int:

@@ -1,17 +1,22 @@
 """Circuit relay v2 on real daemons (fabricd/_relay.py): a gateway relays for members only.
 
 - Two private members (``reachability = "private"``: only /p2p-circuit addresses announced)
-  link through the gateway; a 4 MiB update between them goes over the relayed libp2p link
-  (not the data plane) and is counted as relayed bytes on both ends.
+  link through the gateway; a 4 MiB update between them goes over the data plane spliced
+  by the gateway (never a direct connection) and is counted as relayed bytes on both ends.
 - A member beyond ``relay_max_reservations`` is refused (RESOURCE_LIMIT_EXCEEDED), and so is
   a member's circuit to a peer that holds no reservation.
 - 200 reservation and circuit attempts by strangers get nothing (PERMISSION_DENIED or a
   reset), the gateway's reservations stay as they were and its memory stays bounded.
 - A member dripping a frame into a circuit is cut for its rate, and counted.
+- A data-plane splice is refused to a stranger and to a member holding no reservation at
+  the gateway; connections opening with the splice magic and a token nobody was granted
+  are closed at once and counted.
 """
 
 from __future__ import annotations
 
+import secrets
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,11 @@ from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode, to_proto_status
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
+from fabricd._splice import SPLICE_MAGIC
+from fabricd._streams import read_message_exact
+from proto.codec import frame
+from proto.ids import PROTOCOL_SPLICE
+from proto.messages import SpliceGrant, SpliceRequest
 from tests.fabricd._harness import Node, bridge_status, init_ca, start_relayed, wait_until
 from tests.fabricd._hostile import certificate_for, drip_until_cut, hello, peer_info, raw_host
 
@@ -66,13 +76,17 @@ def test_private_members_link_through_the_relay(relayed: dict[str, Any]) -> None
     assert _row(p, "q")["link"] == "relayed"
     assert _row(q, "p")["link"] == "relayed"
     assert all("/p2p-circuit/" in a for a in _row(p, "q")["addrs"] if "/p2p-circuit/" in a)
-    before = bridge_status(g)["relay"]["service"]["bytes_relayed"]
+    before = bridge_status(g)["relay"]["service"]
     p.probe("q", 4 << 20)
     transfer = bridge_status(p)["transfer"]
+    # the body went over the data plane, spliced by the gateway (fabricd/_splice.py): never
+    # over a direct connection, and counted as relayed
+    assert transfer["bytes_by_path"].get("dataplane_relayed", 0) >= 4 << 20, transfer
     assert transfer["bytes_relayed_total"] >= 4 << 20, transfer
     assert transfer["bytes_by_path"].get("dataplane", 0) == 0, transfer
     service = bridge_status(g)["relay"]["service"]
-    assert service["bytes_relayed"] - before >= 4 << 20, service
+    assert service["bytes_spliced"] - before["bytes_spliced"] >= 4 << 20, service
+    assert service["splices_joined"] > before["splices_joined"], service
     assert service["circuits_opened"] >= 1 and service["circuits_open"] >= 1, service
     assert bridge_status(p)["relay"]["reservations"], bridge_status(p)["relay"]
 
@@ -251,3 +265,55 @@ async def test_a_member_dripping_a_hop_message_or_holding_a_hop_stream_is_cut(re
     assert bridge_status(g)["streams_cut"]["relay"] >= before + 2
     assert g.log().count("event=relay.hop_cut") >= 2
     assert _row(p, "q").get("connected") and _row(p, "q")["link"] == "relayed"
+
+
+async def _splice_grant(host: Any, gateway: ID) -> SpliceGrant | str:
+    """The gateway's answer, or how the stream ended without one."""
+    try:
+        stream = await host.new_stream(gateway, [PROTOCOL_SPLICE])
+        await stream.write(frame(SpliceRequest(peer=str(host.get_id()))))
+        with trio.fail_after(30):
+            grant = await read_message_exact(stream, 1 << 20)
+    except trio.TooSlowError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a stranger's stream may be reset with its connection
+        return type(exc).__name__
+    await stream.close()
+    assert isinstance(grant, SpliceGrant), grant
+    return grant
+
+
+def _guessed_tokens(port: int, n: int) -> int:
+    """Connections to the data-plane port opening with the splice magic and a random
+    token: how many the gateway closed without a byte."""
+    closed = 0
+    for _ in range(n):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(SPLICE_MAGIC + secrets.token_bytes(32))
+            sock.settimeout(10)
+            closed += sock.recv(1) == b""
+    return closed
+
+
+@pytest.mark.trio
+async def test_splices_are_for_members_that_reserved_and_a_token_must_be_granted(relayed: dict[str, Any]) -> None:
+    g, p = relayed["g"], relayed["p"]
+    before = bridge_status(g)["relay"]["service"]
+    target = peer_info(g.addr())
+    async with raw_host() as host:  # a stranger
+        await host.connect(target)
+        grant = await _splice_grant(host, target.peer_id)
+        assert isinstance(grant, str) or grant.port == 0 and "not a member" in grant.reason, grant
+    key = create_new_key_pair()
+    async with raw_host(key) as host:
+        await host.connect(target)
+        assert (await hello(host, target.peer_id, certificate_for(key, relayed["ca"], "splicer"))).accepted
+        grant = await _splice_grant(host, target.peer_id)
+        assert isinstance(grant, SpliceGrant) and grant.port == 0 and "no relay reservation" in grant.reason, grant
+    port = int(bridge_status(g)["transfer"]["dataplane_port"])
+    assert await trio.to_thread.run_sync(_guessed_tokens, port, 50) == 50
+    service = bridge_status(g)["relay"]["service"]
+    assert service["splices_unknown_token"] - before["splices_unknown_token"] == 50, service
+    assert service["splices_refused"] > before["splices_refused"], service
+    assert service["splices_pending"] == 0, service  # (p and q's pooled connection may be open)
+    await trio.to_thread.run_sync(lambda: p.probe("q", 4 << 20))  # the members' splices go on

@@ -33,7 +33,9 @@ def _linked(a: Node, b: Node) -> bool:
 
 
 def _relayed(g: Node) -> int:
-    return int(bridge_status(g)["relay"]["service"]["bytes_relayed"])
+    """Bytes gateway g passed on: in circuits, and spliced data-plane connections."""
+    service = bridge_status(g)["relay"]["service"]
+    return int(service["bytes_relayed"]) + int(service["bytes_spliced"])
 
 
 def _update_cut_by(g: Node, p: Node, how: signal.Signals) -> tuple[subprocess.CompletedProcess[str], float]:

@@ -31,6 +31,10 @@ MESSAGES: list[m.Message] = [
     m.SignedEnvelope(payload=b"routing", certificate=b"c" * 10, signature=b"s" * 64),
     m.DataPlaneOffer(certificate=b"c" * 300),
     m.DataPlaneTicket(port=40001, certificate=b"c" * 300, ticket=b"t" * 32, reason=""),
+    m.DataPlaneTicket(port=40002, certificate=b"c" * 300, ticket=b"t" * 32, reason="", via=PEER, splice=b"s" * 32),
+    m.SpliceRequest(peer=PEER),
+    m.SpliceGrant(port=40003, listen_token=b"l" * 32, dial_token=b"d" * 32, reason=""),
+    m.SpliceGrant(port=0, listen_token=b"", dial_token=b"", reason="busy: retry later"),
 ]
 
 BRIDGE: list[tuple[b.BridgeMessage, bytes]] = [

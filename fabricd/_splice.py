@@ -1,0 +1,370 @@
+"""Data-plane splices: a gateway joins two members' TCP connections, so that a member
+behind NAT receives large updates over the data plane too, not through a libp2p circuit.
+
+Circuit relay v2 (fabricd/_relay.py) carries a private site's libp2p link, but the gateway
+decrypts and re-encrypts every relayed byte (Noise), and each end runs Noise and yamux
+twice (the hop, and the session inside the circuit): bench_transfer ``--relay`` measured
+~0.27x direct on 2 cores. A large body does not need any of that. The data plane's TLS
+handshake and AES-GCM records run end to end, so the gateway only has to pass bytes on:
+
+1. The receiver (``reachability = "private"``), asked for a data-plane ticket, asks a
+   gateway where it holds a relay reservation for a splice (``SpliceRequest`` on
+   PROTOCOL_SPLICE, members only). The gateway answers with its data-plane port and two
+   random one-time tokens, valid SPLICE_SECONDS.
+2. The receiver dials that port, opens with SPLICE_MAGIC and its token, and from then on
+   treats the connection as one its own listener accepted. It answers the sender with the
+   ticket, the gateway's peer id and port, and the other token (inside their Noise session).
+3. The sender dials the gateway (at the address of its own libp2p connection to it), opens
+   with SPLICE_MAGIC and its token, then runs the data plane's handshake as on a direct
+   dial: TLS pinned to the receiver's certificate, with the ticket inside it.
+4. The gateway joins the two connections once both have come, and two threads copy bytes
+   both ways (no crypto, no event loop per chunk).
+
+The gateway sees only ciphertext: TLS 1.3, then records keyed inside it. It cannot read,
+change or forge a body (records are authenticated end to end, the ticket and the pinned
+certificates are the direct dial's). Like any relay it can drop or stall one; the ends'
+rate floors cut that. Limits: a member has at most ``relay.max_circuits`` splices, pending
+or joined; a token not used within SPLICE_SECONDS is void; a joined splice is cut when a
+window of SPLICE_WINDOW_SECONDS carried fewer than SPLICE_WINDOW_BYTES (idle, or a drip),
+or at ``relay.circuit_seconds`` / ``relay.circuit_bytes``; a gateway holds at most
+MAX_SPLICES. A connection whose token is unknown is closed at once: strangers get
+nothing. Counted in ``fabricd status`` (relay service: ``splices_*``, ``bytes_spliced``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.peer.id import ID
+
+from fabricd._bounded import Throttle
+from fabricd._relay import _relayed
+from fabricd._sender import open_stream
+from fabricd._streams import close_quietly, read_message_exact, remote_peer, write_message
+from fabricd.config import Relay
+from fedcore.logs import get_logger
+from proto.ids import PROTOCOL_SPLICE
+from proto.messages import SpliceGrant, SpliceRequest
+
+log = get_logger("fabricd.splice")
+
+#: a connection to be joined opens with these bytes and its token (cleartext)
+SPLICE_MAGIC = b"FPSP"
+TOKEN_BYTES = 32
+#: tokens are void this long after the grant (the data plane's tickets live as long)
+SPLICE_SECONDS = 10.0
+#: a joined splice that carried fewer than SPLICE_WINDOW_BYTES (both ways) in a window of
+#: this long is cut: idle, or dripped into (pooled data-plane connections idle at most
+#: 20 s before their sender closes them; an honest end cuts a drip at its rate floor)
+SPLICE_WINDOW_SECONDS = 60.0
+SPLICE_WINDOW_BYTES = 64 * 1024
+GRANT_SECONDS = 5.0
+DIAL_SECONDS = 2.0
+#: splices pending or joined at once on one gateway (two copying threads each)
+MAX_SPLICES = 256
+COPY_BYTES = 256 * 1024
+#: how long one blocking socket call of a copying thread waits before it looks at limits
+POLL_SECONDS = 0.5
+FRAME_LIMIT = 64 * 1024
+
+
+def peer_ip(host: IHost, peer_id: str) -> str | None:
+    """The IP address of this host's direct libp2p connection to ``peer_id``, if any."""
+    try:
+        conns = host.get_network().get_connections(ID.from_base58(peer_id))
+    except ValueError:
+        return None
+    for conn in conns:
+        if _relayed(conn):
+            continue
+        try:
+            address = conn.muxed_conn.secured_conn.get_remote_address()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - an odd connection object: try the next
+            continue
+        if address:
+            return str(address[0])
+    return None
+
+
+async def request(host: IHost, gateway: str, peer: str) -> tuple[str, SpliceGrant]:
+    """A splice at ``gateway`` for sender ``peer``: (the gateway's IP, its grant);
+    ConnectionError saying why not."""
+    ip = peer_ip(host, gateway)
+    if ip is None:
+        raise ConnectionError(f"no direct link to gateway {gateway}")
+    try:
+        stream = await open_stream(host, gateway, PROTOCOL_SPLICE, attempts=2)
+    except Exception as exc:  # noqa: BLE001 - StreamFailure: the gateway may not offer it
+        raise ConnectionError(f"gateway {gateway}: {type(exc).__name__}: {exc}") from exc
+    try:
+        await write_message(stream, SpliceRequest(peer=peer))
+        with trio.fail_after(GRANT_SECONDS):
+            grant = await read_message_exact(stream, FRAME_LIMIT)
+    except Exception as exc:  # noqa: BLE001 - a broken or silent stream: the caller says why
+        raise ConnectionError(f"gateway {gateway}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        await close_quietly(stream)
+    if not isinstance(grant, SpliceGrant) or not grant.port:
+        raise ConnectionError(f"gateway {gateway} refused a splice: "
+                              f"{grant.reason if isinstance(grant, SpliceGrant) else grant.TYPE}")
+    return ip, grant
+
+
+async def park(ip: str, port: int, token: bytes) -> trio.socket.SocketType:
+    """The receiver's half of a splice: connected to the gateway, its token sent."""
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+    try:
+        with trio.fail_after(DIAL_SECONDS):
+            await sock.connect((ip, port))
+            sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
+            head = memoryview(SPLICE_MAGIC + token)
+            while head:
+                head = head[await sock.send(head):]
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+@dataclass
+class _Rendezvous:
+    member: str
+    peer: str
+    expires: float
+    #: the connection that came first, waiting for the other
+    parked: trio.socket.SocketType | None = None
+    joined: trio.Event = field(default_factory=trio.Event)
+    released: bool = False
+
+
+class _Copy:
+    """What the two copying threads of one joined splice share."""
+
+    def __init__(self, socks: list[socket.socket], limit_bytes: int, limit_seconds: int) -> None:
+        self.socks = socks
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.bytes = 0
+        self.window = (time.monotonic(), 0)  # (since, bytes at its start)
+        self.limit_bytes = limit_bytes
+        self.deadline = time.monotonic() + limit_seconds if limit_seconds else float("inf")
+        self.why = ""
+        self.running = 2
+
+    def add(self, n: int) -> str:
+        with self.lock:
+            self.bytes += n
+            if self.limit_bytes and self.bytes > self.limit_bytes:
+                return f"network.relay_circuit_bytes ({self.limit_bytes}) reached"
+        return self.check()
+
+    def check(self) -> str:
+        now = time.monotonic()
+        if now >= self.deadline:
+            return "network.relay_circuit_seconds reached"
+        with self.lock:
+            since, at = self.window
+            if now - since < SPLICE_WINDOW_SECONDS:
+                return ""
+            if self.bytes - at < SPLICE_WINDOW_BYTES:
+                return (f"{self.bytes - at} bytes in {SPLICE_WINDOW_SECONDS:g} s, fewer than "
+                        f"{SPLICE_WINDOW_BYTES}: idle or dripped into")
+            self.window = (now, self.bytes)
+        return ""
+
+    def pump(self, src: socket.socket, dst: socket.socket, counted: Callable[[int], None]) -> None:
+        """Copy src to dst until either ends or a limit is hit (then both stop); the last
+        thread out closes both sockets (never one a thread may still use)."""
+        buf = bytearray(COPY_BYTES)
+        view = memoryview(buf)
+        why = ""
+        try:
+            while not self.stop.is_set() and not why:
+                try:
+                    n = src.recv_into(buf)
+                except TimeoutError:
+                    why = self.check()
+                    continue
+                if not n:
+                    break
+                counted(n)
+                why = self.add(n)
+                sent = 0
+                while sent < n and not self.stop.is_set():
+                    try:
+                        sent += dst.send(view[sent:n])
+                    except TimeoutError:
+                        if why := self.check():
+                            break
+        except OSError as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        finally:
+            if why:
+                self.why = self.why or why
+                self.stop.set()
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)  # the other direction goes on: a half-close is passed on
+            with self.lock:
+                self.running -= 1
+                last = self.running == 0
+            if last:
+                for sock in self.socks:
+                    sock.close()
+
+
+class SpliceService:
+    """The gateway's side (module docstring): grants on PROTOCOL_SPLICE, and the
+    connections that open with SPLICE_MAGIC, which the data plane's listener hands over."""
+
+    def __init__(self, host: IHost, cfg: Relay, port: Callable[[], int],
+                 has_reservation: Callable[[str], bool]) -> None:
+        self.host = host
+        self.cfg = cfg
+        self.port = port
+        self.has_reservation = has_reservation
+        #: the copying threads (their own: splices never take the data plane's)
+        self.limiter = trio.CapacityLimiter(2 * MAX_SPLICES)
+        #: both tokens of each pending grant -> its rendezvous
+        self.tokens: dict[bytes, _Rendezvous] = {}
+        #: splices pending or joined, by member (entries removed at zero)
+        self.by_member: dict[str, int] = {}
+        self.counts = dict.fromkeys(("splices_granted", "splices_refused", "splices_joined",
+                                     "splices_unknown_token", "bytes_spliced"), 0)
+        self._count_lock = threading.Lock()
+        self._throttle = Throttle(log)
+
+    def register(self, guard: Callable[..., Any]) -> None:
+        self.host.set_stream_handler(PROTOCOL_SPLICE, guard("dataplane.splice", self._grant,  # type: ignore[arg-type]
+                                                            self._refuse))
+
+    def status(self) -> dict[str, int]:
+        self._expire()
+        return {**self.counts, "splices_pending": len({id(r) for r in self.tokens.values()}),
+                "splices_open": sum(self.by_member.values())}
+
+    async def _refuse(self, stream: INetStream, reason: str) -> None:
+        await write_message(stream, SpliceGrant(port=0, listen_token=b"", dial_token=b"", reason=reason))
+
+    async def _grant(self, stream: INetStream) -> None:
+        member = remote_peer(stream)
+        try:
+            with trio.fail_after(GRANT_SECONDS):
+                req = await read_message_exact(stream, FRAME_LIMIT)
+            await write_message(stream, self.grant(member, req))
+        except trio.TooSlowError:
+            log.info("splice.refused", peer=member, reason=f"no SpliceRequest within {GRANT_SECONDS:g} s")
+        finally:
+            await close_quietly(stream)
+
+    def grant(self, member: str, req: object) -> SpliceGrant:
+        """The answer to ``member``'s request: two fresh tokens, or why not."""
+        why = self._why_not(member, req)
+        if why or not isinstance(req, SpliceRequest):
+            self.counts["splices_refused"] += 1
+            log.warning("splice.refused", peer=member, reason=why)
+            return SpliceGrant(port=0, listen_token=b"", dial_token=b"", reason=why)
+        listen, dial = secrets.token_bytes(TOKEN_BYTES), secrets.token_bytes(TOKEN_BYTES)
+        self.tokens[listen] = self.tokens[dial] = _Rendezvous(member, req.peer, time.monotonic() + SPLICE_SECONDS)
+        self.by_member[member] = self.by_member.get(member, 0) + 1
+        self.counts["splices_granted"] += 1
+        return SpliceGrant(port=self.port(), listen_token=listen, dial_token=dial, reason="")
+
+    def _why_not(self, member: str, req: object) -> str:
+        self._expire()
+        if not isinstance(req, SpliceRequest):
+            return f"expected SpliceRequest, got {getattr(req, 'TYPE', type(req).__name__)}"
+        if not self.port():
+            return "unavailable: the data plane is not listening"
+        if not self.has_reservation(member):
+            return "no relay reservation here: a splice is for members behind NAT that reserved at this gateway"
+        held = self.by_member.get(member, 0)
+        if held >= self.cfg.max_circuits:
+            return (f"busy: {held} splices of this member are pending or open, at most "
+                    f"network.relay_max_circuits ({self.cfg.max_circuits}); retry later")
+        if sum(self.by_member.values()) >= MAX_SPLICES:
+            return f"busy: {MAX_SPLICES} splices pending or open on this gateway; retry later"
+        return ""
+
+    def _release(self, rv: _Rendezvous) -> None:
+        if rv.released:
+            return
+        rv.released = True
+        left = self.by_member.pop(rv.member, 1) - 1
+        if left > 0:
+            self.by_member[rv.member] = left
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for token, rv in list(self.tokens.items()):
+            if rv.expires < now and rv.parked is None:
+                del self.tokens[token]
+                self._release(rv)
+
+    def _drop(self, rv: _Rendezvous, release: bool = True) -> None:
+        for token in [t for t, r in self.tokens.items() if r is rv]:
+            del self.tokens[token]
+        if release:
+            self._release(rv)
+
+    async def take(self, token: bytes, tsock: trio.socket.SocketType, where: str) -> None:
+        """A connection that opened with SPLICE_MAGIC and ``token`` (consumed): parked
+        until its other half comes, or joined with the half parked."""
+        rv = self.tokens.pop(token, None)
+        if rv is None or rv.expires < time.monotonic():
+            self.counts["splices_unknown_token"] += 1
+            self._throttle.warning("splice.refused", address=where,
+                                   reason="no pending splice has this token (unknown, used or expired)")
+            tsock.close()
+            if rv is not None:
+                self._drop(rv)
+            return
+        if rv.parked is None:
+            rv.parked = tsock
+            with trio.move_on_after(max(0.0, rv.expires - time.monotonic())):
+                await rv.joined.wait()
+            if not rv.joined.is_set():
+                log.info("splice.expired", peer=rv.member, sender=rv.peer,
+                         reason=f"the other half did not come within {SPLICE_SECONDS:g} s")
+                rv.parked = None
+                self._drop(rv)
+                tsock.close()
+            return
+        other, rv.parked = rv.parked, None
+        rv.joined.set()
+        self._drop(rv, release=False)  # held by the member until the splice ends
+        try:
+            await self._join(rv, other, tsock)
+        finally:
+            self._release(rv)
+
+    async def _join(self, rv: _Rendezvous, first: trio.socket.SocketType, second: trio.socket.SocketType) -> None:
+        socks = [socket.socket(fileno=s.detach()) for s in (first, second)]
+        for sock in socks:
+            sock.settimeout(POLL_SECONDS)
+        copy = _Copy(socks, self.cfg.circuit_bytes, self.cfg.circuit_seconds)
+        self.counts["splices_joined"] += 1
+        log.info("splice.joined", peer=rv.member, sender=rv.peer)
+
+        def counted(n: int) -> None:
+            with self._count_lock:
+                self.counts["bytes_spliced"] += n
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for src, dst in ((socks[0], socks[1]), (socks[1], socks[0])):
+                    nursery.start_soon(self._run, copy.pump, src, dst, counted)
+        finally:
+            copy.stop.set()  # cancelled (the daemon stops): the threads end within POLL_SECONDS
+        log.info("splice.ended", peer=rv.member, sender=rv.peer, bytes=copy.bytes, reason=copy.why or "closed")
+
+    async def _run(self, pump: Callable[..., None], *args: Any) -> None:
+        await trio.to_thread.run_sync(pump, *args, abandon_on_cancel=True, limiter=self.limiter)  # type: ignore[call-arg]

@@ -1,0 +1,181 @@
+"""A gateway's data-plane splices (fabricd/_splice.py), on socket pairs: grants, joining,
+tokens that do not match, halves that wait alone, and the limits. Real daemons splicing a
+private member's update: tests/fabricd/test_relay.py."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import trio
+
+from fabricd import _splice
+from fabricd._splice import SpliceService
+from fabricd.config import Relay
+from proto.messages import DataPlaneOffer, SpliceRequest
+
+MEMBER = "QmMember"
+SENDER = "QmSender"
+
+
+def _service(cfg: Relay | None = None, reserved: Callable[[str], bool] = lambda peer: True) -> SpliceService:
+    return SpliceService(None, cfg or Relay(), lambda: 4242, reserved)  # type: ignore[arg-type]
+
+
+def _grant(svc: SpliceService, member: str = MEMBER) -> tuple[bytes, bytes]:
+    grant = svc.grant(member, SpliceRequest(peer=SENDER))
+    assert grant.port == 4242 and grant.reason == "", grant
+    return grant.listen_token, grant.dial_token
+
+
+async def _send_all(sock: Any, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[await sock.send(view):]
+
+
+async def _recv_all(sock: Any, n: int) -> bytes:
+    got = b""
+    with trio.fail_after(10):
+        while len(got) < n:
+            more = await sock.recv(n - len(got))
+            if not more:
+                break
+            got += more
+    return got
+
+
+async def _eof(sock: Any) -> bool:
+    with trio.fail_after(10):
+        try:
+            while await sock.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
+    return True
+
+
+def test_grants_are_refused_with_the_reason() -> None:
+    assert "no relay reservation" in _service(reserved=lambda peer: False).grant(
+        MEMBER, SpliceRequest(peer=SENDER)).reason
+    svc = _service(Relay(max_circuits=2))
+    _grant(svc)
+    _grant(svc)
+    refused = svc.grant(MEMBER, SpliceRequest(peer=SENDER))
+    assert refused.port == 0 and not refused.listen_token and "relay_max_circuits (2)" in refused.reason
+    _grant(svc, "QmOther")  # the limit is per member
+    assert "expected SpliceRequest" in svc.grant(MEMBER, DataPlaneOffer(certificate=b"c")).reason
+    idle = SpliceService(None, Relay(), lambda: 0, lambda peer: True)  # type: ignore[arg-type]
+    assert "not listening" in idle.grant(MEMBER, SpliceRequest(peer=SENDER)).reason
+    assert svc.counts["splices_refused"] == 2 and svc.counts["splices_granted"] == 3
+
+
+@pytest.mark.trio
+async def test_two_halves_are_joined_and_bytes_pass_unchanged_both_ways() -> None:
+    svc = _service()
+    listen, dial = _grant(svc)
+    receiver, receiver_gw = trio.socket.socketpair()
+    sender, sender_gw = trio.socket.socketpair()
+    data = secrets.token_bytes(3 << 20)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(svc.take, listen, receiver_gw, "receiver")
+        await trio.sleep(0.05)
+        assert svc.status()["splices_pending"] == 1
+        nursery.start_soon(svc.take, dial, sender_gw, "sender")
+        nursery.start_soon(_send_all, sender, data)
+        assert await _recv_all(receiver, len(data)) == data
+        await receiver.send(b"ack")
+        assert await _recv_all(sender, 3) == b"ack"
+        assert svc.status()["splices_open"] == 1
+        sender.close()  # a half-close passes on: the receiver sees the end
+        assert await _eof(receiver)
+        receiver.close()
+    status = svc.status()
+    assert status["splices_joined"] == 1 and status["bytes_spliced"] == len(data) + 3, status
+    assert status["splices_open"] == 0 and status["splices_pending"] == 0 and not svc.tokens, status
+
+
+@pytest.mark.trio
+async def test_unknown_used_or_expired_tokens_get_a_closed_connection() -> None:
+    svc = _service()
+    listen, dial = _grant(svc)
+    for token in (secrets.token_bytes(32), b"short"):
+        app, gw = trio.socket.socketpair()
+        await svc.take(token, gw, "stranger")
+        assert await _eof(app)
+    assert svc.counts["splices_unknown_token"] == 2
+    assert len(svc.tokens) == 2  # a stranger's guess spends nobody's tokens
+    for rv in svc.tokens.values():
+        rv.expires -= 60
+    app, gw = trio.socket.socketpair()
+    await svc.take(dial, gw, "late")
+    assert await _eof(app)
+    assert not svc.tokens and svc.status()["splices_open"] == 0  # both halves void, the member's count freed
+    app, gw = trio.socket.socketpair()
+    await svc.take(listen, gw, "late too")
+    assert await _eof(app)
+    assert svc.counts["splices_unknown_token"] == 4 and svc.counts["splices_joined"] == 0
+
+
+@pytest.mark.trio
+async def test_a_half_whose_other_half_never_comes_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_splice, "SPLICE_SECONDS", 0.3)
+    svc = _service()
+    listen, dial = _grant(svc)
+    app, gw = trio.socket.socketpair()
+    with trio.fail_after(10):
+        await svc.take(listen, gw, "alone")
+    assert await _eof(app)
+    assert not svc.tokens and svc.status()["splices_open"] == 0
+    app, gw = trio.socket.socketpair()
+    await svc.take(dial, gw, "too late")
+    assert await _eof(app)
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("limit", ["idle", "drip", "bytes", "busy window"])
+async def test_a_joined_splice_is_cut_at_its_limits(limit: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idle, or dripped into (a byte every 0.1 s), a window of 1 s carries fewer than
+    SPLICE_WINDOW_BYTES: cut; past circuit_bytes: cut; a window that carried enough
+    begins the next (the splice stays until its ends close it)."""
+    monkeypatch.setattr(_splice, "SPLICE_WINDOW_SECONDS", 1.0)
+    monkeypatch.setattr(_splice, "POLL_SECONDS", 0.1)
+    if limit == "bytes":
+        monkeypatch.setattr(_splice, "SPLICE_WINDOW_BYTES", 1)
+    svc = _service(Relay(circuit_bytes=100_000) if limit == "bytes" else Relay())
+    listen, dial = _grant(svc)
+    receiver, receiver_gw = trio.socket.socketpair()
+    sender, sender_gw = trio.socket.socketpair()
+    started = trio.current_time()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.take, listen, receiver_gw, "receiver")
+            nursery.start_soon(svc.take, dial, sender_gw, "sender")
+            if limit == "bytes":
+                await _send_all(sender, b"x" * 60_000)
+                assert len(await _recv_all(receiver, 60_000)) == 60_000
+                await _send_all(sender, b"x" * 60_000)  # past circuit_bytes: cut
+            elif limit == "drip":
+                with trio.move_on_after(10):
+                    try:
+                        while True:
+                            await sender.send(b"x")
+                            await trio.sleep(0.1)
+                    except OSError:  # cut: the gateway closed it
+                        pass
+            elif limit == "busy window":
+                for _ in range(3):  # three windows of 1 s with 128 KiB each
+                    await _send_all(sender, b"x" * (128 << 10))
+                    assert len(await _recv_all(receiver, 128 << 10)) == 128 << 10
+                    await trio.sleep(0.8)
+                assert svc.status()["splices_open"] == 1
+                sender.close()
+                receiver.close()
+                return
+            assert await _eof(receiver)
+            assert await _eof(sender)
+    if limit != "bytes":
+        assert trio.current_time() - started < 5
+    assert svc.status()["splices_open"] == 0
