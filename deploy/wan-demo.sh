@@ -82,8 +82,9 @@ for cid, r in report.items():
     print("%9s: sent %s; links %s" % (cid, paths, r["links"]))
     if "relay" in r:
         rel = r["relay"]
-        print("%9s  relayed for the sites: %.1f MB over %d circuits"
-              % ("", rel["bytes_relayed"] / 1e6, rel["circuits_opened"]))
+        print("%9s  relayed for the sites: %.1f MB over %d circuits, %.1f MB over %d data-plane splices"
+              % ("", rel["bytes_relayed"] / 1e6, rel["circuits_opened"], rel.get("bytes_spliced", 0) / 1e6,
+                 rel.get("splices_joined", 0)))
 summary = json.load(open(sys.argv[2]))
 seconds = sorted(r["seconds"] for r in summary["rounds"])
 report["job"] = {"final_accuracy": summary["final_accuracy"], "rounds": len(seconds),
