@@ -23,8 +23,8 @@ handshake and AES-GCM records run end to end, so the gateway only has to pass by
 The gateway sees only ciphertext: TLS 1.3, then records keyed inside it. It cannot read,
 change or forge a body (records are authenticated end to end, the ticket and the pinned
 certificates are the direct dial's). Like any relay it can drop or stall one; the ends'
-rate floors cut that. Limits: a member has at most ``relay.max_circuits`` splices, pending
-or joined; a token not used within SPLICE_SECONDS is void; a joined splice is cut when a
+rate floors cut that. Limits: a member has at most PER_CIRCUIT x ``relay.max_circuits``
+splices, pending or joined, and PENDING_PER_SENDER pending for one sender; a token not used within SPLICE_SECONDS is void; a joined splice is cut when a
 window of SPLICE_WINDOW_SECONDS carried fewer than SPLICE_WINDOW_BYTES (idle, or a drip),
 or at ``relay.circuit_seconds`` / ``relay.circuit_bytes``; a gateway holds at most
 MAX_SPLICES. A connection whose token is unknown is closed at once: strangers get
@@ -71,6 +71,12 @@ GRANT_SECONDS = 5.0
 DIAL_SECONDS = 2.0
 #: splices pending or joined at once on one gateway (two copying threads each)
 MAX_SPLICES = 256
+#: a member's splices, pending or joined, at most this many times relay.max_circuits (a
+#: receiver's senders each pool up to 8 data-plane connections to it)
+PER_CIRCUIT = 4
+#: a member's splices pending (not joined yet) for one sender: a sender that asks for
+#: tickets and never connects holds no more of the receiver's splices than this
+PENDING_PER_SENDER = 8
 COPY_BYTES = 256 * 1024
 #: how long one blocking socket call of a copying thread waits before it looks at limits
 POLL_SECONDS = 0.5
@@ -135,7 +141,7 @@ async def park(ip: str, port: int, token: bytes) -> trio.socket.SocketType:
     return sock
 
 
-@dataclass
+@dataclass(eq=False)  # one object behind both tokens: compared and hashed by identity
 class _Rendezvous:
     member: str
     peer: str
@@ -248,7 +254,7 @@ class SpliceService:
 
     def status(self) -> dict[str, int]:
         self._expire()
-        return {**self.counts, "splices_pending": len({id(r) for r in self.tokens.values()}),
+        return {**self.counts, "splices_pending": len(set(self.tokens.values())),
                 "splices_open": sum(self.by_member.values())}
 
     async def _refuse(self, stream: INetStream, reason: str) -> None:
@@ -286,10 +292,14 @@ class SpliceService:
             return "unavailable: the data plane is not listening"
         if not self.has_reservation(member):
             return "no relay reservation here: a splice is for members behind NAT that reserved at this gateway"
-        held = self.by_member.get(member, 0)
-        if held >= self.cfg.max_circuits:
-            return (f"busy: {held} splices of this member are pending or open, at most "
-                    f"network.relay_max_circuits ({self.cfg.max_circuits}); retry later")
+        held, most = self.by_member.get(member, 0), PER_CIRCUIT * self.cfg.max_circuits
+        if held >= most:
+            return (f"busy: {held} splices of this member are pending or open, at most {most} "
+                    f"({PER_CIRCUIT} x network.relay_max_circuits); retry later")
+        pending = sum(1 for rv in set(self.tokens.values()) if rv.member == member and rv.peer == req.peer)
+        if pending >= PENDING_PER_SENDER:
+            return (f"busy: {pending} splices of this member for sender {req.peer} are pending, at most "
+                    f"{PENDING_PER_SENDER}; retry later")
         if sum(self.by_member.values()) >= MAX_SPLICES:
             return f"busy: {MAX_SPLICES} splices pending or open on this gateway; retry later"
         return ""

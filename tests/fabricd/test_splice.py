@@ -60,16 +60,20 @@ async def _eof(sock: Any) -> bool:
 def test_grants_are_refused_with_the_reason() -> None:
     assert "no relay reservation" in _service(reserved=lambda peer: False).grant(
         MEMBER, SpliceRequest(peer=SENDER)).reason
-    svc = _service(Relay(max_circuits=2))
-    _grant(svc)
-    _grant(svc)
-    refused = svc.grant(MEMBER, SpliceRequest(peer=SENDER))
-    assert refused.port == 0 and not refused.listen_token and "relay_max_circuits (2)" in refused.reason
-    _grant(svc, "QmOther")  # the limit is per member
+    svc = _service(Relay(max_circuits=3))
+    for _ in range(_splice.PENDING_PER_SENDER):
+        _grant(svc)
+    refused = svc.grant(MEMBER, SpliceRequest(peer=SENDER))  # a sender holds no more of them
+    assert refused.port == 0 and not refused.listen_token and f"sender {SENDER}" in refused.reason, refused
+    for n in range(_splice.PER_CIRCUIT * 3 - _splice.PENDING_PER_SENDER):
+        assert svc.grant(MEMBER, SpliceRequest(peer="QmSender" + "abcdefghijkmnopqrstuvwxyz"[n])).port
+    refused = svc.grant(MEMBER, SpliceRequest(peer="QmAnother"))
+    assert refused.port == 0 and "x network.relay_max_circuits" in refused.reason, refused
+    _grant(svc, "QmOther")  # the limits are per member
     assert "expected SpliceRequest" in svc.grant(MEMBER, DataPlaneOffer(certificate=b"c")).reason
     idle = SpliceService(None, Relay(), lambda: 0, lambda peer: True)  # type: ignore[arg-type]
     assert "not listening" in idle.grant(MEMBER, SpliceRequest(peer=SENDER)).reason
-    assert svc.counts["splices_refused"] == 2 and svc.counts["splices_granted"] == 3
+    assert svc.counts["splices_refused"] == 3 and svc.counts["splices_granted"] == 3 * _splice.PER_CIRCUIT + 1
 
 
 @pytest.mark.trio
