@@ -23,12 +23,16 @@ handshake and AES-GCM records run end to end, so the gateway only has to pass by
 The gateway sees only ciphertext: TLS 1.3, then records keyed inside it. It cannot read,
 change or forge a body (records are authenticated end to end, the ticket and the pinned
 certificates are the direct dial's). Like any relay it can drop or stall one; the ends'
-rate floors cut that. Limits: a member has at most PER_CIRCUIT x ``relay.max_circuits``
-splices, pending or joined, and PENDING_PER_SENDER pending for one sender; a token not used within SPLICE_SECONDS is void; a joined splice is cut when a
-window of SPLICE_WINDOW_SECONDS carried fewer than SPLICE_WINDOW_BYTES (idle, or a drip),
-or at ``relay.circuit_seconds`` / ``relay.circuit_bytes``; a gateway holds at most
-MAX_SPLICES. A connection whose token is unknown is closed at once: strangers get
-nothing. Counted in ``fabricd status`` (relay service: ``splices_*``, ``bytes_spliced``).
+rate floors cut that. The gateway keeps a floor of its own (_Frames): each frame begun
+(the ticket's tag, a TLS record, a data-plane record) must come at the minimum rate after
+its grace, as in a circuit, so a member dripping into a splice - or splicing its own two
+connections, with no honest end to cut it - holds it that long at most; bytes that are no
+data-plane frame end it. Limits: a member has at most PER_CIRCUIT x ``relay.max_circuits``
+splices, pending or joined, and PENDING_PER_SENDER pending for one sender; a gateway
+MAX_SPLICES; a token not used within SPLICE_SECONDS is void; a joined splice is cut after
+SPLICE_IDLE_SECONDS with no byte either way, or at ``relay.circuit_seconds`` /
+``relay.circuit_bytes``. A connection whose token is unknown is closed at once: strangers
+get nothing. Counted in ``fabricd status`` (relay service: ``splices_*``, ``bytes_spliced``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from fabricd._bounded import Throttle
 from fabricd._relay import _relayed
 from fabricd._sender import open_stream
 from fabricd._streams import close_quietly, read_message_exact, remote_peer, write_message
+from fabricd.admission import RATE_GRACE, RateFloor
 from fabricd.config import Relay
 from fedcore.logs import get_logger
 from proto.ids import PROTOCOL_SPLICE
@@ -62,11 +67,13 @@ SPLICE_MAGIC = b"FPSP"
 TOKEN_BYTES = 32
 #: tokens are void this long after the grant (the data plane's tickets live as long)
 SPLICE_SECONDS = 10.0
-#: a joined splice that carried fewer than SPLICE_WINDOW_BYTES (both ways) in a window of
-#: this long is cut: idle, or dripped into (pooled data-plane connections idle at most
-#: 20 s before their sender closes them; an honest end cuts a drip at its rate floor)
-SPLICE_WINDOW_SECONDS = 60.0
-SPLICE_WINDOW_BYTES = 64 * 1024
+#: a joined splice with no byte either way this long is cut (pooled data-plane connections
+#: idle at most 20 s before their sender closes them; an ack may take 2 stream timeouts)
+SPLICE_IDLE_SECONDS = 300.0
+#: a frame begun must arrive at the minimum rate after this grace (as in a circuit)
+SPLICE_GRACE = RATE_GRACE
+#: the largest frame: a data-plane record (1 MiB) and far more; beyond it is no data plane
+MAX_FRAME = 16 * 1024 * 1024
 GRANT_SECONDS = 5.0
 DIAL_SECONDS = 2.0
 #: splices pending or joined at once on one gateway (two copying threads each)
@@ -146,10 +153,62 @@ class _Rendezvous:
     member: str
     peer: str
     expires: float
+    #: the sender's token
+    dial: bytes
     #: the connection that came first, waiting for the other
     parked: trio.socket.SocketType | None = None
     joined: trio.Event = field(default_factory=trio.Event)
     released: bool = False
+
+
+class _Frames:
+    """One direction of a joined splice, cut into the data plane's frames - from the
+    sender first the ticket's tag (TICKET_MAGIC, 20 bytes), then TLS records (5-byte
+    header: type 20-23, version, 2-byte length), then its AES-GCM records (4-byte length,
+    the ciphertext, a 16-byte tag) - with a clock for the frame under way, as
+    fabricd._relay._Frames has for a circuit: a frame begun must arrive at the minimum rate
+    after its grace, so a member dripping into a splice holds it that long at most (between
+    frames a direction may idle). Bytes that are no such frame end the splice."""
+
+    def __init__(self, min_rate: float, sender: bool) -> None:
+        self.min_rate = min_rate
+        self.first = sender  # the sender's first frame is its ticket's tag
+        self.head = b""
+        self.need = 0
+        #: bytes of the frame still to come after its header (-1: the header is not whole)
+        self.left = -1
+        self.floor: RateFloor | None = None
+        self.got = 0
+
+    def too_slow(self) -> str | None:
+        return self.floor.too_slow(self.got) if self.floor else None
+
+    def feed(self, data: memoryview) -> str | None:
+        """Take bytes read; why to cut the splice (too slow, not the data plane), or None."""
+        i = 0
+        while i < len(data):
+            if self.floor is None:
+                self.floor, self.got, self.head, self.left = RateFloor(self.min_rate, SPLICE_GRACE), 0, b"", -1
+                first = data[i]
+                self.need = 20 if self.first and first == ord("F") else 5 if 20 <= first <= 23 else 4 if first == 0 else 0
+                if not self.need:
+                    return f"not data-plane traffic (a frame began with byte {first:#04x})"
+            if self.left < 0:
+                take = min(self.need - len(self.head), len(data) - i)
+                self.head += bytes(data[i:i + take])
+                if len(self.head) == self.need:
+                    self.left = (0 if self.need == 20 else int.from_bytes(self.head[3:5], "big") if self.need == 5
+                                 else int.from_bytes(self.head, "big") + 16)
+                    if self.left > MAX_FRAME:
+                        return f"not data-plane traffic (a frame of {self.left} bytes)"
+            else:
+                take = min(self.left, len(data) - i)
+                self.left -= take
+            i += take
+            self.got += take
+            if self.left == 0:
+                self.floor, self.first = None, False
+        return self.too_slow()
 
 
 class _Copy:
@@ -160,7 +219,7 @@ class _Copy:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.bytes = 0
-        self.window = (time.monotonic(), 0)  # (since, bytes at its start)
+        self.last = time.monotonic()
         self.limit_bytes = limit_bytes
         self.deadline = time.monotonic() + limit_seconds if limit_seconds else float("inf")
         self.why = ""
@@ -169,25 +228,20 @@ class _Copy:
     def add(self, n: int) -> str:
         with self.lock:
             self.bytes += n
+            self.last = time.monotonic()
             if self.limit_bytes and self.bytes > self.limit_bytes:
                 return f"network.relay_circuit_bytes ({self.limit_bytes}) reached"
-        return self.check()
+        return ""
 
-    def check(self) -> str:
+    def check(self, frames: _Frames) -> str:
         now = time.monotonic()
         if now >= self.deadline:
             return "network.relay_circuit_seconds reached"
-        with self.lock:
-            since, at = self.window
-            if now - since < SPLICE_WINDOW_SECONDS:
-                return ""
-            if self.bytes - at < SPLICE_WINDOW_BYTES:
-                return (f"{self.bytes - at} bytes in {SPLICE_WINDOW_SECONDS:g} s, fewer than "
-                        f"{SPLICE_WINDOW_BYTES}: idle or dripped into")
-            self.window = (now, self.bytes)
-        return ""
+        if now - self.last >= SPLICE_IDLE_SECONDS:
+            return f"no byte either way for {SPLICE_IDLE_SECONDS:g} s"
+        return frames.too_slow() or ""
 
-    def pump(self, src: socket.socket, dst: socket.socket, counted: Callable[[int], None]) -> None:
+    def pump(self, src: socket.socket, dst: socket.socket, frames: _Frames, counted: Callable[[int], None]) -> None:
         """Copy src to dst until either ends or a limit is hit (then both stop); the last
         thread out closes both sockets (never one a thread may still use)."""
         buf = bytearray(COPY_BYTES)
@@ -198,19 +252,21 @@ class _Copy:
                 try:
                     n = src.recv_into(buf)
                 except TimeoutError:
-                    why = self.check()
+                    why = self.check(frames)
                     continue
                 if not n:
                     break
                 counted(n)
-                why = self.add(n)
+                why = self.add(n) or frames.feed(view[:n]) or ""
                 sent = 0
-                while sent < n and not self.stop.is_set():
+                began = time.monotonic()
+                while sent < n and not self.stop.is_set() and not why:
                     try:
                         sent += dst.send(view[sent:n])
                     except TimeoutError:
-                        if why := self.check():
-                            break
+                        why = self.check(_IDLE)
+                if frames.floor is not None:  # the other end's pace is not this end's
+                    frames.floor.started += time.monotonic() - began
         except OSError as exc:
             why = f"{type(exc).__name__}: {exc}"
         finally:
@@ -227,14 +283,18 @@ class _Copy:
                     sock.close()
 
 
+_IDLE = _Frames(1.0, False)  # no frame under way: for the limits that are not a frame's
+
+
 class SpliceService:
     """The gateway's side (module docstring): grants on PROTOCOL_SPLICE, and the
     connections that open with SPLICE_MAGIC, which the data plane's listener hands over."""
 
     def __init__(self, host: IHost, cfg: Relay, port: Callable[[], int],
-                 has_reservation: Callable[[str], bool]) -> None:
+                 has_reservation: Callable[[str], bool], min_rate: float = 256 * 1024) -> None:
         self.host = host
         self.cfg = cfg
+        self.min_rate = min_rate
         self.port = port
         self.has_reservation = has_reservation
         #: the copying threads (their own: splices never take the data plane's)
@@ -279,7 +339,8 @@ class SpliceService:
             log.warning("splice.refused", peer=member, reason=why)
             return SpliceGrant(port=0, listen_token=b"", dial_token=b"", reason=why)
         listen, dial = secrets.token_bytes(TOKEN_BYTES), secrets.token_bytes(TOKEN_BYTES)
-        self.tokens[listen] = self.tokens[dial] = _Rendezvous(member, req.peer, time.monotonic() + SPLICE_SECONDS)
+        self.tokens[listen] = self.tokens[dial] = _Rendezvous(member, req.peer, time.monotonic() + SPLICE_SECONDS,
+                                                              dial)
         self.by_member[member] = self.by_member.get(member, 0) + 1
         self.counts["splices_granted"] += 1
         return SpliceGrant(port=self.port(), listen_token=listen, dial_token=dial, reason="")
@@ -351,13 +412,14 @@ class SpliceService:
         other, rv.parked = rv.parked, None
         rv.joined.set()
         self._drop(rv, release=False)  # held by the member until the splice ends
+        sender, receiver = (tsock, other) if token == rv.dial else (other, tsock)
         try:
-            await self._join(rv, other, tsock)
+            await self._join(rv, sender, receiver)
         finally:
             self._release(rv)
 
-    async def _join(self, rv: _Rendezvous, first: trio.socket.SocketType, second: trio.socket.SocketType) -> None:
-        socks = [socket.socket(fileno=s.detach()) for s in (first, second)]
+    async def _join(self, rv: _Rendezvous, sender: trio.socket.SocketType, receiver: trio.socket.SocketType) -> None:
+        socks = [socket.socket(fileno=s.detach()) for s in (sender, receiver)]
         for sock in socks:
             sock.settimeout(POLL_SECONDS)
         copy = _Copy(socks, self.cfg.circuit_bytes, self.cfg.circuit_seconds)
@@ -371,7 +433,8 @@ class SpliceService:
         try:
             async with trio.open_nursery() as nursery:
                 for src, dst in ((socks[0], socks[1]), (socks[1], socks[0])):
-                    nursery.start_soon(self._run, copy.pump, src, dst, counted)
+                    frames = _Frames(self.min_rate, sender=src is socks[0])
+                    nursery.start_soon(self._run, copy.pump, src, dst, frames, counted)
         finally:
             copy.stop.set()  # cancelled (the daemon stops): the threads end within POLL_SECONDS
         log.info("splice.ended", peer=rv.member, sender=rv.peer, bytes=copy.bytes, reason=copy.why or "closed")

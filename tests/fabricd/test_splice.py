@@ -18,6 +18,19 @@ from proto.messages import DataPlaneOffer, SpliceRequest
 
 MEMBER = "QmMember"
 SENDER = "QmSender"
+#: the sender's first frame: its ticket's tag
+TAG = b"FPDP" + b"g" * 16
+
+
+def _tls(payload: bytes) -> bytes:
+    """A frame as a TLS record looks on the wire (handshake type, version, length)."""
+    return b"\x16\x03\x03" + len(payload).to_bytes(2, "big") + payload
+
+
+def _record(payload: bytes) -> bytes:
+    """A frame as a data-plane record looks on the wire (4-byte length, the ciphertext -
+    here the payload as it is - and a 16-byte tag)."""
+    return len(payload).to_bytes(4, "big") + payload + b"t" * 16
 
 
 def _service(cfg: Relay | None = None, reserved: Callable[[str], bool] = lambda peer: True) -> SpliceService:
@@ -82,7 +95,7 @@ async def test_two_halves_are_joined_and_bytes_pass_unchanged_both_ways() -> Non
     listen, dial = _grant(svc)
     receiver, receiver_gw = trio.socket.socketpair()
     sender, sender_gw = trio.socket.socketpair()
-    data = secrets.token_bytes(3 << 20)
+    data = TAG + _tls(b"client hello" * 100) + _record(secrets.token_bytes(3 << 20)) + _record(b"")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(svc.take, listen, receiver_gw, "receiver")
         await trio.sleep(0.05)
@@ -90,14 +103,15 @@ async def test_two_halves_are_joined_and_bytes_pass_unchanged_both_ways() -> Non
         nursery.start_soon(svc.take, dial, sender_gw, "sender")
         nursery.start_soon(_send_all, sender, data)
         assert await _recv_all(receiver, len(data)) == data
-        await receiver.send(b"ack")
-        assert await _recv_all(sender, 3) == b"ack"
+        ack = _tls(b"server hello") + _record(b"ack")
+        await _send_all(receiver, ack)
+        assert await _recv_all(sender, len(ack)) == ack
         assert svc.status()["splices_open"] == 1
         sender.close()  # a half-close passes on: the receiver sees the end
         assert await _eof(receiver)
         receiver.close()
     status = svc.status()
-    assert status["splices_joined"] == 1 and status["bytes_spliced"] == len(data) + 3, status
+    assert status["splices_joined"] == 1 and status["bytes_spliced"] == len(data) + len(ack), status
     assert status["splices_open"] == 0 and status["splices_pending"] == 0 and not svc.tokens, status
 
 
@@ -139,15 +153,14 @@ async def test_a_half_whose_other_half_never_comes_is_closed(monkeypatch: pytest
 
 
 @pytest.mark.trio
-@pytest.mark.parametrize("limit", ["idle", "drip", "bytes", "busy window"])
+@pytest.mark.parametrize("limit", ["idle", "drip", "not the data plane", "bytes", "frames with pauses"])
 async def test_a_joined_splice_is_cut_at_its_limits(limit: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Idle, or dripped into (a byte every 0.1 s), a window of 1 s carries fewer than
-    SPLICE_WINDOW_BYTES: cut; past circuit_bytes: cut; a window that carried enough
-    begins the next (the splice stays until its ends close it)."""
-    monkeypatch.setattr(_splice, "SPLICE_WINDOW_SECONDS", 1.0)
+    """Cut: idle past SPLICE_IDLE_SECONDS; a frame begun and then dripped (a byte every
+    0.1 s) past its grace; bytes that are no data-plane frame; past circuit_bytes. Whole
+    frames with pauses between them are not cut (the splice stays until its ends close it)."""
+    monkeypatch.setattr(_splice, "SPLICE_IDLE_SECONDS", 0.5 if limit == "idle" else 60.0)
+    monkeypatch.setattr(_splice, "SPLICE_GRACE", 0.5)
     monkeypatch.setattr(_splice, "POLL_SECONDS", 0.1)
-    if limit == "bytes":
-        monkeypatch.setattr(_splice, "SPLICE_WINDOW_BYTES", 1)
     svc = _service(Relay(circuit_bytes=100_000) if limit == "bytes" else Relay())
     listen, dial = _grant(svc)
     receiver, receiver_gw = trio.socket.socketpair()
@@ -158,10 +171,12 @@ async def test_a_joined_splice_is_cut_at_its_limits(limit: str, monkeypatch: pyt
             nursery.start_soon(svc.take, listen, receiver_gw, "receiver")
             nursery.start_soon(svc.take, dial, sender_gw, "sender")
             if limit == "bytes":
-                await _send_all(sender, b"x" * 60_000)
-                assert len(await _recv_all(receiver, 60_000)) == 60_000
-                await _send_all(sender, b"x" * 60_000)  # past circuit_bytes: cut
+                first = TAG + _record(b"x" * 60_000)
+                await _send_all(sender, first)
+                assert await _recv_all(receiver, len(first)) == first
+                await _send_all(sender, _record(b"x" * 60_000))  # past circuit_bytes: cut
             elif limit == "drip":
+                await _send_all(sender, TAG + _record(b"x" * 10)[:4])  # a record of 10 bytes begun
                 with trio.move_on_after(10):
                     try:
                         while True:
@@ -169,10 +184,14 @@ async def test_a_joined_splice_is_cut_at_its_limits(limit: str, monkeypatch: pyt
                             await trio.sleep(0.1)
                     except OSError:  # cut: the gateway closed it
                         pass
-            elif limit == "busy window":
-                for _ in range(3):  # three windows of 1 s with 128 KiB each
-                    await _send_all(sender, b"x" * (128 << 10))
-                    assert len(await _recv_all(receiver, 128 << 10)) == 128 << 10
+            elif limit == "not the data plane":
+                await _send_all(sender, b"GET / HTTP/1.1\r\n\r\n")
+            elif limit == "frames with pauses":
+                await _send_all(sender, TAG)
+                for _ in range(3):  # longer than the grace apart, each whole at once
+                    frame = _record(b"x" * (128 << 10))
+                    await _send_all(sender, frame)
+                    assert await _recv_all(receiver, len(TAG) * (_ == 0) + len(frame))
                     await trio.sleep(0.8)
                 assert svc.status()["splices_open"] == 1
                 sender.close()
@@ -180,6 +199,5 @@ async def test_a_joined_splice_is_cut_at_its_limits(limit: str, monkeypatch: pyt
                 return
             assert await _eof(receiver)
             assert await _eof(sender)
-    if limit != "bytes":
-        assert trio.current_time() - started < 5
+    assert trio.current_time() - started < 5
     assert svc.status()["splices_open"] == 0
