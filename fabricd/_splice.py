@@ -56,6 +56,7 @@ from fabricd._sender import open_stream
 from fabricd._streams import close_quietly, read_message_exact, remote_peer, write_message
 from fabricd.admission import RATE_GRACE, RateFloor
 from fabricd.config import Relay
+from fabricd.metrics import UNWIRED, DaemonMetrics
 from fedcore.logs import get_logger
 from proto.ids import PROTOCOL_SPLICE
 from proto.messages import SpliceGrant, SpliceRequest
@@ -297,6 +298,7 @@ class SpliceService:
         self.min_rate = min_rate
         self.port = port
         self.has_reservation = has_reservation
+        self.metrics: DaemonMetrics = UNWIRED
         #: the copying threads (their own: splices never take the data plane's)
         self.limiter = trio.CapacityLimiter(2 * MAX_SPLICES)
         #: both tokens of each pending grant -> its rendezvous
@@ -437,7 +439,11 @@ class SpliceService:
                     nursery.start_soon(self._run, copy.pump, src, dst, frames, counted)
         finally:
             copy.stop.set()  # cancelled (the daemon stops): the threads end within POLL_SECONDS
-        log.info("splice.ended", peer=rv.member, sender=rv.peer, bytes=copy.bytes, reason=copy.why or "closed")
+        if copy.why.startswith(("too slow", "not data-plane")):
+            log.warning("splice.cut", peer=rv.member, sender=rv.peer, bytes=copy.bytes, reason=copy.why)
+            self.metrics.stream_cut("relay")
+        else:
+            log.info("splice.ended", peer=rv.member, sender=rv.peer, bytes=copy.bytes, reason=copy.why or "closed")
 
     async def _run(self, pump: Callable[..., None], *args: Any) -> None:
         await trio.to_thread.run_sync(pump, *args, abandon_on_cancel=True, limiter=self.limiter)  # type: ignore[call-arg]

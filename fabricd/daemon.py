@@ -221,6 +221,7 @@ class Daemon:
                 self.relay_service.register(self.membership.guard)
                 if self.dataplane is not None:  # members behind NAT get the data plane spliced
                     self.dataplane.splices = _splices(host, cfg, self.relay_service, self.dataplane)
+                    self.dataplane.splices.metrics = self.metrics
                     self.dataplane.splices.register(self.membership.guard)
             if cfg.relay.reachability != "public":
                 private = cfg.relay.reachability == "private"

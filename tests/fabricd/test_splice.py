@@ -1,20 +1,35 @@
 """A gateway's data-plane splices (fabricd/_splice.py), on socket pairs: grants, joining,
-tokens that do not match, halves that wait alone, and the limits. Real daemons splicing a
-private member's update: tests/fabricd/test_relay.py."""
+tokens that do not match, halves that wait alone, and the limits; on a real gateway, a
+member dripping into a splice of its own. Real daemons splicing a private member's
+update: tests/fabricd/test_relay.py."""
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode, to_proto_status
+from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
 from fabricd import _splice
-from fabricd._splice import SpliceService
+from fabricd._splice import SPLICE_MAGIC, SpliceService
+from fabricd._streams import read_message_exact
 from fabricd.config import Relay
-from proto.messages import DataPlaneOffer, SpliceRequest
+from proto.codec import frame
+from proto.ids import PROTOCOL_SPLICE
+from proto.messages import DataPlaneOffer, SpliceGrant, SpliceRequest
+from tests.fabricd._harness import Node, bridge_status, configure, init_ca, init_node
+from tests.fabricd._hostile import certificate_for, hello, peer_info, raw_host
 
 MEMBER = "QmMember"
 SENDER = "QmSender"
@@ -201,3 +216,78 @@ async def test_a_joined_splice_is_cut_at_its_limits(limit: str, monkeypatch: pyt
             assert await _eof(sender)
     assert trio.current_time() - started < 5
     assert svc.status()["splices_open"] == 0
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Iterator[tuple[Node, Path]]:
+    ca = init_ca(tmp_path)
+    g = init_node(tmp_path, "g", ca)
+    configure(g, "relay_service = true")
+    g.start()
+    try:
+        g.wait_ready()
+        yield g, ca
+    finally:
+        g.stop()
+
+
+def _drip_through(port: int, grant: SpliceGrant, every: float, timeout: float) -> float | None:
+    """Both halves of ``grant`` connected; a data-plane record of 1000 bytes begun on the
+    sender's and then dripped, a byte every ``every`` s: seconds from its first byte until
+    the gateway ended the receiver's half, or None if it had not after ``timeout`` s."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as receiver, \
+            socket.create_connection(("127.0.0.1", port), timeout=10) as sender:
+        receiver.sendall(SPLICE_MAGIC + grant.listen_token)
+        sender.sendall(SPLICE_MAGIC + grant.dial_token + TAG)
+        time.sleep(0.5)
+        began = time.monotonic()
+        sender.sendall((1000).to_bytes(4, "big"))
+        receiver.settimeout(0.05)
+        while time.monotonic() - began < timeout:
+            try:
+                while receiver.recv(65536):  # what came through so far
+                    pass
+                return time.monotonic() - began  # the end
+            except TimeoutError:
+                pass
+            except OSError:
+                return time.monotonic() - began
+            time.sleep(every)
+            try:
+                sender.send(b"x")
+            except OSError:
+                pass
+    return None
+
+
+@pytest.mark.trio
+async def test_a_member_dripping_into_its_own_splice_is_cut_and_counted(gateway: tuple[Node, Path]) -> None:
+    """A member reserves at a real gateway, is granted a splice for itself, connects both
+    halves and drips a record through it (a byte every 2 s). No honest end would cut it:
+    the gateway does, after the grace for the frame (not at the 300 s idle limit), and
+    counts the cut."""
+    g, ca = gateway
+    key = create_new_key_pair()
+    target = peer_info(g.addr())
+    async with raw_host(key) as host:
+        await host.connect(target)
+        assert (await hello(host, target.peer_id, certificate_for(key, ca, "splicer"))).accepted
+        stream = await host.new_stream(target.peer_id, [PROTOCOL_ID])  # type: ignore[list-item]
+        await write_delimited_msg(stream, HopMessage(type=HopMessage.RESERVE,
+                                                     peer=CircuitPeerId(id=host.get_id().to_bytes())))
+        with trio.fail_after(30):
+            assert (await read_delimited_msg(stream, HopMessage)).status == to_proto_status(StatusCode.OK)
+        await stream.close()
+        stream = await host.new_stream(target.peer_id, [PROTOCOL_SPLICE])  # type: ignore[list-item]
+        await stream.write(frame(SpliceRequest(peer=str(host.get_id()))))
+        with trio.fail_after(30):
+            grant = await read_message_exact(stream, 1 << 20)
+        assert isinstance(grant, SpliceGrant) and grant.port, grant
+        await stream.close()
+        before = bridge_status(g)["streams_cut"]["relay"]
+        took = await trio.to_thread.run_sync(_drip_through, grant.port, grant, 2.0, 120.0)
+    print(f"a dripped splice was cut after {took} s")
+    assert took is not None, "the gateway never cut the dripped splice"
+    assert "event=splice.cut" in g.log() and "too slow" in g.log()
+    assert bridge_status(g)["streams_cut"]["relay"] == before + 1
+    assert bridge_status(g)["relay"]["service"]["splices_open"] == 0
