@@ -770,7 +770,8 @@ class DataPlane:
         peer id, the sender's token), or why none could be had."""
         failures = []
         carrying = relay_of(self.host, peer)  # first the gateway our libp2p link to the sender uses
-        for gateway in sorted(self.gateways(), key=lambda g: g != carrying):
+        # (a gateway asking for a ticket reaches us directly; it cannot dial itself)
+        for gateway in sorted((g for g in self.gateways() if g != peer), key=lambda g: g != carrying):
             try:
                 ip, grant = await request_splice(self.host, gateway, peer)
                 sock = await park(ip, grant.port, grant.listen_token)
