@@ -115,18 +115,20 @@ async def request(host: IHost, gateway: str, peer: str) -> tuple[str, SpliceGran
     ip = peer_ip(host, gateway)
     if ip is None:
         raise ConnectionError(f"no direct link to gateway {gateway}")
-    try:
-        stream = await open_stream(host, gateway, PROTOCOL_SPLICE, attempts=2)
-    except Exception as exc:  # noqa: BLE001 - StreamFailure: the gateway may not offer it
-        raise ConnectionError(f"gateway {gateway}: {type(exc).__name__}: {exc}") from exc
-    try:
-        await write_message(stream, SpliceRequest(peer=peer))
-        with trio.fail_after(GRANT_SECONDS):
+    with trio.move_on_after(GRANT_SECONDS) as scope:  # the sender waits for its ticket meanwhile
+        try:
+            stream = await open_stream(host, gateway, PROTOCOL_SPLICE, attempts=2)
+        except Exception as exc:  # noqa: BLE001 - StreamFailure: the gateway may not offer it
+            raise ConnectionError(f"gateway {gateway}: {type(exc).__name__}: {exc}") from exc
+        try:
+            await write_message(stream, SpliceRequest(peer=peer))
             grant = await read_message_exact(stream, FRAME_LIMIT)
-    except Exception as exc:  # noqa: BLE001 - a broken or silent stream: the caller says why
-        raise ConnectionError(f"gateway {gateway}: {type(exc).__name__}: {exc}") from exc
-    finally:
-        await close_quietly(stream)
+        except Exception as exc:  # noqa: BLE001 - a broken stream: the caller says why
+            raise ConnectionError(f"gateway {gateway}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            await close_quietly(stream)
+    if scope.cancelled_caught:
+        raise ConnectionError(f"gateway {gateway} granted no splice within {GRANT_SECONDS:g} s")
     if not isinstance(grant, SpliceGrant) or not grant.port:
         raise ConnectionError(f"gateway {gateway} refused a splice: "
                               f"{grant.reason if isinstance(grant, SpliceGrant) else grant.TYPE}")
@@ -135,7 +137,7 @@ async def request(host: IHost, gateway: str, peer: str) -> tuple[str, SpliceGran
 
 async def park(ip: str, port: int, token: bytes) -> trio.socket.SocketType:
     """The receiver's half of a splice: connected to the gateway, its token sent."""
-    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+    sock = trio.socket.socket(trio.socket.AF_INET6 if ":" in ip else trio.socket.AF_INET, trio.socket.SOCK_STREAM)
     try:
         with trio.fail_after(DIAL_SECONDS):
             await sock.connect((ip, port))
@@ -402,14 +404,16 @@ class SpliceService:
             return
         if rv.parked is None:
             rv.parked = tsock
-            with trio.move_on_after(max(0.0, rv.expires - time.monotonic())):
-                await rv.joined.wait()
-            if not rv.joined.is_set():
-                log.info("splice.expired", peer=rv.member, sender=rv.peer,
-                         reason=f"the other half did not come within {SPLICE_SECONDS:g} s")
-                rv.parked = None
-                self._drop(rv)
-                tsock.close()
+            try:
+                with trio.move_on_after(max(0.0, rv.expires - time.monotonic())):
+                    await rv.joined.wait()
+            finally:
+                if not rv.joined.is_set():  # (or this daemon stops)
+                    log.info("splice.expired", peer=rv.member, sender=rv.peer,
+                             reason=f"the other half did not come within {SPLICE_SECONDS:g} s")
+                    rv.parked = None
+                    self._drop(rv)
+                    tsock.close()
             return
         other, rv.parked = rv.parked, None
         rv.joined.set()
