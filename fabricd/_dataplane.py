@@ -92,7 +92,7 @@ from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 
 from fabricd._bounded import BoundedDict, Throttle
-from fabricd._relay import relay_of
+from fabricd._relay import link_kind, relay_of
 from fabricd._sender import INLINE_BODY_BYTES, open_stream
 from fabricd._splice import SPLICE_MAGIC, SpliceService, park, peer_ip
 from fabricd._splice import TOKEN_BYTES as SPLICE_TOKEN_BYTES
@@ -743,6 +743,11 @@ class DataPlane:
                 return
             self._trust(peer, offer.certificate)
             port, via, splice = self.port, "", b""
+            if self.behind_nat and link_kind(self.host, peer) != "relayed":
+                # a member we dialled ourselves: libp2p over that direct link, not a detour
+                await self._refuse(stream, "unavailable: this daemon is behind NAT (network.reachability = "
+                                           "private) and linked directly to you: libp2p carries it")
+                return
             if self.behind_nat:
                 spliced = await self._spliced(peer)
                 if isinstance(spliced, str):
@@ -770,8 +775,7 @@ class DataPlane:
         peer id, the sender's token), or why none could be had."""
         failures = []
         carrying = relay_of(self.host, peer)  # first the gateway our libp2p link to the sender uses
-        # (a gateway asking for a ticket reaches us directly; it cannot dial itself)
-        for gateway in sorted((g for g in self.gateways() if g != peer), key=lambda g: g != carrying):
+        for gateway in sorted(self.gateways(), key=lambda g: g != carrying):
             try:
                 ip, grant = await request_splice(self.host, gateway, peer)
                 sock = await park(ip, grant.port, grant.listen_token)
