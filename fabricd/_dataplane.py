@@ -710,7 +710,10 @@ class DataPlane:
         #: network.reachability = "private": nobody can dial our port; a ticket then names
         #: a gateway that splices the sender's connection to one of ours (fabricd/_splice.py)
         self.behind_nat = False
-        #: the gateways this daemon holds relay reservations at (a private daemon's)
+        #: network.reachability = "auto": a sender that reaches us only through a relay gets
+        #: a splice too (our port may be out of its reach); any other gets our port
+        self.splice_relayed = False
+        #: the gateways this daemon holds relay reservations at (private or auto)
         self.gateways: Callable[[], list[str]] = list
         #: a gateway's splices (relay_service = true)
         self.splices: SpliceService | None = None
@@ -743,16 +746,17 @@ class DataPlane:
                 return
             self._trust(peer, offer.certificate)
             port, via, splice = self.port, "", b""
-            if self.behind_nat and link_kind(self.host, peer) != "relayed":
+            relayed = link_kind(self.host, peer) == "relayed"
+            if self.behind_nat and not relayed:
                 # a member we dialled ourselves: libp2p over that direct link, not a detour
                 await self._refuse(stream, "unavailable: this daemon is behind NAT (network.reachability = "
                                            "private) and linked directly to you: libp2p carries it")
                 return
-            if self.behind_nat:
+            if self.behind_nat or self.splice_relayed and relayed:
                 spliced = await self._spliced(peer)
                 if isinstance(spliced, str):
-                    await self._refuse(stream, "unavailable: this daemon is behind NAT (network.reachability = "
-                                               f"private) and no gateway spliced: {spliced}")
+                    await self._refuse(stream, "unavailable: this daemon's port is out of your reach (behind "
+                                               f"NAT, network.reachability) and no gateway spliced: {spliced}")
                     return
                 port, via, splice = spliced
             ticket = secrets.token_bytes(TICKET_BYTES)

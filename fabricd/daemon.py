@@ -229,6 +229,7 @@ class Daemon:
                 self.discovery.relays.register(self.membership.guard)
                 if self.dataplane is not None:
                     self.dataplane.behind_nat = private
+                    self.dataplane.splice_relayed = not private
                     relays = self.discovery.relays
                     self.dataplane.gateways = lambda: list(relays.held)
             self.updates.register()

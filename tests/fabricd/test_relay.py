@@ -36,7 +36,16 @@ from fabricd._streams import read_message_exact
 from proto.codec import frame
 from proto.ids import PROTOCOL_SPLICE
 from proto.messages import SpliceGrant, SpliceRequest
-from tests.fabricd._harness import Node, bridge_status, init_ca, start_relayed, wait_until
+from tests.fabricd._harness import (
+    Node,
+    bridge_status,
+    configure,
+    free_port,
+    init_ca,
+    init_node,
+    start_relayed,
+    wait_until,
+)
 from tests.fabricd._hostile import certificate_for, drip_until_cut, hello, peer_info, raw_host
 
 pytestmark = pytest.mark.slow
@@ -317,3 +326,36 @@ async def test_splices_are_for_members_that_reserved_and_a_token_must_be_granted
     assert service["splices_refused"] > before["splices_refused"], service
     assert service["splices_pending"] == 0, service  # (p and q's pooled connection may be open)
     await trio.to_thread.run_sync(lambda: p.probe("q", 4 << 20))  # the members' splices go on
+
+
+def test_an_auto_member_reached_only_through_a_relay_gets_updates_spliced(tmp_path: Path) -> None:
+    """p has ``reachability = "auto"`` and announces an address nobody can reach (a closed
+    port, as a NAT leaves it): private q reaches it only through the gateway, and q's 4 MiB
+    update to p goes over the data plane spliced there (not through the circuit)."""
+    ca = init_ca(tmp_path)
+    g = init_node(tmp_path, "g", ca)
+    configure(g, "relay_service = true")
+    nodes = [g]
+    try:
+        g.start()
+        g.wait_ready()
+        p = init_node(tmp_path, "p", ca, [g.addr()])
+        configure(p, 'reachability = "auto"')
+        config = Path(p.config)
+        config.write_text(config.read_text().replace("announce = []",
+                                                     f'announce = ["/ip4/127.0.0.1/tcp/{free_port()}"]', 1))
+        q = init_node(tmp_path, "q", ca, [g.addr()])
+        configure(q, 'reachability = "private"')
+        for node in (p, q):
+            nodes.append(node)
+            node.start()
+        for node in (p, q):
+            node.wait_ready()
+        wait_until(lambda: _row(q, "p").get("connected") and _row(p, "q").get("connected"), timeout=90)
+        assert _row(q, "p")["link"] == "relayed"
+        q.probe("p", 4 << 20)
+        assert bridge_status(q)["transfer"]["bytes_by_path"].get("dataplane_relayed", 0) >= 4 << 20
+        assert bridge_status(g)["relay"]["service"]["bytes_spliced"] >= 4 << 20
+    finally:
+        for node in nodes:
+            node.stop()
