@@ -22,6 +22,7 @@ DCUtR hole punching (``circuit_v2/dcutr.py``) is not wired: a relayed link stays
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -104,6 +105,33 @@ def relay_of(host: IHost, peer_id: str) -> str | None:
                 if "/p2p/" in head:
                     return head.rsplit("/p2p/", 1)[1]
     return None
+
+
+class Bandwidth:
+    """What a gateway passes on in all, circuits and splices: at most ``rate`` bytes a
+    second (0 = unlimited), a token bucket of one second's bytes. Bytes are charged when
+    read and the reader waits off the debt (``delay``), so a burst of one second passes at
+    once and a steady stream at the rate. Thread-safe: splices copy in threads."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self._lock = threading.Lock()
+        self._level = float(rate)
+        self._at = time.monotonic()
+        #: seconds readers were held back, in all
+        self.throttled = 0.0
+
+    def delay(self, n: int) -> float:
+        """Seconds to wait before passing on ``n`` bytes just read (charged now)."""
+        if not self.rate:
+            return 0.0
+        with self._lock:
+            now = time.monotonic()
+            self._level = min(float(self.rate), self._level + (now - self._at) * self.rate) - n
+            self._at = now
+            wait = max(0.0, -self._level / self.rate)
+            self.throttled += wait
+            return wait
 
 
 def _status_name(code: int) -> str:
@@ -357,6 +385,8 @@ class RelayService(CircuitV2Protocol):
         super().__init__(host, limits, allow_hop=True)
         self.max_circuits = cfg.max_circuits
         self.min_rate = min_rate
+        #: relay.max_bytes_per_second, shared with the gateway's splices (fabricd/_splice.py)
+        self.bandwidth = Bandwidth(cfg.max_bytes_per_second)
         self.metrics: DaemonMetrics = UNWIRED
         #: open circuits by source member (entries removed at zero: bounded by the members)
         self.by_source: dict[str, int] = {}
@@ -380,10 +410,11 @@ class RelayService(CircuitV2Protocol):
         await write_delimited_msg(stream, HopMessage(type=HopMessage.STATUS,
                                                      status=to_proto_status(StatusCode.PERMISSION_DENIED)))
 
-    def status(self) -> dict[str, int]:
+    def status(self) -> dict[str, float]:
         self.resource_manager._clean_expired()
         return {**self.counts, "reservations": len(self.resource_manager._reservations),
-                "circuits_open": sum(self.by_source.values())}
+                "circuits_open": sum(self.by_source.values()), "max_bytes_per_second": self.bandwidth.rate,
+                "throttled_seconds": round(self.bandwidth.throttled, 3)}
 
     async def _handle_reserve(self, stream: INetStream, msg: HopMessage) -> None:
         peer = stream.muxed_conn.peer_id
@@ -455,9 +486,10 @@ class RelayService(CircuitV2Protocol):
                             break
                     self.counts["bytes_relayed"] += len(data)
                     began = trio.current_time()
+                    await trio.sleep(self.bandwidth.delay(len(data)))
                     with trio.fail_after(self.write_timeout):
                         await dst_stream.write(data)
-                    if frames.floor is not None:  # the relay's own wait is not the sender's
+                    if frames.floor is not None:  # the relay's own waits are not the sender's
                         frames.floor.started += trio.current_time() - began
             except Exception as exc:  # noqa: BLE001 - any end of one circuit, never of the host
                 log.info("relay.circuit_ended", peer=str(peer_id), reason=f"{type(exc).__name__}: {exc}")

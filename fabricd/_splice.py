@@ -51,7 +51,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
 from fabricd._bounded import Throttle
-from fabricd._relay import _relayed
+from fabricd._relay import Bandwidth, _relayed
 from fabricd._sender import open_stream
 from fabricd._streams import close_quietly, read_message_exact, remote_peer, write_message
 from fabricd.admission import RATE_GRACE, RateFloor
@@ -217,8 +217,10 @@ class _Frames:
 class _Copy:
     """What the two copying threads of one joined splice share."""
 
-    def __init__(self, socks: list[socket.socket], limit_bytes: int, limit_seconds: int) -> None:
+    def __init__(self, socks: list[socket.socket], limit_bytes: int, limit_seconds: int,
+                 bandwidth: Bandwidth) -> None:
         self.socks = socks
+        self.bandwidth = bandwidth
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.bytes = 0
@@ -263,6 +265,10 @@ class _Copy:
                 why = self.add(n) or frames.feed(view[:n]) or ""
                 sent = 0
                 began = time.monotonic()
+                hold = self.bandwidth.delay(n)
+                while hold > 0 and not self.stop.is_set():  # relay.max_bytes_per_second
+                    time.sleep(min(hold, POLL_SECONDS))
+                    hold -= POLL_SECONDS
                 while sent < n and not self.stop.is_set() and not why:
                     try:
                         sent += dst.send(view[sent:n])
@@ -294,10 +300,13 @@ class SpliceService:
     connections that open with SPLICE_MAGIC, which the data plane's listener hands over."""
 
     def __init__(self, host: IHost, cfg: Relay, port: Callable[[], int],
-                 has_reservation: Callable[[str], bool], min_rate: float = 256 * 1024) -> None:
+                 has_reservation: Callable[[str], bool], min_rate: float = 256 * 1024,
+                 bandwidth: Bandwidth | None = None) -> None:
         self.host = host
         self.cfg = cfg
         self.min_rate = min_rate
+        #: relay.max_bytes_per_second (the gateway's, shared with its circuits)
+        self.bandwidth = bandwidth or Bandwidth(cfg.max_bytes_per_second)
         self.port = port
         self.has_reservation = has_reservation
         self.metrics: DaemonMetrics = UNWIRED
@@ -428,7 +437,7 @@ class SpliceService:
         socks = [socket.socket(fileno=s.detach()) for s in (sender, receiver)]
         for sock in socks:
             sock.settimeout(POLL_SECONDS)
-        copy = _Copy(socks, self.cfg.circuit_bytes, self.cfg.circuit_seconds)
+        copy = _Copy(socks, self.cfg.circuit_bytes, self.cfg.circuit_seconds, self.bandwidth)
         self.counts["splices_joined"] += 1
         log.info("splice.joined", peer=rv.member, sender=rv.peer)
 

@@ -90,6 +90,8 @@ class Relay:
     #: bytes and seconds per circuit (0 = unlimited)
     circuit_bytes: int = 0
     circuit_seconds: int = 0
+    #: bytes per second a gateway passes on in all, circuits and splices (0 = unlimited)
+    max_bytes_per_second: int = 0
     #: a member pings its gateways every half of this; one silent this long (frozen, its
     #: machine gone) has its connection closed, so links redial through another relay
     silent_after: float = 10.0
@@ -347,6 +349,7 @@ def _relay(path: Path, net: dict[str, Any], has_bootstrap: bool) -> Relay:
                  max_circuits=num("relay_max_circuits", d.max_circuits, 1, 1 << 16),
                  circuit_bytes=num("relay_circuit_bytes", d.circuit_bytes, 0, 1 << 50),
                  circuit_seconds=num("relay_circuit_seconds", d.circuit_seconds, 0, 1 << 30),
+                 max_bytes_per_second=num("relay_max_bytes_per_second", d.max_bytes_per_second, 0, 1 << 50),
                  silent_after=float(_num(path, net, "network", "relay_silent_after", d.silent_after, 1.0, 600.0,
                                          False)))
 

@@ -564,4 +564,4 @@ async def _scoped(serve: Any, *, task_status: Any = trio.TASK_STATUS_IGNORED) ->
 def _splices(host: Any, cfg: Config, relay: RelayService, dataplane: DataPlane) -> SpliceService:
     return SpliceService(host, cfg.relay, lambda: dataplane.port,
                          lambda peer: relay.resource_manager.has_reservation(ID.from_base58(peer)),
-                         cfg.limits.min_transfer_rate)
+                         cfg.limits.min_transfer_rate, relay.bandwidth)

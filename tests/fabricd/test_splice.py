@@ -22,6 +22,7 @@ from libp2p.relay.circuit_v2.protocol_buffer import StatusCode, to_proto_status
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
 from fabricd import _splice
+from fabricd._relay import Bandwidth
 from fabricd._splice import SPLICE_MAGIC, SpliceService
 from fabricd._streams import read_message_exact
 from fabricd.config import Relay
@@ -216,6 +217,38 @@ async def test_a_joined_splice_is_cut_at_its_limits(limit: str, monkeypatch: pyt
             assert await _eof(sender)
     assert trio.current_time() - started < 5
     assert svc.status()["splices_open"] == 0
+
+
+def test_the_bandwidth_bucket_lets_one_second_through_then_holds_readers_to_the_rate() -> None:
+    assert Bandwidth(0).delay(1 << 30) == 0.0  # unlimited
+    bucket = Bandwidth(1_000_000)
+    assert bucket.delay(600_000) == 0.0 and bucket.delay(400_000) == pytest.approx(0.0, abs=0.01)
+    assert bucket.delay(500_000) == pytest.approx(0.5, abs=0.01)  # in debt: half a second
+    assert bucket.delay(1_000_000) == pytest.approx(1.5, abs=0.01)
+    assert bucket.throttled == pytest.approx(2.0, abs=0.03)
+
+
+@pytest.mark.trio
+async def test_a_splice_keeps_to_the_gateways_bandwidth() -> None:
+    """relay.max_bytes_per_second = 1 MB/s: 3 MB through a splice take at least the two
+    seconds past the bucket's first, and the held time is not the sender's (no rate cut)."""
+    svc = _service(Relay(max_bytes_per_second=1_000_000))
+    listen, dial = _grant(svc)
+    receiver, receiver_gw = trio.socket.socketpair()
+    sender, sender_gw = trio.socket.socketpair()
+    data = TAG + b"".join(_record(b"x" * 500_000) for _ in range(6))
+    began = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(svc.take, listen, receiver_gw, "receiver")
+        nursery.start_soon(svc.take, dial, sender_gw, "sender")
+        nursery.start_soon(_send_all, sender, data)
+        with trio.fail_after(30):
+            assert await _recv_all(receiver, len(data)) == data
+        took = trio.current_time() - began
+        sender.close()
+        receiver.close()
+    assert took >= 1.9, took
+    assert svc.bandwidth.throttled >= 1.9
 
 
 @pytest.fixture
