@@ -746,7 +746,7 @@ class DataPlane:
                 return
             self._trust(peer, offer.certificate)
             port, via, splice = self.port, "", b""
-            relayed = link_kind(self.host, peer) == "relayed"
+            relayed = (self.behind_nat or self.splice_relayed) and link_kind(self.host, peer) == "relayed"
             if self.behind_nat and not relayed:
                 # a member we dialled ourselves: libp2p over that direct link, not a detour
                 await self._refuse(stream, "unavailable: this daemon is behind NAT (network.reachability = "
