@@ -47,6 +47,8 @@
 #   FP_WAN_RTT_MS    --wan: round-trip time added per site uplink (40)
 #   FP_WAN_LOSS      --wan: loss in % each way on a site uplink (0.1)
 #   FP_WAN_RATE      --wan: rate of a site uplink, tc units (100mbit)
+#   FP_WAN_REACHABILITY --wan: the sites' [network] reachability: private, or auto (each
+#                    finds itself private by the gateway's dial-back) (private)
 #   FP_SLOW          slow sites, "ID=FACTOR ..." (FACTOR > 1): the site's daemon, and the
 #                    executor and Ray it starts, get 1/FACTOR of a fair share of the CPUs
 #                    (CPUs / sites, at most one) in a cgroup of their own (cgroup v2
@@ -85,6 +87,11 @@ WAN_SUBNET=${FP_WAN_SUBNET:-198.18.0}
 WAN_RTT_MS=${FP_WAN_RTT_MS:-40}
 WAN_LOSS=${FP_WAN_LOSS:-0.1}
 WAN_RATE=${FP_WAN_RATE:-100mbit}
+WAN_REACHABILITY=${FP_WAN_REACHABILITY:-private}
+case $WAN_REACHABILITY in
+    private | auto) ;;
+    *) echo "netns-testbed: FP_WAN_REACHABILITY=$WAN_REACHABILITY: private or auto" >&2; exit 2 ;;
+esac
 MARKER=$STATE/.netns-testbed
 # WAN mode: asked for (`up --wan`) or recorded by the `up` that made the testbed
 WAN=0
@@ -306,7 +313,7 @@ print([a for a in json.load(sys.stdin)["addrs"] if a.startswith("/ip4/'"$(ip_of 
         -e 's|^\[network\]$|[network]\nrelay_service = true|' "$STATE/scheduler/cluster.toml"
     for c in "${CLUSTERS[@]}"; do
         sed -i -e "s|^bootstrap = .*|bootstrap = [\"$gw_addr\"]|" \
-            -e 's|^\[network\]$|[network]\nreachability = "private"|' "$STATE/$c/cluster.toml"
+            -e 's|^\[network\]$|[network]\nreachability = "'"$WAN_REACHABILITY"'"|' "$STATE/$c/cluster.toml"
     done
     log "gateway $gw_addr relays for ${CLUSTERS[*]}"
 }

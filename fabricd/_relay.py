@@ -44,6 +44,7 @@ from libp2p.relay.circuit_v2.protocol_buffer import StatusCode, to_proto_status
 from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
+from fabricd import _dialback as dialback
 from fabricd import _fastpath
 from fabricd._sender import NoRoute, open_stream
 from fabricd._streams import LINGER_SECONDS, Handler, close_quietly, reset_quietly
@@ -61,6 +62,8 @@ RESERVATION_TTL = 3600
 RENEW_MARGIN = 600.0
 #: a gateway that refused a reservation, or offers no relay, is asked again after this
 RETRY_REFUSED = 30.0
+#: reachability auto: how often a gateway is asked to dial this daemon back
+RECHECK_SECONDS = dialback.RECHECK_SECONDS
 RELAY_READ = 1024 * 1024
 HOP_TIMEOUT = 10.0
 CIRCUIT = "/p2p-circuit"
@@ -522,17 +525,26 @@ class RelayClient:
     """Reservations at the bootstrap gateways and the stop side of circuits (module docstring)."""
 
     def __init__(self, host: IHost, gateways: tuple[str, ...], private: bool,
-                 silent_after: float = Relay.silent_after) -> None:
+                 silent_after: float = Relay.silent_after, auto: bool = False) -> None:
         self.host = host
         self.gateways = gateways
         #: a gateway is pinged every half of this; one silent this long (frozen, its machine
         #: gone) has its connection closed, and the circuits through it with it: members
         #: redial through another relay instead of waiting on a TCP connection nobody reads
         self.silent_after = silent_after
-        if private:
-            # identify, heartbeats and the DHT record then give only /p2p-circuit addresses:
-            # nobody (the DHT included) wastes a dial on an address behind the NAT
-            setattr(host, "get_addrs", lambda: [multiaddr.Multiaddr(a) for a in self.addrs()])  # noqa: B010
+        self.private = private
+        #: reachability = "auto": private or public as gateways' dial-backs find it
+        #: (fabricd/_dialback.py); until the first answer, both kinds of address are announced
+        self.auto = auto
+        #: (private?, why, when: monotonic) of the last dial-back answered
+        self.verdict: tuple[bool, str, float] | None = None
+        #: told each verdict (the data plane: behind NAT or not)
+        self.on_verdict: Callable[[bool], None] = lambda private: None
+        own = self.own_addrs = host.get_addrs
+        # While private, identify, heartbeats and the DHT record give only /p2p-circuit
+        # addresses: nobody (the DHT included) wastes a dial on an address behind the NAT
+        setattr(host, "get_addrs", lambda: [multiaddr.Multiaddr(a) for a in self.addrs()]  # noqa: B010
+                if self.private else own())
         #: relay peer id -> (gateway address, expiry, the connection it was made on)
         self.held: dict[str, tuple[str, float, Any]] = {}
         #: relay peer id -> (why not, when to ask again)
@@ -543,24 +555,52 @@ class RelayClient:
         self.host.set_stream_handler(STOP_PROTOCOL_ID, guard("relay.stop", self._stop._handle_stop_stream, None))
 
     def addrs(self) -> list[str]:
+        """The /p2p-circuit addresses to announce (none once a dial-back found us public)."""
+        if self.auto and self.verdict is not None and not self.verdict[0]:
+            return []
         own = str(self.host.get_id())
         return [f"{gateway}{CIRCUIT}/p2p/{own}" for gateway, _, _ in self.held.values()]
 
     def status(self) -> dict[str, Any]:
         now = time.time()
+        found = {}
+        if self.auto:
+            found = {"found": "unknown (no dial-back answered yet)" if self.verdict is None else
+                     ("private" if self.verdict[0] else "public") + (f": {self.verdict[1]}" if self.verdict[1] else "")}
         return {"reservations": {relay: round(expires - now) for relay, (_, expires, _) in self.held.items()},
-                "refused": {relay: why for relay, (why, _) in self.refused.items()}}
+                "refused": {relay: why for relay, (why, _) in self.refused.items()}, **found}
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         pinged: dict[str, float] = {}
         while True:
             for gateway in self.gateways:
-                await self._keep(gateway)
+                if not (self.auto and self.verdict is not None and not self.verdict[0]):
+                    await self._keep(gateway)  # (found public: no reservation needed)
+                if self.auto and (self.verdict is None or self.verdict[2] < time.monotonic() - RECHECK_SECONDS):
+                    await self._check(gateway)
                 if pinged.get(gateway, 0.0) < time.monotonic() - self.silent_after / 2:
                     await self._ping(info_from_p2p_addr(multiaddr.Multiaddr(gateway)).peer_id)
                     pinged[gateway] = time.monotonic()
             await trio.sleep(1.0)
+
+    async def _check(self, gateway: str) -> None:
+        """Ask ``gateway`` to dial us back at the port we announce (reachability auto)."""
+        relay_id = info_from_p2p_addr(multiaddr.Multiaddr(gateway)).peer_id
+        relay = str(relay_id)
+        port = next((int(a.value_for_protocol("tcp")) for a in self.own_addrs() if "/tcp/" in str(a)), 0)
+        if not port or not any(not _relayed(c) for c in self.host.get_network().get_connections(relay_id)):
+            return
+        result = await dialback.ask(self.host, relay, port)
+        if result is None:
+            return
+        private = not result.reachable
+        if self.verdict is None or self.verdict[0] != private:
+            log.info("relay.reachability", found="private" if private else "public", gateway=relay,
+                     address=result.address, reason=result.reason or "dialled back")
+        self.verdict = (private, result.reason, time.monotonic())
+        self.private = private
+        self.on_verdict(private)
 
     async def _ping(self, relay_id: ID) -> None:
         """Close the connections to a gateway that does not answer a ping in silent_after."""

@@ -23,6 +23,7 @@ from libp2p.peer.id import ID
 
 from fabricd import _muxguard, _taskdump
 from fabricd._dataplane import DataPlane
+from fabricd._dialback import DialBackService
 from fabricd._host import HostStack, open_host_stack
 from fabricd._relay import RelayClient, RelayService
 from fabricd._sender import (
@@ -219,19 +220,23 @@ class Daemon:
             if self.relay_service is not None:
                 self.relay_service.metrics = self.metrics
                 self.relay_service.register(self.membership.guard)
+                self.dialback = DialBackService(host)  # members set to reachability "auto" ask it
+                self.dialback.register(self.membership.guard)
                 if self.dataplane is not None:  # members behind NAT get the data plane spliced
                     self.dataplane.splices = _splices(host, cfg, self.relay_service, self.dataplane)
                     self.dataplane.splices.metrics = self.metrics
                     self.dataplane.splices.register(self.membership.guard)
             if cfg.relay.reachability != "public":
                 private = cfg.relay.reachability == "private"
-                self.discovery.relays = RelayClient(host, cfg.bootstrap, private, cfg.relay.silent_after)
-                self.discovery.relays.register(self.membership.guard)
+                relays = self.discovery.relays = RelayClient(host, cfg.bootstrap, private, cfg.relay.silent_after,
+                                                             auto=not private)
+                relays.register(self.membership.guard)
                 if self.dataplane is not None:
-                    self.dataplane.behind_nat = private
-                    self.dataplane.splice_relayed = not private
-                    relays = self.discovery.relays
-                    self.dataplane.gateways = lambda: list(relays.held)
+                    dataplane = self.dataplane
+                    dataplane.behind_nat = private
+                    dataplane.splice_relayed = not private
+                    dataplane.gateways = lambda: list(relays.held)
+                    relays.on_verdict = lambda found_private: setattr(dataplane, "behind_nat", found_private)
             self.updates.register()
             self.control_service.register()
             self.membership.guard_all_handlers()
@@ -316,7 +321,8 @@ class Daemon:
             "transfer": {**self.updates.transfer_status(), "outgoing_bytes": self.bridge.outgoing.used,
                          "outgoing_peak_bytes": self.bridge.outgoing.peak},
             "relay": {"reachability": self.config.relay.reachability,
-                      **({"service": {**self.relay_service.status(), **self._splice_status()}}
+                      **({"service": {**self.relay_service.status(), **self._splice_status(),
+                                      **self.dialback.counts}}
                          if self.relay_service else {}),
                       **(self.discovery.relays.status() if self.discovery.relays else {})},
             "gossip": {"rejected_heartbeats": self.discovery.rejected_heartbeats,

@@ -15,6 +15,8 @@ PROTOCOL_MEMBER = "/fedpilot/member/1.0.0"
 PROTOCOL_DATAPLANE = "/fedpilot/dataplane/1.0.0"
 #: A member behind NAT asks its gateway to join a sender's data-plane connection to its own.
 PROTOCOL_SPLICE = "/fedpilot/dataplane-splice/1.0.0"
+#: A member with reachability "auto" asks a gateway to dial it back: can it be reached?
+PROTOCOL_DIALBACK = "/fedpilot/dialback/1.0.0"
 
 TOPIC_HEARTBEAT = "fedpilot/heartbeat/1"
 

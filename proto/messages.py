@@ -338,6 +338,25 @@ class SpliceRequest(Message):
 
 
 @dataclass(frozen=True)
+class DialBackRequest(Message):
+    """On /fedpilot/dialback/1.0.0: dial me back at this TCP port (of the address you see
+    me at: a gateway dials nowhere else)."""
+
+    TYPE: ClassVar[str] = "DialBackRequest"
+    port: int = spec(Int(1, 65535))
+
+
+@dataclass(frozen=True)
+class DialBackResult(Message):
+    """The gateway's answer: whether a TCP connection to ``address`` was made, and why not."""
+
+    TYPE: ClassVar[str] = "DialBackResult"
+    reachable: bool = spec(Bool())
+    address: str = spec(Text(64))
+    reason: str = spec(REASON)
+
+
+@dataclass(frozen=True)
 class SpliceGrant(Message):
     """The gateway's answer: its data-plane port and the two one-time tokens each side
     opens its connection with (port 0 and empty tokens: refused, see reason)."""

@@ -328,10 +328,12 @@ async def test_splices_are_for_members_that_reserved_and_a_token_must_be_granted
     await trio.to_thread.run_sync(lambda: p.probe("q", 4 << 20))  # the members' splices go on
 
 
-def test_an_auto_member_reached_only_through_a_relay_gets_updates_spliced(tmp_path: Path) -> None:
-    """p has ``reachability = "auto"`` and announces an address nobody can reach (a closed
-    port, as a NAT leaves it): private q reaches it only through the gateway, and q's 4 MiB
-    update to p goes over the data plane spliced there (not through the circuit)."""
+def test_auto_members_find_out_by_dial_back_and_a_private_one_gets_updates_spliced(tmp_path: Path) -> None:
+    """``reachability = "auto"``: p announces an address nobody can reach (a closed port,
+    as a NAT leaves it), r its own. The gateway's dial-back finds p private - it then
+    announces only its circuit address, private q reaches it through the gateway, and q's
+    4 MiB update to p goes over the data plane spliced there - and r public: it announces
+    no circuit address."""
     ca = init_ca(tmp_path)
     g = init_node(tmp_path, "g", ca)
     configure(g, "relay_service = true")
@@ -339,23 +341,31 @@ def test_an_auto_member_reached_only_through_a_relay_gets_updates_spliced(tmp_pa
     try:
         g.start()
         g.wait_ready()
-        p = init_node(tmp_path, "p", ca, [g.addr()])
+        p, r = (init_node(tmp_path, name, ca, [g.addr()]) for name in ("p", "r"))
         configure(p, 'reachability = "auto"')
+        configure(r, 'reachability = "auto"')
         config = Path(p.config)
         config.write_text(config.read_text().replace("announce = []",
                                                      f'announce = ["/ip4/127.0.0.1/tcp/{free_port()}"]', 1))
         q = init_node(tmp_path, "q", ca, [g.addr()])
         configure(q, 'reachability = "private"')
-        for node in (p, q):
+        for node in (p, r, q):
             nodes.append(node)
             node.start()
-        for node in (p, q):
+        for node in (p, r, q):
             node.wait_ready()
-        wait_until(lambda: _row(q, "p").get("connected") and _row(p, "q").get("connected"), timeout=90)
+        wait_until(lambda: bridge_status(p)["relay"].get("found", "").startswith("private: ")
+                   and bridge_status(r)["relay"].get("found") == "public", timeout=60)
+        wait_until(lambda: _row(q, "p").get("connected") and _row(q, "r").get("connected"), timeout=90)
+        wait_until(lambda: _row(q, "p")["addrs"] and all("/p2p-circuit/" in a for a in _row(q, "p")["addrs"]),
+                   timeout=60)
         assert _row(q, "p")["link"] == "relayed"
+        wait_until(lambda: not any("/p2p-circuit/" in a for a in _row(q, "r")["addrs"]), timeout=60)
         q.probe("p", 4 << 20)
         assert bridge_status(q)["transfer"]["bytes_by_path"].get("dataplane_relayed", 0) >= 4 << 20
-        assert bridge_status(g)["relay"]["service"]["bytes_spliced"] >= 4 << 20
+        service = bridge_status(g)["relay"]["service"]
+        assert service["bytes_spliced"] >= 4 << 20, service
+        assert service["dialbacks_failed"] >= 1 and service["dialbacks_reached"] >= 1, service
     finally:
         for node in nodes:
             node.stop()

@@ -33,6 +33,8 @@ MESSAGES: list[m.Message] = [
     m.DataPlaneTicket(port=40001, certificate=b"c" * 300, ticket=b"t" * 32, reason=""),
     m.DataPlaneTicket(port=40002, certificate=b"c" * 300, ticket=b"t" * 32, reason="", via=PEER, splice=b"s" * 32),
     m.SpliceRequest(peer=PEER),
+    m.DialBackRequest(port=4001),
+    m.DialBackResult(reachable=False, address="198.51.100.7:4001", reason="ConnectionRefusedError"),
     m.SpliceGrant(port=40003, listen_token=b"l" * 32, dial_token=b"d" * 32, reason=""),
     m.SpliceGrant(port=0, listen_token=b"", dial_token=b"", reason="busy: retry later"),
 ]
