@@ -84,12 +84,18 @@ def _relayed(conn: Any) -> bool:
         return False
 
 
+def connections(host: IHost, peer_id: str) -> list[Any]:
+    """This host's connections to ``peer_id`` (none for a peer id that is not base58: the
+    swarm's lookup itself cannot fail)."""
+    try:
+        return list(host.get_network().get_connections(ID.from_base58(peer_id)))
+    except ValueError:
+        return []
+
+
 def link_kind(host: IHost, peer_id: str) -> str:
     """"direct", "relayed" (only relayed connections to the peer) or "none"."""
-    try:
-        conns = host.get_network().get_connections(ID.from_base58(peer_id))
-    except ValueError:  # not base58 (the swarm's lookup itself cannot fail)
-        return "none"
+    conns = connections(host, peer_id)
     if not conns:
         return "none"
     return "relayed" if all(_relayed(c) for c in conns) else "direct"
@@ -97,11 +103,7 @@ def link_kind(host: IHost, peer_id: str) -> str:
 
 def relay_of(host: IHost, peer_id: str) -> str | None:
     """The gateway carrying this host's relayed link to ``peer_id`` (None: no such link)."""
-    try:
-        conns = host.get_network().get_connections(ID.from_base58(peer_id))
-    except ValueError:
-        return None
-    for conn in conns:
+    for conn in connections(host, peer_id):
         if _relayed(conn):
             for addr in conn.get_transport_addresses():
                 head = str(addr).partition(CIRCUIT)[0]

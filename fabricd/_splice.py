@@ -48,10 +48,9 @@ from typing import Any
 
 import trio
 from libp2p.abc import IHost, INetStream
-from libp2p.peer.id import ID
 
 from fabricd._bounded import Throttle
-from fabricd._relay import Bandwidth, _relayed
+from fabricd._relay import Bandwidth, _relayed, connections
 from fabricd._sender import open_stream
 from fabricd._streams import close_quietly, read_message_exact, remote_peer, write_message
 from fabricd.admission import RATE_GRACE, RateFloor
@@ -93,11 +92,7 @@ FRAME_LIMIT = 64 * 1024
 
 def peer_ip(host: IHost, peer_id: str) -> str | None:
     """The IP address of this host's direct libp2p connection to ``peer_id``, if any."""
-    try:
-        conns = host.get_network().get_connections(ID.from_base58(peer_id))
-    except ValueError:
-        return None
-    for conn in conns:
+    for conn in connections(host, peer_id):
         if _relayed(conn):
             continue
         try:
