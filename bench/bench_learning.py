@@ -503,6 +503,9 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
             "rounds": rounds, "centralized": central.get("final"),
             "centralized_best": central.get("best"), "reference_fedavg": ref_final,
             "reference_over_centralized": round(ref_final / best, 4),
+            "reference_curve": reference.get("curve"),
+            "reference_at_chance_after_round_3": any(a <= chance + CHANCE_MARGIN
+                                                     for a in (reference.get("curve") or [])[3:]),
             "jobs": rows, "refused": refused}
 
 
