@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -366,6 +367,31 @@ def test_auto_members_find_out_by_dial_back_and_a_private_one_gets_updates_splic
         service = bridge_status(g)["relay"]["service"]
         assert service["bytes_spliced"] >= 4 << 20, service
         assert service["dialbacks_failed"] >= 1 and service["dialbacks_reached"] >= 1, service
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+@pytest.mark.parametrize("path", ["circuit", "splice"])
+def test_a_gateway_keeps_to_relay_max_bytes_per_second(tmp_path: Path, path: str) -> None:
+    """relay_max_bytes_per_second = 2 MB/s: a 4 MiB update between two private members,
+    through a circuit (their data plane off) or spliced, is held back about a second past
+    the bucket's first second (throttled_seconds), and still delivered (the wait is not
+    charged to the members' rate floors)."""
+    nodes = start_relayed(tmp_path, init_ca(tmp_path), ("p", "q"),
+                          "relay_service = true\nrelay_max_bytes_per_second = 2000000",
+                          member_limits="dataplane_min_bytes = 0" if path == "circuit" else "")
+    g, p, q = nodes
+    try:
+        wait_until(lambda: _row(p, "q").get("connected") and _row(q, "p").get("connected"), timeout=90)
+        time.sleep(1.5)  # the bucket refills after the links' own traffic
+        before = bridge_status(g)["relay"]["service"]
+        p.probe("q", 4 << 20)
+        service = bridge_status(g)["relay"]["service"]
+        moved = "bytes_relayed" if path == "circuit" else "bytes_spliced"
+        assert service[moved] - before[moved] >= 4 << 20, service
+        assert service["max_bytes_per_second"] == 2_000_000
+        assert service["throttled_seconds"] - before["throttled_seconds"] >= 0.8, (before, service)
     finally:
         for node in nodes:
             node.stop()
