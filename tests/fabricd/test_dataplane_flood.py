@@ -2,7 +2,9 @@
 to a daemon's data-plane port, reopened as fast as it closes them - half silent, half a
 TLS ClientHello cut short - and a member's 4 MiB updates still go over the plane (none
 falls back to libp2p), because a member's connection shows its ticket's tag and takes a
-handshake slot strangers cannot hold."""
+handshake slot strangers cannot hold. The same flood on a gateway's data-plane port does
+not keep two private members' updates from being spliced there either (a splice's halves
+show their tokens first, as a ticket's holder shows its tag)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,19 @@ import os
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.fabricd._harness import Node, bridge_status, start_pair, wait_until
+from tests.fabricd._harness import (
+    Node,
+    bridge_status,
+    init_ca,
+    start_pair,
+    start_relayed,
+    wait_until,
+)
 from tests.fabricd._transfer_load import blast
 
 pytestmark = pytest.mark.slow
@@ -62,10 +73,8 @@ def _flood(port: int, stop: threading.Event, opened: list[int], worker: int) -> 
             sock.close()
 
 
-def test_a_member_keeps_the_data_plane_under_a_stranger_flood(pair: tuple[Node, Node]) -> None:
-    a, b = pair
-    port = int(bridge_status(b)["transfer"]["dataplane_port"])
-    before_a, before_b = bridge_status(a)["transfer"], bridge_status(b)["transfer"]
+def _flooded(port: int, a: Node, b: Node) -> Any:
+    """8 updates of 4 MiB from a to b, four at a time, while strangers flood ``port``."""
     stop = threading.Event()
     opened = [0] * THREADS
     threads = [threading.Thread(target=_flood, args=(port, stop, opened, w), daemon=True) for w in range(THREADS)]
@@ -74,11 +83,18 @@ def test_a_member_keeps_the_data_plane_under_a_stranger_flood(pair: tuple[Node, 
     try:
         wait_until(lambda: sum(opened) >= STRANGERS, timeout=60)
         # four at a time: new data-plane connections are opened during the flood
-        result = blast(a, b, count=8, size=4 * MIB, sockets=4)
+        return blast(a, b, count=8, size=4 * MIB, sockets=4)
     finally:
         stop.set()
         for thread in threads:
             thread.join(30)
+
+
+def test_a_member_keeps_the_data_plane_under_a_stranger_flood(pair: tuple[Node, Node]) -> None:
+    a, b = pair
+    port = int(bridge_status(b)["transfer"]["dataplane_port"])
+    before_a, before_b = bridge_status(a)["transfer"], bridge_status(b)["transfer"]
+    result = _flooded(port, a, b)
     assert result.failed == [] and result.delivered == 8 and result.digest_mismatch == 0, result.summary()
     after_a, after_b = bridge_status(a)["transfer"], bridge_status(b)["transfer"]
     assert after_a["dataplane_fallbacks"] == before_a["dataplane_fallbacks"], (before_a, after_a)
@@ -86,4 +102,30 @@ def test_a_member_keeps_the_data_plane_under_a_stranger_flood(pair: tuple[Node, 
     assert sent >= 8 * 4 * MIB, (before_a, after_a)
     assert after_b["dataplane_accepted"] - before_b["dataplane_accepted"] >= 1, after_b
     # the flood did reach the port and was refused
-    assert after_b["dataplane_refused"] - before_b["dataplane_refused"] >= STRANGERS // 2, (sum(opened), after_b)
+    assert after_b["dataplane_refused"] - before_b["dataplane_refused"] >= STRANGERS // 2, after_b
+
+
+def test_private_members_keep_their_splices_under_a_stranger_flood_of_the_gateway(
+        tmp_path: Path) -> None:
+    nodes = start_relayed(tmp_path, init_ca(tmp_path), ("p", "q"), "relay_service = true")
+    g, p, q = nodes
+    try:
+        wait_until(lambda: "q" in {r["cluster_id"] for r in bridge_status(p)["clusters"] if r["connected"]},
+                   timeout=90)
+        port = int(bridge_status(g)["transfer"]["dataplane_port"])
+        before_p, before_g = bridge_status(p)["transfer"], bridge_status(g)
+        result = _flooded(port, p, q)
+        after_p, after_g = bridge_status(p)["transfer"], bridge_status(g)
+    finally:
+        for node in nodes:
+            node.stop()
+    assert result.failed == [] and result.delivered == 8 and result.digest_mismatch == 0, result.summary()
+    assert after_p["dataplane_fallbacks"] == before_p["dataplane_fallbacks"], (before_p, after_p)
+    spliced = (after_p["bytes_by_path"].get("dataplane_relayed", 0)
+               - before_p["bytes_by_path"].get("dataplane_relayed", 0))
+    assert spliced >= 8 * 4 * MIB, (before_p, after_p)
+    service = after_g["relay"]["service"]
+    assert service["splices_joined"] > before_g["relay"]["service"]["splices_joined"], service
+    # the flood did reach the gateway's port and was refused
+    assert (after_g["transfer"]["dataplane_refused"] - before_g["transfer"]["dataplane_refused"]
+            >= STRANGERS // 2), after_g["transfer"]
