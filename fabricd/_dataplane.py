@@ -132,6 +132,10 @@ FRAME_LIMIT = 64 * 1024
 #: a member's data-plane connection opens with these bytes and its ticket's tag (cleartext)
 TICKET_MAGIC = b"FPDP"
 TICKET_TAG_BYTES = 16
+#: a receiver behind NAT connecting back to the sender's port opens with these bytes and
+#: the nonce of the sender's offer (cleartext); the sender then runs its usual handshake
+REVERSE_MAGIC = b"FPRV"
+REVERSE_NONCE_BYTES = 16
 #: connections waiting for their first bytes, without a handshake slot
 MAX_WAITING = 512
 
@@ -342,12 +346,14 @@ class RecordRefused(FabricdError):
     (the connection is closed)."""
 
 
-def dial(address: str, port: int, ctx: ssl.SSLContext, ticket: bytes, splice: bytes = b"") -> Records:
+def dial(address: str, port: int, ctx: ssl.SSLContext, ticket: bytes, splice: bytes = b"",
+         back: socket.socket | None = None) -> Records:
     """Connect, run TLS 1.3 (``ctx`` pins the receiver's certificate), present the ticket
     and two fresh record keys inside it, then leave TLS (close_notify both ways): the
     receiver's close_notify is its acceptance. Blocking; OSError/ssl.SSLError if refused.
-    ``splice``: ``address`` is the receiver's gateway, which joins us to it by this token."""
-    raw = socket.create_connection((address, port), timeout=DIAL_SECONDS)
+    ``splice``: ``address`` is the receiver's gateway, which joins us to it by this token;
+    ``back``: no connect, the receiver connected back to us on this socket."""
+    raw = back or socket.create_connection((address, port), timeout=DIAL_SECONDS)
     try:
         raw.settimeout(HANDSHAKE_SECONDS)
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -717,6 +723,8 @@ class DataPlane:
         self.gateways: Callable[[], list[str]] = list
         #: a gateway's splices (relay_service = true)
         self.splices: SpliceService | None = None
+        #: nonces of our offers under way -> (set when the receiver connected back, its socket)
+        self._back: dict[bytes, tuple[trio.Event, list[trio.socket.SocketType]]] = {}
         self._nursery: trio.Nursery | None = None
 
     # ---- receiving ---------------------------------------------------------------------
@@ -745,14 +753,17 @@ class DataPlane:
                                            f"outstanding, at most {TICKETS_PER_PEER}; retry later")
                 return
             self._trust(peer, offer.certificate)
-            port, via, splice = self.port, "", b""
+            port, via, splice, back = self.port, "", b"", None
             relayed = (self.behind_nat or self.splice_relayed) and link_kind(self.host, peer) == "relayed"
             if self.behind_nat and not relayed:
-                # a member we dialled ourselves: libp2p over that direct link, not a detour
-                await self._refuse(stream, "unavailable: this daemon is behind NAT (network.reachability = "
-                                           "private) and linked directly to you: libp2p carries it")
-                return
-            if self.behind_nat or self.splice_relayed and relayed:
+                # a member we reach directly (we dialled it): we connect to its port instead
+                back = await self._connect_back(stream, offer)
+                if isinstance(back, str):
+                    await self._refuse(stream, "unavailable: this daemon is behind NAT (network.reachability = "
+                                               f"private) and could not connect back to you: {back}")
+                    return
+                port = 0
+            elif self.behind_nat or self.splice_relayed and relayed:
                 spliced = await self._spliced(peer)
                 if isinstance(spliced, str):
                     await self._refuse(stream, "unavailable: this daemon's port is out of your reach (behind "
@@ -762,8 +773,11 @@ class DataPlane:
             ticket = secrets.token_bytes(TICKET_BYTES)
             self.tickets[ticket] = (peer, _fingerprint(offer.certificate), time.monotonic() + TICKET_SECONDS)
             self.ticket_tags[_ticket_tag(ticket)] = True
-            await write_message(stream, DataPlaneTicket(port=port, certificate=self.identity.der,
-                                                        ticket=ticket, reason="", via=via, splice=splice))
+            if back is not None:
+                assert self._nursery is not None
+                self._nursery.start_soon(self._accept, back, f"{peer} (connected back)")
+            await write_message(stream, DataPlaneTicket(port=port, certificate=self.identity.der, ticket=ticket,
+                                                        reason="", via=via, splice=splice, reverse=back is not None))
         except (ssl.SSLError, ValueError) as exc:
             await self._refuse(stream, f"bad data-plane certificate: {exc}")
         except trio.TooSlowError:
@@ -772,6 +786,18 @@ class DataPlane:
                      reason=f"no DataPlaneOffer within {HANDSHAKE_SECONDS:g} s")
         finally:
             await close_quietly(stream)
+
+    async def _connect_back(self, stream: INetStream, offer: DataPlaneOffer) -> trio.socket.SocketType | str:
+        """Behind NAT, asked by a sender we reach directly: our connection to its own
+        data-plane port (at the address of our link to it), opened with its offer's nonce;
+        or why none could be made."""
+        address = stream.get_remote_address()
+        if not offer.port or len(offer.nonce) != REVERSE_NONCE_BYTES or address is None:
+            return "your offer names no data-plane port of yours"
+        try:
+            return await park(str(address[0]), offer.port, REVERSE_MAGIC + offer.nonce)
+        except (OSError, trio.TooSlowError) as exc:
+            return f"{address[0]}:{offer.port}: {type(exc).__name__}: {exc}"
 
     async def _spliced(self, peer: str) -> tuple[int, str, bytes] | str:
         """Behind NAT: a splice for sender ``peer`` at one of our gateways, our half
@@ -782,7 +808,7 @@ class DataPlane:
         for gateway in sorted(self.gateways(), key=lambda g: g != carrying):
             try:
                 ip, grant = await request_splice(self.host, gateway, peer)
-                sock = await park(ip, grant.port, grant.listen_token)
+                sock = await park(ip, grant.port, SPLICE_MAGIC + grant.listen_token)
             except (ConnectionError, OSError, trio.TooSlowError) as exc:
                 failures.append(f"{gateway}: {type(exc).__name__}: {exc}")
                 continue
@@ -857,10 +883,13 @@ class DataPlane:
         """Wait, holding no handshake slot, for the connection's first bytes: ("ticket", "")
         after an outstanding ticket's tag (consumed), ("tls", "") for anything else (left
         for TLS), ("refused", why) for nothing in time, an unknown tag, or a newcomer's
-        turn; on a gateway, ("splice", token) for half of a splice (SPLICE_MAGIC, consumed)."""
+        turn; ("back", nonce) for a receiver connecting back (REVERSE_MAGIC, consumed); on
+        a gateway, ("splice", token) for half of a splice (SPLICE_MAGIC, consumed)."""
         key = object()
         head = b""
-        splice = self.splices is not None
+        # the openings (4 bytes each) and the lengths of what follows them
+        openings = {TICKET_MAGIC: TICKET_TAG_BYTES, REVERSE_MAGIC: REVERSE_NONCE_BYTES,
+                    **({SPLICE_MAGIC: SPLICE_TOKEN_BYTES} if self.splices is not None else {})}
         with trio.move_on_after(HANDSHAKE_SECONDS) as scope:
             self._waiting[key] = scope
             if len(self._waiting) > MAX_WAITING:
@@ -869,20 +898,18 @@ class DataPlane:
                 want = len(TICKET_MAGIC) + TICKET_TAG_BYTES
                 while True:
                     head = await tsock.recv(want, socket.MSG_PEEK)
-                    if splice and head.startswith(SPLICE_MAGIC):
-                        want = len(SPLICE_MAGIC) + SPLICE_TOKEN_BYTES
-                    prefix = head[:len(TICKET_MAGIC)]
-                    if (not head or len(head) == want or not (TICKET_MAGIC.startswith(prefix)
-                                                              or splice and SPLICE_MAGIC.startswith(prefix))):
+                    want = len(TICKET_MAGIC) + openings.get(head[:len(TICKET_MAGIC)], TICKET_TAG_BYTES)
+                    if not head or len(head) == want or not any(o.startswith(head[:4]) for o in openings):
                         break
                     await trio.sleep(0.01)  # a tag cut in two: wait for the rest
             finally:
                 self._waiting.pop(key, None)
         if scope.cancelled_caught or not head:
             return "refused", f"nothing within {HANDSHAKE_SECONDS:g} s" if scope.cancelled_caught else "closed"
-        if splice and head.startswith(SPLICE_MAGIC) and len(head) == want:
-            await tsock.recv(len(head))
-            return "splice", head[len(SPLICE_MAGIC):]
+        for opening, kind in ((SPLICE_MAGIC, "splice"), (REVERSE_MAGIC, "back")):
+            if opening in openings and head.startswith(opening) and len(head) == want:
+                await tsock.recv(len(head))
+                return kind, head[len(opening):]
         if not head.startswith(TICKET_MAGIC):
             return "tls", ""
         await tsock.recv(len(head))
@@ -894,6 +921,17 @@ class DataPlane:
         kind, first = await self._first_bytes(tsock)
         if kind == "splice" and self.splices is not None:
             await self.splices.take(bytes(first), tsock, where)  # type: ignore[arg-type]
+            return
+        if kind == "back":
+            waiting = self._back.get(bytes(first))  # type: ignore[arg-type]
+            if waiting is None or waiting[1]:
+                self.refused += 1
+                self._throttle.warning("dataplane.handshake_refused", address=where,
+                                       reason="a connection back for no offer of ours under way")
+                tsock.close()
+                return
+            waiting[1].append(tsock)  # the offer's _connect runs the handshake on it
+            waiting[0].set()
             return
         if kind == "refused":
             self.refused += 1
@@ -997,13 +1035,25 @@ class DataPlane:
         return stream
 
     async def _connect(self, peer_id: str) -> TlsStream:
+        nonce = secrets.token_bytes(REVERSE_NONCE_BYTES)
+        back: tuple[trio.Event, list[trio.socket.SocketType]] = (trio.Event(), [])
+        self._back[nonce] = back  # (a receiver behind NAT may connect back before it answers)
+        try:
+            return await self._connect_with(peer_id, nonce, back)
+        finally:
+            del self._back[nonce]
+            for sock in back[1]:  # a connection back that was not used
+                sock.close()
+
+    async def _connect_with(self, peer_id: str, nonce: bytes,
+                            back: tuple[trio.Event, list[trio.socket.SocketType]]) -> TlsStream:
         try:
             stream = await open_stream(self.host, peer_id, PROTOCOL_DATAPLANE, attempts=2)
         except Exception as exc:  # noqa: BLE001 - StreamFailure: the peer may not offer it
             raise DataPlaneUnavailable(f"no data-plane ticket from {peer_id}: {type(exc).__name__}: {exc}") from exc
         try:
             address = stream.get_remote_address()
-            await write_message(stream, DataPlaneOffer(certificate=self.identity.der))
+            await write_message(stream, DataPlaneOffer(certificate=self.identity.der, port=self.port, nonce=nonce))
             with trio.fail_after(HANDSHAKE_SECONDS):
                 answer = await read_message_exact(stream, FRAME_LIMIT)
         except Exception as exc:  # noqa: BLE001 - any failed handshake: libp2p is the fallback
@@ -1013,14 +1063,26 @@ class DataPlane:
         if not isinstance(answer, DataPlaneTicket) or not answer.ticket:
             reason = answer.reason if isinstance(answer, DataPlaneTicket) else f"got {answer.TYPE}"
             raise DataPlaneUnavailable(f"{peer_id} gave no data-plane ticket: {reason}")
-        ip = peer_ip(self.host, answer.via) if answer.via else address[0] if address else None
-        if ip is None:
-            raise DataPlaneUnavailable(f"{peer_id}'s data plane is out of reach: " + (
-                f"its gateway {answer.via} has no direct link from here" if answer.via else "the link is relayed"))
-        where = f"{ip}:{answer.port}" + (f" (gateway {answer.via})" if answer.via else "")
+        raw: socket.socket | None = None
+        ip: str | None = ""
+        if answer.reverse:
+            with trio.move_on_after(HANDSHAKE_SECONDS):
+                await back[0].wait()
+            if not back[1]:
+                raise DataPlaneUnavailable(f"{peer_id} said it connected back to our data plane, "
+                                           f"and nothing came in {HANDSHAKE_SECONDS:g} s")
+            raw = socket.socket(fileno=back[1].pop().detach())
+            raw.setblocking(True)
+            where = "its connection back to us"
+        else:
+            ip = peer_ip(self.host, answer.via) if answer.via else address[0] if address else None
+            if ip is None:
+                raise DataPlaneUnavailable(f"{peer_id}'s data plane is out of reach: " + (
+                    f"its gateway {answer.via} has no direct link from here" if answer.via else "the link is relayed"))
+            where = f"{ip}:{answer.port}" + (f" (gateway {answer.via})" if answer.via else "")
         ctx = _context(self.identity, server=False, pinned=answer.certificate)
         try:
-            records = await trio.to_thread.run_sync(dial, ip, answer.port, ctx, answer.ticket, answer.splice,
+            records = await trio.to_thread.run_sync(dial, ip, answer.port, ctx, answer.ticket, answer.splice, raw,
                                                     limiter=self.limiter)
         except (OSError, ssl.SSLError) as exc:
             raise DataPlaneUnavailable(f"data-plane connection to {peer_id} at {where} "

@@ -130,14 +130,16 @@ async def request(host: IHost, gateway: str, peer: str) -> tuple[str, SpliceGran
     return ip, grant
 
 
-async def park(ip: str, port: int, token: bytes) -> trio.socket.SocketType:
-    """The receiver's half of a splice: connected to the gateway, its token sent."""
+async def park(ip: str, port: int, opening: bytes) -> trio.socket.SocketType:
+    """A receiver's own connection to a data-plane port, ``opening`` sent: its half of a
+    splice (SPLICE_MAGIC and its token, to the gateway), or a connection back to the
+    sender (fabricd._dataplane.REVERSE_MAGIC and the offer's nonce)."""
     sock = trio.socket.socket(trio.socket.AF_INET6 if ":" in ip else trio.socket.AF_INET, trio.socket.SOCK_STREAM)
     try:
         with trio.fail_after(DIAL_SECONDS):
             await sock.connect((ip, port))
             sock.setsockopt(trio.socket.IPPROTO_TCP, trio.socket.TCP_NODELAY, 1)
-            head = memoryview(SPLICE_MAGIC + token)
+            head = memoryview(opening)
             while head:
                 head = head[await sock.send(head):]
     except BaseException:

@@ -310,6 +310,10 @@ class DataPlaneOffer(Message):
 
     TYPE: ClassVar[str] = "DataPlaneOffer"
     certificate: bytes = spec(Bin(MAX_CERTIFICATE_BYTES, 1))
+    #: the sender's own data-plane port and a nonce: a receiver behind NAT that the sender
+    #: reaches directly may connect there instead, opening with the nonce (0, b"": none)
+    port: int = spec(Int(0, 65535), default=0)
+    nonce: bytes = spec(Bin(16, exact=(0, 16)), default=b"")
 
 
 @dataclass(frozen=True)
@@ -326,6 +330,9 @@ class DataPlaneTicket(Message):
     #: gateway's) and open with ``splice``, the gateway joins the receiver's connection
     via: str = spec(Text(128, 0, pattern=r"[1-9A-HJ-NP-Za-km-z]*"), default="")
     splice: bytes = spec(Bin(32, exact=(0, 32)), default=b"")
+    #: the receiver (behind NAT) connected to the sender's own port, with the offer's nonce:
+    #: the sender runs its handshake on that connection
+    reverse: bool = spec(Bool(), default=False)
 
 
 @dataclass(frozen=True)

@@ -395,3 +395,19 @@ def test_a_gateway_keeps_to_relay_max_bytes_per_second(tmp_path: Path, path: str
     finally:
         for node in nodes:
             node.stop()
+
+
+def test_a_private_member_connects_back_to_a_sender_it_reaches_directly(relayed: dict[str, Any]) -> None:
+    """p is private and dialled the gateway g itself: g's 4 MiB update to p cannot open a
+    data-plane connection to p (its port is behind the NAT) and needs no splice - p
+    connects to g's data-plane port instead, and the body goes over the data plane."""
+    g, p = relayed["g"], relayed["p"]
+    wait_until(lambda: _row(g, "p").get("connected"), timeout=90)
+    assert _row(g, "p")["link"] == "direct"
+    before_g, before_p = bridge_status(g)["transfer"], bridge_status(p)["transfer"]
+    g.probe("p", 4 << 20)
+    after_g, after_p = bridge_status(g)["transfer"], bridge_status(p)["transfer"]
+    sent = after_g["bytes_by_path"].get("dataplane", 0) - before_g["bytes_by_path"].get("dataplane", 0)
+    assert sent >= 4 << 20, (before_g, after_g)
+    assert after_g["dataplane_fallbacks"] == before_g["dataplane_fallbacks"], after_g
+    assert after_p["dataplane_accepted"] > before_p["dataplane_accepted"], after_p

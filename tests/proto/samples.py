@@ -30,6 +30,8 @@ MESSAGES: list[m.Message] = [
     m.ControlResponse(request_id="r1", ok=True, body={}, reason=""),
     m.SignedEnvelope(payload=b"routing", certificate=b"c" * 10, signature=b"s" * 64),
     m.DataPlaneOffer(certificate=b"c" * 300),
+    m.DataPlaneOffer(certificate=b"c" * 300, port=40004, nonce=b"n" * 16),
+    m.DataPlaneTicket(port=0, certificate=b"c" * 300, ticket=b"t" * 32, reason="", reverse=True),
     m.DataPlaneTicket(port=40001, certificate=b"c" * 300, ticket=b"t" * 32, reason=""),
     m.DataPlaneTicket(port=40002, certificate=b"c" * 300, ticket=b"t" * 32, reason="", via=PEER, splice=b"s" * 32),
     m.SpliceRequest(peer=PEER),
