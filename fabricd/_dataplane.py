@@ -75,6 +75,7 @@ import ssl
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -723,6 +724,8 @@ class DataPlane:
         self.gateways: Callable[[], list[str]] = list
         #: a gateway's splices (relay_service = true)
         self.splices: SpliceService | None = None
+        #: our connections spliced by a gateway (ended when the gateway goes silent)
+        self._spliced_streams: weakref.WeakSet[TlsStream] = weakref.WeakSet()
         #: nonces of our offers under way -> (set when the receiver connected back, its socket)
         self._back: dict[bytes, tuple[trio.Event, list[trio.socket.SocketType]]] = {}
         self._nursery: trio.Nursery | None = None
@@ -1088,7 +1091,20 @@ class DataPlane:
             raise DataPlaneUnavailable(f"data-plane connection to {peer_id} at {where} "
                                        f"failed: {type(exc).__name__}: {exc}") from exc
         self.opened += 1
-        return TlsStream(records, ID.from_base58(peer_id), self.limiter, via=answer.via)
+        made = TlsStream(records, ID.from_base58(peer_id), self.limiter, via=answer.via)
+        if answer.via:
+            self._spliced_streams.add(made)
+        return made
+
+    def gateway_lost(self, gateway: str) -> None:
+        """``gateway`` went silent (frozen, its machine gone: fabricd._relay.RelayClient's
+        pings): our connections spliced there are shut down, so a write blocked on one fails
+        at once - its update is sent again, spliced elsewhere or over libp2p - instead of
+        after WRITE_SECONDS."""
+        for stream in list(self._spliced_streams):
+            if stream.via == gateway and not stream.closed:
+                with contextlib.suppress(OSError):
+                    stream.records.sock.shutdown(socket.SHUT_RDWR)
 
     def status(self) -> dict[str, int]:
         return {"dataplane_port": self.port, "dataplane_accepted": self.accepted,

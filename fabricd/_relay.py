@@ -542,6 +542,8 @@ class RelayClient:
         self.verdict: tuple[bool, str, float] | None = None
         #: told each verdict (the data plane: behind NAT or not)
         self.on_verdict: Callable[[bool], None] = lambda private: None
+        #: told a gateway went silent (the data plane ends its connections spliced there)
+        self.on_silent: Callable[[str], None] = lambda relay: None
         own = self.own_addrs = host.get_addrs
         # While private, identify, heartbeats and the DHT record give only /p2p-circuit
         # addresses: nobody (the DHT included) wastes a dial on an address behind the NAT
@@ -621,6 +623,7 @@ class RelayClient:
             return
         log.warning("relay.silent", relay=str(relay_id), after_s=self.silent_after,
                     action="connection closed; links through it redial through another relay")
+        self.on_silent(str(relay_id))
         for conn in conns:
             with trio.move_on_after(1):
                 # the socket first: writes blocked on it end, where yamux's goodbye would wait

@@ -237,6 +237,7 @@ class Daemon:
                     dataplane.splice_relayed = not private
                     dataplane.gateways = lambda: list(relays.held)
                     relays.on_verdict = lambda found_private: setattr(dataplane, "behind_nat", found_private)
+                    relays.on_silent = dataplane.gateway_lost
             self.updates.register()
             self.control_service.register()
             self.membership.guard_all_handlers()

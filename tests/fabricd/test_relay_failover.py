@@ -26,6 +26,9 @@ pytestmark = pytest.mark.slow
 UPDATE = 256 << 20
 #: bounds a hung update (the job's round deadline is at least 60 s: proto.job.Faults)
 HANG_S = 180
+#: the gateways pass 64 MB/s at most, so the gateway is cut while the update is under way
+#: (spliced, 256 MiB would otherwise be through in a fraction of a second)
+GATEWAY = "relay_service = true\nrelay_max_bytes_per_second = 64000000"
 
 
 def _linked(a: Node, b: Node) -> bool:
@@ -56,7 +59,7 @@ def _update_cut_by(g: Node, p: Node, how: signal.Signals) -> tuple[subprocess.Co
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 def test_the_other_gateway_carries_the_link_when_one_dies(tmp_path: Path, how: signal.Signals) -> None:
     # the members find a frozen gateway silent after 4 s, not production's 10 (the same code path)
-    nodes = start_relayed(tmp_path, init_ca(tmp_path), ("p", "q"), "relay_service = true", gateways=("g1", "g2"),
+    nodes = start_relayed(tmp_path, init_ca(tmp_path), ("p", "q"), GATEWAY, gateways=("g1", "g2"),
                           member_network="relay_silent_after = 4")
     g1, g2, p, q = nodes
     try:
@@ -80,7 +83,7 @@ def test_the_other_gateway_carries_the_link_when_one_dies(tmp_path: Path, how: s
 
 
 def test_the_update_under_way_fails_naming_the_relay_when_the_only_gateway_dies(tmp_path: Path) -> None:
-    nodes = start_relayed(tmp_path, init_ca(tmp_path), ("p", "q"), "relay_service = true")
+    nodes = start_relayed(tmp_path, init_ca(tmp_path), ("p", "q"), GATEWAY)
     g, p, q = nodes
     try:
         wait_until(lambda: _linked(p, q) and _linked(q, p), timeout=90)
