@@ -542,6 +542,8 @@ class RelayClient:
         self.verdict: tuple[bool, str, float] | None = None
         #: told each verdict (the data plane: behind NAT or not)
         self.on_verdict: Callable[[bool], None] = lambda private: None
+        #: gateway -> when it last left a dial-back unanswered (asked again RETRY_REFUSED after)
+        self.unanswered: dict[str, float] = {}
         #: told a gateway went silent (the data plane ends its connections spliced there)
         self.on_silent: Callable[[str], None] = lambda relay: None
         own = self.own_addrs = host.get_addrs
@@ -593,10 +595,12 @@ class RelayClient:
         relay_id = info_from_p2p_addr(multiaddr.Multiaddr(gateway)).peer_id
         relay = str(relay_id)
         port = next((int(a.value_for_protocol("tcp")) for a in self.own_addrs() if "/tcp/" in str(a)), 0)
-        if not port or not any(not _relayed(c) for c in self.host.get_network().get_connections(relay_id)):
+        if (not port or self.unanswered.get(relay, -RETRY_REFUSED) > time.monotonic() - RETRY_REFUSED
+                or not any(not _relayed(c) for c in self.host.get_network().get_connections(relay_id))):
             return
         result = await dialback.ask(self.host, relay, port)
-        if result is None:
+        if result is None:  # no dial-back there (no relay service), or a refusal: not every second
+            self.unanswered[relay] = time.monotonic()
             return
         private = not result.reachable
         if self.verdict is None or self.verdict[0] != private:

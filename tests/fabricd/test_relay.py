@@ -411,3 +411,28 @@ def test_a_private_member_connects_back_to_a_sender_it_reaches_directly(relayed:
     assert sent >= 4 << 20, (before_g, after_g)
     assert after_g["dataplane_fallbacks"] == before_g["dataplane_fallbacks"], after_g
     assert after_p["dataplane_accepted"] > before_p["dataplane_accepted"], after_p
+
+
+@pytest.mark.slow
+def test_an_auto_member_asks_a_gateway_without_dial_back_seldom(tmp_path: Path) -> None:
+    """p is ``auto`` and its only bootstrap daemon serves no relay (no dial-back): p stays
+    undecided - it announces both kinds of address - and asks again only after 30 s, not
+    every second of its relay loop."""
+    ca = init_ca(tmp_path)
+    g = init_node(tmp_path, "g", ca)
+    nodes = [g]
+    try:
+        g.start()
+        g.wait_ready()
+        p = init_node(tmp_path, "p", ca, [g.addr()])
+        configure(p, 'reachability = "auto"')
+        nodes.append(p)
+        p.start()
+        p.wait_ready()
+        wait_until(lambda: "event=dialback.unanswered" in p.log(), timeout=60)
+        time.sleep(5)
+        assert p.log().count("event=dialback.unanswered") == 1, p.log()[-3000:]
+        assert bridge_status(p)["relay"]["found"].startswith("unknown"), bridge_status(p)["relay"]
+    finally:
+        for node in nodes:
+            node.stop()
