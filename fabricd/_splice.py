@@ -235,13 +235,14 @@ class _Copy:
                 return f"network.relay_circuit_bytes ({self.limit_bytes}) reached"
         return ""
 
-    def check(self, frames: _Frames) -> str:
+    def check(self, frames: _Frames | None = None) -> str:
+        """Why to cut the splice now (its limits, and the floor of ``frames``' frame under way), or ""."""
         now = time.monotonic()
         if now >= self.deadline:
             return "network.relay_circuit_seconds reached"
         if now - self.last >= SPLICE_IDLE_SECONDS:
             return f"no byte either way for {SPLICE_IDLE_SECONDS:g} s"
-        return frames.too_slow() or ""
+        return (frames.too_slow() if frames is not None else None) or ""
 
     def pump(self, src: socket.socket, dst: socket.socket, frames: _Frames, counted: Callable[[int], None]) -> None:
         """Copy src to dst until either ends or a limit is hit (then both stop); the last
@@ -270,7 +271,7 @@ class _Copy:
                     try:
                         sent += dst.send(view[sent:n])
                     except TimeoutError:
-                        why = self.check(_IDLE)
+                        why = self.check()  # (waiting on the other end: not this frame's pace)
                 if frames.floor is not None:  # the other end's pace is not this end's
                     frames.floor.started += time.monotonic() - began
         except OSError as exc:
@@ -288,8 +289,6 @@ class _Copy:
                 for sock in self.socks:
                     sock.close()
 
-
-_IDLE = _Frames(1.0, False)  # no frame under way: for the limits that are not a frame's
 
 
 class SpliceService:
