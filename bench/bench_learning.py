@@ -27,6 +27,8 @@ and keeps what it measured):
     python bench/bench_learning.py --grid quick             # one small cell, a smoke run
     python bench/bench_learning.py --grid medium --dataset table --clients 20
     python bench/bench_learning.py --grid full --workers 2  # 162 cells: hours
+    python bench/bench_learning.py --grid full --shard 3/8 --resume --out grid-3
+    python bench/bench_learning.py --merge grid-1 grid-2 ... --out grid  # one table
 
     python bench/bench_learning.py --quick                 # CI: digits, few rounds
     python bench/bench_learning.py --dataset mnist --workers 2
@@ -622,30 +624,101 @@ def seed_means(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def cell_key(cell: dict[str, Any] | tuple[Any, ...]) -> tuple[Any, ...]:
+    """(data set, model, beta, clients, seed, rounds): a cell's place in the grid, of a
+    measured cell or of one of grid_cells'."""
+    if isinstance(cell, tuple):
+        name, model, beta, clients, seed, rounds = cell
+    else:
+        name, model, beta, clients, seed = (cell[k] for k in
+                                            ("dataset", "model", "beta", "clients", "seed"))
+        rounds = cell.get("rounds") or 0
+    return (name, model, float(beta), int(clients), int(seed), int(rounds))
+
+
+def shard(cells: list[Any], which: str) -> list[Any]:
+    """Shard K of N ("K/N", 1-based): every N-th cell from the K-th, so each machine of N
+    gets a like mix of data sets and sizes; the shards together are the grid."""
+    try:
+        k, n = (int(v) for v in which.split("/"))
+    except ValueError:
+        raise SystemExit(f"bench_learning: --shard {which!r}: expected K/N, e.g. 2/8") from None
+    if not 1 <= k <= n:
+        raise SystemExit(f"bench_learning: --shard {which!r}: K must be 1..N")
+    return cells[k - 1::n]
+
+
+def load_cells(paths: list[str]) -> list[dict[str, Any]]:
+    """The cells of learning_grid.json files (or the directories holding them), each cell
+    once: a cell measured twice keeps its first copy (named on stderr)."""
+    cells: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for name in paths:
+        path = Path(name)
+        path = path / "learning_grid.json" if path.is_dir() else path
+        try:
+            report = json.loads(path.read_text())
+            found = report["cells"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"bench_learning: {path}: not a learning_grid.json ({exc}); "
+                             "give the --out directory of a --grid run or its file") from None
+        for cell in found:
+            key = cell_key(cell)
+            if key in cells:
+                print(f"bench_learning: {path}: cell {key} again, the first copy kept",
+                      file=sys.stderr)
+                continue
+            cells[key] = cell
+    return list(cells.values())
+
+
+def grid_report(size: str, cells: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    return {"benchmark": "learning_grid", "size": size, "cells": cells,
+            "table": grid_table(cells), "seed_means": seed_means(cells),
+            "seconds": round(seconds, 1)}
+
+
 def main_grid(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     size = "quick" if args.quick else args.grid
+    if args.merge:
+        report = grid_report(size or "merged", load_cells(args.merge), 0.0)
+        (out / "learning_grid.json").write_text(json.dumps(report, indent=1))
+        print(json.dumps({k: v for k, v in report.items() if k != "cells"}))
+        return 0
     def values(text: str, kind: type) -> list[Any]:
         return [kind(v) for v in text.split(",") if v]
 
     cells = grid_cells(size, args.dataset, values(args.models, str) or None,
                        values(args.betas, float), values(args.clients, int),
                        values(args.seeds, int), args.rounds)
+    if args.shard:
+        cells = shard(cells, args.shard)
     jobs = grid_jobs(size)
     if args.jobs:
         jobs = [tuple(j.split(":")[:2]) if ":" in j else (j, "fedavg")  # type: ignore[misc]
                 for j in args.jobs.split(",") if j]
     started = time.perf_counter()
     done: list[dict[str, Any]] = []
-    report: dict[str, Any] = {"benchmark": "learning_grid", "size": size, "cells": done}
+    if args.resume and (out / "learning_grid.json").exists():
+        wanted = {f"{t}+{a}" for t, a in jobs}
+        keys = {cell_key(c) for c in cells}
+        done = [c for c in load_cells([str(out)]) if cell_key(c) in keys
+                and wanted <= set(c["jobs"]) | set(c.get("refused", {}))]
+        print(f"bench_learning: --resume: {len(done)} of {len(cells)} cells already in "
+              f"{out / 'learning_grid.json'}", file=sys.stderr, flush=True)
+    have = {cell_key(c) for c in done}
     for i, cell in enumerate(cells, 1):
+        if cell_key(cell) in have:
+            continue
         print(f"bench_learning: cell {i}/{len(cells)} {cell}", file=sys.stderr, flush=True)
         done.append(bench_cell(cell, jobs, out, args.workers))
-        report["table"] = grid_table(done)
-        report["seed_means"] = seed_means(done)
-        report["seconds"] = round(time.perf_counter() - started, 1)
-        (out / "learning_grid.json").write_text(json.dumps(report, indent=1))
+        report = grid_report(size, done, time.perf_counter() - started)
+        # written whole, then renamed: a run stopped mid-write keeps the cells before
+        tmp = out / "learning_grid.json.tmp"
+        tmp.write_text(json.dumps(report, indent=1))
+        tmp.replace(out / "learning_grid.json")
+    report = grid_report(size, done, time.perf_counter() - started)
     print(json.dumps(report))
     return 0
 
@@ -698,8 +771,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--betas", default="", help="grid: comma-separated Dirichlet betas instead of the slice's")
     parser.add_argument("--clients", default="", help="grid: comma-separated client counts instead of the slice's (any)")
     parser.add_argument("--seeds", default="", help="grid: comma-separated seeds instead of the slice's")
+    parser.add_argument("--shard", default="", metavar="K/N",
+                        help="grid: only shard K of N (every N-th cell from the K-th), to "
+                             "split the grid over N machines; join them with --merge")
+    parser.add_argument("--resume", action="store_true",
+                        help="grid: keep the cells --out's learning_grid.json already has "
+                             "(with every job asked for) and run only the others")
+    parser.add_argument("--merge", nargs="+", metavar="DIR",
+                        help="no training: join the learning_grid.json of several runs "
+                             "(shards, sessions) into one table in --out")
     args = parser.parse_args(argv)
-    if args.grid:
+    if args.grid or args.merge:
         return main_grid(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

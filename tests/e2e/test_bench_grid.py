@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,3 +42,86 @@ def test_a_grid_slice_takes_any_split_the_user_names() -> None:
     slice_ = bench.grid_cells("medium", ["table"], None)
     assert {c[3] for c in slice_} == {20, 50} and {c[2] for c in slice_} == {0.1, 0.3, 1.0}
     assert {c[1] for c in slice_} == set(bench.GRID_MODELS["table"]) and {c[5] for c in slice_} == {15}
+
+
+def test_shards_split_the_grid_and_together_are_it() -> None:
+    cells = bench.grid_cells("full", None, None)
+    shards = [bench.shard(cells, f"{k}/5") for k in range(1, 6)]
+    assert sorted(c for s in shards for c in s) == sorted(cells)
+    assert all(len(s) in (len(cells) // 5, len(cells) // 5 + 1) for s in shards)
+    assert {c[0] for c in shards[0]} == {"mnist", "digits", "table"}   # a mix, not a block
+    for bad in ("0/5", "6/5", "2", "a/b"):
+        try:
+            bench.shard(cells, bad)
+        except SystemExit as exc:
+            assert bad in str(exc)
+        else:
+            raise AssertionError(f"--shard {bad} accepted")
+
+
+def _measured(seed: int, reference: float, **finals: float) -> dict[str, Any]:
+    """A cell as bench_cell writes it (rows with the grid table's fields)."""
+    cell = _cell(seed, reference, **finals)
+    every = {job: row["final"] for job, row in cell["jobs"].items()}
+    for job, row in cell["jobs"].items():
+        row.update(minus_reference=round(row["final"] - reference, 4),
+                   over_centralized=round(row["final"] / 0.98, 4), bytes_over_star=1.0,
+                   at_chance_after_round_3=False, **bench.judge(job, row["final"], reference,
+                                                                0.98, every))
+    return cell
+
+
+def _written(path: Path, *cells: dict[str, Any]) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "learning_grid.json").write_text(json.dumps({"cells": list(cells)}))
+    return path
+
+
+def test_merge_joins_runs_into_one_table_without_training(tmp_path: Path, capsys: Any) -> None:
+    a = _written(tmp_path / "a", _measured(0, 0.54, star_fedavg=0.54, star_fedadam=0.60))
+    b = _written(tmp_path / "b", _measured(1, 0.84, star_fedavg=0.84, star_fedadam=0.70),
+                 _measured(0, 0.10, star_fedavg=0.10))            # seed 0 again: first copy kept
+    assert bench.main(["--merge", str(a), str(b / "learning_grid.json"),
+                       "--out", str(tmp_path / "m")]) == 0
+    report = json.loads((tmp_path / "m" / "learning_grid.json").read_text())
+    assert [c["seed"] for c in report["cells"]] == [0, 1]
+    assert report["cells"][0]["reference_fedavg"] == 0.54
+    (group,) = report["seed_means"]
+    assert group["seeds"] == [0, 1] and abs(group["jobs"]["star+fedadam"]["final"] - 0.65) < 1e-9
+    assert "again, the first copy kept" in capsys.readouterr().err
+    try:
+        bench.main(["--merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "m")])
+    except SystemExit as exc:
+        assert "nothing" in str(exc) and "not a learning_grid.json" in str(exc)
+    else:
+        raise AssertionError("a missing run merged")
+
+
+def test_resume_runs_only_the_cells_not_yet_measured(tmp_path: Path, monkeypatch: Any) -> None:
+    cells = bench.grid_cells("medium", ["table"], ["mlp"], betas=[0.3], clients=[20],
+                             seeds=[0, 1])
+    ran: list[tuple[Any, ...]] = []
+
+    def fake_cell(cell: tuple[Any, ...], jobs: Any, out: Path, workers: int) -> dict[str, Any]:
+        ran.append(cell)
+        done = _measured(cell[4], 0.9, star_fedavg=0.9)
+        return {**done, "dataset": cell[0], "model": cell[1], "beta": cell[2],
+                "clients": cell[3], "rounds": cell[5]}
+
+    monkeypatch.setattr(bench, "bench_cell", fake_cell)
+    args = ["--grid", "medium", "--dataset", "table", "--models", "mlp", "--betas", "0.3",
+            "--clients", "20", "--seeds", "0,1", "--jobs", "star:fedavg",
+            "--out", str(tmp_path)]
+    assert bench.main(args) == 0 and ran == cells
+    # a run stopped after its first cell: the second run measures only the other
+    report = json.loads((tmp_path / "learning_grid.json").read_text())
+    report["cells"] = report["cells"][:1]
+    (tmp_path / "learning_grid.json").write_text(json.dumps(report))
+    ran.clear()
+    assert bench.main([*args, "--resume"]) == 0 and ran == cells[1:]
+    assert [c["seed"] for c in json.loads((tmp_path / "learning_grid.json").read_text())
+            ["cells"]] == [0, 1]
+    # a cell measured without a job now asked for is measured again
+    ran.clear()
+    assert bench.main([*args[:-3], "star:fedavg,star:fedadam", "--out", str(tmp_path),
+                       "--resume"]) == 0 and ran == cells
