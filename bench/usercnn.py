@@ -13,6 +13,9 @@ train them through the engine.
 - GNResCNN: GroupNorm and residual blocks, global pooling, a LayerNorm + GELU head and
   dropout: normalization with no running statistics, and no bias in the convolutions.
 - LNMLP: any input flattened, LayerNorm + GELU layers (a transformer's MLP block).
+- TinyCNN: two 5x5 conv layers of stride 2 (8, 16 channels), a linear head, 11k parameters:
+  the size differential privacy favours (its noise grows with the square root of the
+  parameters; docs/security.md, "Privacy").
 GNResCNN and LNMLP came after the engine's defaults were set (stop 51) and are not in the
 grid's default models: `--models usercnn:GNResCNN` runs them (docs/job.md, "Does it learn?").
 """
@@ -157,3 +160,20 @@ class LNMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+
+class TinyCNN(nn.Module):
+    """Two 5x5 conv layers of stride 2 (8 and 16 channels) and one linear layer: about
+    11,000 parameters for 28x28 digits (SmallCNN: 106,000)."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        c, h, w = self.shape = _chw(input_shape)
+        self.net = nn.Sequential(
+            nn.Conv2d(c, 8, 5, stride=2, padding=2), nn.ReLU(),
+            nn.Conv2d(8, 16, 5, stride=2, padding=2), nn.ReLU(),
+            nn.Flatten(), nn.Linear(16 * ((h + 3) // 4) * ((w + 3) // 4), num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.reshape(x.shape[0], *self.shape))

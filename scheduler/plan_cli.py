@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     summary = plan.summary()
     if model_bytes is not None:
         summary["model_bytes"] = model_bytes
+    if spec.privacy.dp != "none":
+        summary["privacy"] = privacy_noise(spec, model_bytes)
     if args.json:
         json.dump(summary, sys.stdout)
         sys.stdout.write("\n")
@@ -100,9 +102,44 @@ def format_summary(s: dict[str, Any]) -> str:
         + (f", mixing steps per round: {s['mixing_steps']}" if s.get("mixing_steps", 1) > 1
            else ""),
         transfers_line(s),
+        *([privacy_line(s["privacy"])] if "privacy" in s else []),
         "seconds: " + " ".join(f"{k}={v:.3f}" for k, v in s["stage_seconds"].items()),
     ]
     return "\n".join(lines) + "\n"
+
+
+def privacy_noise(spec: Any, model_bytes: int | None) -> dict[str, Any]:
+    """The DP noise the job's rounds will add, before it runs: the noise multiplier (from
+    the budget where the job gives one) and, where the model's size is known, the norm of
+    the noise on a round's mean update in clip norms (float32 parameters assumed)."""
+    from fedcore import dp
+
+    p, t = spec.privacy, spec.training
+    rate = 1.0 if p.dp == "local" else t.client_fraction
+    z = dp.multiplier(p.noise_multiplier, p.epsilon, p.delta, rate,
+                      t.federated_learning_rounds)
+    clients = math.ceil(spec.data.number_of_clients * t.client_fraction)
+    out: dict[str, Any] = {"dp": p.dp, "noise_multiplier": round(z, 4), "epsilon": p.epsilon,
+                           "delta": p.delta, "rounds": t.federated_learning_rounds,
+                           "clients_per_round": clients}
+    if model_bytes:
+        out["parameters"] = model_bytes // 4
+        out["noise_over_clip_norm"] = round(
+            dp.noise_over_clip(z, model_bytes // 4, clients, local=p.dp == "local"), 3)
+    return out
+
+
+def privacy_line(p: dict[str, Any]) -> str:
+    budget = f"epsilon {p['epsilon']:g}, " if p["epsilon"] is not None else ""
+    line = (f"privacy: {p['dp']} DP, noise multiplier {p['noise_multiplier']:.3g} "
+            f"({budget}delta {p['delta']:g}, {p['rounds']} rounds of "
+            f"{p['clients_per_round']} clients)")
+    if "noise_over_clip_norm" in p:
+        line += (f"; noise on a round's mean update: norm {p['noise_over_clip_norm']:.2f} x "
+                 f"clip_norm over ~{p['parameters']:,} parameters, where the clipped updates' "
+                 "mean is at most 1 x clip_norm (docs/security.md, Privacy: it grows with "
+                 "sqrt(parameters) and falls with the clients a round)")
+    return line
 
 
 def transfers_line(s: dict[str, Any]) -> str:

@@ -106,3 +106,30 @@ def test_help_documents_every_flag() -> None:
     plan = subparsers.choices["plan"]  # type: ignore[attr-defined]
     for action in plan._actions:
         assert action.help, f"plan flag {action.option_strings or action.dest} has no help"
+
+
+def test_plan_shows_the_dp_noise_before_the_job_runs(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The noise multiplier the budget allows, and its norm on a round's mean update in
+    clip norms: z sqrt(parameters) / clients a round (central), z sqrt(parameters / m) (local)."""
+    from fedcore import dp
+
+    job = tmp_path / "job.toml"
+    base = ("[data]\nnumber_of_clients = 100\n[training]\nfederated_learning_rounds = 12\n"
+            "client_fraction = 0.5\n")
+    job.write_text(base + "[privacy]\ndp = 'central'\nepsilon = 8.0\ndelta = 1e-5\n")
+    assert main(["plan", str(job), "--clusters", "a:50,b:50", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["privacy"]
+    z = dp.noise_for(8.0, 1e-5, 0.5, 12)
+    assert 0.5 < z < 5 and p["noise_multiplier"] == round(z, 4)
+    assert p["parameters"] == MLP_BYTES // 4 and p["clients_per_round"] == 50
+    assert p["noise_over_clip_norm"] == round(z * (MLP_BYTES // 4) ** 0.5 / 50, 3)
+    # local DP: each client's own noise, so the mean's falls only with sqrt(m); no budget
+    job.write_text(base + "[privacy]\ndp = 'local'\nnoise_multiplier = 1.5\n")
+    assert main(["plan", str(job), "--clusters", "a:50,b:50"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("privacy:"))
+    assert "local DP, noise multiplier 1.5 (delta" in line
+    assert f"norm {1.5 * (MLP_BYTES // 4 / 50) ** 0.5:.2f} x clip_norm" in line
+    job.write_text(base)
+    assert main(["plan", str(job), "--clusters", "a:50,b:50", "--json"]) == 0
+    assert "privacy" not in json.loads(capsys.readouterr().out)

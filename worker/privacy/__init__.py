@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from fedcore import dp
 from proto.job import JobSpec
-from worker.privacy import dp, secagg
+from worker.privacy import secagg
 
 Weights = dict[str, np.ndarray]
 #: adaptive clipping's geometric rate (Andrew et al. 2021, TFF and Flower: 0.2)
@@ -75,11 +76,10 @@ class Privacy:
         self.rounds = spec.training.federated_learning_rounds
         # local noise hides a client from the aggregator too, who sees who took part
         self.sampling_rate = 1.0 if p.dp == "local" else spec.training.client_fraction
-        z = p.noise_multiplier
-        if z is None and p.dp != "none":
-            assert p.epsilon is not None  # JobSpec's rules: one of the two
-            z = dp.noise_for(p.epsilon, p.delta, self.sampling_rate, self.rounds)
-        self.noise_multiplier = float(z or 0.0)
+        # JobSpec's rules: with DP, a noise multiplier or a target epsilon
+        self.noise_multiplier = (
+            float(p.noise_multiplier or 0.0) if p.dp == "none" else
+            dp.multiplier(p.noise_multiplier, p.epsilon, p.delta, self.sampling_rate, self.rounds))
         #: adaptive clipping (Andrew et al. 2021; TFF's and Flower's defaults): each
         #: aggregating node's clip norm starts at clip_norm and follows clip_quantile of the
         #: updates' norms, from a noised count of the updates within it. The count's noise

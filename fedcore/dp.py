@@ -90,4 +90,26 @@ def noise_for(target_epsilon: float, delta: float, sampling_rate: float, rounds:
         bracket_interval=dp_accounting.LowerEndpointAndGuess(0.0, 1.0)))
 
 
-__all__ = ["accountant", "clip", "epsilon", "event", "gaussian", "noise_for"]
+def multiplier(noise_multiplier: float | None, target_epsilon: float | None, delta: float,
+               sampling_rate: float, rounds: int) -> float:
+    """A job's noise multiplier: the one it sets, else the one its budget allows."""
+    if noise_multiplier is not None:
+        return float(noise_multiplier)
+    if target_epsilon is None:
+        raise ValueError("a noise multiplier or a target epsilon")
+    return noise_for(target_epsilon, delta, sampling_rate, rounds)
+
+
+def noise_over_clip(noise_multiplier: float, parameters: int, clients: int,
+                    local: bool = False) -> float:
+    """The L2 norm of the noise on one round's mean update, in clip norms, for `clients`
+    updates of `parameters` coordinates: z sqrt(d) / m for central DP (N(0, (zC/m)^2) a
+    coordinate), z sqrt(d / m) for local DP (each of the m adds N(0, (zC)^2)). The mean
+    of the clipped updates is at most 1 clip norm, and on non-IID clients 0.1-0.4 of it
+    (docs/security.md, "Privacy"): well above 1, the noise swamps each round's step."""
+    m = max(1, clients)
+    return noise_multiplier * math.sqrt(parameters) / (math.sqrt(m) if local else m)
+
+
+__all__ = ["accountant", "clip", "epsilon", "event", "gaussian", "multiplier", "noise_for",
+           "noise_over_clip"]
