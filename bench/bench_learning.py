@@ -344,16 +344,17 @@ def label(row: dict[str, str]) -> str:
 
 
 def _task(kind: str, job: dict[str, Any], clusters: int) -> dict[str, Any]:
+    """One task in a worker process, with its wall and CPU seconds (the worker's process
+    time: every thread of an in-process job)."""
+    run = {"centralized": run_centralized, "reference": run_reference_fedavg,
+           "communities": compare_communities}.get(kind) or (lambda j: run_engine(j, clusters))
+    wall, cpu = time.perf_counter(), time.process_time()
     try:
-        if kind == "centralized":
-            return run_centralized(job)
-        if kind == "reference":
-            return run_reference_fedavg(job)
-        if kind == "communities":
-            return compare_communities(job)
-        return run_engine(job, clusters)
+        out = run(job)
     except Exception as exc:  # as text: not every exception survives the trip back
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        out = {"error": f"{type(exc).__name__}: {exc}"}
+    return {**out, "seconds": round(time.perf_counter() - wall, 1),
+            "cpu_seconds": round(time.process_time() - cpu, 1)}
 
 
 def rounds_to(curve: list[float], target: float) -> int | None:
@@ -496,6 +497,7 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
                "at_chance_after_round_3": any(a <= chance + CHANCE_MARGIN
                                               for a in res["curve"][3:]),
                "curve": res["curve"], "stalls": res.get("stalls", 0),
+               "seconds": res.get("seconds"), "cpu_seconds": res.get("cpu_seconds"),
                **judge(job_name, res["final"], ref_final, best, finals)}
         if row["global_on_clients"] is not None:
             row["personalized_meets_global"] = bool(
@@ -506,6 +508,8 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
             "centralized_best": central.get("best"), "reference_fedavg": ref_final,
             "reference_over_centralized": round(ref_final / best, 4),
             "reference_curve": reference.get("curve"),
+            "reference_cpu_seconds": reference.get("cpu_seconds"),
+            "centralized_cpu_seconds": central.get("cpu_seconds"),
             "reference_at_chance_after_round_3": any(a <= chance + CHANCE_MARGIN
                                                      for a in (reference.get("curve") or [])[3:]),
             "jobs": rows, "refused": refused}
