@@ -681,6 +681,23 @@ def grid_report(size: str, cells: list[dict[str, Any]], seconds: float) -> dict[
             "seconds": round(seconds, 1)}
 
 
+def code_version() -> str:
+    """The commit the cells are measured at ("+dirty" with uncommitted changes to the code
+    that trains), so a merged table shows which cells older code measured."""
+    import subprocess
+
+    def git(*argv: str) -> str:
+        try:
+            return subprocess.run(["git", *argv], cwd=HERE.parent, capture_output=True,
+                                  text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    commit = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "worker", "proto", "fedcore", "scheduler",
+                "fedpilot", "bench")
+    return commit + ("+dirty" if dirty else "")
+
+
 def main_grid(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -712,11 +729,13 @@ def main_grid(args: argparse.Namespace) -> int:
         print(f"bench_learning: --resume: {len(done)} of {len(cells)} cells already in "
               f"{out / 'learning_grid.json'}", file=sys.stderr, flush=True)
     have = {cell_key(c) for c in done}
+    version = code_version()
     for i, cell in enumerate(cells, 1):
         if cell_key(cell) in have:
             continue
         print(f"bench_learning: cell {i}/{len(cells)} {cell}", file=sys.stderr, flush=True)
-        done.append(bench_cell(cell, jobs, out, args.workers))
+        done.append({**bench_cell(cell, jobs, out, args.workers), "commit": version,
+                     "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         report = grid_report(size, done, time.perf_counter() - started)
         # written whole, then renamed: a run stopped mid-write keeps the cells before
         tmp = out / "learning_grid.json.tmp"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,11 @@ def test_resume_runs_only_the_cells_not_yet_measured(tmp_path: Path, monkeypatch
     assert bench.main(args) == 0 and ran == cells
     # a run stopped after its first cell: the second run measures only the other
     report = json.loads((tmp_path / "learning_grid.json").read_text())
+    # each cell says which code measured it
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                          text=True, cwd=Path(bench.__file__).parent).stdout.strip()
+    assert all(c["commit"].split("+")[0] == (head or "unknown") and c["measured"]
+               for c in report["cells"])
     report["cells"] = report["cells"][:1]
     (tmp_path / "learning_grid.json").write_text(json.dumps(report))
     ran.clear()
