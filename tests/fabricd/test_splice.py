@@ -5,6 +5,7 @@ update: tests/fabricd/test_relay.py."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import socket
 import time
@@ -217,6 +218,40 @@ async def test_a_joined_splice_is_cut_at_its_limits(limit: str, monkeypatch: pyt
             assert await _eof(sender)
     assert trio.current_time() - started < 5
     assert svc.status()["splices_open"] == 0
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("dies", ["receiver", "sender"])
+async def test_an_end_that_dies_mid_update_ends_the_splice(dies: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """One end's process dies while a large body is on its way (its socket closes under
+    the gateway's copy): the other end sees the connection end within a poll, both
+    sockets are closed and the member's splice is freed (a new one can be granted)."""
+    monkeypatch.setattr(_splice, "POLL_SECONDS", 0.1)
+    svc = _service(Relay(max_circuits=1))
+    listen, dial = _grant(svc)
+    receiver, receiver_gw = trio.socket.socketpair()
+    sender, sender_gw = trio.socket.socketpair()
+    body = TAG + _record(secrets.token_bytes(8 << 20))
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.take, listen, receiver_gw, "receiver")
+            nursery.start_soon(svc.take, dial, sender_gw, "sender")
+
+            async def stream() -> None:
+                with contextlib.suppress(OSError):  # the gateway closed it under the write
+                    await _send_all(sender, body)
+            nursery.start_soon(stream)
+            assert len(await _recv_all(receiver, 1 << 20)) == 1 << 20  # mid-body
+            gone, survivor = (receiver, sender) if dies == "receiver" else (sender, receiver)
+            gone.close()
+            assert await _eof(survivor)
+            survivor.close()
+    status = svc.status()
+    assert status["splices_open"] == 0 and status["splices_pending"] == 0 and not svc.tokens, status
+    assert 1 << 20 <= status["bytes_spliced"] <= len(body), status
+    for _ in range(_splice.PER_CIRCUIT):  # the member's whole allowance is free again
+        assert svc.grant(MEMBER, SpliceRequest(peer=SENDER + "x" * _)).port
 
 
 def test_the_bandwidth_bucket_lets_one_second_through_then_holds_readers_to_the_rate() -> None:
