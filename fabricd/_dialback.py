@@ -86,8 +86,13 @@ class DialBackService:
             await conn.aclose()
         except (OSError, trio.TooSlowError) as exc:
             self.counts["dialbacks_failed"] += 1
+            cause: BaseException = exc
+            while isinstance(cause.__cause__, BaseException):  # trio: "all attempts ... failed"
+                cause = cause.__cause__
+                if isinstance(cause, BaseExceptionGroup) and cause.exceptions:
+                    cause = cause.exceptions[-1]   # the last address tried: its own error
             why = f"no TCP connection in {DIAL_SECONDS:g} s" if isinstance(exc, trio.TooSlowError) else \
-                f"{type(exc).__name__}: {exc}"
+                f"{type(cause).__name__}: {cause}"
             return DialBackResult(reachable=False, address=address, reason=why)
         self.counts["dialbacks_reached"] += 1
         return DialBackResult(reachable=True, address=address, reason="")
