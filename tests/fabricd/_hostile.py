@@ -13,6 +13,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
+from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
@@ -130,3 +131,44 @@ async def stalled_strangers(target: PeerInfo, count: int, protocols: list[str], 
             yield hosts, refused
         finally:
             hold.set()
+
+
+class _Conn:
+    def __init__(self, peer: ID) -> None:
+        self.peer_id = peer
+
+
+class MemoryStream:
+    """A libp2p stream in memory: from ``peer`` (``muxed_conn.peer_id``, as Noise proved
+    it), seen at ``observed`` (None: a relayed link), holding ``incoming``; ``silent``:
+    its reads never return. What is written is kept in ``written``."""
+
+    def __init__(self, peer: ID, incoming: bytes, observed: tuple[str, int] | None = None,
+                 silent: bool = False) -> None:
+        self.muxed_conn = _Conn(peer)
+        self.incoming = bytearray(incoming)
+        self.observed = observed
+        self.silent = silent
+        self.written = bytearray()
+        self.closed = False
+
+    def get_remote_address(self) -> tuple[str, int] | None:
+        return self.observed
+
+    async def read(self, n: int | None = None) -> bytes:
+        if self.silent:
+            await trio.sleep_forever()
+        if not self.incoming:
+            raise StreamEOF("end")
+        n = n or len(self.incoming)
+        out, self.incoming = bytes(self.incoming[:n]), self.incoming[n:]
+        return out
+
+    async def write(self, data: Any) -> None:
+        self.written += bytes(data)
+
+    async def close(self) -> None:
+        self.closed = True
+
+    async def reset(self) -> None:
+        self.closed = True

@@ -25,6 +25,7 @@ from fabricd._dataplane import (
 )
 from proto.codec import decode, frame
 from proto.messages import DataPlaneOffer, DataPlaneTicket
+from tests.fabricd._hostile import MemoryStream
 
 
 def _peer() -> ID:
@@ -39,38 +40,8 @@ class _Host:
         return self.peer
 
 
-class _Conn:
-    def __init__(self, peer: ID) -> None:
-        self.peer_id = peer
-
-
-class _FakeStream:
-    """A libp2p stream from ``peer`` holding ``incoming``; what is written is kept."""
-
-    def __init__(self, peer: ID, incoming: bytes) -> None:
-        self.muxed_conn = _Conn(peer)
-        self.incoming = bytearray(incoming)
-        self.written = bytearray()
-
-    async def read(self, n: int | None = None) -> bytes:
-        if not self.incoming:
-            raise StreamEOF("end")
-        n = n or len(self.incoming)
-        out, self.incoming = bytes(self.incoming[:n]), self.incoming[n:]
-        return out
-
-    async def write(self, data: Any) -> None:
-        self.written += bytes(data)
-
-    async def close(self) -> None:
-        return None
-
-    async def reset(self) -> None:
-        return None
-
-
 async def _ticket(plane: DataPlane, peer: ID, client: _Identity) -> DataPlaneTicket:
-    stream = _FakeStream(peer, frame(DataPlaneOffer(certificate=client.der)))
+    stream = MemoryStream(peer, frame(DataPlaneOffer(certificate=client.der)))
     await plane._issue(stream)  # type: ignore[arg-type]
     answer = decode(bytes(stream.written[4:]))
     assert isinstance(answer, DataPlaneTicket), answer
@@ -155,21 +126,13 @@ async def test_tickets_are_single_use_bound_to_peer_and_certificate(tmp_path: Pa
         nursery.cancel_scope.cancel()
 
 
-class _SilentStream(_FakeStream):
-    """A member's stream that never sends its offer."""
-
-    async def read(self, n: int | None = None) -> bytes:
-        await trio.sleep_forever()
-        raise AssertionError("unreachable")
-
-
 @pytest.mark.trio
 async def test_a_member_that_offers_nothing_gets_no_ticket_and_crashes_nothing(
         tmp_path: Path, autojump_clock: Any) -> None:
     plane = DataPlane(_Host(), listen_ip="127.0.0.1", is_member=lambda p: True,  # type: ignore[arg-type]
                       serve=lambda s: trio.sleep(0), state_dir=tmp_path)  # type: ignore[arg-type,return-value]
     plane.port = 1
-    stream = _SilentStream(_peer(), b"")
+    stream = MemoryStream(_peer(), b"", silent=True)
     with trio.fail_after(60):
         await plane._issue(stream)  # type: ignore[arg-type]  # returns after its 5 s, no exception
     assert not plane.tickets and not stream.written

@@ -11,59 +11,20 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
-from libp2p.stream_muxer.exceptions import MuxedStreamEOF as StreamEOF
 
 from fabricd import _dialback
 from fabricd._dialback import DialBackService, ask
 from proto.codec import decode, frame
 from proto.messages import DataPlaneOffer, DialBackRequest, DialBackResult
+from tests.fabricd._hostile import MemoryStream
 
 
-class _Conn:
-    def __init__(self, peer: ID) -> None:
-        self.peer_id = peer
-
-
-class _Stream:
-    """A stream from ``peer`` seen at ``observed`` (None: a relayed link), holding
-    ``incoming``; what is written is kept."""
-
-    def __init__(self, peer: ID, incoming: bytes, observed: tuple[str, int] | None,
-                 silent: bool = False) -> None:
-        self.muxed_conn = _Conn(peer)
-        self.incoming = bytearray(incoming)
-        self.observed = observed
-        self.silent = silent
-        self.written = bytearray()
-        self.closed = False
-
-    def get_remote_address(self) -> tuple[str, int] | None:
-        return self.observed
-
-    async def read(self, n: int | None = None) -> bytes:
-        if self.silent:
-            await trio.sleep_forever()
-        if not self.incoming:
-            raise StreamEOF("end")
-        n = n or len(self.incoming)
-        out, self.incoming = bytes(self.incoming[:n]), self.incoming[n:]
-        return out
-
-    async def write(self, data: Any) -> None:
-        self.written += bytes(data)
-
-    async def close(self) -> None:
-        self.closed = True
-
-    async def reset(self) -> None:
-        self.closed = True
-
-    def answer(self) -> DialBackResult | None:
-        if not self.written:
-            return None
-        message = decode(bytes(self.written[4:]))
-        assert isinstance(message, DialBackResult), message
-        return message
+def _answer(stream: MemoryStream) -> DialBackResult | None:
+    if not stream.written:
+        return None
+    message = decode(bytes(stream.written[4:]))
+    assert isinstance(message, DialBackResult), message
+    return message
 
 
 def _peer() -> ID:
@@ -72,10 +33,10 @@ def _peer() -> ID:
 
 async def _ask(svc: DialBackService, peer: ID, port: int, observed: tuple[str, int] | None = ("127.0.0.1", 50000),
                message: Any = None) -> DialBackResult | None:
-    stream = _Stream(peer, frame(message or DialBackRequest(port=port)), observed)
+    stream = MemoryStream(peer, frame(message or DialBackRequest(port=port)), observed)
     await svc._handle(stream)  # type: ignore[arg-type]
     assert stream.closed
-    return stream.answer()
+    return _answer(stream)
 
 
 @pytest.mark.trio
@@ -119,7 +80,7 @@ async def test_refusals_name_the_reason_and_dial_nothing(monkeypatch: pytest.Mon
 @pytest.mark.trio
 async def test_a_member_that_asks_nothing_is_let_go_after_its_seconds(autojump_clock: Any) -> None:
     svc = DialBackService(host=None)  # type: ignore[arg-type]
-    stream = _Stream(_peer(), b"", ("127.0.0.1", 1), silent=True)
+    stream = MemoryStream(_peer(), b"", ("127.0.0.1", 1), silent=True)
     started = trio.current_time()
     with trio.fail_after(60):
         await svc._handle(stream)  # type: ignore[arg-type]
@@ -138,10 +99,10 @@ async def test_a_member_that_asks_nothing_is_let_go_after_its_seconds(autojump_c
 async def test_the_asker_takes_only_a_dial_back_as_a_verdict(answer: Any, verdict: str | None,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A refusal, another message or a broken stream is no verdict (asked again later)."""
-    async def open_stream(host: Any, gateway: str, protocol: str, attempts: int) -> _Stream:
+    async def open_stream(host: Any, gateway: str, protocol: str, attempts: int) -> MemoryStream:
         if answer is None:
             raise OSError("connection reset")
-        return _Stream(_peer(), frame(answer), None)
+        return MemoryStream(_peer(), frame(answer), None)
     monkeypatch.setattr(_dialback, "open_stream", open_stream)
     result = await ask(None, "QmGateway", 4001)  # type: ignore[arg-type]
     if verdict is None:
