@@ -164,7 +164,14 @@ def submit(spec: JobSpec, source: str, args: argparse.Namespace) -> dict[str, An
     from scheduler.run.mesh import BridgeChannel, wait_for_clusters
     from scheduler.rundir.status import RunRecorder
 
-    check_before_start(spec, source)  # labels and model, before any daemon or Ray starts
+    # labels and model, before any daemon or Ray starts; a DP job's model measured too, for
+    # the noise it will add (as `plan` shows it)
+    dp_job = spec.privacy.dp != "none"
+    model_bytes = check_before_start(spec, source, measure=dp_job)
+    if dp_job:
+        from scheduler.plan_cli import privacy_line, privacy_noise
+
+        print(privacy_line(privacy_noise(spec, model_bytes)), file=sys.stderr)
     out = Path(args.resume or args.out or Path("runs") / spec.job_id)
     checkpoint = None
     if args.resume:

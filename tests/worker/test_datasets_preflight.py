@@ -107,3 +107,20 @@ def test_submit_refuses_a_stray_label_before_any_daemon_starts(setup: tuple[Path
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "label 255" in lines[0] and "stray.npz" in lines[0], proc.stderr
     assert not (tmp_path / "tb").exists() and not (tmp_path / "out").exists()  # nothing started
+
+
+def test_submit_shows_a_dp_jobs_noise_before_it_starts(setup: tuple[Path, str]) -> None:
+    tmp_path, _ = setup
+    path = job(tmp_path, "npz:ok.npz", "mlp")
+    path.write_text(path.read_text() + "[privacy]\ndp = 'central'\nepsilon = 4.0\n")
+    # --resume of a directory with no checkpoint: refused after the checks, nothing started
+    proc = subprocess.run([sys.executable, "-m", "scheduler.cli", "submit", str(path), "--local", "2",
+                           "--backend", "inprocess", "--workdir", str(tmp_path / "tb"),
+                           "--resume", str(tmp_path / "nothing")],
+                          capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(Path.cwd()), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2, proc.stderr
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("privacy:"))
+    assert "central DP, noise multiplier" in line and "epsilon 4" in line, line
+    assert "clip_norm over ~" in line, line    # the model was measured: its parameters
+    assert not (tmp_path / "tb").exists()
