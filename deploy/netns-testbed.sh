@@ -49,6 +49,11 @@
 #   FP_WAN_RATE      --wan: rate of a site uplink, tc units (100mbit)
 #   FP_WAN_REACHABILITY --wan: the sites' [network] reachability: private, or auto (each
 #                    finds itself private by the gateway's dial-back) (private)
+#   FP_WAN_HOLE_PUNCHING --wan: 1: sites upgrade their relayed links by DCUtR hole punching
+#                    (fabricd's default); 0: links stay relayed ([network] hole_punching) (1)
+#   FP_WAN_NAT       --wan: the routers' NAT: cone (MASQUERADE keeps a connection's source
+#                    port: hole punching works) or symmetric (--random-fully: a new port
+#                    per connection, so a peer cannot predict it and punching fails) (cone)
 #   FP_SLOW          slow sites, "ID=FACTOR ..." (FACTOR > 1): the site's daemon, and the
 #                    executor and Ray it starts, get 1/FACTOR of a fair share of the CPUs
 #                    (CPUs / sites, at most one) in a cgroup of their own (cgroup v2
@@ -88,6 +93,17 @@ WAN_RTT_MS=${FP_WAN_RTT_MS:-40}
 WAN_LOSS=${FP_WAN_LOSS:-0.1}
 WAN_RATE=${FP_WAN_RATE:-100mbit}
 WAN_REACHABILITY=${FP_WAN_REACHABILITY:-private}
+WAN_HOLE_PUNCHING=${FP_WAN_HOLE_PUNCHING:-1}
+case ${FP_WAN_NAT:-cone} in
+    cone) WAN_MASQUERADE=(-j MASQUERADE) ;;
+    symmetric) WAN_MASQUERADE=(-j MASQUERADE --random-fully) ;;
+    *) echo "netns-testbed: FP_WAN_NAT=$FP_WAN_NAT: cone or symmetric" >&2; exit 2 ;;
+esac
+case $WAN_HOLE_PUNCHING in
+    0) WAN_HOLE_PUNCHING=false ;;
+    1) WAN_HOLE_PUNCHING=true ;;
+    *) echo "netns-testbed: FP_WAN_HOLE_PUNCHING=$WAN_HOLE_PUNCHING: 0 or 1" >&2; exit 2 ;;
+esac
 case $WAN_REACHABILITY in
     private | auto) ;;
     *) echo "netns-testbed: FP_WAN_REACHABILITY=$WAN_REACHABILITY: private or auto" >&2; exit 2 ;;
@@ -294,12 +310,12 @@ make_wan_network() {
         ip -n "$ns" link set eth0 up
         ip -n "$ns" route add default via "10.77.$i.1"
         ip netns exec "$r" sysctl -qw net.ipv4.ip_forward=1
-        ip netns exec "$r" iptables -t nat -A POSTROUTING -o up0 -j MASQUERADE
+        ip netns exec "$r" iptables -t nat -A POSTROUTING -o up0 "${WAN_MASQUERADE[@]}"
         ip netns exec "$r" iptables -A FORWARD -i up0 -o lan0 -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
         ip netns exec "$r" iptables -A FORWARD -i up0 -j DROP
         shape "$r" up0
         shape "$r" lan0
-        log "site $ns: eth0 $(ip_of "$c")/24 behind NAT router $r ($WAN_SUBNET.$i)"
+        log "site $ns: eth0 $(ip_of "$c")/24 behind ${FP_WAN_NAT:-cone} NAT router $r ($WAN_SUBNET.$i)"
     done
 }
 
@@ -313,7 +329,8 @@ print([a for a in json.load(sys.stdin)["addrs"] if a.startswith("/ip4/'"$(ip_of 
         -e 's|^\[network\]$|[network]\nrelay_service = true|' "$STATE/scheduler/cluster.toml"
     for c in "${CLUSTERS[@]}"; do
         sed -i -e "s|^bootstrap = .*|bootstrap = [\"$gw_addr\"]|" \
-            -e 's|^\[network\]$|[network]\nreachability = "'"$WAN_REACHABILITY"'"|' "$STATE/$c/cluster.toml"
+            -e 's|^\[network\]$|[network]\nreachability = "'"$WAN_REACHABILITY"'"\nhole_punching = '"$WAN_HOLE_PUNCHING"'|' \
+            "$STATE/$c/cluster.toml"
     done
     log "gateway $gw_addr relays for ${CLUSTERS[*]}"
 }

@@ -16,7 +16,8 @@ parts are wired here by hand:
   ``/p2p-circuit`` addresses discovery announces.
 - ``dial``: a member dials a ``/p2p-circuit`` address.
 
-DCUtR hole punching (``circuit_v2/dcutr.py``) is not wired: a relayed link stays relayed.
+- DCUtR hole punching (fabricd/_holepunch.py) upgrades a relayed link between two members
+  behind NAT to a direct one where both NATs allow it (``link_kind`` "upgraded").
 """
 
 from __future__ import annotations
@@ -94,11 +95,16 @@ def connections(host: IHost, peer_id: str) -> list[Any]:
 
 
 def link_kind(host: IHost, peer_id: str) -> str:
-    """"direct", "relayed" (only relayed connections to the peer) or "none"."""
+    """"direct", "relayed" (only relayed connections to the peer), "upgraded" (direct since
+    DCUtR punched through both NATs: fabricd/_holepunch.py; the peer's other ports, its
+    data plane's among them, are still out of reach) or "none"."""
     conns = connections(host, peer_id)
     if not conns:
         return "none"
-    return "relayed" if all(_relayed(c) for c in conns) else "direct"
+    if all(_relayed(c) for c in conns):
+        return "relayed"
+    punch = getattr(host, "_dcutr_protocol", None)  # the library's DCUtR registers itself there
+    return "upgraded" if peer_id in getattr(punch, "upgraded", ()) else "direct"
 
 
 def relay_of(host: IHost, peer_id: str) -> str | None:

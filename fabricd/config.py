@@ -95,6 +95,9 @@ class Relay:
     #: a member pings its gateways every half of this; one silent this long (frozen, its
     #: machine gone) has its connection closed, so links redial through another relay
     silent_after: float = 10.0
+    #: reachability private or auto: upgrade a relayed link to a direct one by DCUtR hole
+    #: punching where both NATs allow it (fabricd/_holepunch.py)
+    hole_punching: bool = True
 
 
 @dataclass(frozen=True)
@@ -340,11 +343,14 @@ def _relay(path: Path, net: dict[str, Any], has_bootstrap: bool) -> Relay:
     service = net.get("relay_service", d.service)
     if not isinstance(service, bool):
         raise _err(path, "network.relay_service", service, "true or false")
+    punch = net.get("hole_punching", d.hole_punching)
+    if not isinstance(punch, bool):
+        raise _err(path, "network.hole_punching", punch, "true or false")
 
     def num(key: str, default: int, lo: int, hi: int) -> int:
         return int(_num(path, net, "network", key, default, lo, hi, True))
 
-    return Relay(reachability=reach, service=service,
+    return Relay(reachability=reach, service=service, hole_punching=punch,
                  max_reservations=num("relay_max_reservations", d.max_reservations, 1, 1 << 16),
                  max_circuits=num("relay_max_circuits", d.max_circuits, 1, 1 << 16),
                  circuit_bytes=num("relay_circuit_bytes", d.circuit_bytes, 0, 1 << 50),

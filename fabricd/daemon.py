@@ -24,6 +24,7 @@ from libp2p.peer.id import ID
 from fabricd import _muxguard, _taskdump
 from fabricd._dataplane import DataPlane
 from fabricd._dialback import DialBackService
+from fabricd._holepunch import HolePunch
 from fabricd._host import HostStack, open_host_stack
 from fabricd._relay import RelayClient, RelayService
 from fabricd._sender import (
@@ -208,6 +209,7 @@ class Daemon:
                 stack.pubsub, revocations, lambda peer: self.membership.member_certificate(peer) is not None,
                 self.peer_id)
             self.dataplane: DataPlane | None = None
+            self.holepunch: HolePunch | None = None
             if lim.dataplane_min_bytes:
                 self.dataplane = DataPlane(
                     host, listen_ip=_listen_ip(cfg.listen[0]),
@@ -231,6 +233,8 @@ class Daemon:
                 relays = self.discovery.relays = RelayClient(host, cfg.bootstrap, private, cfg.relay.silent_after,
                                                              auto=not private)
                 relays.register(self.membership.guard)
+                if cfg.relay.hole_punching:  # DCUtR upgrades a relayed link where both NATs allow
+                    self.holepunch = HolePunch(host, self.membership.guard)
                 if self.dataplane is not None:
                     dataplane = self.dataplane
                     dataplane.behind_nat = private
@@ -255,6 +259,8 @@ class Daemon:
                     services.insert(3, ("dataplane", self.dataplane.run))
                 if self.discovery.relays is not None:
                     services.insert(2, ("relay_client", self.discovery.relays.serve))
+                if self.holepunch is not None:
+                    services.insert(3, ("holepunch", self.holepunch.serve))
                 if self.metrics_server is not None:
                     # first up, last down: a scrape sees the whole shutdown
                     services.insert(0, ("metrics", self.metrics_server.serve))
@@ -325,7 +331,8 @@ class Daemon:
                       **({"service": {**self.relay_service.status(), **self._splice_status(),
                                       **self.dialback.counts}}
                          if self.relay_service else {}),
-                      **(self.discovery.relays.status() if self.discovery.relays else {})},
+                      **(self.discovery.relays.status() if self.discovery.relays else {}),
+                      **({"holepunch": self.holepunch.status()} if self.holepunch else {})},
             "gossip": {"rejected_heartbeats": self.discovery.rejected_heartbeats,
                        "dial_hints": len(self.discovery.dial_hints)},
         }

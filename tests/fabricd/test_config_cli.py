@@ -56,6 +56,7 @@ def _rewrite(path: Path, old: str, new: str) -> None:
     ("[limits]\n", "[limits]\ndataplane_small_bytes = 65537\n", "limits.dataplane_small_bytes", "65537"),
     ("[network]\n", "[network]\nrelay_silent_after = 0.2\n", "network.relay_silent_after", "0.2"),
     ("[network]\n", "[network]\nrelay_max_bytes_per_second = -1\n", "network.relay_max_bytes_per_second", "-1"),
+    ("[network]\n", '[network]\nhole_punching = "yes"\n', "network.hole_punching", "'yes'"),
 ])
 def test_config_errors_name_file_key_value_and_allowed(node_dir: Path, old: str, new: str, key: str,
                                                        value: str) -> None:

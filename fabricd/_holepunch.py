@@ -1,0 +1,123 @@
+"""DCUtR hole punching between members behind NAT (``[network] reachability`` private or
+auto): a relayed link is upgraded to a direct one where the two NATs let it.
+
+py-libp2p 0.8.1's ``circuit_v2/dcutr.py`` does the protocol (CONNECT with each side's
+predicted public address - its NAT's address as a gateway observed it, at its listen
+port - then SYNC, and both dial at once from their listen ports, so that each NAT sees
+an outgoing SYN before the other's arrives: TCP simultaneous open). Here it is:
+
+- behind ``Membership.guard`` like every other protocol: a stranger's DCUtR stream is
+  refused before a byte is read, and a handler's error never reaches the host;
+- driven by the library's own loop (every relayed link, at most 3 attempts a peer until
+  the link is lost and made again), and counted: ``fabricd status`` relay ``holepunch``
+  (attempts, upgraded, failed) and each cluster's ``link`` ("upgraded": a direct
+  connection to a member whose only announced addresses are relayed).
+
+What a member can make this daemon do: dial the addresses its CONNECT names (at most
+MAX_ADDRS of them, TCP only, three rounds an attempt, three attempts a link), each a TCP
+SYN and a Noise handshake that fails against anything but that member. The relayed link
+stays until the direct one has carried 60 s (the library's grace), then closes; the
+large-update data plane keeps its own path (fabricd/_dataplane.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import trio
+from libp2p.abc import IHost
+from libp2p.peer.id import ID
+from libp2p.relay.circuit_v2 import dcutr
+from libp2p.tools.anyio_service.context import background_trio_service
+from multiaddr import Multiaddr
+
+from fedcore.logs import get_logger
+
+log = get_logger("fabricd.holepunch")
+
+#: addresses of a peer's CONNECT that are dialled (the library takes up to 20)
+MAX_ADDRS = 4
+#: seconds a peer's circuit addresses stay in the peerstore when put back (host.connect's)
+PEERSTORE_TTL = 120
+
+
+def _listen_addrs(host: Any) -> list[tuple[int, str, int]]:
+    """The host's own TCP listen addresses. The library reads them from ``get_addrs``,
+    which a private daemon answers with its /p2p-circuit addresses only (fabricd._relay:
+    nobody should dial behind its NAT), so it found no port to predict the public address
+    from nor to dial from; the transport's addresses are the listen sockets themselves."""
+    out = []
+    for addr in host.get_transport_addrs():
+        parsed = dcutr._tcp_ip_port(addr)
+        if parsed is not None:
+            out.append(parsed)
+    return out
+
+
+dcutr._local_tcp_listen_addrs = _listen_addrs  # every DCUtR in this process is a HolePunch
+
+
+class HolePunch(dcutr.DCUtRProtocol):
+    """The library's DCUtR with the daemon's guard, a cap on the addresses dialled and
+    counts (module docstring)."""
+
+    def __init__(self, host: IHost, guard: Callable[..., Any]) -> None:
+        super().__init__(host)
+        self.counts = dict.fromkeys(("holepunch_attempts", "holepunch_upgraded", "holepunch_failed"), 0)
+        self.upgraded: set[str] = set()
+        handler = super()._handle_dcutr_stream
+        # the library's run() registers self._handle_dcutr_stream: this one is guarded
+        self._handle_dcutr_stream = guard("dcutr", handler)  # type: ignore[method-assign]
+
+    def _decode_observed_addrs(self, addr_bytes: list[bytes]) -> list[Multiaddr]:
+        out = [a for a in super()._decode_observed_addrs(addr_bytes[:MAX_ADDRS * 4])
+               if dcutr._tcp_ip_port(a) is not None]
+        return out[:MAX_ADDRS]
+
+    async def _perform_hole_punch(self, peer_id: ID, addrs: list[Multiaddr],
+                                  as_responder: bool = False) -> bool:
+        self.counts["holepunch_attempts"] += 1
+        try:
+            ok = await super()._perform_hole_punch(peer_id, addrs, as_responder=as_responder)
+        except Exception as exc:  # noqa: BLE001 - a failed punch leaves the relayed link
+            log.info("holepunch.failed", peer=str(peer_id), reason=f"{type(exc).__name__}: {exc}")
+            ok = False
+        self._forget_predicted(peer_id)
+        if ok:
+            self.counts["holepunch_upgraded"] += 1
+            self.upgraded.add(str(peer_id))
+            log.info("holepunch.upgraded", peer=str(peer_id))
+        else:
+            self.counts["holepunch_failed"] += 1
+            log.info("holepunch.failed", peer=str(peer_id),
+                     reason=f"no direct connection to {len(addrs)} address(es)")
+        return ok
+
+    def _forget_predicted(self, peer_id: ID) -> None:
+        """The library keeps the peer's predicted public addresses in the peerstore; they
+        pass its NAT only in a simultaneous open, so a later plain dial there (the link
+        lost) would wait out its timeout before the relays are tried: the peer keeps the
+        /p2p-circuit addresses it announces, and only those."""
+        store = self.host.get_peerstore()
+        try:
+            addrs = store.addrs(peer_id)
+        except Exception:  # noqa: BLE001 - PeerStoreError: nothing (left) to forget
+            return
+        circuits = [a for a in addrs if "/p2p-circuit" in str(a)]
+        if circuits and len(circuits) < len(addrs):
+            store.clear_addrs(peer_id)
+            store.add_addrs(peer_id, circuits, PEERSTORE_TTL)
+
+    def on_peer_disconnected(self, peer_id: ID) -> None:
+        super().on_peer_disconnected(peer_id)
+        self.upgraded.discard(str(peer_id))
+
+    async def serve(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with background_trio_service(self):
+            await self.event_started.wait()
+            task_status.started()
+            await trio.sleep_forever()
+
+    def status(self) -> dict[str, int]:
+        return dict(self.counts)

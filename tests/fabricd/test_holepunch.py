@@ -1,0 +1,99 @@
+"""DCUtR hole punching as fabricd wires it (fabricd/_holepunch.py), without a network:
+its handler behind the guard, the addresses it takes from a peer and from its own
+listeners, what it leaves in the peerstore, and the "upgraded" link it reports. Two NATs
+punched through for real, and symmetric ones that cannot be: tests/e2e/test_wan.py."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from libp2p.connection_types import ConnectionType
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+from libp2p.peer.peerstore import PeerStore
+from multiaddr import Multiaddr
+
+from fabricd import _holepunch
+from fabricd._holepunch import HolePunch
+from fabricd._relay import link_kind
+
+
+def _peer() -> ID:
+    return ID.from_pubkey(create_new_key_pair().public_key)
+
+
+class _Conn:
+    def __init__(self, relayed: bool) -> None:
+        self.relayed = relayed
+
+    def get_connection_type(self) -> ConnectionType:
+        return ConnectionType.RELAYED if self.relayed else ConnectionType.DIRECT
+
+    def get_transport_addresses(self) -> list[Multiaddr]:
+        return [Multiaddr("/ip4/198.51.100.1/tcp/4001/p2p-circuit")] if self.relayed else \
+            [Multiaddr("/ip4/198.51.100.2/tcp/4001")]
+
+
+def _host(conns: dict[str, list[_Conn]] | None = None, transport: list[str] | None = None) -> Any:
+    store = PeerStore()
+    network = types.SimpleNamespace(
+        get_connections=lambda pid: (conns or {}).get(str(pid), []), connections={})
+    return types.SimpleNamespace(
+        get_peerstore=lambda: store, get_network=lambda: network,
+        get_transport_addrs=lambda: [Multiaddr(a) for a in transport or []],
+        # a private daemon's get_addrs: its relayed addresses only (fabricd._relay)
+        get_addrs=lambda: [Multiaddr("/ip4/198.51.100.9/tcp/4001/p2p-circuit")])
+
+
+def test_the_handler_is_the_guarded_one() -> None:
+    wrapped: list[str] = []
+
+    def guard(name: str, handler: Any) -> Any:
+        wrapped.append(name)
+        return ("guarded", handler)
+    punch = HolePunch(_host(), guard)
+    assert wrapped == ["dcutr"] and punch._handle_dcutr_stream[0] == "guarded"  # type: ignore[index]
+
+
+def test_a_peers_connect_gives_at_most_a_few_tcp_addresses() -> None:
+    punch = HolePunch(_host(), lambda name, h: h)
+    tcp = [Multiaddr(f"/ip4/203.0.113.{i}/tcp/4001").to_bytes() for i in range(1, 10)]
+    udp = Multiaddr("/ip4/203.0.113.50/udp/4001/quic-v1").to_bytes()
+    got = punch._decode_observed_addrs([udp, b"\xff garbage", *tcp])
+    assert [str(a) for a in got] == [f"/ip4/203.0.113.{i}/tcp/4001" for i in range(1, _holepunch.MAX_ADDRS + 1)]
+
+
+def test_it_predicts_and_dials_from_the_listen_sockets_not_the_announced_circuits() -> None:
+    host = _host(transport=["/ip4/10.77.1.2/tcp/4001", "/ip4/10.77.1.2/udp/4001/quic-v1"])
+    assert _holepunch._listen_addrs(host) == [(4, "10.77.1.2", 4001)]
+    # the library reads its listen ports through the module function fabricd replaces
+    from libp2p.relay.circuit_v2 import dcutr
+    assert dcutr._local_tcp_listen_addrs(host) == [(4, "10.77.1.2", 4001)]
+
+
+def test_predicted_addresses_leave_the_peerstore_after_a_punch() -> None:
+    host = _host()
+    punch = HolePunch(host, lambda name, h: h)
+    peer = _peer()
+    circuit = Multiaddr(f"/ip4/198.51.100.1/tcp/4001/p2p/{_peer()}/p2p-circuit")
+    store = host.get_peerstore()
+    store.add_addrs(peer, [circuit, Multiaddr("/ip4/203.0.113.7/tcp/4001")], 600)
+    punch._forget_predicted(peer)
+    assert store.addrs(peer) == [circuit]
+    public = _peer()  # a peer without circuit addresses keeps what it has
+    store.add_addrs(public, [Multiaddr("/ip4/203.0.113.8/tcp/4001")], 600)
+    punch._forget_predicted(public)
+    assert store.addrs(public) == [Multiaddr("/ip4/203.0.113.8/tcp/4001")]
+    punch._forget_predicted(_peer())  # an unknown peer: nothing to forget, no error
+
+
+def test_a_link_dcutr_made_direct_is_reported_upgraded() -> None:
+    a, b, c = str(_peer()), str(_peer()), str(_peer())
+    host = _host({a: [_Conn(True)], b: [_Conn(False), _Conn(True)], c: [_Conn(False)]})
+    assert [link_kind(host, p) for p in (a, b, c)] == ["relayed", "direct", "direct"]
+    punch = HolePunch(host, lambda name, h: h)  # registers itself on the host, as the library does
+    punch.upgraded.add(b)
+    assert [link_kind(host, p) for p in (a, b, c)] == ["relayed", "upgraded", "direct"]
+    punch.on_peer_disconnected(ID.from_base58(b))
+    assert link_kind(host, b) == "direct"
