@@ -9,9 +9,9 @@ an outgoing SYN before the other's arrives: TCP simultaneous open). Here it is:
 - behind ``Membership.guard`` like every other protocol: a stranger's DCUtR stream is
   refused before a byte is read, and a handler's error never reaches the host;
 - driven by the library's own loop (every relayed link, at most 3 attempts a peer until
-  the link is lost and made again), and counted: ``fabricd status`` relay ``holepunch``
-  (attempts, upgraded, failed) and each cluster's ``link`` ("upgraded": a direct
-  connection to a member whose only announced addresses are relayed).
+  a connection to it closes), and counted: ``fabricd status`` relay ``holepunch``
+  (attempts, upgraded, failed) and each cluster's ``link`` ("upgraded": its connection
+  is one a punch made; fabricd._relay.link_kind).
 
 What a member can make this daemon do: dial the addresses its CONNECT names (at most
 MAX_ADDRS of them, TCP only, three rounds an attempt, three attempts a link), each a TCP
@@ -22,7 +22,8 @@ large-update data plane keeps its own path (fabricd/_dataplane.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import trio
@@ -32,6 +33,7 @@ from libp2p.relay.circuit_v2 import dcutr
 from libp2p.tools.anyio_service.context import background_trio_service
 from multiaddr import Multiaddr
 
+from fabricd._relay import _relayed
 from fedcore.logs import get_logger
 
 log = get_logger("fabricd.holepunch")
@@ -65,7 +67,8 @@ class HolePunch(dcutr.DCUtRProtocol):
     def __init__(self, host: IHost, guard: Callable[..., Any]) -> None:
         super().__init__(host)
         self.counts = dict.fromkeys(("holepunch_attempts", "holepunch_upgraded", "holepunch_failed"), 0)
-        self.upgraded: set[str] = set()
+        #: the direct connections punches made (a connection gone is gone from here too)
+        self.made: weakref.WeakSet[Any] = weakref.WeakSet()
         handler = super()._handle_dcutr_stream
         # the library's run() registers self._handle_dcutr_stream: this one is guarded
         self._handle_dcutr_stream = guard("dcutr", handler)  # type: ignore[method-assign]
@@ -78,20 +81,20 @@ class HolePunch(dcutr.DCUtRProtocol):
     async def _perform_hole_punch(self, peer_id: ID, addrs: list[Multiaddr],
                                   as_responder: bool = False) -> bool:
         self.counts["holepunch_attempts"] += 1
+        why = f"no direct connection to {len(addrs)} address(es)"
         try:
             ok = await super()._perform_hole_punch(peer_id, addrs, as_responder=as_responder)
         except Exception as exc:  # noqa: BLE001 - a failed punch leaves the relayed link
-            log.info("holepunch.failed", peer=str(peer_id), reason=f"{type(exc).__name__}: {exc}")
-            ok = False
+            ok, why = False, f"{type(exc).__name__}: {exc}"
         self._forget_predicted(peer_id)
-        if ok:
+        direct = [c for c in self.host.get_network().get_connections(peer_id) if not _relayed(c)]
+        if ok and direct:
             self.counts["holepunch_upgraded"] += 1
-            self.upgraded.add(str(peer_id))
+            self.made.update(direct)
             log.info("holepunch.upgraded", peer=str(peer_id))
         else:
             self.counts["holepunch_failed"] += 1
-            log.info("holepunch.failed", peer=str(peer_id),
-                     reason=f"no direct connection to {len(addrs)} address(es)")
+            log.info("holepunch.failed", peer=str(peer_id), reason=why)
         return ok
 
     def _forget_predicted(self, peer_id: ID) -> None:
@@ -109,9 +112,9 @@ class HolePunch(dcutr.DCUtRProtocol):
             store.clear_addrs(peer_id)
             store.add_addrs(peer_id, circuits, PEERSTORE_TTL)
 
-    def on_peer_disconnected(self, peer_id: ID) -> None:
-        super().on_peer_disconnected(peer_id)
-        self.upgraded.discard(str(peer_id))
+    def upgraded(self, conns: Iterable[Any]) -> bool:
+        """Whether any of ``conns`` is a connection a punch made."""
+        return any(c in self.made for c in conns)
 
     async def serve(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with background_trio_service(self):

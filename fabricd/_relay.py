@@ -104,7 +104,8 @@ def link_kind(host: IHost, peer_id: str) -> str:
     if all(_relayed(c) for c in conns):
         return "relayed"
     punch = getattr(host, "_dcutr_protocol", None)  # the library's DCUtR registers itself there
-    return "upgraded" if peer_id in getattr(punch, "upgraded", ()) else "direct"
+    made = getattr(punch, "upgraded", None)
+    return "upgraded" if made is not None and made(c for c in conns if not _relayed(c)) else "direct"
 
 
 def relay_of(host: IHost, peer_id: str) -> str | None:

@@ -89,11 +89,18 @@ def test_predicted_addresses_leave_the_peerstore_after_a_punch() -> None:
 
 
 def test_a_link_dcutr_made_direct_is_reported_upgraded() -> None:
+    """By the connection a punch made: the relayed one closing (the library's grace)
+    leaves it upgraded; another direct connection, from a plain dial, is direct."""
     a, b, c = str(_peer()), str(_peer()), str(_peer())
-    host = _host({a: [_Conn(True)], b: [_Conn(False), _Conn(True)], c: [_Conn(False)]})
+    punched, relayed = _Conn(False), _Conn(True)
+    conns = {a: [_Conn(True)], b: [punched, relayed], c: [_Conn(False)]}
+    host = _host(conns)
     assert [link_kind(host, p) for p in (a, b, c)] == ["relayed", "direct", "direct"]
     punch = HolePunch(host, lambda name, h: h)  # registers itself on the host, as the library does
-    punch.upgraded.add(b)
+    punch.made.add(punched)
     assert [link_kind(host, p) for p in (a, b, c)] == ["relayed", "upgraded", "direct"]
-    punch.on_peer_disconnected(ID.from_base58(b))
+    punch.on_peer_disconnected(ID.from_base58(b))  # the relayed connection closes
+    conns[b].remove(relayed)
+    assert link_kind(host, b) == "upgraded"
+    conns[b] = [_Conn(False)]  # the punched one lost, a plain dial made another
     assert link_kind(host, b) == "direct"
