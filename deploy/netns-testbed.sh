@@ -51,6 +51,8 @@
 #                    finds itself private by the gateway's dial-back) (private)
 #   FP_WAN_HOLE_PUNCHING --wan: 1: sites upgrade their relayed links by DCUtR hole punching
 #                    (fabricd's default); 0: links stay relayed ([network] hole_punching) (1)
+#   FP_WAN_SITE_LIMITS --wan: lines added to each site's [limits], e.g.
+#                    "dataplane_min_bytes = 0" (every body over libp2p) ("")
 #   FP_WAN_NAT       --wan: the routers' NAT: cone (MASQUERADE keeps a connection's source
 #                    port: hole punching works) or symmetric (--random-fully: a new port
 #                    per connection, so a peer cannot predict it and punching fails) (cone)
@@ -331,6 +333,14 @@ print([a for a in json.load(sys.stdin)["addrs"] if a.startswith("/ip4/'"$(ip_of 
         sed -i -e "s|^bootstrap = .*|bootstrap = [\"$gw_addr\"]|" \
             -e 's|^\[network\]$|[network]\nreachability = "'"$WAN_REACHABILITY"'"\nhole_punching = '"$WAN_HOLE_PUNCHING"'|' \
             "$STATE/$c/cluster.toml"
+        if [ -n "${FP_WAN_SITE_LIMITS:-}" ]; then
+            "$PYTHON" - "$STATE/$c/cluster.toml" "$FP_WAN_SITE_LIMITS" <<'PY'
+import sys
+path, extra = sys.argv[1], sys.argv[2]
+text = open(path).read()
+open(path, "w").write(text.replace("[limits]\n", "[limits]\n" + extra.strip() + "\n", 1))
+PY
+        fi
     done
     log "gateway $gw_addr relays for ${CLUSTERS[*]}"
 }
