@@ -42,6 +42,8 @@ log = get_logger("fabricd.holepunch")
 MAX_ADDRS = 4
 #: seconds a peer's circuit addresses stay in the peerstore when put back (host.connect's)
 PEERSTORE_TTL = 120
+#: listen addresses never offered to a peer (a dial there reaches the dialler's own machine)
+UNSPECIFIED = ("0.0.0.0", "::")
 
 
 def _listen_addrs(host: Any) -> list[tuple[int, str, int]]:
@@ -72,6 +74,17 @@ class HolePunch(dcutr.DCUtRProtocol):
         handler = super()._handle_dcutr_stream
         # the library's run() registers self._handle_dcutr_stream: this one is guarded
         self._handle_dcutr_stream = guard("dcutr", handler)  # type: ignore[method-assign]
+
+    async def _get_observed_addrs(self) -> list[bytes]:
+        """The library's: our NAT's public address (as a gateway observed it) at our listen
+        port, else - no outside observation, e.g. two sites behind one NAT, or loopback -
+        our listen addresses themselves (it reads those from ``get_addrs``, which a private
+        daemon answers with circuits only, and so sent none)."""
+        predicted = await super()._get_observed_addrs()
+        if predicted:
+            return predicted
+        return [a.to_bytes() for a in self.host.get_transport_addrs()
+                if (tcp := dcutr._tcp_ip_port(a)) is not None and tcp[1] not in UNSPECIFIED][:MAX_ADDRS]
 
     def _decode_observed_addrs(self, addr_bytes: list[bytes]) -> list[Multiaddr]:
         out = [a for a in super()._decode_observed_addrs(addr_bytes[:MAX_ADDRS * 4])

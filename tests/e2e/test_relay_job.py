@@ -78,6 +78,9 @@ def _private_testbed(tmp_path: Path, gateways: tuple[str, ...], nodes: list[Node
     for config in configs.values():
         set_toml_value(config, "network", "bootstrap", addrs)
         set_toml_value(config, "network", "reachability", "private")
+        # loopback: no NAT stops a punch, and the links are to stay relayed here
+        config.write_text(config.read_text().replace('reachability = "private"',
+                                                     'reachability = "private"\nhole_punching = false', 1))
     return tb
 
 

@@ -207,7 +207,9 @@ def start_relayed(root: Path, ca: Path, members: tuple[str, ...], relay: str, ga
                   ) -> list[Node]:
     """Gateways (``relay``: lines for their [network], relay_service = true among them) and
     ``members`` that bootstrap from all of them and announce only relayed addresses
-    (reachability = "private", and ``member_network``'s lines), all started and ready:
+    (reachability = "private", and ``member_network``'s lines; hole_punching = false
+    unless they set it: on loopback no NAT stops a punch, and the links would not stay
+    relayed), all started and ready:
     [*gateways, *members]. The caller stops them; should this fail, it stops those it
     started itself."""
     nodes: list[Node] = []
@@ -221,7 +223,9 @@ def start_relayed(root: Path, ca: Path, members: tuple[str, ...], relay: str, ga
         addrs = [g.addr() for g in nodes]
         for name in members:
             node = init_node(root, name, ca, addrs)
-            configure(node, '\n'.join(filter(None, ['reachability = "private"', member_network])), member_limits)
+            punch = "" if "hole_punching" in member_network else "hole_punching = false"
+            configure(node, '\n'.join(filter(None, ['reachability = "private"', punch, member_network])),
+                      member_limits)
             nodes.append(node)
             node.start()
         for node in nodes:

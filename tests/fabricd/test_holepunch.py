@@ -104,3 +104,16 @@ def test_a_link_dcutr_made_direct_is_reported_upgraded() -> None:
     assert link_kind(host, b) == "upgraded"
     conns[b] = [_Conn(False)]  # the punched one lost, a plain dial made another
     assert link_kind(host, b) == "direct"
+
+
+def test_without_an_outside_observation_it_offers_its_listen_addresses() -> None:
+    """Two sites behind one NAT, or loopback: no gateway saw a public address, so the
+    listen addresses themselves (never 0.0.0.0) - the library offered none, reading them
+    from the circuits-only get_addrs."""
+    import trio
+
+    host = _host(transport=["/ip4/0.0.0.0/tcp/4001", "/ip4/10.1.2.3/tcp/4001",
+                            "/ip4/10.1.2.3/udp/4001/quic-v1"])
+    punch = HolePunch(host, lambda name, h: h)
+    offered = trio.run(punch._get_observed_addrs)
+    assert [str(Multiaddr(a)) for a in offered] == ["/ip4/10.1.2.3/tcp/4001"]

@@ -343,13 +343,13 @@ def test_auto_members_find_out_by_dial_back_and_a_private_one_gets_updates_splic
         g.start()
         g.wait_ready()
         p, r = (init_node(tmp_path, name, ca, [g.addr()]) for name in ("p", "r"))
-        configure(p, 'reachability = "auto"')
-        configure(r, 'reachability = "auto"')
+        configure(p, 'reachability = "auto"\nhole_punching = false')
+        configure(r, 'reachability = "auto"\nhole_punching = false')
         config = Path(p.config)
         config.write_text(config.read_text().replace("announce = []",
                                                      f'announce = ["/ip4/127.0.0.1/tcp/{free_port()}"]', 1))
         q = init_node(tmp_path, "q", ca, [g.addr()])
-        configure(q, 'reachability = "private"')
+        configure(q, 'reachability = "private"\nhole_punching = false')
         for node in (p, r, q):
             nodes.append(node)
             node.start()
@@ -433,6 +433,31 @@ def test_an_auto_member_asks_a_gateway_without_dial_back_seldom(tmp_path: Path) 
         time.sleep(5)
         assert p.log().count("event=dialback.unanswered") == 1, p.log()[-3000:]
         assert bridge_status(p)["relay"]["found"].startswith("unknown"), bridge_status(p)["relay"]
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def test_two_private_members_punch_their_relayed_link_on_loopback(tmp_path: Path) -> None:
+    """hole_punching = true (the default): p and q, linked through g, run DCUtR over the
+    circuit and end up with a direct connection each counts as upgraded (on loopback no
+    NAT stops the simultaneous dials; tests/e2e/test_wan.py punches through real NATs).
+    A large body on the upgraded link is still spliced: p's data-plane port counts as out
+    of q's reach."""
+    nodes = start_relayed(tmp_path, init_ca(tmp_path), ("p", "q"), "relay_service = true",
+                          member_network="hole_punching = true")
+    g, p, q = nodes
+    try:
+        wait_until(lambda: _row(p, "q").get("link") == "upgraded" and _row(q, "p").get("link") == "upgraded",
+                   timeout=90)
+        punched = [bridge_status(n)["relay"]["holepunch"] for n in (p, q)]
+        assert all(h["holepunch_upgraded"] >= 1 for h in punched), punched
+        assert "event=holepunch.upgraded" in p.log() + q.log()
+        before = bridge_status(g)["relay"]["service"]["bytes_spliced"]
+        q.probe("p", 4 << 20)
+        assert bridge_status(q)["transfer"]["bytes_by_path"].get("dataplane_relayed", 0) >= 4 << 20
+        assert bridge_status(g)["relay"]["service"]["bytes_spliced"] - before >= 4 << 20
+        assert "holepunch" not in bridge_status(g)["relay"]  # a public gateway punches nothing
     finally:
         for node in nodes:
             node.stop()
