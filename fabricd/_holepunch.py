@@ -14,7 +14,8 @@ an outgoing SYN before the other's arrives: TCP simultaneous open). Here it is:
   is one a punch made; fabricd._relay.link_kind).
 
 What a member can make this daemon do: dial the addresses its CONNECT names (at most
-MAX_ADDRS of them, TCP only, three rounds an attempt, three attempts a link), each a TCP
+MAX_ADDRS of them, TCP only, three rounds a session, one session at a time and three
+until a connection to it closes: ``_answer``), each a TCP
 SYN and a Noise handshake that fails against anything but that member. The relayed link
 stays until the direct one has carried 60 s (the library's grace), then closes; the
 large-update data plane keeps its own path (fabricd/_dataplane.py).
@@ -71,9 +72,35 @@ class HolePunch(dcutr.DCUtRProtocol):
         self.counts = dict.fromkeys(("holepunch_attempts", "holepunch_upgraded", "holepunch_failed"), 0)
         #: the direct connections punches made (a connection gone is gone from here too)
         self.made: weakref.WeakSet[Any] = weakref.WeakSet()
-        handler = super()._handle_dcutr_stream
+        self.counts["holepunch_refused"] = 0
+        #: peers whose DCUtR session this daemon answers now, and how many it answered
+        #: since its last connection to them closed
+        self._answering: set[str] = set()
+        self._answered: dict[str, int] = {}
         # the library's run() registers self._handle_dcutr_stream: this one is guarded
-        self._handle_dcutr_stream = guard("dcutr", handler)  # type: ignore[method-assign]
+        self._handle_dcutr_stream = guard("dcutr", self._answer)  # type: ignore[method-assign]
+
+    async def _answer(self, stream: Any) -> None:
+        """A peer's DCUtR session, one at a time per peer and at most the library's own
+        attempt budget (3) until a connection to it closes: each session makes this
+        daemon dial the peer's addresses (the library runs any number at once)."""
+        peer = str(stream.muxed_conn.peer_id)
+        if peer in self._answering or self._answered.get(peer, 0) >= dcutr.MAX_HOLE_PUNCH_ATTEMPTS:
+            self.counts["holepunch_refused"] += 1
+            log.info("holepunch.refused", peer=peer, reason="a session under way, or "
+                     f"{dcutr.MAX_HOLE_PUNCH_ATTEMPTS} since the link was made")
+            await stream.reset()
+            return
+        self._answering.add(peer)
+        self._answered[peer] = self._answered.get(peer, 0) + 1
+        try:
+            await dcutr.DCUtRProtocol._handle_dcutr_stream(self, stream)
+        finally:
+            self._answering.discard(peer)
+
+    def on_peer_disconnected(self, peer_id: ID) -> None:
+        super().on_peer_disconnected(peer_id)
+        self._answered.pop(str(peer_id), None)
 
     async def _get_observed_addrs(self) -> list[bytes]:
         """The library's: our NAT's public address (as a gateway observed it) at our listen

@@ -117,3 +117,49 @@ def test_without_an_outside_observation_it_offers_its_listen_addresses() -> None
     punch = HolePunch(host, lambda name, h: h)
     offered = trio.run(punch._get_observed_addrs)
     assert [str(Multiaddr(a)) for a in offered] == ["/ip4/10.1.2.3/tcp/4001"]
+
+
+def test_a_peer_gets_one_session_at_a_time_and_three_until_its_link_is_made_again(
+        monkeypatch: Any) -> None:
+    """Each answered session makes this daemon dial the peer's addresses: a member opening
+    sessions at once, or one after another, gets the library's attempt budget and no more."""
+    import trio
+    from libp2p.relay.circuit_v2 import dcutr
+
+    release = trio.Event()
+    answered: list[str] = []
+
+    async def session(self: Any, stream: Any) -> None:
+        answered.append(str(stream.muxed_conn.peer_id))
+        await release.wait()
+    monkeypatch.setattr(dcutr.DCUtRProtocol, "_handle_dcutr_stream", session)
+    punch = HolePunch(_host(), lambda name, h: h)
+    peer, other = _peer(), _peer()
+
+    class Stream:
+        def __init__(self, who: ID) -> None:
+            self.muxed_conn = types.SimpleNamespace(peer_id=who)
+            self.was_reset = False
+
+        async def reset(self) -> None:
+            self.was_reset = True
+
+    async def run() -> list[bool]:
+        streams = [Stream(peer), Stream(peer), Stream(other)]
+        async with trio.open_nursery() as nursery:
+            for s in streams:
+                nursery.start_soon(punch._answer, s)
+            await trio.sleep(0.1)
+            release.set()
+        for _ in range(3):  # one after another: the budget's rest, then no more
+            s = Stream(peer)
+            await punch._answer(s)
+            streams.append(s)
+        punch.on_peer_disconnected(peer)  # the link lost and made again: a fresh budget
+        last = Stream(peer)
+        await punch._answer(last)
+        return [s.was_reset for s in [*streams, last]]
+
+    assert trio.run(run) == [False, True, False, False, False, True, False]
+    assert answered.count(str(peer)) == 4 and answered.count(str(other)) == 1
+    assert punch.counts["holepunch_refused"] == 2
