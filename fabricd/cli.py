@@ -260,7 +260,8 @@ def cmd_probe(args: argparse.Namespace) -> dict[str, Any]:
     reply = _bridge_request(args.config, ProbeRequest(cluster_id=args.cluster, bytes=args.bytes),
                             ProbeReply, args.timeout)
     return {"cluster_id": reply.cluster_id, "rtt_ms": round(reply.rtt_ms, 3), "bytes": reply.bytes,
-            "seconds": round(reply.seconds, 6), "throughput_mb_s": round(reply.throughput_mb_s, 2)}
+            "seconds": round(reply.seconds, 6), "throughput_mb_s": round(reply.throughput_mb_s, 2),
+            "path": reply.path}
 
 
 # ---- parser ----------------------------------------------------------------------------

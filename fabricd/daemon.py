@@ -418,13 +418,17 @@ class Daemon:
         # serialization: done in a thread (the event loop keeps serving) and not timed.
         body, digest = await trio.to_thread.run_sync(_probe_body, nbytes)
         header = self._probe_header(cluster_id, len(body), digest)
+        paths = dict(self.updates.bytes_by_path)
         start, cpu_start = time.perf_counter(), time.process_time()
         await self._send_probe(peer_id, cluster_id, header, body)
         seconds = time.perf_counter() - start
+        # the path the body took: the one whose acknowledged bytes grew by the most
+        grown = {k: v - paths.get(k, 0) for k, v in self.updates.bytes_by_path.items()}
+        path = max(grown, key=lambda k: grown[k], default="") if any(grown.values()) else ""
         log.info("probe.done", cluster=cluster_id, peer=peer_id, bytes=nbytes, seconds=round(seconds, 4),
-                 cpu_s=round(time.process_time() - cpu_start, 4), rtt_ms=round(rtt_ms, 3))
+                 cpu_s=round(time.process_time() - cpu_start, 4), rtt_ms=round(rtt_ms, 3), path=path)
         return ProbeReply(cluster_id=cluster_id, rtt_ms=rtt_ms, bytes=nbytes, seconds=seconds,
-                          throughput_mb_s=(nbytes / seconds / 1e6) if seconds > 0 else 0.0)
+                          throughput_mb_s=(nbytes / seconds / 1e6) if seconds > 0 else 0.0, path=path)
 
     def _probe_header(self, cluster_id: str, nbytes: int, digest: bytes) -> UpdateHeader:
         return UpdateHeader(job_id=PROBE_JOB_ID, round=0, source_node=self.config.cluster_id,

@@ -83,6 +83,9 @@ class ProbeReply(BridgeMessage):
     bytes: int = spec(Int(0, 1 << 40))
     seconds: float = spec(Float(0.0))
     throughput_mb_s: float = spec(Float(0.0))
+    #: the path the body took (fabricd status transfer.bytes_by_path's keys: dataplane,
+    #: dataplane_relayed, direct, relayed, upgraded); "" from a daemon that did not say
+    path: str = spec(Text(32, 0, pattern=r"[a-z_]*"), default="")
 
 
 @dataclass(frozen=True)

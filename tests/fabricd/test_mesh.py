@@ -35,8 +35,9 @@ def test_each_daemon_lists_the_other_two_as_connected(mesh) -> None:
 def test_probe_256_mib_is_verified_at_the_far_end(mesh) -> None:
     a, b = mesh.nodes["a"], mesh.nodes["b"]
     out = json.loads(a.probe("b", 256 * MIB).stdout)
-    assert set(out) == {"cluster_id", "rtt_ms", "bytes", "seconds", "throughput_mb_s"}
+    assert set(out) == {"cluster_id", "rtt_ms", "bytes", "seconds", "throughput_mb_s", "path"}
     assert out["cluster_id"] == "b" and out["bytes"] == 256 * MIB
+    assert out["path"] == "dataplane"  # two public daemons: the data plane, direct
     assert out["seconds"] > 0 and out["throughput_mb_s"] > 0
     print("probe a->b:", out)
     # The far end logs the verified receipt (length and digest checked before the ack; the

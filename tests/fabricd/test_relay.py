@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 import socket
 import time
@@ -454,7 +455,7 @@ def test_two_private_members_punch_their_relayed_link_on_loopback(tmp_path: Path
         assert all(h["holepunch_upgraded"] >= 1 for h in punched), punched
         assert "event=holepunch.upgraded" in p.log() + q.log()
         before = bridge_status(g)["relay"]["service"]["bytes_spliced"]
-        q.probe("p", 4 << 20)
+        assert json.loads(q.probe("p", 4 << 20).stdout)["path"] == "dataplane_relayed"
         assert bridge_status(q)["transfer"]["bytes_by_path"].get("dataplane_relayed", 0) >= 4 << 20
         assert bridge_status(g)["relay"]["service"]["bytes_spliced"] - before >= 4 << 20
         assert "holepunch" not in bridge_status(g)["relay"]  # a public gateway punches nothing
