@@ -160,6 +160,8 @@ def test_a_peer_gets_one_session_at_a_time_and_three_until_its_link_is_made_agai
         await punch._answer(last)
         return [s.was_reset for s in [*streams, last]]
 
-    assert trio.run(run) == [False, True, False, False, False, True, False]
+    resets = trio.run(run)
+    assert sorted(resets[:2]) == [False, True]  # two at once: one answered (trio picks which)
+    assert resets[2:] == [False, False, False, True, False]
     assert answered.count(str(peer)) == 4 and answered.count(str(other)) == 1
     assert punch.counts["holepunch_refused"] == 2
