@@ -238,3 +238,29 @@ def test_a_client_without_held_out_samples_trains_from_a_received_model() -> Non
     assert (update.local_accuracy, update.local_samples) == (0.0, 0)
     assert update.held_out_hits.shape == (0,)
     assert node.held_out_hits(received).shape == (2, 0)
+
+
+def test_a_client_whose_training_diverges_sends_the_model_it_received() -> None:
+    """Training to NaN (learning rate 1e30) sends the model the client started from, so
+    the round goes on: where it arrived, a NaN update was refused and the round failed
+    (table BNMLP beta 0.1, 50 clients, k_connected fedavg: the job failed in round 3)."""
+    from dataclasses import replace
+
+    from worker.models import build_model
+    from worker.nodes.federated import FederatedNode
+    from worker.serialization import model_weights
+
+    ds = load_dataset("digits")
+    parts = client_data(ds, SPEC.data, SPEC.seed)
+    wild = replace(SPEC, training=replace(SPEC.training, learning_rate=1e30))
+    node = FederatedNode(config(wild), ds)
+    node.bind(0, parts.train_indices[0], parts.test_indices[0])
+    received = model_weights(build_model(SPEC.model, ds.input_shape, ds.num_classes, seed=1))
+    update = node.train(1, dict(received))
+    assert update.extra.get("diverged") == 1.0
+    assert all(np.array_equal(update.weights[k], received[k]) for k in received)
+    sane = FederatedNode(config(SPEC), ds)
+    sane.bind(0, parts.train_indices[0], parts.test_indices[0])
+    moved = sane.train(1, dict(received))
+    assert "diverged" not in moved.extra
+    assert not all(np.array_equal(moved.weights[k], received[k]) for k in received)

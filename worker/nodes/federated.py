@@ -137,8 +137,19 @@ class FederatedNode:
                              global_weights=anchor)
         self._rounds += 1
         trained = model_weights(self._model)
+        diverged = next((k for k, v in trained.items()
+                         if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()), None)
+        if diverged is not None and anchor is not None:
+            # training diverged (NaN or infinite weights): the client sends the model it
+            # started from, as a client that did not move, so the round goes on - before,
+            # the update was refused where it arrived and the round, then the job, failed
+            # (table BNMLP beta 0.1, 50 clients, k_connected fedavg, round 3)
+            log.warning("event=client_diverged client=%d round=%d tensor=%s action=sends the "
+                        "model it started from", client, round_index, diverged)
+            trained = {k: np.array(v, copy=True) for k, v in anchor.items()}
+            load_weights(self._model, trained)
         personal = int(getattr(self._config.training, "personal_epochs", 0))
-        if personal > 0 and len(self._train_idx):
+        if personal > 0 and len(self._train_idx) and diverged is None:
             # personalization: fine-tune a copy at the base rate on the client's own data;
             # it is scored, the update sent is the trained model above
             train_local(self._model, d.x_train[self._train_idx], d.y_train[self._train_idx],
@@ -162,7 +173,8 @@ class FederatedNode:
         return LocalUpdate(weights=trained, num_samples=result.num_samples,
                            client_id=client, round=round_index, loss=result.loss,
                            local_accuracy=chosen, local_samples=len(hits),
-                           extra={"seconds": time.perf_counter() - started},
+                           extra={"seconds": time.perf_counter() - started,
+                                  **({"diverged": 1.0} if diverged is not None else {})},
                            held_out_hits=hits.astype(bool))
 
     def held_out_hits(self, *incoming: Message | Mapping[str, np.ndarray]) -> np.ndarray:
