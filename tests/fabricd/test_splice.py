@@ -239,7 +239,9 @@ async def test_an_end_that_dies_mid_update_ends_the_splice(dies: str,
             nursery.start_soon(svc.take, dial, sender_gw, "sender")
 
             async def stream() -> None:
-                with contextlib.suppress(OSError):  # the gateway closed it under the write
+                # the gateway closed it under the write (OSError), or this test did: the
+                # sender's own death (trio's ClosedResourceError)
+                with contextlib.suppress(OSError, trio.ClosedResourceError):
                     await _send_all(sender, body)
             nursery.start_soon(stream)
             assert len(await _recv_all(receiver, 1 << 20)) == 1 << 20  # mid-body
