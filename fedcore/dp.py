@@ -90,6 +90,12 @@ def noise_for(target_epsilon: float, delta: float, sampling_rate: float, rounds:
         bracket_interval=dp_accounting.LowerEndpointAndGuess(0.0, 1.0)))
 
 
+def sampling_rate(dp: str, client_fraction: float) -> float:
+    """The rate the accountant amplifies by: the job's client fraction for central DP; 1
+    for local DP (who takes part in a round is visible to the aggregator)."""
+    return 1.0 if dp == "local" else client_fraction
+
+
 def multiplier(noise_multiplier: float | None, target_epsilon: float | None, delta: float,
                sampling_rate: float, rounds: int) -> float:
     """A job's noise multiplier: the one it sets, else the one its budget allows."""
@@ -113,4 +119,4 @@ def noise_over_clip(noise_multiplier: float, parameters: int, clients: int,
 
 
 __all__ = ["accountant", "clip", "epsilon", "event", "gaussian", "multiplier", "noise_for",
-           "noise_over_clip"]
+           "noise_over_clip", "sampling_rate"]

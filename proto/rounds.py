@@ -27,6 +27,13 @@ CHANCE_MARGIN = 0.05
 ACCURACY_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 
 
+def clients_per_round(num_clients: int, fraction: float) -> int:
+    """How many of `num_clients` train in a round at `training.client_fraction`: all, or
+    the nearest count, at least one (worker.executor.graph.participants draws them; the
+    plan's privacy line counts them)."""
+    return num_clients if fraction >= 1.0 else max(1, round(fraction * num_clients))
+
+
 #: the final pass's personalization policies (job.score), each against the global model
 #: per held-out sample: "local" scores a sample with the client's trained model where that
 #: got more of the client's other held-out samples right than the global model, else with

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from proto.job import PLACEMENT_STRATEGIES
+from proto.rounds import clients_per_round
 from scheduler.jobfile import load_job
 from scheduler.planning.clusters import ClusterSlot, parse_clusters
 from scheduler.planning.placement.histograms import synthetic_histograms
@@ -115,10 +116,9 @@ def privacy_noise(spec: Any, model_bytes: int | None) -> dict[str, Any]:
     from fedcore import dp
 
     p, t = spec.privacy, spec.training
-    rate = 1.0 if p.dp == "local" else t.client_fraction
-    z = dp.multiplier(p.noise_multiplier, p.epsilon, p.delta, rate,
+    z = dp.multiplier(p.noise_multiplier, p.epsilon, p.delta, dp.sampling_rate(p.dp, t.client_fraction),
                       t.federated_learning_rounds)
-    clients = math.ceil(spec.data.number_of_clients * t.client_fraction)
+    clients = clients_per_round(spec.data.number_of_clients, t.client_fraction)
     out: dict[str, Any] = {"dp": p.dp, "noise_multiplier": round(z, 4), "epsilon": p.epsilon,
                            "delta": p.delta, "rounds": t.federated_learning_rounds,
                            "clients_per_round": clients}

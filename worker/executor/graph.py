@@ -22,6 +22,7 @@ from functools import cached_property
 import numpy as np
 
 from proto.job import MAX_MIXING_STEPS
+from proto.rounds import clients_per_round
 from proto.routing import DECENTRALIZED_KINDS, TREE_KINDS, RoutingMatrix
 from worker.errors import WorkerError
 
@@ -59,9 +60,9 @@ def client_index(node: str) -> int:
 def participants(num_clients: int, fraction: float, seed: int, round_index: int) -> list[int]:
     """Clients that train in `round_index` (all unless `fraction` < 1), sorted; the same on
     every cluster and backend for the job's seed."""
-    if fraction >= 1.0:
+    k = clients_per_round(num_clients, fraction)
+    if k == num_clients:
         return list(range(num_clients))
-    k = max(1, round(fraction * num_clients))
     rng = np.random.default_rng([seed, round_index, 0x5EED])
     return sorted(int(c) for c in rng.choice(num_clients, size=k, replace=False))
 

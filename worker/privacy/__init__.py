@@ -74,8 +74,7 @@ class Privacy:
         self.locate = locate
         self.samples = samples
         self.rounds = spec.training.federated_learning_rounds
-        # local noise hides a client from the aggregator too, who sees who took part
-        self.sampling_rate = 1.0 if p.dp == "local" else spec.training.client_fraction
+        self.sampling_rate = dp.sampling_rate(p.dp, spec.training.client_fraction)
         # JobSpec's rules: with DP, a noise multiplier or a target epsilon
         self.noise_multiplier = (
             float(p.noise_multiplier or 0.0) if p.dp == "none" else
