@@ -30,11 +30,12 @@ from typing import Any
 import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
+from libp2p.peer.peerstore import PeerStoreError
 from libp2p.relay.circuit_v2 import dcutr
 from libp2p.tools.anyio_service.context import background_trio_service
 from multiaddr import Multiaddr
 
-from fabricd._relay import _relayed
+from fabricd._relay import _relayed, is_circuit
 from fedcore.logs import get_logger
 
 log = get_logger("fabricd.holepunch")
@@ -69,10 +70,10 @@ class HolePunch(dcutr.DCUtRProtocol):
 
     def __init__(self, host: IHost, guard: Callable[..., Any]) -> None:
         super().__init__(host)
-        self.counts = dict.fromkeys(("holepunch_attempts", "holepunch_upgraded", "holepunch_failed"), 0)
+        self.counts = dict.fromkeys(("holepunch_attempts", "holepunch_upgraded", "holepunch_failed",
+                                     "holepunch_refused"), 0)
         #: the direct connections punches made (a connection gone is gone from here too)
         self.made: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.counts["holepunch_refused"] = 0
         #: peers whose DCUtR session this daemon answers now, and how many it answered
         #: since its last connection to them closed
         self._answering: set[str] = set()
@@ -110,8 +111,8 @@ class HolePunch(dcutr.DCUtRProtocol):
         predicted = await super()._get_observed_addrs()
         if predicted:
             return predicted
-        return [a.to_bytes() for a in self.host.get_transport_addrs()
-                if (tcp := dcutr._tcp_ip_port(a)) is not None and tcp[1] not in UNSPECIFIED][:MAX_ADDRS]
+        return [Multiaddr(f"/ip{family}/{ip}/tcp/{port}").to_bytes()
+                for family, ip, port in _listen_addrs(self.host) if ip not in UNSPECIFIED][:MAX_ADDRS]
 
     def _decode_observed_addrs(self, addr_bytes: list[bytes]) -> list[Multiaddr]:
         out = [a for a in super()._decode_observed_addrs(addr_bytes[:MAX_ADDRS * 4])
@@ -145,9 +146,9 @@ class HolePunch(dcutr.DCUtRProtocol):
         store = self.host.get_peerstore()
         try:
             addrs = store.addrs(peer_id)
-        except Exception:  # noqa: BLE001 - PeerStoreError: nothing (left) to forget
+        except PeerStoreError:  # nothing (left) to forget
             return
-        circuits = [a for a in addrs if "/p2p-circuit" in str(a)]
+        circuits = [a for a in addrs if is_circuit(a)]
         if circuits and len(circuits) < len(addrs):
             store.clear_addrs(peer_id)
             store.add_addrs(peer_id, circuits, PEERSTORE_TTL)
