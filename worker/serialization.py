@@ -56,6 +56,16 @@ def weights_to_state_dict(weights: Mapping[str, np.ndarray]) -> dict[str, torch.
     return {name: torch.from_numpy(np.array(arr, copy=True)) for name, arr in weights.items()}
 
 
+def finite(value: np.ndarray) -> bool:
+    """No NaN or infinity in a floating tensor (any other kind is finite)."""
+    return value.dtype.kind != "f" or bool(np.isfinite(value).all())
+
+
+def nonfinite(weights: Mapping[str, np.ndarray]) -> str | None:
+    """The first tensor of `weights` holding NaN or infinities, or None."""
+    return next((name for name, value in weights.items() if not finite(np.asarray(value))), None)
+
+
 def model_weights(model: torch.nn.Module) -> Weights:
     """The model's current state dict as numpy arrays."""
     return state_dict_to_weights(model.state_dict())

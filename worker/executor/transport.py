@@ -25,6 +25,7 @@ from worker import payload as wire
 from worker.errors import WorkerError
 from worker.executor.graph import FINAL, KINDS, MIXING_KINDS, PEER, ROUND_KINDS, STATE, UP
 from worker.executor.mailbox import Envelope, Mailbox
+from worker.serialization import finite, nonfinite
 
 Weights = dict[str, np.ndarray]
 
@@ -310,7 +311,7 @@ class HybridTransport:
                       if k.startswith(AGGREGATOR)}
             if len(model) + len(server) != len(decoded.tensors):
                 raise DeliveryRefused(f"{what} holds tensors outside {MODEL} and {AGGREGATOR}")
-            if not all(np.isfinite(v).all() for v in server.values() if v.dtype.kind == "f"):
+            if nonfinite(server) is not None:
                 raise DeliveryRefused(f"{what}: the aggregator state holds NaN or infinities")
             envelope = Envelope((self._conform(model, what), server), 0, len(payload),
                                 remote=True)
@@ -381,7 +382,7 @@ class HybridTransport:
             if value.shape != shape:
                 raise DeliveryRefused(f"{what}: tensor {name!r} has shape {value.shape}, the "
                                       f"job's model has {shape}")
-            if value.dtype.kind == "f" and not np.isfinite(value).all():
+            if not finite(value):
                 raise DeliveryRefused(f"{what}: tensor {name!r} holds NaN or infinite values")
             out[name] = value if value.dtype == dtype else value.astype(dtype)
         return out

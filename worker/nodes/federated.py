@@ -111,7 +111,7 @@ class FederatedNode:
         tensors, e.g. its BatchNorm layers under aggregation.local_batchnorm, which replace
         the model's), train locally, evaluate on the client's own test split; returns the
         trained weights and what was measured."""
-        from worker.serialization import load_weights, model_weights
+        from worker.serialization import load_weights, model_weights, nonfinite
         from worker.training import held_out_choice, round_training, train_local
 
         client = self._require_client()
@@ -137,8 +137,7 @@ class FederatedNode:
                              global_weights=anchor)
         self._rounds += 1
         trained = model_weights(self._model)
-        diverged = next((k for k, v in trained.items()
-                         if np.issubdtype(v.dtype, np.floating) and not np.isfinite(v).all()), None)
+        diverged = nonfinite(trained)
         if diverged is not None and anchor is not None:
             # training diverged (NaN or infinite weights): the client sends the model it
             # started from, as a client that did not move, so the round goes on - before,
