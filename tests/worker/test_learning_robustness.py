@@ -107,21 +107,45 @@ def test_local_batchnorm_trains_each_client_with_its_own_batchnorm(
     assert calls and all(own is None for _, _, own, _ in calls)
 
 
-def test_a_new_models_batchnorm_statistics_are_measured_on_itself() -> None:
-    """aggregation.norm_statistics = "measured" (the default) changes a round's model only
-    in its BatchNorm running statistics: the same weights as "pooled" (the clients' own,
-    pooled), other statistics, and they are the model's own on its cluster's samples."""
-    def final(how: str) -> dict[str, np.ndarray]:
-        result, _ = run(job("star", clients=6, rounds=1, model={"name": "usercnn:BNCNN"},
-                            aggregation={"name": "fedavg", "norm_statistics": how}))
-        return dict(st_load(result.model))
+@pytest.mark.parametrize("topology", ["star", "hierarchical", "k_connected"])
+def test_measured_batchnorm_statistics_are_served_never_trained_from(
+        monkeypatch: pytest.MonkeyPatch, topology: str) -> None:
+    """aggregation.norm_statistics = "measured" changes the model only as it is served:
+    evaluated each round and delivered at the end, with BatchNorm running statistics of its
+    own on its cluster's samples; the clients train from the pooled ones, as under
+    "pooled". So every client's every round trains bit for bit the same under both, and
+    the final models differ in those statistics alone. Before, the measured statistics
+    went down to the clients too, which made the trained models depend on the cluster that
+    measured them (where the root sits; in k_connected every cluster's own few samples)."""
+    from worker.nodes.federated import FederatedNode
 
-    measured, pooled = final("measured"), final("pooled")
+    trained: list[tuple[int, int, bytes]] = []
+    real = FederatedNode.train
+
+    def recorded(self: FederatedNode, round_index: int, *incoming: Any) -> Any:
+        update = real(self, round_index, *incoming)
+        trained.append((round_index, int(update.client_id),
+                        b"".join(np.ascontiguousarray(update.weights[k]).tobytes()
+                                 for k in sorted(update.weights))))
+        return update
+
+    monkeypatch.setattr(FederatedNode, "train", recorded)
+
+    def final(how: str) -> tuple[dict[str, np.ndarray], list[float], list[Any]]:
+        trained.clear()
+        result, _ = run(job(topology, clients=6, rounds=3, model={"name": "usercnn:BNCNN"},
+                            aggregation={"name": "fedavg", "norm_statistics": how}))
+        return (dict(st_load(result.model)), [r.accuracy for r in result.summary.rounds],
+                sorted(trained))
+
+    (measured, curve_m, trained_m), (pooled, curve_p, trained_p) = final("measured"), final("pooled")
+    assert len(trained_m) >= 3 * 6 and trained_m == trained_p
     statistics = {k for k in measured if k.endswith(("running_mean", "running_var"))}
     assert statistics and set(measured) == set(pooled)
     assert all(np.array_equal(measured[k], pooled[k]) for k in measured if k not in statistics)
     assert all(not np.allclose(measured[k], pooled[k]) for k in statistics)
     assert all(np.all(measured[k] > 0) for k in statistics if k.endswith("running_var"))
+    assert curve_m != curve_p  # each round's model was evaluated as served
 
 
 def _pooled(weights: list[dict[str, np.ndarray]], shares: list[float], name: str,

@@ -500,6 +500,7 @@ class ExecutorService:
         else:
             node = message.node
             weights, samples = self.runtime.resolve(engine.current_model(node)), 0
+        weights = engine.served(weights)
         accuracy, loss = self.runtime.evaluate_global(weights)
         size = transport.send_to(to_cluster, 0, FINAL, node, "scheduler",
                                  wire.encode(weights, kind=FINAL, samples=samples))
