@@ -148,6 +148,34 @@ def test_measured_batchnorm_statistics_are_served_never_trained_from(
     assert curve_m != curve_p  # each round's model was evaluated as served
 
 
+@pytest.mark.parametrize("aggregation", ["fedavg", "fedadam"])
+def test_auto_serves_measured_statistics_only_where_the_pooled_ones_are_off(
+        aggregation: str) -> None:
+    """norm_statistics = "auto", the same for every aggregator (a server optimizer too):
+    a model whose running statistics are far from its activations on the cluster's
+    samples (variances / 1e4: the untrained model's outputs blow up) is served with
+    measured ones; the same model with those
+    measured statistics already in it is served as it is."""
+    from worker.context import InProcessContext
+    from worker.executor.runtime import NodeRuntime
+    from worker.models import build_model
+    from worker.serialization import model_weights
+
+    spec = job("star", clients=6, rounds=1, model={"name": "usercnn:BNCNN"},
+               aggregation={"name": aggregation, "norm_statistics": "auto"})
+    runtime = NodeRuntime(spec, InProcessContext(), "a")
+    runtime._local = [0, 1, 2]  # noqa: SLF001 - the cluster's clients, without actors
+    weights = model_weights(build_model(spec.model, (8, 8), 10, seed=0))
+    off = {k: v / 1e4 if k.endswith("running_var") else v for k, v in weights.items()}
+    served = runtime.calibrate(off)
+    variances = [k for k in off if k.endswith("running_var")]
+    assert variances and all(np.all(served[k] > off[k] * 10) for k in variances)
+    assert all(np.array_equal(served[k], off[k]) for k in off
+               if not k.endswith(("running_mean", "running_var")))
+    again = runtime.calibrate(served)
+    assert all(np.array_equal(again[k], served[k]) for k in served)
+
+
 def _pooled(weights: list[dict[str, np.ndarray]], shares: list[float], name: str,
             samples: list[int]) -> np.ndarray:
     """The clients' mean variance plus the spread of their means, less what a mean of n
