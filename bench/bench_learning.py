@@ -186,13 +186,13 @@ def run_engine(job: dict[str, Any], clusters: int) -> dict[str, Any]:
 def _setup(job: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     import torch
 
-    from fedcore.data import client_data, load_dataset
+    from fedcore.data import client_data, load_dataset, prepare
     from proto.job import JobSpec
     from worker.models import build_model
 
     torch.set_num_threads(1)
     spec = JobSpec.from_dict(job)
-    data = load_dataset(spec.data.dataset)
+    data = prepare(load_dataset(spec.data.dataset), spec.data)
     parts = client_data(data, spec.data, spec.seed)
     net = build_model(spec.model, data.input_shape, data.num_classes, seed=spec.seed)
     return spec, data, parts, net

@@ -21,6 +21,7 @@ DISTRIBUTIONS = ("iid", "dirichlet", "labels", "shards", "quantity")
 #: pinned: each cluster builds its clients from the dataset of that name it declares in
 #: cluster.toml [datasets], and no client leaves the cluster that holds its data
 DATA_PLACEMENTS = ("simulated", "pinned")
+STANDARDIZE = ("auto", "features", "none")
 TOPOLOGIES = ("star", "hierarchical", "ring", "k_connected", "full", "custom", "hybrid")
 #: no server: every node mixes with its neighbours (proto.routing.DECENTRALIZED_KINDS)
 DECENTRALIZED_TOPOLOGIES = ("ring", "k_connected", "full", "custom")
@@ -80,6 +81,10 @@ class DataSpec:
     shards_per_client: int = 2              # for "shards"
     quantity_beta: float = 0.5              # for "quantity" (Dirichlet over client sizes)
     client_test_fraction: float = 0.2       # each client's own test split (personalized eval)
+    # a table's features (1-D samples) shifted and scaled by the training rows' mean and
+    # sd: "features" always, "auto" where they are off a unit scale in a simulated job
+    # (fedcore.data.prepare), "none" never
+    standardize: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -499,6 +504,7 @@ _rule_optional_positive_float = _rule_optional(_rule_float(0.0, low_open=True))
 _RULES: dict[str, Rule] = {
     "data.dataset": _rule_dataset,
     "data.placement": _rule_choice(DATA_PLACEMENTS),
+    "data.standardize": _rule_choice(STANDARDIZE),
     "data.number_of_clients": _rule_int(1, 10_000_000),
     "data.data_distribution_kind": _rule_choice(DISTRIBUTIONS),
     "data.dirichlet_beta": _rule_float(0.0, low_open=True),

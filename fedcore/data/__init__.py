@@ -4,7 +4,7 @@ The partition function lives at `fedcore.data.partition.partition`; it is not re
 here so that `fedcore.data.partition` stays the module.
 """
 
-from .datasets import Dataset, DatasetError, clear_cache, load_dataset
+from .datasets import Dataset, DatasetError, clear_cache, load_dataset, prepare
 from .partition import (
     DISTRIBUTIONS,
     ClientPartition,
@@ -25,4 +25,5 @@ __all__ = [
     "label_histograms",
     "load_dataset",
     "pinned_data",
+    "prepare",
 ]

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +81,47 @@ def load_dataset(name: str) -> Dataset:
         "x".join(map(str, dataset.input_shape)),
     )
     return dataset
+
+
+#: data.standardize = "auto": a table with some feature's mean or sd beyond this is
+#: standardized. Raw tables fail with every optimizer default, centralized and federated:
+#: sklearn's wine table (proline up to 1,680; 20 clients, beta 0.3) sat at its largest class
+#: (0.389) centralized, in the reference FedAvg loop and in every job, standardized 0.972
+#: in all of them; iris (sepal lengths around 5.8) 0.667 in the reference loop and star
+#: FedAvg (centralized 0.967), standardized 0.933 in all three. Features a user already
+#: scaled (standardized, or into [0, 1]) stay as they are.
+UNIT_SCALE = 1.5
+
+
+def prepare(dataset: Dataset, data: object) -> Dataset:
+    """`dataset` as a job with data spec `data` trains on it: a table's features (samples
+    of one dimension) standardized with the training rows' mean and sd (a constant
+    feature only shifted) under data.standardize = "features", and under "auto" when
+    they lie off a unit scale (UNIT_SCALE) in a simulated job. A pinned job's sites each
+    hold their own rows, whose statistics differ where their labels do: "auto" leaves
+    them as they are there and warns (`event=features_unscaled`). Anything else: as it
+    is."""
+    how = str(getattr(data, "standardize", "auto"))
+    if how == "none" or len(dataset.input_shape) != 1 or not len(dataset.y_train):
+        return dataset
+    mean = dataset.x_train.mean(axis=0, dtype=np.float64)
+    sd = dataset.x_train.std(axis=0, dtype=np.float64)
+    off = float(np.max(np.maximum(np.abs(mean), sd)))
+    if how == "auto" and off <= UNIT_SCALE:
+        return dataset
+    if how == "auto" and getattr(data, "placement", "simulated") == "pinned":
+        log.warning("event=features_unscaled dataset=%s largest=%.4g hint=standardize this "
+                    "site's features with statistics every site shares (data.standardize = "
+                    "'features' uses this site's own rows)", dataset.name, off)
+        return dataset
+    scale = np.where(sd > 0, sd, 1.0)
+
+    def scaled(x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(((x - mean) / scale).astype(np.float32))
+
+    log.info("event=features_standardized dataset=%s features=%d largest=%.4g",
+             dataset.name, len(mean), off)
+    return replace(dataset, x_train=scaled(dataset.x_train), x_test=scaled(dataset.x_test))
 
 
 def clear_cache() -> None:

@@ -185,3 +185,65 @@ def test_job_file_resolves_and_checks_file_datasets(tmp_path: Path) -> None:
     job.write_text('[data]\ndataset = "parquet:missing.parquet"\n')
     with pytest.raises(JobSpecError, match=r"data.dataset: file .*missing\.parquet does not exist"):
         load_job(job)
+
+
+def write_raw_wine(path: Path) -> Path:
+    """sklearn's wine table as it ships: 13 features on their own scales (proline up to
+    1,680, hue around 1)."""
+    from sklearn.datasets import load_wine
+
+    x, y = load_wine(return_X_y=True)
+    header = ",".join([f"f{i}" for i in range(x.shape[1])] + ["label"])
+    np.savetxt(path, np.column_stack([x, y]), delimiter=",", header=header, comments="",
+               fmt=["%.4f"] * x.shape[1] + ["%d"])
+    return path
+
+
+def test_a_table_off_a_unit_scale_is_standardized_with_its_training_rows(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """data.standardize: "auto" standardizes a simulated job's table whose features lie off
+    a unit scale, train and test rows by the training rows' mean and sd, and leaves one
+    already scaled as it is; "features" always, "none" never; a pinned job's site under
+    "auto" keeps its rows and says why."""
+    from fedcore.data import prepare
+
+    raw = load_dataset(f"csv:{write_raw_wine(tmp_path / 'wine.csv')}")
+    assert raw.x_train.max() > 1000
+    done = prepare(raw, DataSpec())
+    mean, sd = raw.x_train.mean(axis=0), raw.x_train.std(axis=0)
+    np.testing.assert_allclose(done.x_train.mean(axis=0), 0.0, atol=1e-4)
+    np.testing.assert_allclose(done.x_train.std(axis=0), 1.0, atol=1e-3)
+    np.testing.assert_allclose(done.x_test, (raw.x_test - mean) / sd, rtol=1e-4, atol=1e-4)
+    assert done.x_train.dtype == np.float32 and np.array_equal(done.y_train, raw.y_train)
+    assert prepare(raw, DataSpec(standardize="none")) is raw
+    with caplog.at_level("WARNING", logger="fedcore.data.datasets"):
+        assert prepare(raw, DataSpec(placement="pinned")) is raw
+    assert "event=features_unscaled" in caplog.text
+    assert prepare(raw, DataSpec(placement="pinned", standardize="features")) is not raw
+
+    scaled = load_dataset(f"csv:{write_table(tmp_path / 't.csv', n=60)}")
+    assert prepare(scaled, DataSpec()) is scaled
+    forced = prepare(scaled, DataSpec(standardize="features"))
+    np.testing.assert_allclose(forced.x_train.std(axis=0), 1.0, atol=1e-3)
+    images = load_dataset("digits")
+    assert prepare(images, DataSpec(standardize="features")) is images
+    constant = dataclasses.replace(raw, x_train=raw.x_train.copy())
+    constant.x_train[:, 0] = 7.0
+    assert np.isfinite(prepare(constant, DataSpec()).x_train).all()
+
+
+def test_a_raw_table_learns_through_the_engine(tmp_path: Path) -> None:
+    """The wine table as it ships, 9 clients, 3 rounds of star FedAvg at the defaults:
+    standardized ("auto") it learns; as it is ("none") the model stays at the largest
+    class, as centralized training does on it."""
+    from tests.e2e.test_one_engine import run
+
+    name = f"csv:{write_raw_wine(tmp_path / 'wine.csv')}"
+    base = JobSpec(data=DataSpec(dataset=name, number_of_clients=9, dirichlet_beta=0.5),
+                   training=TrainingSpec(federated_learning_rounds=3, number_of_epochs=2))
+    learned, _ = run(base)
+    raw, _ = run(dataclasses.replace(base, data=dataclasses.replace(base.data,
+                                                                     standardize="none")))
+    largest = np.bincount(load_dataset(name).y_test).max() / len(load_dataset(name).y_test)
+    assert learned.summary.rounds[-1].accuracy > 0.85
+    assert raw.summary.rounds[-1].accuracy < largest + 0.1

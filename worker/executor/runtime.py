@@ -93,7 +93,7 @@ class NodeRuntime:
                  datasets: Mapping[str, str] | None = None) -> None:
         import torch
 
-        from fedcore.data import client_data, load_dataset
+        from fedcore.data import client_data, load_dataset, prepare
         from worker.models import batchnorm_tensors, build_model
         from worker.nodes import NodeConfig
         from worker.serialization import model_weights
@@ -107,7 +107,7 @@ class NodeRuntime:
         # scheduler names them (`histograms`); simulated: every client of the job
         self.dataset_path = (pinned_dataset(spec, cluster_id, datasets or {}) if self.pinned
                              else spec.data.dataset)
-        self.dataset = load_dataset(self.dataset_path)
+        self.dataset = prepare(load_dataset(self.dataset_path), spec.data)
         self._own: list[int] = []
         self._own_set: frozenset[int] = frozenset()
         self._remote_samples: list[int] = []
