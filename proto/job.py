@@ -81,9 +81,9 @@ class DataSpec:
     shards_per_client: int = 2              # for "shards"
     quantity_beta: float = 0.5              # for "quantity" (Dirichlet over client sizes)
     client_test_fraction: float = 0.2       # each client's own test split (personalized eval)
-    # a table's features (1-D samples) shifted and scaled by the training rows' mean and
-    # sd: "features" always, "auto" where they are off a unit scale in a simulated job
-    # (fedcore.data.prepare), "none" never
+    # samples shifted and scaled by the training samples' mean and sd (a table's per
+    # feature, an image's per channel): "features" always, "auto" where they are off a
+    # unit scale in a simulated job (fedcore.data.prepare), "none" never
     standardize: str = "auto"
 
 

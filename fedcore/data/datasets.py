@@ -83,44 +83,53 @@ def load_dataset(name: str) -> Dataset:
     return dataset
 
 
-#: data.standardize = "auto": a table with some feature's mean or sd beyond this is
-#: standardized. Raw tables fail with every optimizer default, centralized and federated:
-#: sklearn's wine table (proline up to 1,680; 20 clients, beta 0.3) sat at its largest class
-#: (0.389) centralized, in the reference FedAvg loop and in every job, standardized 0.972
-#: in all of them; iris (sepal lengths around 5.8) 0.667 in the reference loop and star
-#: FedAvg (centralized 0.967), standardized 0.933 in all three. Features a user already
-#: scaled (standardized, or into [0, 1]) stay as they are.
+#: data.standardize = "auto": data whose mean or sd (a table's per feature, an image's per
+#: channel) lies beyond this is standardized. Raw data fails with every optimizer default,
+#: centralized and federated: sklearn's wine table (proline up to 1,680; 20 clients, beta
+#: 0.3) sat at its largest class (0.389) centralized, in the reference FedAvg loop and in
+#: every job, standardized 0.972 in all of them; iris (sepal lengths around 5.8) 0.667 in
+#: the reference loop and star FedAvg (centralized 0.967), standardized 0.933 in all three;
+#: MNIST saved as bytes (0-255), SmallCNN: chance everywhere, clients' training to NaN.
+#: Data a user already scaled (standardized, or into [0, 1]) stays as it is.
 UNIT_SCALE = 1.5
 
 
+def _groups(dataset: Dataset) -> tuple[int, ...]:
+    """The axes a statistic is taken over: a table's rows (one per feature), an image's
+    rows and pixels (one per channel: (channels, H, W) samples), else everything."""
+    ndim = len(dataset.input_shape)
+    return (0,) if ndim == 1 else (0, 2, 3) if ndim == 3 else tuple(range(ndim + 1))
+
+
 def prepare(dataset: Dataset, data: object) -> Dataset:
-    """`dataset` as a job with data spec `data` trains on it: a table's features (samples
-    of one dimension) standardized with the training rows' mean and sd (a constant
-    feature only shifted) under data.standardize = "features", and under "auto" when
-    they lie off a unit scale (UNIT_SCALE) in a simulated job. A pinned job's sites each
-    hold their own rows, whose statistics differ where their labels do: "auto" leaves
-    them as they are there and warns (`event=features_unscaled`). Anything else: as it
-    is."""
+    """`dataset` as a job with data spec `data` trains on it: standardized by the training
+    samples' mean and sd (a table's per feature, an image's per channel; a constant one
+    only shifted), train and test alike, under data.standardize = "features", and under
+    "auto" when they lie off a unit scale (UNIT_SCALE) in a simulated job. A pinned job's
+    sites each hold their own samples, whose statistics differ where their labels do:
+    "auto" leaves them as they are there and warns (`event=features_unscaled`). Else as
+    it is."""
     how = str(getattr(data, "standardize", "auto"))
-    if how == "none" or len(dataset.input_shape) != 1 or not len(dataset.y_train):
+    if how == "none" or not len(dataset.y_train):
         return dataset
-    mean = dataset.x_train.mean(axis=0, dtype=np.float64)
-    sd = dataset.x_train.std(axis=0, dtype=np.float64)
+    axes = _groups(dataset)
+    mean = dataset.x_train.mean(axis=axes, dtype=np.float64, keepdims=True)
+    sd = dataset.x_train.std(axis=axes, dtype=np.float64, keepdims=True)
     off = float(np.max(np.maximum(np.abs(mean), sd)))
     if how == "auto" and off <= UNIT_SCALE:
         return dataset
     if how == "auto" and getattr(data, "placement", "simulated") == "pinned":
         log.warning("event=features_unscaled dataset=%s largest=%.4g hint=standardize this "
-                    "site's features with statistics every site shares (data.standardize = "
-                    "'features' uses this site's own rows)", dataset.name, off)
+                    "site's samples with statistics every site shares (data.standardize = "
+                    "'features' uses this site's own)", dataset.name, off)
         return dataset
     scale = np.where(sd > 0, sd, 1.0)
 
     def scaled(x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(((x - mean) / scale).astype(np.float32))
 
-    log.info("event=features_standardized dataset=%s features=%d largest=%.4g",
-             dataset.name, len(mean), off)
+    log.info("event=features_standardized dataset=%s groups=%d largest=%.4g",
+             dataset.name, mean.size, off)
     return replace(dataset, x_train=scaled(dataset.x_train), x_test=scaled(dataset.x_test))
 
 

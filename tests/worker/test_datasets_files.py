@@ -225,11 +225,35 @@ def test_a_table_off_a_unit_scale_is_standardized_with_its_training_rows(
     assert prepare(scaled, DataSpec()) is scaled
     forced = prepare(scaled, DataSpec(standardize="features"))
     np.testing.assert_allclose(forced.x_train.std(axis=0), 1.0, atol=1e-3)
-    images = load_dataset("digits")
-    assert prepare(images, DataSpec(standardize="features")) is images
+    images = load_dataset("digits")  # (1, 8, 8) in [0, 1]
+    assert prepare(images, DataSpec()) is images
+    shifted = prepare(images, DataSpec(standardize="features"))
+    np.testing.assert_allclose(shifted.x_train.std(), 1.0, atol=1e-3)
     constant = dataclasses.replace(raw, x_train=raw.x_train.copy())
     constant.x_train[:, 0] = 7.0
     assert np.isfinite(prepare(constant, DataSpec()).x_train).all()
+
+
+def test_bytes_images_are_standardized_per_channel(tmp_path: Path) -> None:
+    """Images saved as bytes (0-255; two channels on their own scales here) are
+    standardized per channel by the training images' mean and sd under "auto"."""
+    from fedcore.data import prepare
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (40, 2, 4, 4)).astype(np.uint8)
+    x[:, 1] //= 4
+    y = np.arange(40) % 2
+    np.savez(tmp_path / "b.npz", x_train=x[:30], y_train=y[:30], x_test=x[30:], y_test=y[30:])
+    raw = load_dataset(f"npz:{tmp_path / 'b.npz'}")
+    done = prepare(raw, DataSpec())
+    assert done.x_train.shape == raw.x_train.shape == (30, 2, 4, 4)
+    for c in (0, 1):
+        channel = raw.x_train[:, c].astype(np.float64)
+        np.testing.assert_allclose(done.x_train[:, c].mean(), 0.0, atol=1e-4)
+        np.testing.assert_allclose(done.x_train[:, c].std(), 1.0, atol=1e-3)
+        np.testing.assert_allclose(done.x_test[:, c],
+                                   (raw.x_test[:, c] - channel.mean()) / channel.std(),
+                                   rtol=1e-4, atol=1e-4)
 
 
 def test_a_raw_table_learns_through_the_engine(tmp_path: Path) -> None:
