@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         from fedcore.data.preflight import check_before_start
 
         model_bytes = check_before_start(spec, str(args.job), measure=True)
+    scaled = data_scaling(spec) if histograms is None else None
     plan = plan_job(spec, slots, strategy=args.strategy, histograms=histograms,
                     compare=COMPARE if args.json else ())
     if args.out:
@@ -75,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         summary["model_bytes"] = model_bytes
     if spec.privacy.dp != "none":
         summary["privacy"] = privacy_noise(spec, model_bytes)
+    if scaled is not None:
+        summary["data_scaling"] = scaled
     if args.json:
         json.dump(summary, sys.stdout)
         sys.stdout.write("\n")
@@ -104,9 +107,28 @@ def format_summary(s: dict[str, Any]) -> str:
            else ""),
         transfers_line(s),
         *([privacy_line(s["privacy"])] if "privacy" in s else []),
+        *([scaling_line(s["data_scaling"])] if s.get("data_scaling", {}).get("applied") else []),
         "seconds: " + " ".join(f"{k}={v:.3f}" for k, v in s["stage_seconds"].items()),
     ]
     return "\n".join(lines) + "\n"
+
+
+def data_scaling(spec: Any) -> dict[str, Any] | None:
+    """What data.standardize does to a simulated job's samples (`fedcore.data.scaling`;
+    a pinned job's sites decide on their own files): standardize, applied, groups,
+    largest."""
+    if spec.data.placement == "pinned":
+        return None
+    from fedcore.data import load_dataset, scaling
+
+    found = scaling(load_dataset(spec.data.dataset), spec.data)
+    return {k: found[k] for k in ("standardize", "applied", "groups", "largest")}
+
+
+def scaling_line(d: dict[str, Any]) -> str:
+    return (f"data: standardized over {d['groups']} feature(s) or channel(s) by the training "
+            f"samples' mean and sd (largest mean or sd {d['largest']:.3g}; data.standardize "
+            f"= {d['standardize']!r})")
 
 
 def privacy_noise(spec: Any, model_bytes: int | None) -> dict[str, Any]:

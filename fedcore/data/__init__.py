@@ -4,7 +4,7 @@ The partition function lives at `fedcore.data.partition.partition`; it is not re
 here so that `fedcore.data.partition` stays the module.
 """
 
-from .datasets import Dataset, DatasetError, clear_cache, load_dataset, prepare
+from .datasets import Dataset, DatasetError, clear_cache, load_dataset, prepare, scaling
 from .partition import (
     DISTRIBUTIONS,
     ClientPartition,
@@ -26,4 +26,5 @@ __all__ = [
     "load_dataset",
     "pinned_data",
     "prepare",
+    "scaling",
 ]

@@ -16,6 +16,7 @@ import threading
 import zipfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -101,6 +102,28 @@ def _groups(dataset: Dataset) -> tuple[int, ...]:
     return (0,) if ndim == 1 else (0, 2, 3) if ndim == 3 else tuple(range(ndim + 1))
 
 
+def scaling(dataset: Dataset, data: object) -> dict[str, Any]:
+    """What `prepare` does to `dataset` under data spec `data`: {"standardize": the
+    setting, "applied": whether it standardizes, "groups": the features or channels a
+    mean and sd are taken over, "largest": the largest of their means' and sds' sizes,
+    "unscaled": off a unit scale (UNIT_SCALE)}; "mean" and "sd" (arrays shaped to
+    broadcast over the samples) where applied."""
+    how = str(getattr(data, "standardize", "auto"))
+    out: dict[str, Any] = {"standardize": how, "applied": False, "groups": 0,
+                           "largest": 0.0, "unscaled": False}
+    if how == "none" or not len(dataset.y_train):
+        return out
+    axes = _groups(dataset)
+    mean = dataset.x_train.mean(axis=axes, dtype=np.float64, keepdims=True)
+    sd = dataset.x_train.std(axis=axes, dtype=np.float64, keepdims=True)
+    off = float(np.max(np.maximum(np.abs(mean), sd)))
+    out.update(groups=int(mean.size), largest=off, unscaled=off > UNIT_SCALE)
+    pinned = getattr(data, "placement", "simulated") == "pinned"
+    if how == "features" or (off > UNIT_SCALE and not pinned):
+        out.update(applied=True, mean=mean, sd=np.where(sd > 0, sd, 1.0))
+    return out
+
+
 def prepare(dataset: Dataset, data: object) -> Dataset:
     """`dataset` as a job with data spec `data` trains on it: standardized by the training
     samples' mean and sd (a table's per feature, an image's per channel; a constant one
@@ -108,28 +131,22 @@ def prepare(dataset: Dataset, data: object) -> Dataset:
     "auto" when they lie off a unit scale (UNIT_SCALE) in a simulated job. A pinned job's
     sites each hold their own samples, whose statistics differ where their labels do:
     "auto" leaves them as they are there and warns (`event=features_unscaled`). Else as
-    it is."""
-    how = str(getattr(data, "standardize", "auto"))
-    if how == "none" or not len(dataset.y_train):
+    it is (`scaling` says which)."""
+    plan = scaling(dataset, data)
+    if not plan["applied"]:
+        if plan["unscaled"] and plan["standardize"] == "auto":
+            log.warning("event=features_unscaled dataset=%s largest=%.4g hint=standardize "
+                        "this site's samples with statistics every site shares "
+                        "(data.standardize = 'features' uses this site's own)",
+                        dataset.name, plan["largest"])
         return dataset
-    axes = _groups(dataset)
-    mean = dataset.x_train.mean(axis=axes, dtype=np.float64, keepdims=True)
-    sd = dataset.x_train.std(axis=axes, dtype=np.float64, keepdims=True)
-    off = float(np.max(np.maximum(np.abs(mean), sd)))
-    if how == "auto" and off <= UNIT_SCALE:
-        return dataset
-    if how == "auto" and getattr(data, "placement", "simulated") == "pinned":
-        log.warning("event=features_unscaled dataset=%s largest=%.4g hint=standardize this "
-                    "site's samples with statistics every site shares (data.standardize = "
-                    "'features' uses this site's own)", dataset.name, off)
-        return dataset
-    scale = np.where(sd > 0, sd, 1.0)
+    mean, sd = plan["mean"], plan["sd"]
 
     def scaled(x: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(((x - mean) / scale).astype(np.float32))
+        return np.ascontiguousarray(((x - mean) / sd).astype(np.float32))
 
     log.info("event=features_standardized dataset=%s groups=%d largest=%.4g",
-             dataset.name, mean.size, off)
+             dataset.name, plan["groups"], plan["largest"])
     return replace(dataset, x_train=scaled(dataset.x_train), x_test=scaled(dataset.x_test))
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from proto.routing import RoutingMatrix
@@ -133,3 +134,27 @@ def test_plan_shows_the_dp_noise_before_the_job_runs(tmp_path: Path,
     job.write_text(base)
     assert main(["plan", str(job), "--clusters", "a:50,b:50", "--json"]) == 0
     assert "privacy" not in json.loads(capsys.readouterr().out)
+
+
+def test_plan_says_when_the_data_is_standardized(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A table off a unit scale: `plan` says the job standardizes it (data.standardize,
+    fedcore.data.scaling), in text and --json; digits ([0, 1]) and "none": no line."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(500.0, 40.0, (60, 3))
+    table = tmp_path / "t.csv"
+    table.write_text("a,b,c,label\n" + "\n".join(f"{r[0]:.3f},{r[1]:.3f},{r[2]:.3f},{i % 2}"
+                                                 for i, r in enumerate(x)) + "\n")
+    job = tmp_path / "job.toml"
+    body = f"[data]\ndataset = 'csv:{table}'\nnumber_of_clients = 6\n"
+    job.write_text(body)
+    assert main(["plan", str(job), "--clusters", "a:3,b:3", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)["data_scaling"]
+    assert found["applied"] and found["groups"] == 3 and found["largest"] > 400
+    assert main(["plan", str(job), "--clusters", "a:3,b:3"]) == 0
+    assert "data: standardized over 3 feature(s)" in capsys.readouterr().out
+    job.write_text(body + "standardize = 'none'\n")
+    assert main(["plan", str(job), "--clusters", "a:3,b:3"]) == 0
+    assert "data: standardized" not in capsys.readouterr().out
+    assert main(["plan", str(DEMO), "--clusters", "a:10,b:10,c:10", "--json"]) == 0
+    assert not json.loads(capsys.readouterr().out)["data_scaling"]["applied"]
