@@ -15,12 +15,13 @@ signed ControlRequest, and the executor (`worker/executor/service.py`) answers e
   histograms (in the order of its clients: this cluster's own, no other), the job.start
   reply's dtype, at most `histogram_bytes` of counts (or one row);
 - `job.plan` {routing | routing_sha256 + routing_size, imports, next_round, client_samples?,
-  absent?, pooled_labels?}: adopt the routing matrix (the whole plan:
+  absent?, pooled_labels?, scaling_mean? + scaling_sd?}: adopt the routing matrix (the whole plan:
   the round graph is a read-only view of it), materialize the local clients, and take the
   states of nodes that migrated here (`imports`: node names; the states arrive as update
   streams); a pinned-data job's plan also carries every client's training-sample count
   (what its own cluster reported), the weight its updates get elsewhere, and the clients
-  that sit out (`absent`: their cluster is gone, their data with it);
+  that sit out (`absent`: their cluster is gone, their data with it), and the mean and sd
+  every site standardizes its samples by (`scaling_*`: data.standardize);
 - `job.plan.part` {digest, index, count, size, data}: one slice of a routing matrix too
   large for one body (over `INLINE_PLAN_BYTES`; ~26 bytes a client, so past ~120,000
   clients). Every part is a signed, owner-checked control body under the same 4 MiB cap
@@ -75,7 +76,19 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from proto._schema import U32_MAX, Bin, Bool, Data, FieldSpec, Int, ListOf, Schema, Text, spec
+from proto._schema import (
+    U32_MAX,
+    Bin,
+    Bool,
+    Data,
+    FieldSpec,
+    Float,
+    Int,
+    ListOf,
+    Schema,
+    Text,
+    spec,
+)
 from proto.errors import ControlMessageError, InvalidMessage, ProtocolError
 from proto.ids import MIB
 from proto.messages import CLUSTER_ID, JOB_ID, NODE_ID
@@ -363,6 +376,13 @@ class JobPlan(ControlMessage):
     #: the model learns: personalized accuracy's reference, `label_offsets`)
     pooled_labels: tuple[int, ...] | None = spec(
         OrNone(ListOf(Int(0, 2**63 - 1), MAX_ITEMS)), default=None)
+    #: pinned data (data.standardize): the mean and sd, per feature or channel, every site
+    #: standardizes its samples by (`fedcore.data.shared_scaling` of the job.start
+    #: replies' `moments`); both or neither, of equal length
+    scaling_mean: tuple[float, ...] | None = spec(OrNone(ListOf(Float(), MAX_ITEMS)),
+                                                  default=None)
+    scaling_sd: tuple[float, ...] | None = spec(OrNone(ListOf(Float(1e-300), MAX_ITEMS)),
+                                                default=None)
     routing_sha256: str | None = spec(OrNone(SHA256_HEX), default=None)
     routing_size: int | None = spec(OrNone(Int(1, MAX_PLAN_BYTES)), default=None)
     #: [privacy] secure_aggregation: every cluster's X25519 public key (from its job.start
@@ -378,6 +398,11 @@ class JobPlan(ControlMessage):
                                + ("both" if by_digest else "neither"))
         if by_digest != (self.routing_size is not None):
             raise self._refuse("routing_size", "required with routing_sha256 (and only then)")
+        if (self.scaling_mean is None) != (self.scaling_sd is None) or (
+                self.scaling_mean is not None and self.scaling_sd is not None
+                and len(self.scaling_mean) != len(self.scaling_sd)):
+            raise self._refuse("scaling_sd", "give scaling_mean and scaling_sd together, "
+                               "one of each per feature or channel")
         if self.routing is None:
             return  # the checks against the matrix run once its parts are assembled
         n = self.routing.num_clients

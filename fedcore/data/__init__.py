@@ -4,7 +4,17 @@ The partition function lives at `fedcore.data.partition.partition`; it is not re
 here so that `fedcore.data.partition` stays the module.
 """
 
-from .datasets import Dataset, DatasetError, clear_cache, load_dataset, prepare, scaling
+from .datasets import (
+    Dataset,
+    DatasetError,
+    clear_cache,
+    load_dataset,
+    moments,
+    prepare,
+    scaling,
+    shared_scaling,
+    standardized,
+)
 from .partition import (
     DISTRIBUTIONS,
     ClientPartition,
@@ -25,6 +35,9 @@ __all__ = [
     "label_histograms",
     "load_dataset",
     "pinned_data",
+    "moments",
     "prepare",
     "scaling",
+    "shared_scaling",
+    "standardized",
 ]

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import zipfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -118,27 +119,98 @@ def scaling(dataset: Dataset, data: object) -> dict[str, Any]:
     sd = dataset.x_train.std(axis=axes, dtype=np.float64, keepdims=True)
     off = float(np.max(np.maximum(np.abs(mean), sd)))
     out.update(groups=int(mean.size), largest=off, unscaled=off > UNIT_SCALE)
-    pinned = getattr(data, "placement", "simulated") == "pinned"
-    if how == "features" or (off > UNIT_SCALE and not pinned):
+    if getattr(data, "placement", "simulated") == "pinned":
+        return out  # the statistics every site shares come with the plan (shared_scaling)
+    if how == "features" or off > UNIT_SCALE:
         out.update(applied=True, mean=mean, sd=np.where(sd > 0, sd, 1.0))
     return out
+
+
+def moments(dataset: Dataset) -> dict[str, Any]:
+    """A pinned site's training samples as `shared_scaling` combines them: their count,
+    and per feature or channel their mean and variance."""
+    axes = _groups(dataset)
+    x = dataset.x_train
+    if not len(x):
+        groups = int(np.prod([1 if a in axes else n
+                              for a, n in enumerate((0, *dataset.input_shape))]))
+        return {"count": 0, "mean": [0.0] * groups, "var": [0.0] * groups}
+    return {"count": int(len(x)),
+            "mean": [float(v) for v in x.mean(axis=axes, dtype=np.float64).ravel()],
+            "var": [float(v) for v in x.var(axis=axes, dtype=np.float64).ravel()]}
+
+
+def shared_scaling(sites: Mapping[str, Any], how: str
+                   ) -> tuple[list[float], list[float]] | None:
+    """The mean and sd (per feature or channel) every site of a pinned job standardizes
+    its samples by, from each site's `moments` (keyed by site); None where data.standardize
+    is "none", or "auto" and they lie on a unit scale (UNIT_SCALE). Per feature, the median
+    of the sites' means, and the root of the median of each site's second moment about it
+    (its variance plus its mean's distance squared): the spread between sites counts, as
+    the union's variance does, and one site of three or more that lies cannot move either
+    beyond the honest sites' own values. ValueError naming the site whose moments are not
+    a count and two equal-length lists of finite numbers (variances >= 0)."""
+    if how == "none":
+        return None
+    means, seconds = [], []
+    size: int | None = None
+    for site, m in sorted(sites.items()):
+        try:
+            count = m["count"]
+            mean = np.asarray(m["mean"], dtype=np.float64)
+            var = np.asarray(m["var"], dtype=np.float64)
+            ok = (isinstance(count, int) and not isinstance(count, bool) and count >= 0
+                  and mean.ndim == var.ndim == 1 and len(mean) == len(var) > 0
+                  and bool(np.isfinite(mean).all() and np.isfinite(var).all())
+                  and bool((var >= 0).all()) and size in (None, len(mean)))
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"site {site}: data moments must be a count and per-feature "
+                             f"'mean' and 'var' lists of finite numbers{'' if size is None else f' ({size} of them, as the other sites sent)'}, "
+                             "variances >= 0")
+        size = len(mean)
+        if count:
+            means.append(mean)
+            seconds.append(var)
+    if not means:
+        return None
+    shared = np.median(np.stack(means), axis=0)
+    spread = np.stack([v + (m - shared) ** 2 for m, v in zip(means, seconds, strict=True)])
+    sd = np.sqrt(np.median(spread, axis=0))
+    if how == "auto" and float(np.max(np.maximum(np.abs(shared), sd))) <= UNIT_SCALE:
+        return None
+    return [float(v) for v in shared], [float(v) if v > 0 else 1.0 for v in sd]
+
+
+def standardized(dataset: Dataset, mean: Sequence[float], sd: Sequence[float]) -> Dataset:
+    """`dataset` standardized by the given mean and sd per feature or channel (a pinned
+    job's shared ones). DatasetError if their count is not the data's."""
+    axes = _groups(dataset)
+    shape = [1 if a in axes else n for a, n in enumerate((0, *dataset.input_shape))]
+    groups = int(np.prod(shape))
+    if len(mean) != groups or len(sd) != groups:
+        raise DatasetError(f"dataset {dataset.name}: {len(mean)} shared means and {len(sd)} "
+                           f"sds for data of {groups} features or channels")
+    m = np.asarray(mean, dtype=np.float64).reshape(shape)
+    d = np.asarray(sd, dtype=np.float64).reshape(shape)
+
+    def scaled(x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(((x - m) / d).astype(np.float32))
+
+    return replace(dataset, x_train=scaled(dataset.x_train), x_test=scaled(dataset.x_test))
 
 
 def prepare(dataset: Dataset, data: object) -> Dataset:
     """`dataset` as a job with data spec `data` trains on it: standardized by the training
     samples' mean and sd (a table's per feature, an image's per channel; a constant one
     only shifted), train and test alike, under data.standardize = "features", and under
-    "auto" when they lie off a unit scale (UNIT_SCALE) in a simulated job. A pinned job's
+    "auto" when they lie off a unit scale (UNIT_SCALE), in a simulated job. A pinned job's
     sites each hold their own samples, whose statistics differ where their labels do:
-    "auto" leaves them as they are there and warns (`event=features_unscaled`). Else as
-    it is (`scaling` says which)."""
+    they standardize by statistics they share, which come with the plan
+    (`shared_scaling`, `standardized`). Else as it is (`scaling` says which)."""
     plan = scaling(dataset, data)
     if not plan["applied"]:
-        if plan["unscaled"] and plan["standardize"] == "auto":
-            log.warning("event=features_unscaled dataset=%s largest=%.4g hint=standardize "
-                        "this site's samples with statistics every site shares "
-                        "(data.standardize = 'features' uses this site's own)",
-                        dataset.name, plan["largest"])
         return dataset
     mean, sd = plan["mean"], plan["sd"]
 

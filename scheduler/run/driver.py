@@ -172,6 +172,9 @@ class Driver(Recovery):
         self._pinned: list[str] | None = None  # data.placement = "pinned": each client's cluster
         self._client_samples: list[int] = []    # ... and its training samples (histogram sums)
         self._pooled_labels: list[int] = []     # ... and every label's (column sums)
+        # pinned data: the mean and sd every site standardizes by (data.standardize), fixed
+        # at the start: a site that comes back later gets the same
+        self._scaling: tuple[list[float], list[float]] | None = None
         self._privacy_keys: dict[str, bytes] = {}  # [privacy]: each executor's public key
         #: a routing matrix over this many bytes goes as job.plan.parts, then a job.plan
         #: naming them by sha256 (every control body is capped at 4 MiB)
@@ -306,6 +309,7 @@ class Driver(Recovery):
                               if (k := privacy_key(reply))}
         if self._pinned is not None:
             check_pinned_data(started, spec.data.dataset)
+            self._scaling = self._shared_scaling(started)
         histograms = self._histograms(started, holders)
         self._client_samples = [int(x) for x in histograms.sum(axis=1)]
         self._pooled_labels = [int(x) for x in histograms.sum(axis=0)]
@@ -440,6 +444,33 @@ class Driver(Recovery):
                         clients=() if span is not None else tuple(clients),
                         histogram_bytes=self.profile_page_bytes).to_body()
 
+    def _shared_scaling(self, started: Mapping[str, Mapping[str, Any]]
+                        ) -> tuple[list[float], list[float]] | None:
+        """Pinned data: the statistics every site standardizes by, from the `moments` in
+        their job.start replies (`fedcore.data.shared_scaling`: per feature the median
+        over sites, so one lying site of three or more moves nothing far); None where
+        the job does not standardize. A site whose moments are malformed fails the job,
+        named."""
+        from fedcore.data import shared_scaling
+
+        how = self.spec.data.standardize
+        if how == "none":
+            return None
+        sites = {cid: reply.get("moments") for cid, reply in started.items()}
+        missing = sorted(cid for cid, m in sites.items() if m is None)
+        if missing:
+            raise JobFailed(f"cluster(s) {', '.join(missing)} sent no data moments with "
+                            "job.start; data.standardize needs every site's (an older "
+                            "executor? set data.standardize = 'none')")
+        try:
+            found = shared_scaling(sites, how)
+        except ValueError as exc:
+            raise JobFailed(f"job.start replies: {exc}") from None
+        if found is not None:
+            log.info("event=shared_scaling job=%s groups=%d sites=%d", self.spec.job_id,
+                     len(found[0]), len(sites))
+        return found
+
     def _histograms(self, started: Mapping[str, Mapping[str, Any]],
                     holders: Mapping[str, list[int]]) -> np.ndarray:
         """Every client's label histogram (a row per client id): the first page of each
@@ -505,6 +536,8 @@ class Driver(Recovery):
         extra: dict[str, Any] = ({} if self._pinned is None
                                  else pinned_plan_extra(plan, self._client_samples,
                                                         self._pooled_labels))
+        if self._pinned is not None and self._scaling is not None:
+            extra["scaling_mean"], extra["scaling_sd"] = self._scaling
         if self._pinned is None and plan.placement.absent:
             extra["absent"] = list(plan.placement.absent)
             log.warning("event=clients_sit_out job=%s epoch=%d clients=%d reason=%s",

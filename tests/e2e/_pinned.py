@@ -13,12 +13,13 @@ def site_classes(site: int) -> list[int]:
 
 
 def write_site_npz(path: Path, site: int, *, train: int = 150, test: int = 40,
-                   own_share: float = 0.85) -> np.ndarray:
-    """Write site `site`'s file; returns its y_train (what only this site holds)."""
+                   own_share: float = 0.85, scale: float = 1 / 16) -> np.ndarray:
+    """Write site `site`'s file (pixels 0-16 times `scale`: [0, 1] by default); returns its
+    y_train (what only this site holds)."""
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
-    x = (np.asarray(bunch.data, dtype=np.float32) / 16.0).reshape(-1, 1, 8, 8)
+    x = (np.asarray(bunch.data, dtype=np.float32) * scale).reshape(-1, 1, 8, 8)
     y = np.asarray(bunch.target, dtype=np.int64)
     rng = np.random.default_rng(100 + site)
     own = np.isin(y, site_classes(site))

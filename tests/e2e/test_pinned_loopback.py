@@ -200,3 +200,52 @@ def test_a_lost_clusters_pinned_clients_sit_out_until_it_returns(
         assert runtime.dataset_path == sites[cid]["site"]
         assert runtime._own == [i for i in range(9) if i // 3 == CLUSTERS.index(cid)]
         assert set(runtime._local) <= set(runtime._own)  # only its own clients trained here
+
+
+def test_sites_standardize_by_statistics_they_share(tmp_path: Path) -> None:
+    """Pinned sites whose pixels lie off a unit scale (0-1,000): under data.standardize
+    "auto" every site standardizes by the same mean and sd, made by the scheduler from
+    each site's moments (their median: no site's own), and the job learns; under "none"
+    they train on the raw pixels."""
+    from fedcore.data import load_dataset, moments
+
+    declared = {}
+    for k, cid in enumerate(CLUSTERS):
+        write_site_npz(tmp_path / cid / "site.npz", k, scale=1000 / 16)
+        declared[cid] = {"site": f"npz:{tmp_path / cid / 'site.npz'}"}
+    spec = pinned_job(topology={"kind": "star"}, training={"federated_learning_rounds": 3,
+                                                           "number_of_epochs": 2})
+    result, mesh = run(spec, declared)
+    shared = {cid: mesh.services[cid].runtime._shared_scaling for cid in CLUSTERS}
+    assert len(set(shared.values())) == 1 and shared["a"] is not None
+    (mean,), (sd,) = shared["a"]
+    own = [moments(load_dataset(declared[cid]["site"])) for cid in CLUSTERS]
+    site_means = sorted(m["mean"][0] for m in own)
+    assert mean == pytest.approx(site_means[1]) and 100 < sd < 1000
+    for cid in CLUSTERS:
+        x = mesh.services[cid].runtime.dataset.x_train
+        raw = load_dataset(declared[cid]["site"]).x_train
+        np.testing.assert_allclose(x, (raw - mean) / sd, rtol=1e-4, atol=1e-4)
+    learned = result.summary.rounds[-1].accuracy
+    raw_job, _ = run(pinned_job(data={"standardize": "none"}, topology={"kind": "star"},
+                                training={"federated_learning_rounds": 3,
+                                          "number_of_epochs": 2}), declared)
+    assert learned > 0.5 and learned > raw_job.summary.rounds[-1].accuracy + 0.2, (
+        learned, raw_job.summary.rounds[-1].accuracy)
+
+
+def test_a_site_with_malformed_moments_fails_the_job_named(
+        sites: dict[str, dict[str, str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A site whose job.start moments are not finite numbers: the job fails naming it,
+    before any plan."""
+    from worker.executor.runtime import NodeRuntime
+
+    real = NodeRuntime.data_moments
+
+    def lying(self: NodeRuntime) -> Any:
+        found = real(self)
+        return {**found, "var": [-1.0] * len(found["var"])} if self.cluster_id == "b" else found
+
+    monkeypatch.setattr(NodeRuntime, "data_moments", lying)
+    with pytest.raises(JobFailed, match="site b: data moments"):
+        run(pinned_job(data={"standardize": "features"}), sites)

@@ -200,11 +200,11 @@ def write_raw_wine(path: Path) -> Path:
 
 
 def test_a_table_off_a_unit_scale_is_standardized_with_its_training_rows(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path) -> None:
     """data.standardize: "auto" standardizes a simulated job's table whose features lie off
     a unit scale, train and test rows by the training rows' mean and sd, and leaves one
-    already scaled as it is; "features" always, "none" never; a pinned job's site under
-    "auto" keeps its rows and says why."""
+    already scaled as it is; "features" always, "none" never; a pinned job's site keeps
+    its rows until the plan brings the statistics every site shares."""
     from fedcore.data import prepare
 
     raw = load_dataset(f"csv:{write_raw_wine(tmp_path / 'wine.csv')}")
@@ -216,10 +216,9 @@ def test_a_table_off_a_unit_scale_is_standardized_with_its_training_rows(
     np.testing.assert_allclose(done.x_test, (raw.x_test - mean) / sd, rtol=1e-4, atol=1e-4)
     assert done.x_train.dtype == np.float32 and np.array_equal(done.y_train, raw.y_train)
     assert prepare(raw, DataSpec(standardize="none")) is raw
-    with caplog.at_level("WARNING", logger="fedcore.data.datasets"):
-        assert prepare(raw, DataSpec(placement="pinned")) is raw
-    assert "event=features_unscaled" in caplog.text
-    assert prepare(raw, DataSpec(placement="pinned", standardize="features")) is not raw
+    # a pinned site's samples wait for the statistics every site shares (job.plan)
+    assert prepare(raw, DataSpec(placement="pinned")) is raw
+    assert prepare(raw, DataSpec(placement="pinned", standardize="features")) is raw
 
     scaled = load_dataset(f"csv:{write_table(tmp_path / 't.csv', n=60)}")
     assert prepare(scaled, DataSpec()) is scaled
@@ -271,3 +270,35 @@ def test_a_raw_table_learns_through_the_engine(tmp_path: Path) -> None:
     largest = np.bincount(load_dataset(name).y_test).max() / len(load_dataset(name).y_test)
     assert learned.summary.rounds[-1].accuracy > 0.85
     assert raw.summary.rounds[-1].accuracy < largest + 0.1
+
+
+def test_shared_scaling_is_the_sites_median_and_a_liar_moves_it_little() -> None:
+    """fedcore.data.shared_scaling: per feature the median of the sites' means, and the
+    root of the median of their second moments about it (the spread between sites
+    counts); a fourth site claiming a mean of 1e9 leaves both within the honest sites'
+    own; "auto" on a unit scale and "none": no scaling; malformed moments: named."""
+    from fedcore.data import shared_scaling
+
+    honest = {"a": {"count": 50, "mean": [100.0, 0.1], "var": [25.0, 0.04]},
+              "b": {"count": 70, "mean": [110.0, 0.2], "var": [36.0, 0.04]},
+              "c": {"count": 60, "mean": [130.0, 0.3], "var": [49.0, 0.04]}}
+    found = shared_scaling(honest, "auto")
+    assert found is not None
+    mean, sd = found
+    assert mean == [110.0, 0.2]
+    assert sd[0] == pytest.approx(np.sqrt(np.median([25 + 100, 36 + 0, 49 + 400])))
+    liar = shared_scaling({**honest, "z": {"count": 10**9, "mean": [1e9, 1e9],
+                                           "var": [1e18, 1e18]}}, "auto")
+    assert liar is not None
+    assert 110.0 <= liar[0][0] <= 130.0 and liar[1][0] < 25.0
+    small = {k: {**v, "mean": [m / 1000 for m in v["mean"]], "var": [0.01, 0.01]}
+             for k, v in honest.items()}
+    assert shared_scaling(small, "auto") is None and shared_scaling(small, "features")
+    assert shared_scaling(honest, "none") is None
+    for bad in ({"count": 5, "mean": [1.0], "var": [1.0, 2.0]},
+                {"count": 5, "mean": [float("nan"), 1.0], "var": [1.0, 1.0]},
+                {"count": -1, "mean": [1.0, 1.0], "var": [1.0, 1.0]},
+                {"count": 5, "mean": [1.0, 1.0], "var": [-1.0, 1.0]},
+                {"count": 5, "mean": "x", "var": [1.0, 1.0]}, None):
+        with pytest.raises(ValueError, match="site z: data moments"):
+            shared_scaling({**honest, "z": bad}, "auto")

@@ -109,6 +109,7 @@ class NodeRuntime:
                              else spec.data.dataset)
         self.dataset = prepare(load_dataset(self.dataset_path), spec.data)
         self._own: list[int] = []
+        self._shared_scaling: tuple[tuple[float, ...], tuple[float, ...]] | None = None
         self._own_set: frozenset[int] = frozenset()
         self._remote_samples: list[int] = []
         self._partition: ClientPartition | None = (
@@ -185,6 +186,34 @@ class NodeRuntime:
         return {"dataset": self.spec.data.dataset, "num_classes": int(self.dataset.num_classes),
                 "input_shape": [int(d) for d in self.dataset.input_shape],
                 "samples": int(len(self.dataset.y_train))}
+
+    def data_moments(self) -> dict[str, Any] | None:
+        """Pinned data under data.standardize: this site's training samples' count and per
+        feature or channel mean and variance, from which the scheduler makes the
+        statistics every site standardizes by (`fedcore.data.shared_scaling`)."""
+        from fedcore.data import moments
+
+        if not self.pinned or self.spec.data.standardize == "none":
+            return None
+        return moments(self.dataset)
+
+    def standardize(self, mean: Sequence[float], sd: Sequence[float]) -> None:
+        """Pinned data: this site's samples standardized by the statistics every site
+        shares (job.plan's scaling_mean / scaling_sd), before any client holds them; a
+        later plan must carry the same (ValueError otherwise)."""
+        from fedcore.data import standardized
+
+        key = (tuple(float(v) for v in mean), tuple(float(v) for v in sd))
+        if self._shared_scaling == key:
+            return
+        if self._shared_scaling is not None or self.manager is not None:
+            raise ValueError(f"cluster {self.cluster_id}: the plan's shared scaling differs "
+                             "from the one this cluster's samples were standardized by "
+                             "(or came after its clients started); a job keeps its first")
+        self.dataset = standardized(self.dataset, *key)
+        self._shared_scaling = key
+        log.info("event=features_standardized cluster=%s groups=%d shared=true",
+                 self.cluster_id, len(key[0]))
 
     def capacity(self) -> int:
         return 0  # the daemon's configured capacity is authoritative

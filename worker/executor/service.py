@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from fedcore.data import DatasetError
 from proto.control import (
     ControlMessage,
     JobCheckpoint,
@@ -251,6 +252,10 @@ class ExecutorService:
         data_info = getattr(self.runtime, "data_info", None)
         if data_info is not None:  # classes and shape, which pinned clusters must agree on
             reply["data"] = data_info()
+        data_moments = getattr(self.runtime, "data_moments", None)
+        found = data_moments() if data_moments is not None else None
+        if found is not None:  # pinned: what the shared standardization is made from
+            reply["moments"] = found
         return reply
 
     def _profile(self, message: JobProfile) -> dict[str, Any]:
@@ -300,6 +305,14 @@ class ExecutorService:
             raise ControlMessageError(message.TYPE, "pooled_labels", "field 'pooled_labels': "
                                       f"must be {classes} counts (one per class of the job's "
                                       f"data), got {len(message.pooled_labels)}")
+        if message.scaling_mean is not None and message.scaling_sd is not None:
+            standardize = getattr(self.runtime, "standardize", None)
+            if standardize is not None:  # pinned: every site by the statistics they share
+                try:
+                    standardize(message.scaling_mean, message.scaling_sd)
+                except (ValueError, DatasetError) as exc:
+                    raise ControlMessageError(message.TYPE, "scaling_mean",
+                                              f"field 'scaling_mean': {exc}") from None
         with self._exclusive(f"re-planned (epoch {routing.epoch}) while round "
                              "{round} ran here"):
             return self._install(message, routing)
