@@ -405,3 +405,28 @@ def test_clients_of_a_few_samples_of_one_class_train_a_batchnorm_model_together(
         weights = {k: (v / samples).astype(weights[k].dtype) for k, v in total.items()}
     load_weights(model, weights)
     assert evaluate(model, x[300:], y[300:]).accuracy >= 0.9
+
+
+def test_a_model_normalizing_by_its_batch_scores_few_samples_after_context() -> None:
+    """BatchNorm without running statistics normalizes by the batch in eval mode too: a
+    client's four held-out samples are scored after its training samples in one batch
+    (`context`), as they would be among them; without context, by their own statistics.
+    A model with running statistics ignores the context."""
+    torch.manual_seed(0)
+    untracked = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8, track_running_stats=False),
+                              torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 3)).astype(np.float32)
+    y = np.array([0, 1, 0, 1])
+    context = rng.normal(size=(40, 3)).astype(np.float32)
+    losses, _ = sample_scores(untracked, x, y, context=context)
+    untracked.eval()
+    with torch.no_grad():
+        logits = untracked(torch.tensor(np.concatenate([context, x])))[40:]
+    expected = torch.nn.functional.cross_entropy(logits, torch.tensor(y), reduction="none").numpy()
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    alone, _ = sample_scores(untracked, x, y)
+    assert not np.allclose(alone, losses)
+    tracked = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    np.testing.assert_array_equal(sample_scores(tracked, x, y, context=context)[0],
+                                  sample_scores(tracked, x, y)[0])

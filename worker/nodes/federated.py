@@ -216,7 +216,7 @@ class FederatedNode:
         offsets = None if measure or not shift else label_offsets(y, self._config.num_classes,
                                                      self._config.pooled_labels)
         return sample_scores(self._model, d.x_train[self._test_idx],
-                             d.y_train[self._test_idx], offsets)[1]
+                             d.y_train[self._test_idx], offsets, context=x)[1]
 
     def train_batch(self, round_index: int, model: Message | Mapping[str, np.ndarray],
                     clients: Sequence[tuple[int, np.ndarray, np.ndarray]]
