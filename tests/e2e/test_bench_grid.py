@@ -50,7 +50,7 @@ def test_shards_split_the_grid_and_together_are_it() -> None:
     shards = [bench.shard(cells, f"{k}/5") for k in range(1, 6)]
     assert sorted(c for s in shards for c in s) == sorted(cells)
     assert all(len(s) in (len(cells) // 5, len(cells) // 5 + 1) for s in shards)
-    assert {c[0] for c in shards[0]} == {"mnist", "digits", "table"}   # a mix, not a block
+    assert {c[0] for c in shards[0]} == {"mnist", "digits", "table", "wine"}   # a mix, not a block
     for bad in ("0/5", "6/5", "2", "a/b"):
         try:
             bench.shard(cells, bad)
