@@ -114,9 +114,9 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def data_scaling(spec: Any) -> dict[str, Any] | None:
-    """What data.standardize does to a simulated job's samples (`fedcore.data.scaling`;
-    a pinned job's sites decide on their own files): standardize, applied, groups,
-    largest."""
+    """What data.standardize does to a simulated job's samples (`fedcore.data.scaling`):
+    standardize, applied, groups, largest. None for a pinned job, whose statistics come
+    from its sites' own samples when it starts (`fedcore.data.shared_scaling`)."""
     if spec.data.placement == "pinned":
         return None
     from fedcore.data import load_dataset, scaling

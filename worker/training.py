@@ -410,8 +410,9 @@ def sample_scores(model: nn.Module, x: np.ndarray, y: np.ndarray,
     shift = None if offsets is None else offsets.to(xt.device)
     by_batch = context is not None and len(context) > 0 and any(
         not m.track_running_stats for _, m in batchnorm_layers(model))
-    lead = (torch.tensor(np.ascontiguousarray(context, dtype=np.float32), device=xt.device)
-            [: EVAL_BATCH_SIZE // 2] if by_batch and context is not None else None)
+    lead = (torch.tensor(np.ascontiguousarray(context[: EVAL_BATCH_SIZE // 2],
+                                              dtype=np.float32), device=xt.device)
+            if by_batch and context is not None else None)
     step = EVAL_BATCH_SIZE if lead is None else EVAL_BATCH_SIZE - len(lead)
     was_training = model.training
     model.eval()

@@ -103,26 +103,32 @@ def _groups(dataset: Dataset) -> tuple[int, ...]:
     return (0,) if ndim == 1 else (0, 2, 3) if ndim == 3 else tuple(range(ndim + 1))
 
 
+def _statistic_shape(dataset: Dataset) -> list[int]:
+    """The shape of one statistic per group (`_groups`), broadcast over the samples."""
+    axes = _groups(dataset)
+    return [1 if a in axes else n for a, n in enumerate((0, *dataset.input_shape))]
+
+
 def scaling(dataset: Dataset, data: object) -> dict[str, Any]:
     """What `prepare` does to `dataset` under data spec `data`: {"standardize": the
     setting, "applied": whether it standardizes, "groups": the features or channels a
-    mean and sd are taken over, "largest": the largest of their means' and sds' sizes,
-    "unscaled": off a unit scale (UNIT_SCALE)}; "mean" and "sd" (arrays shaped to
-    broadcast over the samples) where applied."""
+    mean and sd are taken over, "largest": the largest of their means' and sds' sizes};
+    "mean" and "sd" (one per group) where applied."""
     how = str(getattr(data, "standardize", "auto"))
     out: dict[str, Any] = {"standardize": how, "applied": False, "groups": 0,
-                           "largest": 0.0, "unscaled": False}
+                           "largest": 0.0}
     if how == "none" or not len(dataset.y_train):
         return out
     axes = _groups(dataset)
     mean = dataset.x_train.mean(axis=axes, dtype=np.float64, keepdims=True)
     sd = dataset.x_train.std(axis=axes, dtype=np.float64, keepdims=True)
     off = float(np.max(np.maximum(np.abs(mean), sd)))
-    out.update(groups=int(mean.size), largest=off, unscaled=off > UNIT_SCALE)
+    out.update(groups=int(mean.size), largest=off)
     if getattr(data, "placement", "simulated") == "pinned":
         return out  # the statistics every site shares come with the plan (shared_scaling)
     if how == "features" or off > UNIT_SCALE:
-        out.update(applied=True, mean=mean, sd=np.where(sd > 0, sd, 1.0))
+        out.update(applied=True, mean=mean.ravel().tolist(),
+                   sd=np.where(sd > 0, sd, 1.0).ravel().tolist())
     return out
 
 
@@ -132,8 +138,7 @@ def moments(dataset: Dataset) -> dict[str, Any]:
     axes = _groups(dataset)
     x = dataset.x_train
     if not len(x):
-        groups = int(np.prod([1 if a in axes else n
-                              for a, n in enumerate((0, *dataset.input_shape))]))
+        groups = int(np.prod(_statistic_shape(dataset)))
         return {"count": 0, "mean": [0.0] * groups, "var": [0.0] * groups}
     return {"count": int(len(x)),
             "mean": [float(v) for v in x.mean(axis=axes, dtype=np.float64).ravel()],
@@ -166,9 +171,9 @@ def shared_scaling(sites: Mapping[str, Any], how: str
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
+            many = "" if size is None else f" ({size} of them, as the other sites sent)"
             raise ValueError(f"site {site}: data moments must be a count and per-feature "
-                             f"'mean' and 'var' lists of finite numbers{'' if size is None else f' ({size} of them, as the other sites sent)'}, "
-                             "variances >= 0")
+                             f"'mean' and 'var' lists of finite numbers{many}, variances >= 0")
         size = len(mean)
         if count:
             means.append(mean)
@@ -186,8 +191,7 @@ def shared_scaling(sites: Mapping[str, Any], how: str
 def standardized(dataset: Dataset, mean: Sequence[float], sd: Sequence[float]) -> Dataset:
     """`dataset` standardized by the given mean and sd per feature or channel (a pinned
     job's shared ones). DatasetError if their count is not the data's."""
-    axes = _groups(dataset)
-    shape = [1 if a in axes else n for a, n in enumerate((0, *dataset.input_shape))]
+    shape = _statistic_shape(dataset)
     groups = int(np.prod(shape))
     if len(mean) != groups or len(sd) != groups:
         raise DatasetError(f"dataset {dataset.name}: {len(mean)} shared means and {len(sd)} "
@@ -212,14 +216,9 @@ def prepare(dataset: Dataset, data: object) -> Dataset:
     plan = scaling(dataset, data)
     if not plan["applied"]:
         return dataset
-    mean, sd = plan["mean"], plan["sd"]
-
-    def scaled(x: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(((x - mean) / sd).astype(np.float32))
-
     log.info("event=features_standardized dataset=%s groups=%d largest=%.4g",
              dataset.name, plan["groups"], plan["largest"])
-    return replace(dataset, x_train=scaled(dataset.x_train), x_test=scaled(dataset.x_test))
+    return standardized(dataset, plan["mean"], plan["sd"])
 
 
 def clear_cache() -> None:
