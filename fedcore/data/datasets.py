@@ -119,17 +119,20 @@ def scaling(dataset: Dataset, data: object) -> dict[str, Any]:
                            "largest": 0.0}
     if how == "none" or not len(dataset.y_train):
         return out
-    axes = _groups(dataset)
-    mean = dataset.x_train.mean(axis=axes, dtype=np.float64, keepdims=True)
-    sd = dataset.x_train.std(axis=axes, dtype=np.float64, keepdims=True)
-    off = float(np.max(np.maximum(np.abs(mean), sd)))
-    out.update(groups=int(mean.size), largest=off)
+    own = moments(dataset)
+    out.update(groups=len(own["mean"]),
+               largest=_largest(np.asarray(own["mean"]), np.sqrt(own["var"])))
     if getattr(data, "placement", "simulated") == "pinned":
         return out  # the statistics every site shares come with the plan (shared_scaling)
-    if how == "features" or off > UNIT_SCALE:
-        out.update(applied=True, mean=mean.ravel().tolist(),
-                   sd=np.where(sd > 0, sd, 1.0).ravel().tolist())
+    found = shared_scaling({"here": own}, how)  # one site: its own mean and sd
+    if found is not None:
+        out.update(applied=True, mean=found[0], sd=found[1])
     return out
+
+
+def _largest(mean: np.ndarray, sd: np.ndarray) -> float:
+    """The largest of the means' and sds' sizes (off a unit scale above UNIT_SCALE)."""
+    return float(np.max(np.maximum(np.abs(mean), sd)))
 
 
 def moments(dataset: Dataset) -> dict[str, Any]:
@@ -183,7 +186,7 @@ def shared_scaling(sites: Mapping[str, Any], how: str
     shared = np.median(np.stack(means), axis=0)
     spread = np.stack([v + (m - shared) ** 2 for m, v in zip(means, seconds, strict=True)])
     sd = np.sqrt(np.median(spread, axis=0))
-    if how == "auto" and float(np.max(np.maximum(np.abs(shared), sd))) <= UNIT_SCALE:
+    if how == "auto" and _largest(shared, sd) <= UNIT_SCALE:
         return None
     return [float(v) for v in shared], [float(v) if v > 0 else 1.0 for v in sd]
 
