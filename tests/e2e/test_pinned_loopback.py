@@ -226,6 +226,14 @@ def test_sites_standardize_by_statistics_they_share(tmp_path: Path) -> None:
         x = mesh.services[cid].runtime.dataset.x_train
         raw = load_dataset(declared[cid]["site"]).x_train
         np.testing.assert_allclose(x, (raw - mean) / sd, rtol=1e-4, atol=1e-4)
+    # a later plan with other statistics (a replayed or forged one) changes nothing
+    runtime: Any = mesh.services["a"].runtime
+    before = runtime.dataset
+    with pytest.raises(ValueError, match="differs"):
+        runtime.standardize([mean + 1.0], [sd])
+    assert runtime.dataset is before and runtime._shared_scaling == shared["a"]
+    runtime.standardize([mean], [sd])  # the same again: nothing to do
+    assert runtime.dataset is before
     learned = result.summary.rounds[-1].accuracy
     raw_job, _ = run(pinned_job(data={"standardize": "none"}, topology={"kind": "star"},
                                 training={"federated_learning_rounds": 3,
