@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -248,3 +249,64 @@ def test_on_stall_restores_a_real_collapse_not_early_jitter_on_a_flat_loss() -> 
     assert run([(0.25, 2.27), (0.165, 2.2737), (0.14, 2.2766), (0.4, 1.9)]) == [False] * 4
     collapse = run([(0.5, 1.2), (0.9, 0.35), (0.2, 1.05)])
     assert collapse == [False, False, True]
+
+
+def _models(seed: int, count: int) -> list[tuple[dict[str, np.ndarray], int]]:
+    rng = np.random.default_rng(seed)
+    return [({"w": rng.normal(size=(3, 4)).astype(np.float32),
+              "bn.running_mean": rng.normal(size=4), "bn.running_var": rng.uniform(1, 2, 4),
+              "bn.num_batches_tracked": np.array(5)}, int(n))
+            for n in rng.integers(5, 50, size=count)]
+
+
+def test_shared_means_compute_one_mean_per_set_of_models_whatever_their_order() -> None:
+    """Nodes that average the same models, each listing its own first, share one pooled
+    mean: the same object, equal to the plain `pooled_mean` up to the summation order."""
+    from worker.aggregators import base
+
+    updates = _models(0, 5)
+    shared = base.SharedMeans()
+    calls: list[int] = []
+    plain = base.pooled_mean
+
+    def counted(u: Any, algorithm: str) -> Any:
+        calls.append(len(u))
+        return plain(u, algorithm)
+
+    orders = [updates[i:] + updates[:i] for i in range(len(updates))]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(base, "pooled_mean", counted)
+        means = [shared.mean([(dict(w), n) for w, n in order], "fedavg") for order in orders]
+    assert calls == [5]
+    assert all(m is means[0] for m in means)
+    reference = plain(updates, "fedavg")
+    for name in reference:
+        np.testing.assert_allclose(means[0][name], reference[name], rtol=1e-12)
+
+
+def test_shared_means_know_a_model_by_its_content_not_its_sender() -> None:
+    """A member that sends its neighbours different models under one name gets each
+    averaged as received: two nodes whose sets differ in one model's content, or only in
+    one model's sample count, get different means; a new array with equal content is
+    the same model."""
+    from worker.aggregators import base
+
+    updates = _models(1, 4)
+    shared = base.SharedMeans()
+    forged = [(dict(updates[0][0], w=updates[0][0]["w"] + 1), updates[0][1])] + updates[1:]
+    recounted = [(updates[0][0], updates[0][1] + 7)] + updates[1:]
+    copied = [({k: v.copy() for k, v in updates[0][0].items()}, updates[0][1])] + updates[1:]
+    honest = shared.mean(updates, "fedavg")
+    assert not np.allclose(shared.mean(forged, "fedavg")["w"], honest["w"])
+    assert not np.allclose(shared.mean(recounted, "fedavg")["w"], honest["w"])
+    assert shared.mean(copied, "fedavg") is honest
+
+
+def test_shared_means_pass_a_failure_to_every_node_that_asked() -> None:
+    from worker.aggregators import base
+
+    shared = base.SharedMeans()
+    empty = [(w, 0) for w, _ in _models(2, 3)]
+    for _ in range(2):
+        with pytest.raises(AggregationError, match="report 0 samples"):
+            shared.mean(empty, "fedavg")

@@ -332,3 +332,71 @@ def test_k_connected_at_its_defaults_learns_stars_model_within_its_traffic_budge
     assert [r.accuracy for r in graph.summary.rounds] == pytest.approx(
         [r.accuracy for r in star.summary.rounds], abs=0.01)
     assert 0 < graph.summary.bytes_inter_total <= 3 * star.summary.bytes_inter_total
+
+
+@pytest.mark.parametrize("aggregation", ["fedavg", "fedavgm"])
+def test_k_connected_nodes_that_average_the_same_models_share_the_work(
+        aggregation: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On 3 clusters k_connected's budget joins every pair of nodes, so all 9 nodes
+    average the same 9 models each round and end it with the same model. Each cluster
+    computes that mean once and evaluates that model once (before: 9 of each a round),
+    and the job learns exactly what it learns with every node doing its own work."""
+    from worker.aggregators import base
+    from worker.executor.engine import ClusterEngine
+    from worker.executor.runtime import NodeRuntime
+
+    counts = {"means": 0, "evaluations": 0}
+    pooled, evaluate = base.pooled_mean, NodeRuntime.evaluate_global
+
+    def counted_mean(*a: Any) -> Any:
+        counts["means"] += 1
+        return pooled(*a)
+
+    def counted_evaluation(self: NodeRuntime, weights: Any) -> Any:
+        counts["evaluations"] += 1
+        return evaluate(self, weights)
+
+    monkeypatch.setattr(base, "pooled_mean", counted_mean)
+    monkeypatch.setattr(NodeRuntime, "evaluate_global", counted_evaluation)
+    spec = job("k_connected", clients=9, rounds=3, aggregation={"name": aggregation},
+               data={"number_of_clients": 9, "dirichlet_beta": 0.1},
+               topology={"client_k_neighbors": 0, "k_connected_mode": "complementary",
+                         "mixing_steps": 0})
+    results = {}
+    for share in (True, False):
+        monkeypatch.setattr(ClusterEngine, "share_work", share)
+        counts.update(means=0, evaluations=0)
+        result, _ = run(spec)
+        results[share] = result, dict(counts)
+    (shared, work), (alone, own) = results[True], results[False]
+    assert shared.placement["routing"]["mixing_steps"] == 1
+    # (the rest: the final model's, once either way)
+    assert own["means"] - work["means"] == (9 - 3) * 3
+    assert own["evaluations"] - work["evaluations"] == (9 - 3) * 3
+    assert [r.accuracy for r in shared.summary.rounds] == pytest.approx(
+        [r.accuracy for r in alone.summary.rounds], abs=1e-9)
+    a, b = st_load(shared.model), st_load(alone.model)
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6)
+
+
+def test_an_executor_runs_numpy_on_one_blas_thread() -> None:
+    """The engine's node threads each aggregate; with OpenBLAS's pool of a thread per core
+    they contend for it (k_connected + fedavgm: 225 s against 10.7 s, bench_mixing). In a
+    fresh process without the test suite's OPENBLAS_NUM_THREADS=1."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    code = ("from threadpoolctl import threadpool_info\n"
+            "import numpy\n"
+            "before = max(i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas')\n"
+            "from worker.executor.runtime import single_threaded_numerics\n"
+            "single_threaded_numerics()\n"
+            "after = max(i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas')\n"
+            "print(before, after)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True, cwd=Path(__file__).resolve().parents[2])
+    before, after = (int(x) for x in out.stdout.split())
+    assert (before, after) == (os.cpu_count(), 1)

@@ -54,7 +54,6 @@ from .base import (
     check_updates,
     opposes,
     plain_step,
-    pooled_mean,
     require,
     server_learning_rate,
 )
@@ -117,7 +116,7 @@ class AdaptiveAggregator(Aggregator):
 
     def aggregate(self, global_weights: Mapping[str, np.ndarray], updates: Sequence[Update]) -> Weights:
         check_updates(global_weights, updates, self.name)
-        avg = pooled_mean(updates, self.name)
+        avg = self.mean(updates)
         m_state = self._state.setdefault("m", {})
         v_state = self._state.setdefault("v", {})
         t_state = self._state.setdefault("t", {})

@@ -21,11 +21,14 @@ BNCNN beta 0.3 / 100, table BNMLP beta 0.3 and 1.0 / 20 unchanged).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -78,10 +81,20 @@ class Aggregator(ABC):
     buffers: frozenset[str] = frozenset()
     #: the job's number of classes (chance = 1 / classes), for `observe`; 0 = unknown
     classes: int = 0
+    #: set by the engine for one decentralized mixing phase: the nodes that average the
+    #: same updates share one pooled mean (`SharedMeans`); None: this one computes its own
+    means: SharedMeans | None = None
 
     def __init__(self, spec: AggregationSpec) -> None:
         self.spec = spec
         self._state: dict[str, Weights] = {}
+
+    def mean(self, updates: Sequence[Update]) -> Weights:
+        """The sample-weighted mean of `updates` with pooled normalization statistics
+        (`pooled_mean`), through `means` when the engine shares one. Never modify it."""
+        if self.means is not None:
+            return self.means.mean(updates, self.name)
+        return pooled_mean(updates, self.name)
 
     @property
     def step_scale(self) -> float:
@@ -284,6 +297,67 @@ def pooled_mean(updates: Sequence[Update], algorithm: str) -> Weights:
     """The sample-weighted mean of `updates` with pooled normalization statistics."""
     shares = sample_weights(updates, algorithm)
     return pool_statistics(weighted_average(updates, shares), updates, shares)
+
+
+def digest(weights: Mapping[str, np.ndarray]) -> bytes:
+    """A 16-byte BLAKE2b digest of a model: its tensors' names, dtypes, shapes and bytes
+    (equal models share it, and in practice only they do)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(weights):
+        array = np.asarray(weights[name])
+        h.update(f"{len(name)}:{name}:{array.dtype.str}:{array.shape}:".encode())
+        h.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+    return h.digest()
+
+
+class Memo:
+    """Values computed once per key, by whichever thread asks first; the others wait for
+    it, and a failure reaches every asker. Lives as long as its owner keeps it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[Hashable, Future[Any]] = {}
+
+    def get(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        with self._lock:
+            future = self._values.get(key)
+            owner = future is None
+            if future is None:
+                future = self._values[key] = Future()
+        if owner:
+            try:
+                future.set_result(compute())
+            except BaseException as exc:  # every asker, the owner too, sees it raised
+                future.set_exception(exc)
+        return future.result()
+
+
+class SharedMeans:
+    """The pooled means (`pooled_mean`) of one decentralized mixing phase, each computed
+    once: nodes whose neighbourhoods hold the same models (k_connected on a few clusters
+    averages the whole federation at every node, `scheduler.planning.topology`) share one
+    computation instead of one each, N^2 model additions a round for N nodes. An update is
+    known by its content (`digest`, once per array set), never by its sender's name, so a
+    member that sends different models to different neighbours gets each of them averaged
+    as received; the mean is taken in the digests' order, so it is the same whichever
+    node asks. Measured: bench/bench_mixing.py."""
+
+    def __init__(self) -> None:
+        self._means = Memo()
+        self._digests = Memo()
+
+    def mean(self, updates: Sequence[Update], algorithm: str) -> Weights:
+        keyed = sorted(((self._digest(w), int(n)), i) for i, (w, n) in enumerate(updates))
+        ordered = [updates[i] for _, i in keyed]
+        return self._means.get((algorithm, tuple(k for k, _ in keyed)),
+                               lambda: pooled_mean(ordered, algorithm))
+
+    def _digest(self, weights: Mapping[str, np.ndarray]) -> bytes:
+        # the arrays stay referenced by the memo, so their ids are not reused meanwhile
+        arrays = tuple(weights.items())
+        held: tuple[Any, bytes] = self._digests.get(
+            tuple((name, id(a)) for name, a in arrays), lambda: (arrays, digest(weights)))
+        return held[1]
 
 
 def bounded_step(step: np.ndarray, delta: np.ndarray, ratio: float) -> np.ndarray:

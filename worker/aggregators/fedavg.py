@@ -13,7 +13,6 @@ from .base import (
     Weights,
     cast_like,
     check_updates,
-    pooled_mean,
 )
 
 
@@ -24,4 +23,4 @@ class FedAvg(Aggregator):
 
     def aggregate(self, global_weights: Mapping[str, np.ndarray], updates: Sequence[Update]) -> Weights:
         check_updates(global_weights, updates, self.name)
-        return cast_like(pooled_mean(updates, self.name), global_weights)
+        return cast_like(self.mean(updates), global_weights)

@@ -25,7 +25,6 @@ from .base import (
     check_updates,
     opposes,
     plain_step,
-    pooled_mean,
     require,
     server_learning_rate,
 )
@@ -67,7 +66,7 @@ class FedAvgM(Aggregator):
 
     def aggregate(self, global_weights: Mapping[str, np.ndarray], updates: Sequence[Update]) -> Weights:
         check_updates(global_weights, updates, self.name)
-        avg = pooled_mean(updates, self.name)
+        avg = self.mean(updates)
         velocity = self._state.setdefault("velocity", {})
         out: Weights = {}
         ratio = self.step_ratio(global_weights)

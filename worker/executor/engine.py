@@ -55,6 +55,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from proto.rounds import RoundRecord
+from worker.aggregators.base import Aggregator, Memo, SharedMeans, digest
 from worker.executor.contributions import CloseRule, Contribution, ContributionBuffer, applied
 from worker.executor.graph import DOWN, PEER, UP, RoundGraph, mixing_kind, participants
 from worker.executor.transport import HybridTransport, Weights
@@ -90,6 +91,10 @@ def model_nbytes(weights: Weights) -> int:
 
 class ClusterEngine:
     """Holds the state of this cluster's nodes across rounds and runs rounds."""
+
+    #: a round's pooled means and evaluations are computed once however many nodes need
+    #: them (False: every node does its own; bench/bench_mixing.py's baseline)
+    share_work = True
 
     def __init__(
         self,
@@ -135,6 +140,10 @@ class ClusterEngine:
         self._behind: dict[str, int] = {}      # aggregator -> samples of its clients
         self._local_clients: list[str] | None = None
         self._lock = threading.Lock()
+        # a round's work done once however many nodes need it (`_evaluate_global`,
+        # `_shared_means`); both are new every round
+        self._evaluations = Memo()
+        self._means: dict[int, SharedMeans] = {}
         #: clients that sit out every round of this plan (pinned data on a lost cluster)
         self.absent: frozenset[str] = frozenset()
         #: [privacy]: protects each client's update before it goes up, and combines what
@@ -290,6 +299,8 @@ class ClusterEngine:
         started = time.perf_counter()
         self.transport.begin_round(round_index)
         record = RoundRecord(round_index)
+        with self._lock:
+            self._evaluations, self._means = Memo(), {}
         trained = self.participants(round_index)
         active = self.graph.active(trained)
         clients = [c for c in self.local_clients() if c in trained]
@@ -397,7 +408,7 @@ class ClusterEngine:
             # the node's model before it trained is the reference: the mix minus it is the
             # round's pseudo-gradient, which a server optimizer (fedavgm, fedadam...) needs
             before = self.pool.resolve(self.current_model(node))
-            mixed = self._aggregator(node).aggregate(before, received)
+            mixed = self._mix(self._aggregator(node), 1, before, received)
             self._store_mixed(node, mixed, record, last=self.mixing_steps == 1)
         # (a tree's client keeps no model: it starts each round it takes part in from
         # the model its parent sends down then)
@@ -439,8 +450,23 @@ class ClusterEngine:
                                  self._trusted_samples(peer, env.samples, trained)))
         aggregator = (self._make_inner() if self._is_server_optimizer(node)
                       else self._aggregator(node))
-        mixed = aggregator.aggregate(received[0][0], received)
+        mixed = self._mix(aggregator, step, received[0][0], received)
         self._store_mixed(node, mixed, record, last=step == self.mixing_steps)
+
+    def _mix(self, aggregator: Aggregate, step: int, before: Weights,
+             received: list[tuple[Weights, int]]) -> Weights:
+        """`aggregator`'s mix of `received` at mixing step `step`, with the pooled mean
+        shared by every node of this cluster that averages the same models in that step
+        (`SharedMeans`; an aggregator without `means` computes its own)."""
+        if not self.share_work or not isinstance(aggregator, Aggregator):
+            return aggregator.aggregate(before, received)
+        with self._lock:
+            shared = self._means.setdefault(step, SharedMeans())
+        aggregator.means = shared
+        try:
+            return aggregator.aggregate(before, received)
+        finally:
+            aggregator.means = None
 
     def _is_server_optimizer(self, node: str) -> bool:
         return bool(getattr(self._aggregator(node), "server_optimizer", False))
@@ -618,8 +644,17 @@ class ClusterEngine:
         return model if calibrate is None else calibrate(model)
 
     def _evaluate_global(self, model: Weights) -> tuple[float, float]:
-        """The accuracy and loss of a node's model as served (`served`)."""
-        return self._evaluate_served(self.served(model))
+        """The accuracy and loss of a node's model as served (`served`), once a round per
+        model (by `digest`): k_connected's nodes on a few clusters end a round with the
+        same model, and each used to measure and evaluate it again."""
+        def evaluate() -> tuple[float, float]:
+            return self._evaluate_served(self.served(model))
+        if not self.share_work:
+            return evaluate()
+        with self._lock:
+            evaluations = self._evaluations
+        result: tuple[float, float] = evaluations.get(digest(model), evaluate)
+        return result
 
     def _observed(self, node: str, model: Weights, start: Weights, record: RoundRecord
                   ) -> tuple[float, float]:
