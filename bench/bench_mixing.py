@@ -1,10 +1,10 @@
 """What does a decentralized job cost next to a star on the same cell? k_connected's
-seconds over star's, with the engine's shared work and one BLAS thread (today's), and
-without them (the baseline, measured in the same run).
+seconds over star's, with the engine's shared work and one BLAS thread (today's), with
+one BLAS thread only, and with neither (the baseline), all measured in the same run.
 
 Each variant runs in its own process, on one cell of bench_learning (real executors and
 engine, loopback transport between in-process clusters): star + fedavg, then k_connected
-+ fedavg and + fedavgm. The baseline variant undoes the two changes:
++ fedavg and + fedavgm. The baseline variant undoes the two changes (`unshared` the first):
 - `ClusterEngine.share_work = False`: every node computes its own pooled mean and
   evaluates its own model, although on a few clusters k_connected's nodes all average
   the same models (`worker.aggregators.base.SharedMeans`);
@@ -15,8 +15,9 @@ engine, loopback transport between in-process clusters): star + fedavg, then k_c
     python bench/bench_mixing.py --dataset digits --model usercnn:BNCNN --clients 100
 
 Prints one JSON object: per variant the seconds, final accuracy and inter-cluster bytes
-of each job, `k_connected_over_star` (seconds), and `speedup` (the baseline's
-k_connected seconds over today's, per aggregator). Accuracies of the two variants agree
+of each job, `k_connected_over_star_<variant>` (seconds), and `speedup` (the baseline's
+k_connected seconds over today's, per aggregator) and `speedup_of_sharing` (the unshared
+variant's over today's). Accuracies of the two variants agree
 to rounding (the shared mean sums in another order).
 """
 
@@ -38,18 +39,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench_learning as bl  # noqa: E402
 
 JOBS = (("star", "fedavg"), ("k_connected", "fedavg"), ("k_connected", "fedavgm"))
-VARIANTS = ("shared", "baseline")
+#: shared: today's; unshared: one BLAS thread, every node its own work; baseline: neither
+VARIANTS = ("shared", "unshared", "baseline")
 
 
 def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     """The jobs of one variant, in this process."""
+    from worker.executor import engine, runtime
+
+    if variant in ("unshared", "baseline"):
+        engine.ClusterEngine.share_work = False
     if variant == "baseline":
         import torch
 
-        from worker.executor import engine, runtime
-
         runtime.single_threaded_numerics = lambda: torch.set_num_threads(1)
-        engine.ClusterEngine.share_work = False
     ds = replace(bl.DATASETS[args.dataset], model=args.model, beta=args.beta,
                  clients=args.clients, rounds=args.rounds, clusters=args.clusters)
     out = Path(tempfile.mkdtemp(prefix="bench-mixing-"))
@@ -100,6 +103,9 @@ def main() -> None:
             if name.startswith("k_connected")}
     report["speedup"] = {
         name: round(variants["baseline"][name]["seconds"] / variants["shared"][name]["seconds"], 2)
+        for name in variants["shared"] if name.startswith("k_connected")}
+    report["speedup_of_sharing"] = {
+        name: round(variants["unshared"][name]["seconds"] / variants["shared"][name]["seconds"], 2)
         for name in variants["shared"] if name.startswith("k_connected")}
     print(json.dumps(report, indent=1))
 
