@@ -310,3 +310,27 @@ def test_shared_means_pass_a_failure_to_every_node_that_asked() -> None:
     for _ in range(2):
         with pytest.raises(AggregationError, match="report 0 samples"):
             shared.mean(empty, "fedavg")
+
+
+def test_shared_means_keep_no_model_alive_and_only_their_latest_means() -> None:
+    """A sparse graph's nodes each average another set: the memo holds no update (weak
+    references only) and at most SHARED_MEANS_KEPT means, so its memory stays what the
+    node threads held before."""
+    import gc
+    import weakref
+
+    from worker.aggregators import base
+
+    shared = base.SharedMeans()
+    updates = _models(3, 3)
+    first = shared.mean(updates, "fedavg")
+    watched = weakref.ref(updates[0][0]["w"])
+    del updates
+    gc.collect()
+    assert watched() is None
+    sets = [_models(10 + i, 2) for i in range(base.SHARED_MEANS_KEPT + 1)]
+    means = [shared.mean(s, "fedavg") for s in sets]
+    assert shared.mean(sets[-1], "fedavg") is means[-1]
+    assert shared.mean(sets[0], "fedavg") is not means[0]  # the oldest, computed again
+    np.testing.assert_array_equal(shared.mean(sets[0], "fedavg")["w"], means[0]["w"])
+    assert first["w"].shape == (3, 4)

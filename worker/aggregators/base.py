@@ -25,7 +25,9 @@ import hashlib
 import logging
 import math
 import threading
+import weakref
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -312,11 +314,13 @@ def digest(weights: Mapping[str, np.ndarray]) -> bytes:
 
 class Memo:
     """Values computed once per key, by whichever thread asks first; the others wait for
-    it, and a failure reaches every asker. Lives as long as its owner keeps it."""
+    it, and a failure reaches every asker. With a `capacity`, only that many of the latest
+    keys are kept (an older one asked again is computed again)."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 0) -> None:
         self._lock = threading.Lock()
-        self._values: dict[Hashable, Future[Any]] = {}
+        self._values: OrderedDict[Hashable, Future[Any]] = OrderedDict()
+        self._capacity = capacity
 
     def get(self, key: Hashable, compute: Callable[[], Any]) -> Any:
         with self._lock:
@@ -324,12 +328,19 @@ class Memo:
             owner = future is None
             if future is None:
                 future = self._values[key] = Future()
+                if self._capacity and len(self._values) > self._capacity:
+                    self._values.popitem(last=False)
         if owner:
             try:
                 future.set_result(compute())
             except BaseException as exc:  # every asker, the owner too, sees it raised
                 future.set_exception(exc)
         return future.result()
+
+
+#: pooled means a mixing phase keeps (`SharedMeans`): a float64 model each, as many as
+#: the engine's node threads held before they were shared; one serves a whole full graph
+SHARED_MEANS_KEPT = 8
 
 
 class SharedMeans:
@@ -340,11 +351,15 @@ class SharedMeans:
     known by its content (`digest`, once per array set), never by its sender's name, so a
     member that sends different models to different neighbours gets each of them averaged
     as received; the mean is taken in the digests' order, so it is the same whichever
-    node asks. Measured: bench/bench_mixing.py."""
+    node asks. Nothing here keeps a model alive: the digests are remembered against weak
+    references, and only the latest SHARED_MEANS_KEPT means are kept (a sparse graph's
+    nodes each average another set). Measured: bench/bench_mixing.py."""
 
     def __init__(self) -> None:
-        self._means = Memo()
-        self._digests = Memo()
+        self._means = Memo(SHARED_MEANS_KEPT)
+        self._lock = threading.Lock()
+        self._digests: dict[tuple[tuple[str, int], ...],
+                            tuple[tuple[weakref.ref[Any], ...], bytes]] = {}
 
     def mean(self, updates: Sequence[Update], algorithm: str) -> Weights:
         keyed = sorted(((self._digest(w), int(n)), i) for i, (w, n) in enumerate(updates))
@@ -353,11 +368,22 @@ class SharedMeans:
                                lambda: pooled_mean(ordered, algorithm))
 
     def _digest(self, weights: Mapping[str, np.ndarray]) -> bytes:
-        # the arrays stay referenced by the memo, so their ids are not reused meanwhile
+        """`digest(weights)`, computed once for the same arrays (an id is trusted only
+        while its weak reference still points at that array)."""
         arrays = tuple(weights.items())
-        held: tuple[Any, bytes] = self._digests.get(
-            tuple((name, id(a)) for name, a in arrays), lambda: (arrays, digest(weights)))
-        return held[1]
+        key = tuple((name, id(a)) for name, a in arrays)
+        with self._lock:
+            held = self._digests.get(key)
+        if held is not None and all(r() is a for r, (_, a) in zip(held[0], arrays, strict=True)):
+            return held[1]
+        value = digest(weights)
+        try:
+            refs = tuple(weakref.ref(a) for _, a in arrays)
+        except TypeError:  # not weakly referenceable: not remembered
+            return value
+        with self._lock:
+            self._digests[key] = (refs, value)
+        return value
 
 
 def bounded_step(step: np.ndarray, delta: np.ndarray, ratio: float) -> np.ndarray:
