@@ -141,7 +141,7 @@ class ClusterEngine:
         self._local_clients: list[str] | None = None
         self._lock = threading.Lock()
         # a round's work done once however many nodes need it (`_evaluate_global`,
-        # `_shared_means`); both are new every round
+        # `_mix`, one SharedMeans per mixing step); both are new every round
         self._evaluations = Memo()
         self._means: dict[int, SharedMeans] = {}
         #: clients that sit out every round of this plan (pinned data on a lost cluster)
@@ -457,7 +457,7 @@ class ClusterEngine:
              received: list[tuple[Weights, int]]) -> Weights:
         """`aggregator`'s mix of `received` at mixing step `step`, with the pooled mean
         shared by every node of this cluster that averages the same models in that step
-        (`SharedMeans`; an aggregator without `means` computes its own)."""
+        (`SharedMeans`; a user's aggregator that is no `Aggregator` computes its own)."""
         if not self.share_work or not isinstance(aggregator, Aggregator):
             return aggregator.aggregate(before, received)
         with self._lock:

@@ -105,7 +105,6 @@ def pinned_dataset(spec: JobSpec, cluster_id: str, datasets: Mapping[str, str]) 
 class NodeRuntime:
     def __init__(self, spec: JobSpec, context: ExecutionContext, cluster_id: str,
                  datasets: Mapping[str, str] | None = None) -> None:
-
         from fedcore.data import client_data, load_dataset, prepare
         from worker.models import batchnorm_tensors, build_model
         from worker.nodes import NodeConfig
