@@ -400,3 +400,31 @@ def test_an_executor_runs_numpy_on_one_blas_thread() -> None:
                          text=True, check=True, cwd=Path(__file__).resolve().parents[2])
     before, after = (int(x) for x in out.stdout.split())
     assert (before, after) == (os.cpu_count(), 1)
+
+
+def test_batchnorm_statistics_are_measured_on_the_federations_label_mix_shuffled() -> None:
+    """A cluster whose clients hold a skewed label mix measures served statistics on its
+    own samples drawn to the federation's mix (each label it holds, at the pooled share),
+    in a shuffled order, so no batch of the measurement holds one class only."""
+    from worker.context import InProcessContext
+    from worker.executor.runtime import NodeRuntime
+
+    spec = job("star", clients=6, rounds=1, model={"name": "usercnn:BNCNN"},
+               data={"number_of_clients": 6, "dirichlet_beta": 0.1})
+    runtime = NodeRuntime(spec, InProcessContext(), "a")
+    runtime._local = [0, 1]  # noqa: SLF001 - the cluster's clients, without actors
+    idx = runtime._calibration_indices()  # noqa: SLF001
+    y = np.asarray(runtime.dataset.y_train)
+    own = np.concatenate([runtime.partition.train_indices[c] for c in (0, 1)])
+    held = np.unique(y[own])
+    pooled = np.asarray(runtime._config.pooled_labels, dtype=float)[held]  # noqa: SLF001
+    want = pooled / pooled.sum()
+    got = np.array([(y[idx] == label).sum() for label in held]) / len(idx)
+    mine = np.array([(y[own] == label).sum() for label in held]) / len(own)
+    assert np.abs(got - want).max() < 0.01 < np.abs(mine - want).max()
+    assert set(idx) <= set(own)
+    first = y[idx[:256]]
+    assert len(np.unique(first)) == len(held) and not np.all(np.diff(idx) >= 0)
+    again = NodeRuntime(spec, InProcessContext(), "a")
+    again._local = [0, 1]  # noqa: SLF001
+    assert np.array_equal(again._calibration_indices(), idx)  # noqa: SLF001 - a fixed draw

@@ -138,7 +138,7 @@ class NodeRuntime:
         self._local_norm: dict[int, Weights] = {}
         # every client's trained model's hits on its test split, from its latest round
         self._held_out: dict[int, tuple[int, np.ndarray]] = {}
-        self._calibration: tuple[tuple[int, ...] | None, np.ndarray] = (None, np.zeros(0))
+        self._calibration: tuple[Any, np.ndarray] = (None, np.zeros(0))  # (clients, labels): draw
         if spec.aggregation.local_batchnorm and not self._norm_names:
             log.warning("event=local_batchnorm_unused model=%s hint=the model has no "
                         "BatchNorm layer; aggregation.local_batchnorm changes nothing",
@@ -375,7 +375,8 @@ class NodeRuntime:
         """`weights` as served (evaluated, delivered: `ClusterEngine.served`; its clients
         train from `weights` as they are) with every BatchNorm layer's running statistics
         measured on the model itself, over up to CALIBRATION_SAMPLES training samples of
-        this cluster's own clients: always for aggregation.norm_statistics = "measured";
+        this cluster's own clients drawn to the federation's label mix
+        (`_calibration_indices`): always for aggregation.norm_statistics = "measured";
         for "auto" only when the model evaluates more than CALIBRATION_GAIN x worse (loss)
         on those samples with the statistics it came with (the clients' own, pooled), and
         never under a server optimizer. Its momentum carries it through the rounds FedAvg's
@@ -409,15 +410,34 @@ class NodeRuntime:
         return out
 
     def _calibration_indices(self) -> np.ndarray:
-        """A fixed draw (job seed) of this cluster's own clients' training samples."""
-        key = tuple(self._local)
+        """A fixed draw (job seed) of CALIBRATION_SAMPLES of this cluster's own clients'
+        training samples, each label as often as it is in the whole federation
+        (`pooled_labels`; drawn again, with replacement, from a label the cluster holds
+        few of; a label it lacks is left out), in a shuffled order: the statistics are
+        averaged over batches, and a batch of one class (a data set stored class by class)
+        would leave out the variance between classes. A cluster's own clients hold a few
+        labels where placement put similar clients together, and statistics measured on
+        that mix describe it, not the federation's: where the root sat mattered (MNIST
+        BNCNN beta 0.3, 100 clients, fedavg: star 0.945, hierarchical 0.960; now 0.959 /
+        0.958; digits BNCNN beta 0.3 / 100 hierarchical 0.969 -> 0.981, MNIST BNCNN beta
+        0.3 / 20 star 0.965 -> 0.971; six other BatchNorm cells the same within 0.001)."""
+        key = (tuple(self._local), self._config.pooled_labels)
         if self._calibration[0] != key:
-            parts = [self.partition.train_indices[c] for c in self._local] if key else []
+            parts = [self.partition.train_indices[c] for c in self._local]
             idx = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-            if len(idx) > CALIBRATION_SAMPLES:
-                rng = np.random.default_rng(self.spec.seed)
-                idx = np.sort(rng.choice(idx, CALIBRATION_SAMPLES, replace=False))
-            self._calibration = (key, idx)
+            rng = np.random.default_rng(self.spec.seed)
+            pooled = np.asarray(self._config.pooled_labels, dtype=np.float64)
+            labels = np.asarray(self.dataset.y_train)[idx] if len(idx) else idx
+            held = np.unique(labels)
+            if len(pooled) and held.size and held.max() < len(pooled) and pooled[held].sum() > 0:
+                size = min(CALIBRATION_SAMPLES, max(len(idx), len(held)))
+                counts = np.maximum(1, np.round(pooled[held] / pooled[held].sum() * size))
+                members = [idx[labels == label] for label in held]
+                idx = np.concatenate([rng.choice(m, int(n), replace=n > len(m))
+                                      for m, n in zip(members, counts, strict=True)])
+            elif len(idx) > CALIBRATION_SAMPLES:
+                idx = rng.choice(idx, CALIBRATION_SAMPLES, replace=False)
+            self._calibration = (key, rng.permutation(idx))
         return self._calibration[1]
 
     def evaluate_global(self, weights: Weights) -> tuple[float, float]:
