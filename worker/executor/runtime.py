@@ -138,7 +138,8 @@ class NodeRuntime:
         self._local_norm: dict[int, Weights] = {}
         # every client's trained model's hits on its test split, from its latest round
         self._held_out: dict[int, tuple[int, np.ndarray]] = {}
-        self._calibration: tuple[Any, np.ndarray] = (None, np.zeros(0))  # (clients, labels): draw
+        # (local clients, pooled label counts) -> their draw (`_calibration_indices`)
+        self._calibration: tuple[Any, np.ndarray] = (None, np.zeros(0))
         if spec.aggregation.local_batchnorm and not self._norm_names:
             log.warning("event=local_batchnorm_unused model=%s hint=the model has no "
                         "BatchNorm layer; aggregation.local_batchnorm changes nothing",
