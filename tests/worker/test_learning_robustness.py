@@ -397,7 +397,8 @@ def test_an_executor_runs_numpy_on_one_blas_thread() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True, cwd=Path(__file__).resolve().parents[2])
     before, after = (int(x) for x in out.stdout.split())
-    assert (before, after) == (os.cpu_count(), 1)
+    assert after == 1
+    assert before > 1 or os.cpu_count() == 1  # it had a pool to cut (OpenBLAS: one a core)
 
 
 def test_batchnorm_statistics_are_measured_on_the_federations_label_mix_shuffled() -> None:
