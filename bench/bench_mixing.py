@@ -55,16 +55,16 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         runtime.single_threaded_numerics = lambda: torch.set_num_threads(1)
     ds = replace(bl.DATASETS[args.dataset], model=args.model, beta=args.beta,
                  clients=args.clients, rounds=args.rounds, clusters=args.clusters)
-    out = Path(tempfile.mkdtemp(prefix="bench-mixing-"))
-    dataset = bl.dataset_name(args.dataset, out)
     results = {}
-    for topology, aggregation in JOBS:
-        job = bl.job_dict(ds, dataset, topology, aggregation, seed=args.seed)
-        r = bl.run_engine(job, args.clusters)
-        results[f"{topology}+{aggregation}"] = {
-            "seconds": r["seconds"], "final": r["final"], "bytes_inter": r["bytes_inter"]}
-        print(f"{variant}: {topology}+{aggregation} {r['seconds']} s, final {r['final']}",
-              file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-mixing-") as out:
+        dataset = bl.dataset_name(args.dataset, Path(out))
+        for topology, aggregation in JOBS:
+            job = bl.job_dict(ds, dataset, topology, aggregation, seed=args.seed)
+            r = bl.run_engine(job, args.clusters)
+            results[f"{topology}+{aggregation}"] = {
+                "seconds": r["seconds"], "final": r["final"], "bytes_inter": r["bytes_inter"]}
+            print(f"{variant}: {topology}+{aggregation} {r['seconds']} s, final {r['final']}",
+                  file=sys.stderr, flush=True)
     return results
 
 
