@@ -5,6 +5,7 @@ job that acts. The user models are bench/usercnn.py's, by `module:Class`."""
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -344,14 +345,17 @@ def test_k_connected_nodes_that_average_the_same_models_share_the_work(
     from worker.executor.runtime import NodeRuntime
 
     counts = {"means": 0, "evaluations": 0}
+    lock = threading.Lock()  # the engine's node threads count at once
     pooled, evaluate = base.pooled_mean, NodeRuntime.evaluate_global
 
     def counted_mean(*a: Any) -> Any:
-        counts["means"] += 1
+        with lock:
+            counts["means"] += 1
         return pooled(*a)
 
     def counted_evaluation(self: NodeRuntime, weights: Any) -> Any:
-        counts["evaluations"] += 1
+        with lock:
+            counts["evaluations"] += 1
         return evaluate(self, weights)
 
     monkeypatch.setattr(base, "pooled_mean", counted_mean)
