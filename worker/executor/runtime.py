@@ -429,10 +429,10 @@ class NodeRuntime:
             idx = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
             rng = np.random.default_rng(self.spec.seed)
             pooled = np.asarray(self._config.pooled_labels, dtype=np.float64)
-            labels = np.asarray(self.dataset.y_train)[idx] if len(idx) else idx
+            labels = np.asarray(self.dataset.y_train)[idx]
             held = np.unique(labels)
             if len(pooled) and held.size and held.max() < len(pooled) and pooled[held].sum() > 0:
-                size = min(CALIBRATION_SAMPLES, max(len(idx), len(held)))
+                size = min(CALIBRATION_SAMPLES, len(idx))  # every held label has a sample
                 counts = np.maximum(1, np.round(pooled[held] / pooled[held].sum() * size))
                 members = [idx[labels == label] for label in held]
                 idx = np.concatenate([rng.choice(m, int(n), replace=n > len(m))
