@@ -103,11 +103,13 @@ def test_resume_runs_only_the_cells_not_yet_measured(tmp_path: Path, monkeypatch
                              seeds=[0, 1])
     ran: list[tuple[Any, ...]] = []
 
-    def fake_cell(cell: tuple[Any, ...], jobs: Any, out: Path, workers: int) -> dict[str, Any]:
+    def fake_cell(cell: tuple[Any, ...], jobs: Any, out: Path, workers: int,
+                  folds: int = 1) -> dict[str, Any]:
         ran.append(cell)
+        assert folds == bench.FOLDS["table"]   # a small table is cross-validated
         done = _measured(cell[4], 0.9, star_fedavg=0.9)
         return {**done, "dataset": cell[0], "model": cell[1], "beta": cell[2],
-                "clients": cell[3], "rounds": cell[5]}
+                "clients": cell[3], "rounds": cell[5], "folds": folds}
 
     monkeypatch.setattr(bench, "bench_cell", fake_cell)
     args = ["--grid", "medium", "--dataset", "table", "--models", "mlp", "--betas", "0.3",
@@ -131,3 +133,42 @@ def test_resume_runs_only_the_cells_not_yet_measured(tmp_path: Path, monkeypatch
     ran.clear()
     assert bench.main([*args[:-3], "star:fedavg,star:fedadam", "--out", str(tmp_path),
                        "--resume"]) == 0 and ran == cells
+    # a cell measured on one test split, not the folds a table is judged over, again
+    report = json.loads((tmp_path / "learning_grid.json").read_text())
+    report["cells"][0]["folds"] = 1
+    (tmp_path / "learning_grid.json").write_text(json.dumps(report))
+    ran.clear()
+    assert bench.main([*args, "--resume"]) == 0 and ran == cells[:1]
+
+
+def test_folds_test_every_row_once_and_pool_by_rows(tmp_path: Path) -> None:
+    import numpy as np
+
+    x, y = bench.table_arrays("wine")
+    tested = []
+    for k in range(5):
+        dataset, rows = bench.fold_dataset("wine", tmp_path, k, 5)
+        with np.load(dataset.removeprefix("npz:")) as npz:
+            assert len(npz["y_test"]) == rows and len(npz["y_train"]) == len(y) - rows
+            tested += [tuple(r) for r in npz["x_test"].round(3)]
+    assert sorted(tested) == sorted(tuple(r) for r in x.astype(np.float32).round(3))
+    # wine as it ships: proline's scale kept (the job standardizes)
+    assert x.max() > 1000
+    results = {"star+fedavg@1": {"final": 1.0, "curve": [0.5, 1.0], "bytes_inter": 10,
+                                 "personalized": 0.9, "global_on_clients": 0.8, "seconds": 2.0},
+               "star+fedavg@2": {"final": 0.5, "curve": [0.5, 0.5], "bytes_inter": 20,
+                                 "personalized": 0.7, "global_on_clients": 0.6, "seconds": 3.0},
+               "centralized@1": {"final": 1.0, "best": 1.0, "curve": [1.0, 1.0]},
+               "centralized@2": {"final": 0.0, "best": 1.0, "curve": [1.0, 0.0]},
+               "star+fedadam@1": {"final": 1.0, "curve": [1.0]},
+               "star+fedadam@2": {"error": "RuntimeError: boom"}}
+    pooled = bench.pool_folds(results, [30, 10])
+    # 30 rows right of 40, not the mean of 1.0 and 0.5
+    assert pooled["star+fedavg"]["final"] == 0.875
+    assert pooled["star+fedavg"]["curve"] == [0.5, 0.875]
+    assert pooled["star+fedavg"]["bytes_inter"] == 15 and pooled["star+fedavg"]["seconds"] == 5.0
+    assert pooled["star+fedavg"]["personalized"] == 0.8
+    assert pooled["star+fedavg"]["fold_finals"] == [1.0, 0.5]
+    # the best pooled round, not the best of each fold's
+    assert pooled["centralized"]["best"] == 1.0 and pooled["centralized"]["final"] == 0.75
+    assert pooled["star+fedadam"] == {"error": "fold 2 of 2: RuntimeError: boom"}
