@@ -341,8 +341,8 @@ class NodeRuntime:
         gets right ("global"), and per policy of PERSONAL_POLICIES [wins, losses] against
         it: `held_out_choice` between the client's trained model's hits and the final
         model's, as it came ("local") or shifted to the client's label mix ("shifted").
-        The scheduler takes a policy only where every cluster's choice from the other
-        clusters' counts agrees (proto.rounds.personal_choice). A round's own number
+        The scheduler takes a policy only where the other clusters' counts show it for
+        every cluster (proto.rounds.personal_choice). A round's own number
         compares with the model the round started from, one aggregation behind the global
         accuracy it is set against (digits BNCNN beta 0.3, 50 clients, 6 rounds, star
         fedavg: personalized 0.899, the final model on the same splits 0.916)."""
