@@ -16,8 +16,12 @@ train them through the engine.
 - TinyCNN: two 5x5 conv layers of stride 2 (8, 16 channels), a linear head, 11k parameters:
   the size differential privacy favours (its noise grows with the square root of the
   parameters; docs/security.md, "Privacy").
-GNResCNN and LNMLP came after the engine's defaults were set (stop 51) and are not in the
-grid's default models: `--models usercnn:GNResCNN` runs them (docs/job.md, "Does it learn?").
+- BNResCNN: a BatchNorm residual block with Dropout2d and SiLU, global average pooling.
+- Conv1dBN: one 1-D convolution over the flattened features, BatchNorm, adaptive max-pool
+  (tables and images alike).
+GNResCNN and LNMLP (stop 51), BNResCNN and Conv1dBN (stop 58) came after the engine's
+defaults were set and are not in the grid's default models: `--models usercnn:GNResCNN`
+runs them (docs/job.md, "Does it learn?").
 """
 
 from __future__ import annotations
@@ -161,6 +165,37 @@ class LNMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
+class BNResCNN(nn.Module):
+    """A conv-BatchNorm-SiLU stem, one residual block (two 3x3 conv-BatchNorm layers with
+    Dropout2d 0.1 between), global average pooling, dropout 0.2 and a linear head."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        c, h, w = self.shape = _chw(input_shape)
+        self.stem = nn.Sequential(nn.Conv2d(c, 24, 3, padding=1), nn.BatchNorm2d(24), nn.SiLU())
+        self.block = nn.Sequential(
+            nn.Conv2d(24, 24, 3, padding=1), nn.BatchNorm2d(24), nn.SiLU(), nn.Dropout2d(0.1),
+            nn.Conv2d(24, 24, 3, padding=1), nn.BatchNorm2d(24))
+        self.head = nn.Sequential(nn.SiLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                  nn.Dropout(0.2), nn.Linear(24, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x.reshape(x.shape[0], *self.shape))
+        return self.head(h + self.block(h))
+
+
+class Conv1dBN(nn.Module):
+    """The flattened features as one 1-D signal: a 5-tap convolution (8 channels),
+    BatchNorm, ReLU, adaptive max-pooling to 8 and a linear head."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv1d(1, 8, 5, padding=2), nn.BatchNorm1d(8), nn.ReLU(),
+            nn.AdaptiveMaxPool1d(8), nn.Flatten(), nn.Linear(64, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.reshape(x.shape[0], 1, -1))
 
 
 class TinyCNN(nn.Module):
