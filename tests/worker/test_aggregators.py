@@ -12,6 +12,7 @@ import pytest
 from proto.job import AGGREGATORS as JOB_AGGREGATORS
 from proto.job import AggregationSpec
 from worker.aggregators import AGGREGATOR_NAMES, AggregationError, get_aggregator
+from worker.aggregators.base import Aggregator
 from worker.aggregators.krum import Krum
 
 
@@ -68,6 +69,29 @@ def test_fedavgm_momentum_defaults_to_the_step_forms_own() -> None:
     assert _agg("fedavgm", server_step="plain").momentum == 0.9
     assert _agg("fedavgm", server_momentum=0.9).momentum == 0.9
     assert _agg("fedavgm", server_momentum=0.0, server_step="plain").momentum == 0.0
+
+
+def test_fedavgm_steps_a_batchnorm_model_as_fedavg_unless_the_job_sets_momentum() -> None:
+    """Bounded to FedAvg's length, momentum could only turn a BatchNorm model's step away
+    from the round's pseudo-gradient: unset, fedavgm steps it as FedAvg; set, it holds."""
+    def bn(x: list[float], var: float) -> dict[str, np.ndarray]:
+        return {"conv.weight": np.array(x, np.float32), "bn.running_var": np.array([var], np.float32)}
+
+    def two_rounds(agg: Aggregator) -> np.ndarray:
+        w1 = agg.aggregate(bn([0.0, 0.0], 1.0), [(bn([1.0, 0.0], 2.0), 1)])
+        return agg.aggregate(w1, [(bn([1.0, 1.0], 3.0), 1), (bn([2.0, 1.0], 5.0), 1)])
+
+    out = two_rounds(_agg("fedavgm"))
+    np.testing.assert_allclose(out["conv.weight"], [1.5, 1.0])   # the clients' mean
+    np.testing.assert_allclose(out["bn.running_var"], [4.0])
+    kept = two_rounds(_agg("fedavgm", server_momentum=0.5))["conv.weight"]
+    assert not np.allclose(kept, [1.5, 1.0])
+    # a model without statistics keeps the default momentum 0.5
+    w1 = _agg("fedavgm").aggregate(_w([0.0, 0.0]), [(_w([1.0, 0.0]), 1)])
+    agg = _agg("fedavgm")
+    agg.aggregate(_w([0.0, 0.0]), [(_w([1.0, 0.0]), 1)])
+    assert not np.allclose(agg.aggregate(w1, [(_w([1.0, 1.0]), 1), (_w([2.0, 1.0]), 1)])["w"],
+                           [1.5, 1.0])
 
 
 def test_fedavgm_forgets_its_momentum_when_the_clients_turn_back() -> None:

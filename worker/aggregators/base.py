@@ -176,8 +176,7 @@ class Aggregator(ABC):
         ratio = float(getattr(self.spec, "max_step_ratio", 2.0))
         if plain_step(self.spec):
             return 0.0
-        statistics = any(name.rpartition(".")[2] == "running_var" for name in weights)
-        return min(ratio, 1.0) if statistics and ratio > 0 else ratio
+        return min(ratio, 1.0) if has_statistics(weights) and ratio > 0 else ratio
 
     def is_buffer(self, name: str, value: np.ndarray) -> bool:
         """Whether tensor `name` is a statistic or counter rather than a trained weight."""
@@ -390,6 +389,11 @@ class SharedMeans:
         with self._lock:
             self._digests[key] = (refs, value)
         return value
+
+
+def has_statistics(weights: Iterable[str]) -> bool:
+    """Whether a model (its tensor names) has BatchNorm running statistics."""
+    return any(name.rpartition(".")[2] == "running_var" for name in weights)
 
 
 def bounded_step(step: np.ndarray, delta: np.ndarray, ratio: float) -> np.ndarray:
