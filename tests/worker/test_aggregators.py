@@ -94,6 +94,29 @@ def test_fedavgm_steps_a_batchnorm_model_as_fedavg_unless_the_job_sets_momentum(
                            [1.5, 1.0])
 
 
+@pytest.mark.parametrize("name", ["fedadam", "fedyogi", "fedadagrad"])
+def test_adaptive_steps_a_batchnorm_model_without_a_first_moment_unless_the_job_sets_it(
+        name: str) -> None:
+    """As fedavgm's momentum: unset, beta1 is 0 for a BatchNorm model (Adam's second
+    moment still preconditions the step) and 0.5 for any other; a job's beta1 holds."""
+    def bn(x: list[float], var: float) -> dict[str, np.ndarray]:
+        return {"conv.weight": np.array(x, np.float32), "bn.running_var": np.array([var], np.float32)}
+
+    def three_rounds(agg: Aggregator, model: Any) -> np.ndarray:
+        w = model([0.0, 0.0, 0.0], 1.0)
+        for target in ([1.0, 0.0, 0.2], [1.0, 1.0, 0.1], [2.0, 1.5, 0.4]):
+            w = agg.aggregate(w, [(model(target, 2.0), 1), (model([t + 0.1 for t in target], 4.0), 1)])
+        return np.asarray(w["conv.weight"] if "conv.weight" in w else w["w"])
+
+    unset = three_rounds(_agg(name), bn)
+    np.testing.assert_allclose(unset, three_rounds(_agg(name, beta1=0.0), bn))
+    assert not np.allclose(unset, three_rounds(_agg(name, beta1=0.5), bn))
+    def plain(x: list[float], _var: float) -> dict[str, np.ndarray]:
+        return _w(x)
+    np.testing.assert_allclose(three_rounds(_agg(name), plain),
+                               three_rounds(_agg(name, beta1=0.5), plain))
+
+
 def test_fedavgm_forgets_its_momentum_when_the_clients_turn_back() -> None:
     agg = _agg("fedavgm")   # the defaults: scaled step, momentum 0.5
     w1 = agg.aggregate(_w([0.0]), [(_w([1.0]), 1)])
