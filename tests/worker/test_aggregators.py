@@ -71,7 +71,8 @@ def test_fedavgm_momentum_defaults_to_the_step_forms_own() -> None:
     assert _agg("fedavgm", server_momentum=0.0, server_step="plain").momentum == 0.0
 
 
-def test_fedavgm_steps_a_batchnorm_model_as_fedavg_unless_the_job_sets_momentum() -> None:
+def test_fedavgm_steps_a_batchnorm_model_as_fedavg_unless_the_job_sets_momentum(
+        caplog: pytest.LogCaptureFixture) -> None:
     """Bounded to FedAvg's length, momentum could only turn a BatchNorm model's step away
     from the round's pseudo-gradient: unset, fedavgm steps it as FedAvg; set, it holds."""
     def bn(x: list[float], var: float) -> dict[str, np.ndarray]:
@@ -81,8 +82,11 @@ def test_fedavgm_steps_a_batchnorm_model_as_fedavg_unless_the_job_sets_momentum(
         w1 = agg.aggregate(bn([0.0, 0.0], 1.0), [(bn([1.0, 0.0], 2.0), 1)])
         return agg.aggregate(w1, [(bn([1.0, 1.0], 3.0), 1), (bn([2.0, 1.0], 5.0), 1)])
 
-    out = two_rounds(_agg("fedavgm"))
+    with caplog.at_level("INFO", logger="worker.aggregators.fedavgm"):
+        out = two_rounds(_agg("fedavgm"))
     np.testing.assert_allclose(out["conv.weight"], [1.5, 1.0])   # the clients' mean
+    # said once, with the key that keeps a momentum
+    assert [r.getMessage().count("aggregation.server_momentum") for r in caplog.records] == [1]
     np.testing.assert_allclose(out["bn.running_var"], [4.0])
     kept = two_rounds(_agg("fedavgm", server_momentum=0.5))["conv.weight"]
     assert not np.allclose(kept, [1.5, 1.0])

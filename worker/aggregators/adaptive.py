@@ -111,6 +111,7 @@ class AdaptiveAggregator(Aggregator):
         beta1 = getattr(spec, "beta1", None)
         #: the job set it: it holds for every model
         self.beta1_set = beta1 is not None
+        self.norm_noted = False   # the log line of NORM_BETA1, once
         self.beta1 = float(beta1 if beta1 is not None else PLAIN_BETA1 if self.plain else BETA1)
         self.beta2 = float(spec.beta2)
         self.tau = float(spec.tau)
@@ -139,6 +140,10 @@ class AdaptiveAggregator(Aggregator):
         ratio = self.step_ratio(global_weights)
         beta1 = (NORM_BETA1 if not (self.plain or self.beta1_set)
                  and has_statistics(global_weights) else self.beta1)
+        if beta1 != self.beta1 and not self.norm_noted:
+            self.norm_noted = True
+            log.info("event=first_moment_off aggregator=%s reason=batchnorm_statistics "
+                     "beta1=%g hint=set aggregation.beta1 to keep one", self.name, beta1)
         currents = self.trained(global_weights, avg)
         deltas = {name: avg[name] - current for name, current in currents.items()}
         restart = not self.plain and opposes(m_state, deltas)

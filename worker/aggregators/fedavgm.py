@@ -13,6 +13,7 @@ step away from the round's pseudo-gradient.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,8 @@ from .base import (
 
 if TYPE_CHECKING:
     from proto.job import AggregationSpec
+
+log = logging.getLogger(__name__)
 
 
 #: `aggregation.server_momentum` unset, with the scaled step: the momentum only picks the
@@ -72,6 +75,7 @@ class FedAvgM(Aggregator):
         momentum = getattr(spec, "server_momentum", None)
         #: the job set it: it holds for every model
         self.momentum_set = momentum is not None
+        self.norm_noted = False   # the log line of NORM_MOMENTUM, once
         self.momentum = float(momentum if momentum is not None else
                               PLAIN_MOMENTUM if self.plain else MOMENTUM)
         require(self.server_lr > 0, self.name, "server_learning_rate", self.server_lr, "> 0")
@@ -85,6 +89,11 @@ class FedAvgM(Aggregator):
         ratio = self.step_ratio(global_weights)
         momentum = (NORM_MOMENTUM if not (self.plain or self.momentum_set)
                     and has_statistics(global_weights) else self.momentum)
+        if momentum != self.momentum and not self.norm_noted:
+            self.norm_noted = True
+            log.info("event=server_momentum_off aggregator=%s reason=batchnorm_statistics "
+                     "momentum=%g hint=set aggregation.server_momentum to keep one",
+                     self.name, momentum)
         currents = self.trained(global_weights, avg)
         grads = {name: current - avg[name] for name, current in currents.items()}
         if not self.plain and opposes(velocity, grads):
