@@ -552,12 +552,16 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
         if row["global_on_clients"] is not None:
             row["personalized_meets_global"] = bool(
                 res["personalized"] >= row["global_on_clients"])
+        if "fold_finals" in res:
+            row["fold_finals"] = res["fold_finals"]
         rows[job_name] = row
     return {"dataset": name, "model": model, "beta": beta, "clients": clients, "seed": seed,
             "rounds": rounds, "centralized": central.get("final"),
             "centralized_best": central.get("best"), "reference_fedavg": ref_final,
             "reference_over_centralized": round(ref_final / best, 4),
             "reference_curve": reference.get("curve"),
+            **({"reference_fold_finals": reference["fold_finals"]}
+               if "fold_finals" in reference else {}),
             # the test set's own noise: one accuracy's standard deviation at the reference's
             # (binomial; digits' 360 test images at 0.97: 0.009, the table's 114 rows: 0.02)
             "test_samples": reference.get("test_samples"),

@@ -172,3 +172,36 @@ def test_folds_test_every_row_once_and_pool_by_rows(tmp_path: Path) -> None:
     # the best pooled round, not the best of each fold's
     assert pooled["centralized"]["best"] == 1.0 and pooled["centralized"]["final"] == 0.75
     assert pooled["star+fedadam"] == {"error": "fold 2 of 2: RuntimeError: boom"}
+
+
+def test_a_cross_validated_cell_runs_every_task_per_fold_and_pools_them(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """bench_cell with folds: one task per job and fold, named name@fold, each on its own
+    fold's data set; the row pooled by the folds' test rows, with each fold's final."""
+    seen: list[tuple[str, str]] = []
+
+    def fake_tasks(tasks: list[tuple[str, str, dict[str, Any]]], clusters: int, workers: int,
+                   tag: str) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for _kind, name, job in tasks:
+            seen.append((name, job["data"]["dataset"]))
+            fold = int(name.rsplit("@", 1)[1])
+            final = 1.0 if fold == 1 else 0.5
+            out[name] = {"final": final, "curve": [0.5, final], "best": final,
+                         "test_samples": 0, "personalized": 0.9, "global_on_clients": 0.8,
+                         "bytes_inter": 100 * fold, "bytes_intra": 0, "seconds": 1.0}
+        return out
+
+    monkeypatch.setattr(bench, "_run_tasks", fake_tasks)
+    cell = bench.bench_cell(("wine", "mlp", 0.3, 20, 0, 2), [("star", "fedavg")], tmp_path,
+                            1, folds=2)
+    assert sorted(n for n, _ in seen) == sorted(
+        f"{n}@{k}" for n in ("centralized", "reference_fedavg", "star+fedavg") for k in (1, 2))
+    assert {d for n, d in seen if n.endswith("@1")} != {d for n, d in seen if n.endswith("@2")}
+    rows = [bench.fold_dataset("wine", tmp_path, k, 2)[1] for k in range(2)]
+    pooled = round((1.0 * rows[0] + 0.5 * rows[1]) / sum(rows), 4)
+    assert cell["folds"] == 2 and cell["reference_fedavg"] == pooled
+    assert cell["reference_fold_finals"] == [1.0, 0.5]
+    row = cell["jobs"]["star+fedavg"]
+    assert row["final"] == pooled and row["fold_finals"] == [1.0, 0.5]
+    assert row["bytes_inter"] == 150 and row["minus_reference"] == 0.0
