@@ -82,7 +82,7 @@ def test_fedavgm_steps_a_batchnorm_model_as_fedavg_unless_the_job_sets_momentum(
         w1 = agg.aggregate(bn([0.0, 0.0], 1.0), [(bn([1.0, 0.0], 2.0), 1)])
         return agg.aggregate(w1, [(bn([1.0, 1.0], 3.0), 1), (bn([2.0, 1.0], 5.0), 1)])
 
-    with caplog.at_level("INFO", logger="worker.aggregators.fedavgm"):
+    with caplog.at_level("INFO", logger="worker.aggregators.base"):
         out = two_rounds(_agg("fedavgm"))
     np.testing.assert_allclose(out["conv.weight"], [1.5, 1.0])   # the clients' mean
     # said once, with the key that keeps a momentum

@@ -23,7 +23,7 @@ statistics, `Aggregator.step_ratio`) times FedAvg's own step for the tensor
 from the pseudo-gradient's own to Adam's (`scaled_direction`): Adam's first steps are sign
 steps. The step then follows each tensor's scale, and the adaptivity redistributes it
 across the tensor's coordinates (for a model with BatchNorm statistics, where the step is
-FedAvg's length at most, without a first moment unless the job sets `beta1`: NORM_BETA1).
+FedAvg's length at most, without a first moment unless the job sets `beta1`: `base.NORM_MOMENTUM`).
 A round whose pseudo-gradient points against the first
 moment restarts it (`base.opposes`; m_hat becomes that round's delta), and that round's
 step is FedAvg's at most (as fedavgm's: the job went past a minimum; 2x there amplified the
@@ -54,7 +54,6 @@ from .base import (
     bounded_step,
     cast_like,
     check_updates,
-    has_statistics,
     opposes,
     plain_step,
     require,
@@ -78,16 +77,14 @@ log = logging.getLogger(__name__)
 BETA1 = 0.5
 #: ... with the literature's plain step
 PLAIN_BETA1 = 0.9
-#: ... for a model with BatchNorm statistics: no first moment (Adam's second-moment
-#: preconditioning stays). Bounded to FedAvg's length there (`Aggregator.step_ratio` 1),
-#: momentum only turns the step away from the round's pseudo-gradient, as fedavgm's
-#: (fedavgm.NORM_MOMENTUM). Measured (digits, 20 clients, star, 15 rounds, fedadam /
-#: fedyogi / fedadagrad against fedavg, 0.5 -> 0): usercnn:Conv1dBN beta 0.3 seed 0
-#: -0.019 / -0.017 / -0.025 -> 0 / 0 / +0.003, seed 2 +0.006 each -> +0.014 / +0.017 /
-#: +0.020; usercnn:BNResCNN beta 0.3 -0.003 -> +0.020 / +0.020 / +0.014; BNMLP beta 0.1
-#: seed 1 +0.025 / +0.020 / +0.020 -> +0.008 / +0.008 / +0.006; BNCNN beta 0.3 seed 2
-#: 0 / +0.003 / 0 -> -0.003 each. The worst case went from -0.025 to -0.003
-NORM_BETA1 = 0.0
+#: ... for a model with BatchNorm statistics: none (`base.NORM_MOMENTUM`; Adam's
+#: second-moment preconditioning stays), as fedavgm's momentum. Measured (digits, 20
+#: clients, star, 15 rounds, fedadam / fedyogi / fedadagrad against fedavg, 0.5 -> 0):
+#: usercnn:Conv1dBN beta 0.3 seed 0 -0.019 / -0.017 / -0.025 -> 0 / 0 / +0.003, seed 2
+#: +0.006 each -> +0.014 / +0.017 / +0.020; usercnn:BNResCNN beta 0.3 -0.003 -> +0.020 /
+#: +0.020 / +0.014; BNMLP beta 0.1 seed 1 +0.025 / +0.020 / +0.020 -> +0.008 / +0.008 /
+#: +0.006; BNCNN beta 0.3 seed 2 0 / +0.003 / 0 -> -0.003 each. The worst case went from
+#: -0.025 to -0.003
 
 
 class AdaptiveAggregator(Aggregator):
@@ -109,9 +106,6 @@ class AdaptiveAggregator(Aggregator):
         self.server_lr = server_learning_rate(spec, type(self))
         self.plain = plain_step(spec)
         beta1 = getattr(spec, "beta1", None)
-        #: the job set it: it holds for every model
-        self.beta1_set = beta1 is not None
-        self.norm_noted = False   # the log line of NORM_BETA1, once
         self.beta1 = float(beta1 if beta1 is not None else PLAIN_BETA1 if self.plain else BETA1)
         self.beta2 = float(spec.beta2)
         self.tau = float(spec.tau)
@@ -138,12 +132,7 @@ class AdaptiveAggregator(Aggregator):
         t_state = self._state.setdefault("t", {})
         out: Weights = {}
         ratio = self.step_ratio(global_weights)
-        beta1 = (NORM_BETA1 if not (self.plain or self.beta1_set)
-                 and has_statistics(global_weights) else self.beta1)
-        if beta1 != self.beta1 and not self.norm_noted:
-            self.norm_noted = True
-            log.info("event=first_moment_off aggregator=%s reason=batchnorm_statistics "
-                     "beta1=%g hint=set aggregation.beta1 to keep one", self.name, beta1)
+        beta1 = self.moment(global_weights, self.beta1, "beta1")
         currents = self.trained(global_weights, avg)
         deltas = {name: avg[name] - current for name, current in currents.items()}
         restart = not self.plain and opposes(m_state, deltas)

@@ -64,6 +64,14 @@ GUARD, BEST, START = "guard", "best", "start"
 NORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
 
+#: the first moment (fedavgm's server momentum, the adaptive ones' beta1) of a model with
+#: BatchNorm statistics when the job leaves it unset under the scaled step: none. The step
+#: is at most FedAvg's own length there (`Aggregator.step_ratio` 1), so a moment can only
+#: turn it away from the round's pseudo-gradient: less progress along it, never more.
+#: Measured in fedavgm (MOMENTUM) and adaptive (BETA1), stop 58
+NORM_MOMENTUM = 0.0
+
+
 class AggregationError(WorkerError, ValueError):
     """Updates or settings cannot be aggregated; the message names the update, tensor or key."""
 
@@ -90,6 +98,7 @@ class Aggregator(ABC):
     def __init__(self, spec: AggregationSpec) -> None:
         self.spec = spec
         self._state: dict[str, Weights] = {}
+        self._moment_noted = False   # the log line of `moment`, once
 
     def mean(self, updates: Sequence[Update]) -> Weights:
         """The sample-weighted mean of `updates` with pooled normalization statistics
@@ -177,6 +186,20 @@ class Aggregator(ABC):
         if plain_step(self.spec):
             return 0.0
         return min(ratio, 1.0) if has_statistics(weights) and ratio > 0 else ratio
+
+    def moment(self, weights: Iterable[str], value: float, key: str) -> float:
+        """The first-moment weight a server optimizer carries this round: `value`
+        (aggregation.`key`: fedavgm's server_momentum, the adaptive ones' beta1), or
+        NORM_MOMENTUM for a model with BatchNorm statistics where the job left `key` unset
+        under the scaled step (said once, naming the key that keeps one)."""
+        if (plain_step(self.spec) or getattr(self.spec, key, None) is not None
+                or not has_statistics(weights)):
+            return value
+        if not self._moment_noted:
+            self._moment_noted = True
+            log.info("event=momentum_off aggregator=%s reason=batchnorm_statistics %s=%g "
+                     "hint=set aggregation.%s to keep one", self.name, key, NORM_MOMENTUM, key)
+        return NORM_MOMENTUM
 
     def is_buffer(self, name: str, value: np.ndarray) -> bool:
         """Whether tensor `name` is a statistic or counter rather than a trained weight."""

@@ -7,13 +7,12 @@ statistics, `Aggregator.step_ratio`) times FedAvg's own step for it (`base.bound
 momentum still carries the direction through noisy rounds, and is forgotten in a round whose
 pseudo-gradient points against it (`base.opposes`: the job went past a minimum; not
 in the plain form). A model with BatchNorm statistics gets no momentum unless the job sets
-`server_momentum` (NORM_MOMENTUM): bounded to FedAvg's length, momentum only turned the
+`server_momentum` (`base.NORM_MOMENTUM`): bounded to FedAvg's length, momentum only turned the
 step away from the round's pseudo-gradient.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -26,7 +25,6 @@ from .base import (
     bounded_step,
     cast_like,
     check_updates,
-    has_statistics,
     opposes,
     plain_step,
     require,
@@ -35,8 +33,6 @@ from .base import (
 
 if TYPE_CHECKING:
     from proto.job import AggregationSpec
-
-log = logging.getLogger(__name__)
 
 
 #: `aggregation.server_momentum` unset, with the scaled step: the momentum only picks the
@@ -49,14 +45,12 @@ log = logging.getLogger(__name__)
 MOMENTUM = 0.5
 #: ... with the literature's plain step (Hsu et al.)
 PLAIN_MOMENTUM = 0.9
-#: ... for a model with BatchNorm statistics: none, FedAvg's step. The step is at most
-#: FedAvg's own length there (`Aggregator.step_ratio` 1), so momentum can only turn it away
-#: from the round's pseudo-gradient: less progress along it, never more. Measured (15
-#: rounds, star, 0.5 against FedAvg): the grid's BatchNorm cells +0.001 on average (31
-#: cells, -0.008 to +0.020); two BatchNorm models that came after the defaults, on digits
-#: beta 0.3, 20 clients (bench/usercnn.py): Conv1dBN -0.031 / +0.003 / -0.022 (seeds 0-2;
-#: test loss 0.482 against 0.454 at seed 0), BNResCNN -0.025 (loss 1.121 against 1.099)
-NORM_MOMENTUM = 0.0
+#: ... for a model with BatchNorm statistics: none (`base.NORM_MOMENTUM`, FedAvg's step
+#: with the scaled one). Measured (15 rounds, star, 0.5 against FedAvg): the grid's
+#: BatchNorm cells +0.001 on average (31 cells, -0.008 to +0.020); two BatchNorm models that
+#: came after the defaults, on digits beta 0.3, 20 clients (bench/usercnn.py): Conv1dBN
+#: -0.031 / +0.003 / -0.022 (seeds 0-2; test loss 0.482 against 0.454 at seed 0), BNResCNN
+#: -0.025 (loss 1.121 against 1.099)
 
 
 class FedAvgM(Aggregator):
@@ -73,9 +67,6 @@ class FedAvgM(Aggregator):
         self.server_lr = server_learning_rate(spec, type(self))
         self.plain = plain_step(spec)
         momentum = getattr(spec, "server_momentum", None)
-        #: the job set it: it holds for every model
-        self.momentum_set = momentum is not None
-        self.norm_noted = False   # the log line of NORM_MOMENTUM, once
         self.momentum = float(momentum if momentum is not None else
                               PLAIN_MOMENTUM if self.plain else MOMENTUM)
         require(self.server_lr > 0, self.name, "server_learning_rate", self.server_lr, "> 0")
@@ -87,13 +78,7 @@ class FedAvgM(Aggregator):
         velocity = self._state.setdefault("velocity", {})
         out: Weights = {}
         ratio = self.step_ratio(global_weights)
-        momentum = (NORM_MOMENTUM if not (self.plain or self.momentum_set)
-                    and has_statistics(global_weights) else self.momentum)
-        if momentum != self.momentum and not self.norm_noted:
-            self.norm_noted = True
-            log.info("event=server_momentum_off aggregator=%s reason=batchnorm_statistics "
-                     "momentum=%g hint=set aggregation.server_momentum to keep one",
-                     self.name, momentum)
+        momentum = self.moment(global_weights, self.momentum, "server_momentum")
         currents = self.trained(global_weights, avg)
         grads = {name: current - avg[name] for name, current in currents.items()}
         if not self.plain and opposes(velocity, grads):
