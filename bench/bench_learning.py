@@ -805,6 +805,9 @@ def code_version() -> str:
 
 
 def main_grid(args: argparse.Namespace) -> int:
+    if args.folds < 0:
+        raise SystemExit(f"bench_learning: --folds {args.folds}: give K >= 1 folds (1: each "
+                         "data set's own test split), or leave it out for the default")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     size = "quick" if args.quick else args.grid

@@ -205,3 +205,14 @@ def test_a_cross_validated_cell_runs_every_task_per_fold_and_pools_them(
     row = cell["jobs"]["star+fedavg"]
     assert row["final"] == pooled and row["fold_finals"] == [1.0, 0.5]
     assert row["bytes_inter"] == 150 and row["minus_reference"] == 0.0
+
+
+def test_a_negative_fold_count_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    out = tmp_path / "grid"
+    try:
+        bench.main(["--grid", "medium", "--dataset", "wine", "--folds", "-2", "--out", str(out)])
+    except SystemExit as exc:
+        assert "--folds -2" in str(exc) and "K >= 1" in str(exc)
+    else:
+        raise AssertionError("--folds -2 accepted")
+    assert not out.exists()
