@@ -176,8 +176,6 @@ def job_dict(ds: Dataset, dataset: str, topology: str, aggregation: str, *,
     agg: dict[str, Any] = {"name": aggregation}
     train = {"federated_learning_rounds": ds.rounds, "number_of_epochs": ds.epochs,
              **ds.training, **(training or {})}
-    if aggregation == "fedprox":
-        train.setdefault("fedprox_mu", 0.1)
     return {
         "job": {"id": label or f"{topology}-{aggregation}", "seed": seed},
         "data": {"dataset": dataset, "number_of_clients": ds.clients,
@@ -495,12 +493,13 @@ def grid_jobs(size: str) -> list[tuple[str, str]]:
     return [(t, a) for t in GRID_TOPOLOGIES for a in GRID_AGGREGATORS]
 
 
-def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str, str]],
-               out: Path, workers: int, folds: int = 1) -> dict[str, Any]:
-    """One grid cell: centralized, the reference FedAvg loop and every job, in one run;
-    with `folds` > 1 (a table) each of them once per cross-validation fold, pooled."""
+def cell_tasks(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str, str]],
+               out: Path, folds: int, baselines: bool = True
+               ) -> tuple[list[tuple[str, str, dict[str, Any]]], dict[str, str], list[int], int]:
+    """A cell's tasks (kind, name, job): centralized and the reference loop (`baselines`)
+    and every job not refused, once per fold ("name@k"); the refused jobs' reasons, each
+    fold's test rows, and the clusters the jobs run on."""
     from proto.job import JobSpec, JobSpecError
-    from proto.rounds import CHANCE_MARGIN
 
     name, model, beta, clients, seed, rounds = cell
     ds = replace(DATASETS[name], model=model, beta=beta, clients=clients, rounds=rounds,
@@ -511,9 +510,10 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
     refused: dict[str, str] = {}
     for k, (dataset, _rows) in enumerate(splits):
         tag = f"@{k + 1}" if folds > 1 else ""
-        base = job_dict(ds, dataset, "star", "fedavg", seed=seed)
-        tasks += [("centralized", "centralized" + tag, base),
-                  ("reference", "reference_fedavg" + tag, base)]
+        if baselines:
+            base = job_dict(ds, dataset, "star", "fedavg", seed=seed)
+            tasks += [("centralized", "centralized" + tag, base),
+                      ("reference", "reference_fedavg" + tag, base)]
         for topology, aggregation in jobs:
             job = job_dict(ds, dataset, topology, aggregation, seed=seed,
                            label=f"{topology}-{aggregation}")
@@ -523,17 +523,82 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
                 refused[f"{topology}+{aggregation}"] = str(exc)
                 continue
             tasks.append(("engine", f"{topology}+{aggregation}{tag}", job))
-    results = _run_tasks(tasks, ds.clusters, workers, f"{name}/{model}/b{beta}/n{clients}/s{seed}")
+    return tasks, refused, [rows for _dataset, rows in splits], ds.clusters
+
+
+def cell_tag(cell: tuple[str, str, float, int, int, int]) -> str:
+    name, model, beta, clients, seed, _rounds = cell
+    return f"{name}/{model}/b{beta}/n{clients}/s{seed}"
+
+
+def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str, str]],
+               out: Path, workers: int, folds: int = 1) -> dict[str, Any]:
+    """One grid cell: centralized, the reference FedAvg loop and every job, in one run;
+    with `folds` > 1 (a table) each of them once per cross-validation fold, pooled."""
+    from proto.rounds import CHANCE_MARGIN
+
+    name, model, beta, clients, seed, rounds = cell
+    tasks, refused, sizes, clusters = cell_tasks(cell, jobs, out, folds)
+    results = _run_tasks(tasks, clusters, workers, cell_tag(cell))
     if folds > 1:
-        results = pool_folds(results, [rows for _dataset, rows in splits])
+        results = pool_folds(results, sizes)
     central, reference = results.pop("centralized"), results.pop("reference_fedavg")
     best = central.get("best") or float("nan")
     chance = 1.0 / CLASSES[name]
-    star_bytes = {t: r.get("bytes_inter") for t, r in results.items() if t.startswith("star+")}
-    star_fedavg = star_bytes.get("star+fedavg") or float("nan")
     ref_final = reference.get("final", float("nan"))
-    rows: dict[str, Any] = {}
+    rows = job_rows(results, ref_final, best, chance)
+    return {"dataset": name, "model": model, "beta": beta, "clients": clients, "seed": seed,
+            "rounds": rounds, "centralized": central.get("final"),
+            "centralized_best": central.get("best"), "reference_fedavg": ref_final,
+            "reference_over_centralized": round(ref_final / best, 4),
+            "reference_curve": reference.get("curve"),
+            **({"reference_fold_finals": reference["fold_finals"]}
+               if "fold_finals" in reference else {}),
+            # the test set's own noise: one accuracy's standard deviation at the reference's
+            # (binomial; digits' 360 test images at 0.97: 0.009, the table's 114 rows: 0.02)
+            "test_samples": reference.get("test_samples"),
+            "accuracy_sd": (round(math.sqrt(ref_final * (1 - ref_final) / reference["test_samples"]), 4)
+                            if reference.get("test_samples") else None),
+            "reference_cpu_seconds": reference.get("cpu_seconds"),
+            "centralized_cpu_seconds": central.get("cpu_seconds"),
+            "reference_at_chance_after_round_3": any(a <= chance + CHANCE_MARGIN
+                                                     for a in (reference.get("curve") or [])[3:]),
+            "jobs": rows, "refused": refused, "folds": max(1, folds)}
+
+
+def redo_cell(measured: dict[str, Any], jobs: list[tuple[str, str]], out: Path,
+              workers: int, version: str) -> dict[str, Any]:
+    """`measured` (a cell of learning_grid.json) with `jobs` run again at this code, against
+    the cell's own centralized and reference figures (not re-measured: the code they run
+    did not change); the others kept. Each redone row names its commit ("redone")."""
+    cell = cell_key(measured)
+    folds = int(measured.get("folds", 1))
+    tasks, refused, sizes, clusters = cell_tasks(cell, jobs, out, folds, baselines=False)
+    results = _run_tasks(tasks, clusters, workers, cell_tag(cell) + " (redo)")
+    if folds > 1:
+        results = pool_folds(results, sizes)
+    for res in results.values():
+        res["redone"] = version
+    kept = {job: row for job, row in measured["jobs"].items()
+            if job not in results and job not in refused}
+    rows = job_rows({**kept, **results}, measured["reference_fedavg"],
+                    measured.get("centralized_best") or float("nan"),
+                    1.0 / CLASSES[measured["dataset"]])
+    was_refused = {job: why for job, why in measured.get("refused", {}).items()
+                   if job not in results}
+    return {**measured, "jobs": rows, "refused": {**was_refused, **refused}}
+
+
+def job_rows(results: dict[str, dict[str, Any]], ref_final: float, best: float,
+             chance: float) -> dict[str, Any]:
+    """Each job's row of a cell from its results: accuracy against the reference loop and
+    centralized, bytes against star + fedavg's, the verdicts (`judge`); a failed or refused
+    job's result as it is."""
+    from proto.rounds import CHANCE_MARGIN
+
+    star_fedavg = results.get("star+fedavg", {}).get("bytes_inter") or float("nan")
     finals = {job: r["final"] for job, r in results.items() if "final" in r}
+    rows: dict[str, Any] = {}
     for job_name, res in results.items():
         if "curve" not in res:
             rows[job_name] = res
@@ -552,26 +617,11 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
         if row["global_on_clients"] is not None:
             row["personalized_meets_global"] = bool(
                 res["personalized"] >= row["global_on_clients"])
-        if "fold_finals" in res:
-            row["fold_finals"] = res["fold_finals"]
+        for key in ("fold_finals", "redone"):
+            if key in res:
+                row[key] = res[key]
         rows[job_name] = row
-    return {"dataset": name, "model": model, "beta": beta, "clients": clients, "seed": seed,
-            "rounds": rounds, "centralized": central.get("final"),
-            "centralized_best": central.get("best"), "reference_fedavg": ref_final,
-            "reference_over_centralized": round(ref_final / best, 4),
-            "reference_curve": reference.get("curve"),
-            **({"reference_fold_finals": reference["fold_finals"]}
-               if "fold_finals" in reference else {}),
-            # the test set's own noise: one accuracy's standard deviation at the reference's
-            # (binomial; digits' 360 test images at 0.97: 0.009, the table's 114 rows: 0.02)
-            "test_samples": reference.get("test_samples"),
-            "accuracy_sd": (round(math.sqrt(ref_final * (1 - ref_final) / reference["test_samples"]), 4)
-                            if reference.get("test_samples") else None),
-            "reference_cpu_seconds": reference.get("cpu_seconds"),
-            "centralized_cpu_seconds": central.get("cpu_seconds"),
-            "reference_at_chance_after_round_3": any(a <= chance + CHANCE_MARGIN
-                                                     for a in (reference.get("curve") or [])[3:]),
-            "jobs": rows, "refused": refused, "folds": max(1, folds)}
+    return rows
 
 
 def pool_folds(results: dict[str, dict[str, Any]], sizes: list[int]) -> dict[str, dict[str, Any]]:
@@ -832,6 +882,8 @@ def main_grid(args: argparse.Namespace) -> int:
         jobs = [tuple(j.split(":")[:2]) if ":" in j else (j, "fedavg")  # type: ignore[misc]
                 for j in args.jobs.split(",") if j]
     started = time.perf_counter()
+    if args.redo:
+        return redo_grid(args, size, redo_jobs(args.redo, grid_jobs(size)), out, started)
     done: list[dict[str, Any]] = []
     if args.resume and (out / "learning_grid.json").exists():
         wanted = {f"{t}+{a}" for t, a in jobs}
@@ -857,6 +909,60 @@ def main_grid(args: argparse.Namespace) -> int:
         tmp.replace(out / "learning_grid.json")
     report = grid_report(size, done, time.perf_counter() - started)
     print(json.dumps(report))
+    return 0
+
+
+def redo_jobs(text: str, jobs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """--redo's jobs: topology:aggregator, or an aggregator (on every grid topology)."""
+    chosen: list[tuple[str, str]] = []
+    for item in (v for v in text.split(",") if v):
+        if ":" in item:
+            topology, aggregation = item.split(":", 1)
+            found = [(topology, aggregation)] if (topology, aggregation) in jobs else []
+        else:
+            found = [j for j in jobs if j[1] == item]
+        if not found:
+            raise SystemExit(f"bench_learning: --redo {item!r}: not a job of this grid "
+                             f"(its jobs: {', '.join(f'{t}:{a}' for t, a in jobs)})")
+        chosen += [j for j in found if j not in chosen]
+    return chosen
+
+
+def redo_grid(args: argparse.Namespace, size: str, jobs: list[tuple[str, str]], out: Path,
+              started: float) -> int:
+    """Run `jobs` again in the cells --out's learning_grid.json holds (those of --dataset,
+    --models, --betas, --clients, --seeds where given), each where the cell has it, keeping
+    the cell's other figures; a cell whose jobs this code already redid is skipped, so a
+    stopped run goes on where it was."""
+    path = out / "learning_grid.json"
+    if not path.exists():
+        raise SystemExit(f"bench_learning: --redo: {path} does not exist; --redo runs jobs "
+                         "again in cells measured before (give their --out)")
+    measured = load_cells([str(path)])
+    version = code_version()
+    wanted = {"dataset": args.dataset, "model": [v for v in args.models.split(",") if v],
+              "beta": [float(v) for v in args.betas.split(",") if v],
+              "clients": [int(v) for v in args.clients.split(",") if v],
+              "seed": [int(v) for v in args.seeds.split(",") if v]}
+
+    def todo(cell: dict[str, Any]) -> list[tuple[str, str]]:
+        if any(values and cell[key] not in values for key, values in wanted.items()):
+            return []
+        return [(t, a) for t, a in jobs if f"{t}+{a}" in cell["jobs"]
+                and cell["jobs"][f"{t}+{a}"].get("redone") != version]
+    cells = [i for i, c in enumerate(measured) if todo(c)]
+    print(f"bench_learning: --redo {', '.join(f'{t}:{a}' for t, a in jobs)}: {len(cells)} "
+          f"of {len(measured)} cells in {path}", file=sys.stderr, flush=True)
+    for n, i in enumerate(cells, 1):
+        print(f"bench_learning: redo {n}/{len(cells)} {cell_key(measured[i])}",
+              file=sys.stderr, flush=True)
+        measured[i] = redo_cell(measured[i], todo(measured[i]), out, args.workers, version)
+        report = grid_report(size, measured, time.perf_counter() - started)
+        tmp = out / "learning_grid.json.tmp"
+        tmp.write_text(json.dumps(report, indent=1))
+        tmp.replace(path)
+    print(json.dumps({k: v for k, v in grid_report(size, measured, 0.0).items()
+                      if k != "cells"}))
     return 0
 
 
@@ -911,6 +1017,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", default="", metavar="K/N",
                         help="grid: only shard K of N (every N-th cell from the K-th), to "
                              "split the grid over N machines; join them with --merge")
+    parser.add_argument("--redo", default="", metavar="JOBS",
+                        help="grid: run these jobs (topology:aggregator, or an aggregator on "
+                             "every topology; comma-separated) again at this code in the "
+                             "cells --out's learning_grid.json holds (narrowed by --dataset, "
+                             "--models, --betas, --clients, --seeds), keeping the cells' "
+                             "other figures: after a change to one aggregator")
     parser.add_argument("--resume", action="store_true",
                         help="grid: keep the cells --out's learning_grid.json already has "
                              "(with every job asked for) and run only the others")

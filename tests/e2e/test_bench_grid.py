@@ -216,3 +216,53 @@ def test_a_negative_fold_count_is_refused_before_anything_is_written(tmp_path: P
     else:
         raise AssertionError("--folds -2 accepted")
     assert not out.exists()
+
+
+def test_redo_runs_one_aggregator_again_and_keeps_the_rest_of_each_cell(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """--redo fedprox: only the fedprox jobs run, against the cell's own reference; the
+    other rows, the baselines and the cells of other models stay; a second run at the same
+    code has nothing to do (a stopped redo goes on where it was)."""
+    ran: list[str] = []
+
+    def fake_tasks(tasks: list[tuple[str, str, dict[str, Any]]], clusters: int, workers: int,
+                   tag: str) -> dict[str, dict[str, Any]]:
+        ran.extend(name for _kind, name, _job in tasks)
+        assert all(job["training"].get("fedprox_mu") is None for _k, _n, job in tasks)
+        return {name: {"final": 0.9, "curve": [0.5, 0.9], "personalized": 0.95,
+                       "global_on_clients": 0.9, "bytes_inter": 200, "seconds": 1.0}
+                for _kind, name, _job in tasks}
+
+    def row(final: float) -> dict[str, Any]:
+        return {"final": final, "curve": [0.5, final], "personalized": 0.95,
+                "global_on_clients": 0.9, "bytes_inter": 100}
+    cells = [{"dataset": "digits", "model": model, "beta": 0.3, "clients": 20, "seed": 0,
+              "rounds": 2, "centralized_best": 0.95, "reference_fedavg": 0.92,
+              "jobs": bench.job_rows({"star+fedavg": row(0.92), "star+fedprox": row(0.80)},
+                                     0.92, 0.95, 0.1),
+              "refused": {}} for model in ("mlp", "cnn")]
+    out = tmp_path / "grid"
+    out.mkdir()
+    (out / "learning_grid.json").write_text(json.dumps({"cells": cells}))
+    monkeypatch.setattr(bench, "_run_tasks", fake_tasks)
+    monkeypatch.setattr(bench, "code_version", lambda: "abc")
+    assert bench.main(["--grid", "full", "--redo", "fedprox", "--models", "mlp",
+                       "--out", str(out)]) == 0
+    # every grid topology's fedprox the cell has: only star's here
+    assert ran == ["star+fedprox"]
+    after = {c["model"]: c for c in json.loads((out / "learning_grid.json").read_text())["cells"]}
+    redone = after["mlp"]["jobs"]["star+fedprox"]
+    assert redone["final"] == 0.9 and redone["redone"] == "abc"
+    assert redone["minus_reference"] == -0.02 and redone["bytes_over_star"] == 2.0
+    assert after["mlp"]["jobs"]["star+fedavg"]["final"] == 0.92
+    assert after["mlp"]["reference_fedavg"] == 0.92
+    assert after["cnn"]["jobs"]["star+fedprox"]["final"] == 0.80  # not in --models
+    assert bench.main(["--grid", "full", "--redo", "fedprox", "--models", "mlp",
+                       "--out", str(out)]) == 0
+    assert ran == ["star+fedprox"]
+    try:
+        bench.main(["--grid", "full", "--redo", "fedsgd", "--out", str(out)])
+    except SystemExit as exc:
+        assert "--redo 'fedsgd'" in str(exc) and "star:fedavg" in str(exc)
+    else:
+        raise AssertionError("--redo of a job the grid has not accepted")

@@ -67,7 +67,8 @@ BAD = [
     ("[model]\nname = 'resnet'\n", ["model.name = 'resnet'", "mlp, cnn, lenet"]),
     ("[topology]\nkind = 'starr'\n", ["topology.kind = 'starr'", "did you mean 'star'"]),
     ("[topology]\nk_connected_mode = 'nearest'\n", ["topology.k_connected_mode", "similarity"]),
-    ("[aggregation]\nname = 'fedprox'\n", ["training.fedprox_mu", "it is FedAvg"]),
+    ("[aggregation]\nname = 'fedprox'\n[training]\nfedprox_mu = 0.0\n",
+     ["training.fedprox_mu = 0.0", "it is FedAvg", "leave it out for 0.01"]),
     ("[aggregation]\nname = 'fedadam'\n[topology]\nkind = 'k_connected'\n",
      ["aggregation.name = 'fedadam'", "fedavg or fedavgm on k_connected", "drift apart"]),
     ("[aggregation]\nname = 'krum'\n[topology]\nkind = 'ring'\n",
@@ -183,3 +184,17 @@ def test_the_default_aggregator_is_fedavgm_on_every_topology() -> None:
     named = JobSpec.from_dict({"topology": {"kind": "ring"}, "aggregation": {"name": "fedavg"}})
     assert named.aggregation.name == "fedavg"
     assert JobSpec.from_dict(named.to_dict()) == named
+
+
+def test_fedprox_without_a_mu_takes_the_measured_default_and_a_set_one_is_kept() -> None:
+    from proto.job import FEDPROX_MU
+
+    left_out = JobSpec.from_dict({"aggregation": {"name": "fedprox"}})
+    assert left_out.training.fedprox_mu == FEDPROX_MU > 0
+    # the written spec names its mu, so a round trip (the scheduler's signed copy) keeps it
+    assert JobSpec.from_dict(left_out.to_dict()) == left_out
+    given = JobSpec.from_dict({"aggregation": {"name": "fedprox"},
+                               "training": {"fedprox_mu": 0.1}})
+    assert given.training.fedprox_mu == 0.1
+    # another aggregator leaves the proximal term off
+    assert JobSpec.from_dict({"aggregation": {"name": "fedavg"}}).training.fedprox_mu == 0.0
