@@ -19,9 +19,13 @@ train them through the engine.
 - BNResCNN: a BatchNorm residual block with Dropout2d and SiLU, global average pooling.
 - Conv1dBN: one 1-D convolution over the flattened features, BatchNorm, adaptive max-pool
   (tables and images alike).
-GNResCNN and LNMLP (stop 51), BNResCNN and Conv1dBN (stop 58) came after the engine's
-defaults were set and are not in the grid's default models: `--models usercnn:GNResCNN`
-runs them (docs/job.md, "Does it learn?").
+- GRURows: a GRU (64 hidden) over the input's rows (an image's rows, a table as one row),
+  dropout and a linear head: a recurrent model.
+- PatchTransformer: the rows as tokens, two pre-LayerNorm transformer encoder layers
+  (4 heads, GELU, dropout), mean pooling: attention and LayerNorm.
+GNResCNN and LNMLP (stop 51), BNResCNN and Conv1dBN (stop 58), GRURows and PatchTransformer
+(stop 59) came after the engine's defaults were set and are not in the grid's default
+models: `--models usercnn:GNResCNN` runs them (docs/job.md, "Does it learn?").
 """
 
 from __future__ import annotations
@@ -212,3 +216,49 @@ class TinyCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x.reshape(x.shape[0], *self.shape))
+
+
+def _rows(input_shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, features per row): an image's height x (channels * width); a table's
+    features as one row."""
+    if len(input_shape) == 3:
+        c, h, w = input_shape
+        return int(h), int(c * w)
+    if len(input_shape) == 2:
+        return int(input_shape[0]), int(input_shape[1])
+    return 1, int(math.prod(input_shape))
+
+
+class GRURows(nn.Module):
+    """A GRU (64 hidden) over the rows of the input, its last state through dropout 0.2
+    into a linear head."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        self.rows, self.width = _rows(input_shape)
+        self.gru = nn.GRU(self.width, 64, batch_first=True)
+        self.head = nn.Sequential(nn.Dropout(0.2), nn.Linear(64, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _out, h = self.gru(x.reshape(x.shape[0], self.rows, self.width))
+        return self.head(h[-1])
+
+
+class PatchTransformer(nn.Module):
+    """Rows as tokens (linear embedding to 48), a learned position embedding, two
+    pre-LayerNorm transformer encoder layers (4 heads, GELU, dropout 0.1), mean pooling,
+    LayerNorm and a linear head."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        self.rows, self.width = _rows(input_shape)
+        self.embed = nn.Linear(self.width, 48)
+        self.position = nn.Parameter(torch.zeros(1, self.rows, 48))
+        layer = nn.TransformerEncoderLayer(48, 4, 96, dropout=0.1, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Sequential(nn.LayerNorm(48), nn.Linear(48, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x.reshape(x.shape[0], self.rows, self.width)) + self.position
+        return self.head(self.encoder(tokens).mean(dim=1))

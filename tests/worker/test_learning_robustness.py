@@ -431,3 +431,36 @@ def test_batchnorm_statistics_are_measured_on_the_federations_label_mix_shuffled
     again = NodeRuntime(spec, InProcessContext(), "a")
     again._local = [0, 1]  # noqa: SLF001
     assert np.array_equal(again._calibration_indices(), idx)  # noqa: SLF001 - a fixed draw
+
+
+def _user_models() -> list[str]:
+    import inspect
+
+    import usercnn
+    from torch import nn
+    return [f"usercnn:{name}" for name, cls in inspect.getmembers(usercnn, inspect.isclass)
+            if issubclass(cls, nn.Module) and cls.__module__ == "usercnn"
+            and not name.startswith("_")]
+
+
+@pytest.mark.parametrize("name", _user_models())
+def test_every_probe_model_builds_by_name_for_images_and_tables(name: str) -> None:
+    """The grid's user models (bench/usercnn.py) build by `module:Class` for an image and a
+    table, identically from one seed, and give one score per class in both modes."""
+    import torch
+
+    from proto.job import ModelSpec
+    from worker.models.registry import build_model
+
+    for shape, classes in (((1, 8, 8), 10), ((30,), 2)):
+        if name in ("usercnn:SmallCNN", "usercnn:WideCNN", "usercnn:BNCNN",
+                    "usercnn:WideBNCNN", "usercnn:GNResCNN", "usercnn:TinyCNN",
+                    "usercnn:BNResCNN") and len(shape) == 1:
+            continue   # 2-D convolutions: images only
+        one, two = (build_model(ModelSpec(name=name), shape, classes, seed=3) for _ in range(2))
+        assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(),
+                                                     two.state_dict().values(), strict=True))
+        x = torch.randn(4, *shape)
+        for train in (True, False):
+            one.train(train)
+            assert one(x).shape == (4, classes)
