@@ -104,6 +104,14 @@ class ProgressBar:
         self.stream.flush()
 
 
+def still_learning_line(still: dict[str, Any], spec: JobSpec) -> str:
+    """The line that says the job ended while its accuracy was still rising."""
+    return (f"still learning: accuracy rose {still['gain']:.3f} over the last "
+            f"{still['rounds']} rounds ({still['from']:.3f} -> {still['to']:.3f}); more rounds "
+            f"would likely raise it: training.federated_learning_rounds (now "
+            f"{spec.training.federated_learning_rounds})")
+
+
 def slow_factors(values: list[str]) -> dict[str, float]:
     """--slow ID=FACTOR options as {cluster id: factor > 1}."""
     out = {}
@@ -263,6 +271,8 @@ def submit(spec: JobSpec, source: str, args: argparse.Namespace) -> dict[str, An
             driver.close()
         write_results(out, result.summary, placement=result.placement, model_bytes=result.model)
         s = result.summary
+        if s.still_learning and not args.quiet:
+            print(still_learning_line(s.still_learning, spec), file=sys.stderr)
         return {
             "job_id": s.job_id, "out": str(out), "clusters": [c.cluster_id for c in clusters],
             "rounds": len(s.rounds), "final_accuracy": round(s.final_accuracy, 4),

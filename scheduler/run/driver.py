@@ -406,6 +406,11 @@ class Driver(Recovery):
                 daemon_bytes_received=int(daemon.get("received_bytes", 0))))
         summary.final_model = info
         summary.finish()
+        if summary.still_learning:
+            log.warning("event=still_learning job=%s rounds=%d gain=%.4f over=%d "
+                        "hint=raise training.federated_learning_rounds", spec.job_id,
+                        len(summary.rounds), summary.still_learning["gain"],
+                        summary.still_learning["rounds"])
         placement = plan.placement.to_dict()
         placement["routing"] = results_routing(plan.routing)
         return JobResult(summary, placement, model, model_info=info)
