@@ -43,7 +43,8 @@ def still_learning(accuracies: Sequence[float]) -> dict[str, Any]:
     gain = tail[-1] - tail[0]
     if tail[-1] < max(tail) or gain < STILL_GAIN:
         return {}
-    return {"gain": round(gain, 4), "rounds": STILL_ROUNDS, "from": tail[0], "to": tail[-1]}
+    return {"gain": round(gain, 4), "rounds": STILL_ROUNDS, "from": round(tail[0], 4),
+            "to": round(tail[-1], 4)}
 
 
 @dataclass
