@@ -33,8 +33,10 @@ AGGREGATORS = (
 ADAPTIVE_AGGREGATORS = ("fedadam", "fedyogi", "fedadagrad")
 SERVER_STEPS = ("scaled", "plain")
 #: training.fedprox_mu when aggregation.name = "fedprox" leaves it out: chosen on
-#: bench_learning's grid (docs/job.md, "fedprox's mu"), where 0.1 cost 0.011-0.023 against
-#: FedAvg on small CNNs and 0.01 did not (Li et al. 2020 search 0.001-1 per data set)
+#: bench_learning's grid (docs/job.md, "fedprox's mu"): over the 248 fedprox jobs of 64
+#: cells, mu 0.1 put 22 more than 0.01 below FedAvg on the same cell (worst -0.028, small
+#: CNNs), 0.01 put 4 (worst -0.017, a cell where FedAvg swings as much); Li et al. (2020)
+#: search 0.001-1 per data set
 FEDPROX_MU = 0.01
 STALL_ACTIONS = ("restore", "warn")
 NORM_STATISTICS = ("auto", "measured", "pooled")
