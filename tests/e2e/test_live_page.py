@@ -39,7 +39,8 @@ strategy = "locality"
 max_materialized = 3
 """
 
-ROUNDS = 40  # the browser test's job
+ROUNDS = 8  # the browser test's job
+HELD_ROUND = 4  # ... waits for chromium before this round
 STATE_ROUNDS = 10  # the state test's job
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -190,24 +191,39 @@ def chromium() -> str | None:
 @pytest.mark.slow
 @pytest.mark.skipif(chromium() is None, reason="Debian's chromium is not installed "
                     "(apt-get install chromium; make test installs it best effort)")
-def test_headless_browser_renders_the_rounds_mid_job(tmp_path: Path) -> None:
+def test_headless_browser_renders_the_rounds_mid_job(tmp_path: Path, monkeypatch: Any) -> None:
+    from scheduler.run.driver import Driver
+
     exe = chromium()
     assert exe is not None
     shots = tmp_path / "shots"
     shots.mkdir()
+    # the job waits before its HELD_ROUND-th round until chromium has looked: a race
+    # between the rounds and chromium's start (as 40 quick rounds were) fails on a machine
+    # where the rounds run faster than chromium starts
+    looked = threading.Event()
+    run_round = Driver._round
+
+    def held(self: Driver, r: int) -> Any:
+        if r == HELD_ROUND:
+            looked.wait(timeout=300)
+        return run_round(self, r)
+    monkeypatch.setattr(Driver, "_round", held)
 
     def render(job: Job) -> None:
         url = f"http://{job.address}/"
         base = [exe, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
                 "--virtual-time-budget=3000", "--window-size=1100,1000"]
         shot = shots / f"live-{len(job.browser)}.png"
-        subprocess.run([*base, f"--screenshot={shot}", url], capture_output=True, timeout=120,
-                       check=True)
-        dom = subprocess.run([*base, "--dump-dom", url], capture_output=True, text=True,
-                             timeout=120, check=True).stdout
-        job.browser.append((dom, shot))
+        try:
+            subprocess.run([*base, f"--screenshot={shot}", url], capture_output=True,
+                           timeout=120, check=True)
+            dom = subprocess.run([*base, "--dump-dom", url], capture_output=True, text=True,
+                                 timeout=120, check=True).stdout
+            job.browser.append((dom, shot))
+        finally:
+            looked.set()
 
-    # enough rounds that the job still runs while chromium starts twice
     job = run_job(tmp_path, rounds=ROUNDS, while_running=render)
     assert job.error is None, job.error
     assert job.browser, "the job ended before the browser could look at it"
