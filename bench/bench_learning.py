@@ -854,6 +854,19 @@ def code_version() -> str:
     return commit + ("+dirty" if dirty else "")
 
 
+def values(text: str, kind: type) -> list[Any]:
+    """A comma-separated option's values (--models, --betas, --clients, --seeds)."""
+    return [kind(v) for v in text.split(",") if v]
+
+
+def write_grid(out: Path, report: dict[str, Any]) -> None:
+    """learning_grid.json written whole, then renamed: a run stopped mid-write keeps the
+    cells before."""
+    tmp = out / "learning_grid.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(out / "learning_grid.json")
+
+
 def main_grid(args: argparse.Namespace) -> int:
     if args.folds < 0:
         raise SystemExit(f"bench_learning: --folds {args.folds}: give K >= 1 folds (1: each "
@@ -863,12 +876,9 @@ def main_grid(args: argparse.Namespace) -> int:
     size = "quick" if args.quick else args.grid
     if args.merge:
         report = grid_report(size or "merged", load_cells(args.merge), 0.0)
-        (out / "learning_grid.json").write_text(json.dumps(report, indent=1))
+        write_grid(out, report)
         print(json.dumps({k: v for k, v in report.items() if k != "cells"}))
         return 0
-    def values(text: str, kind: type) -> list[Any]:
-        return [kind(v) for v in text.split(",") if v]
-
     def folds_of(cell: Any) -> int:
         return args.folds or FOLDS.get(cell[0] if isinstance(cell, tuple) else cell["dataset"], 1)
 
@@ -902,11 +912,7 @@ def main_grid(args: argparse.Namespace) -> int:
         done.append({**bench_cell(cell, jobs, out, args.workers, folds_of(cell)),
                      "commit": version,
                      "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-        report = grid_report(size, done, time.perf_counter() - started)
-        # written whole, then renamed: a run stopped mid-write keeps the cells before
-        tmp = out / "learning_grid.json.tmp"
-        tmp.write_text(json.dumps(report, indent=1))
-        tmp.replace(out / "learning_grid.json")
+        write_grid(out, grid_report(size, done, time.perf_counter() - started))
     report = grid_report(size, done, time.perf_counter() - started)
     print(json.dumps(report))
     return 0
@@ -940,10 +946,9 @@ def redo_grid(args: argparse.Namespace, size: str, jobs: list[tuple[str, str]], 
                          "again in cells measured before (give their --out)")
     measured = load_cells([str(path)])
     version = code_version()
-    wanted = {"dataset": args.dataset, "model": [v for v in args.models.split(",") if v],
-              "beta": [float(v) for v in args.betas.split(",") if v],
-              "clients": [int(v) for v in args.clients.split(",") if v],
-              "seed": [int(v) for v in args.seeds.split(",") if v]}
+    wanted = {"dataset": args.dataset, "model": values(args.models, str),
+              "beta": values(args.betas, float), "clients": values(args.clients, int),
+              "seed": values(args.seeds, int)}
 
     def todo(cell: dict[str, Any]) -> list[tuple[str, str]]:
         if any(values and cell[key] not in values for key, values in wanted.items()):
@@ -957,10 +962,7 @@ def redo_grid(args: argparse.Namespace, size: str, jobs: list[tuple[str, str]], 
         print(f"bench_learning: redo {n}/{len(cells)} {cell_key(measured[i])}",
               file=sys.stderr, flush=True)
         measured[i] = redo_cell(measured[i], todo(measured[i]), out, args.workers, version)
-        report = grid_report(size, measured, time.perf_counter() - started)
-        tmp = out / "learning_grid.json.tmp"
-        tmp.write_text(json.dumps(report, indent=1))
-        tmp.replace(path)
+        write_grid(out, grid_report(size, measured, time.perf_counter() - started))
     print(json.dumps({k: v for k, v in grid_report(size, measured, 0.0).items()
                       if k != "cells"}))
     return 0
