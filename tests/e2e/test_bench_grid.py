@@ -260,9 +260,19 @@ def test_redo_runs_one_aggregator_again_and_keeps_the_rest_of_each_cell(
     assert bench.main(["--grid", "full", "--redo", "fedprox", "--models", "mlp",
                        "--out", str(out)]) == 0
     assert ran == ["star+fedprox"]
+    before = (out / "learning_grid.json").read_bytes()
+    empty = tmp_path / "nothing-measured"
+    try:
+        bench.main(["--grid", "full", "--redo", "fedprox", "--out", str(empty)])
+    except SystemExit as exc:
+        assert "learning_grid.json does not exist" in str(exc) and "--out" in str(exc)
+    else:
+        raise AssertionError("--redo without measured cells")
+    assert not (empty / "learning_grid.json").exists()
     try:
         bench.main(["--grid", "full", "--redo", "fedsgd", "--out", str(out)])
     except SystemExit as exc:
         assert "--redo 'fedsgd'" in str(exc) and "star:fedavg" in str(exc)
     else:
         raise AssertionError("--redo of a job the grid has not accepted")
+    assert (out / "learning_grid.json").read_bytes() == before
