@@ -30,6 +30,8 @@ and keeps what it measured):
     python bench/bench_learning.py --grid full --workers 2  # 216 cells: hours
     python bench/bench_learning.py --grid full --shard 3/8 --resume --out grid-3
     python bench/bench_learning.py --merge grid-1 grid-2 ... --out grid  # one table
+    python bench/bench_learning.py --grid medium --training lr_schedule=constant \
+        --training number_of_epochs=1 --rounds 30         # at a user's [training] settings
 
     python bench/bench_learning.py --quick                 # CI: digits, few rounds
     python bench/bench_learning.py --dataset mnist --workers 2
@@ -494,16 +496,19 @@ def grid_jobs(size: str) -> list[tuple[str, str]]:
 
 
 def cell_tasks(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str, str]],
-               out: Path, folds: int, baselines: bool = True
+               out: Path, folds: int, baselines: bool = True,
+               training: dict[str, Any] | None = None
                ) -> tuple[list[tuple[str, str, dict[str, Any]]], dict[str, str], list[int], int]:
     """A cell's tasks (kind, name, job): centralized and the reference loop (`baselines`)
     and every job not refused, once per fold ("name@k"); the refused jobs' reasons, each
-    fold's test rows, and the clusters the jobs run on."""
+    fold's test rows, and the clusters the jobs run on. `training` ([training] keys, from
+    --training) replaces the bench's own settings in all of them."""
     from proto.job import JobSpec, JobSpecError
 
     name, model, beta, clients, seed, rounds = cell
     ds = replace(DATASETS[name], model=model, beta=beta, clients=clients, rounds=rounds,
-                 clusters=4 if clients >= 20 else 3)
+                 clusters=4 if clients >= 20 else 3,
+                 training={**DATASETS[name].training, **(training or {})})
     splits = ([(dataset_name(name, out), 0)] if folds <= 1
               else [fold_dataset(name, out, k, folds) for k in range(folds)])
     tasks: list[tuple[str, str, dict[str, Any]]] = []
@@ -526,20 +531,30 @@ def cell_tasks(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
     return tasks, refused, [rows for _dataset, rows in splits], ds.clusters
 
 
-def cell_tag(cell: tuple[str, str, float, int, int, int]) -> str:
+def cell_tag(cell: tuple[str, str, float, int, int, int],
+             training: dict[str, Any] | None = None) -> str:
     name, model, beta, clients, seed, _rounds = cell
-    return f"{name}/{model}/b{beta}/n{clients}/s{seed}"
+    return f"{name}/{model}/b{beta}/n{clients}/s{seed}" + training_tag(training)
+
+
+def training_tag(training: dict[str, Any] | None) -> str:
+    """How a cell run at other [training] settings (--training) is named: "" at the
+    bench's own, else " [key=value,...]"."""
+    return (" [" + ",".join(f"{k}={v}" for k, v in sorted(training.items())) + "]"
+            if training else "")
 
 
 def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str, str]],
-               out: Path, workers: int, folds: int = 1) -> dict[str, Any]:
+               out: Path, workers: int, folds: int = 1,
+               training: dict[str, Any] | None = None) -> dict[str, Any]:
     """One grid cell: centralized, the reference FedAvg loop and every job, in one run;
-    with `folds` > 1 (a table) each of them once per cross-validation fold, pooled."""
+    with `folds` > 1 (a table) each of them once per cross-validation fold, pooled; with
+    `training`, all of them at those [training] settings (kept in the cell)."""
     from proto.rounds import CHANCE_MARGIN
 
     name, model, beta, clients, seed, rounds = cell
-    tasks, refused, sizes, clusters = cell_tasks(cell, jobs, out, folds)
-    results = _run_tasks(tasks, clusters, workers, cell_tag(cell))
+    tasks, refused, sizes, clusters = cell_tasks(cell, jobs, out, folds, training=training)
+    results = _run_tasks(tasks, clusters, workers, cell_tag(cell, training))
     if folds > 1:
         results = pool_folds(results, sizes)
     central, reference = results.pop("centralized"), results.pop("reference_fedavg")
@@ -563,7 +578,8 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
             "centralized_cpu_seconds": central.get("cpu_seconds"),
             "reference_at_chance_after_round_3": any(a <= chance + CHANCE_MARGIN
                                                      for a in (reference.get("curve") or [])[3:]),
-            "jobs": rows, "refused": refused, "folds": max(1, folds)}
+            "jobs": rows, "refused": refused, "folds": max(1, folds),
+            **({"training": training} if training else {})}
 
 
 def redo_cell(measured: dict[str, Any], jobs: list[tuple[str, str]], out: Path,
@@ -571,10 +587,13 @@ def redo_cell(measured: dict[str, Any], jobs: list[tuple[str, str]], out: Path,
     """`measured` (a cell of learning_grid.json) with `jobs` run again at this code, against
     the cell's own centralized and reference figures (not re-measured: the code they run
     did not change); the others kept. Each redone row names its commit ("redone")."""
-    cell = cell_key(measured)
+    name, model, beta, clients, seed, rounds, _training = cell_key(measured)
+    cell = (name, model, beta, clients, seed, rounds)
     folds = int(measured.get("folds", 1))
-    tasks, refused, sizes, clusters = cell_tasks(cell, jobs, out, folds, baselines=False)
-    results = _run_tasks(tasks, clusters, workers, cell_tag(cell) + " (redo)")
+    training = measured.get("training")
+    tasks, refused, sizes, clusters = cell_tasks(cell, jobs, out, folds, baselines=False,
+                                                 training=training)
+    results = _run_tasks(tasks, clusters, workers, cell_tag(cell, training) + " (redo)")
     if folds > 1:
         results = pool_folds(results, sizes)
     for res in results.values():
@@ -703,7 +722,8 @@ def grid_table(cells: list[dict[str, Any]]) -> dict[str, Any]:
     reference loop and centralized, cells at chance after round 3, bytes against star."""
     table: dict[str, dict[str, Any]] = {}
     for cell in cells:
-        where = f"{cell['dataset']}/{cell['model']}/b{cell['beta']}/n{cell['clients']}/s{cell['seed']}"
+        where = (f"{cell['dataset']}/{cell['model']}/b{cell['beta']}/n{cell['clients']}"
+                 f"/s{cell['seed']}" + training_tag(cell.get("training")))
         for job, row in cell["jobs"].items():
             entry = table.setdefault(job, {"cells": 0, "worst_minus_reference": None,
                                            "worst_over_centralized": None,
@@ -761,10 +781,10 @@ def seed_means(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     last round says less than the mean over seeds; both are reported."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for cell in cells:
-        groups.setdefault((cell["dataset"], cell["model"], cell["beta"], cell["clients"]),
-                          []).append(cell)
+        groups.setdefault((cell["dataset"], cell["model"], cell["beta"], cell["clients"],
+                           cell_key(cell)[6]), []).append(cell)
     out = []
-    for (name, model, beta, clients), group in groups.items():
+    for (name, model, beta, clients, _training), group in groups.items():
         def mean(values: list[float]) -> float:
             return round(float(np.mean(values)), 4) if values else float("nan")
         central = mean([c["centralized_best"] for c in group if c.get("centralized_best")])
@@ -780,20 +800,25 @@ def seed_means(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 for job, values in finals.items()}
         out.append({"dataset": name, "model": model, "beta": beta, "clients": clients,
                     "seeds": [c["seed"] for c in group], "centralized_best": central,
-                    "reference_fedavg": ref, "jobs": jobs})
+                    "reference_fedavg": ref, "jobs": jobs,
+                    **({"training": group[0]["training"]} if group[0].get("training") else {})})
     return out
 
 
-def cell_key(cell: dict[str, Any] | tuple[Any, ...]) -> tuple[Any, ...]:
-    """(data set, model, beta, clients, seed, rounds): a cell's place in the grid, of a
-    measured cell or of one of grid_cells'."""
+def cell_key(cell: dict[str, Any] | tuple[Any, ...],
+             training: dict[str, Any] | None = None) -> tuple[Any, ...]:
+    """(data set, model, beta, clients, seed, rounds, training): a cell's place in the grid,
+    of a measured cell or of one of grid_cells' (run at `training`); training is the
+    --training settings as sorted JSON, "" at the bench's own."""
     if isinstance(cell, tuple):
         name, model, beta, clients, seed, rounds = cell
     else:
         name, model, beta, clients, seed = (cell[k] for k in
                                             ("dataset", "model", "beta", "clients", "seed"))
         rounds = cell.get("rounds") or 0
-    return (name, model, float(beta), int(clients), int(seed), int(rounds))
+        training = cell.get("training")
+    return (name, model, float(beta), int(clients), int(seed), int(rounds),
+            json.dumps(training, sort_keys=True) if training else "")
 
 
 def shard(cells: list[Any], which: str) -> list[Any]:
@@ -882,6 +907,7 @@ def main_grid(args: argparse.Namespace) -> int:
     def folds_of(cell: Any) -> int:
         return args.folds or FOLDS.get(cell[0] if isinstance(cell, tuple) else cell["dataset"], 1)
 
+    training = training_settings(args.training)
     cells = grid_cells(size, args.dataset, values(args.models, str) or None,
                        values(args.betas, float), values(args.clients, int),
                        values(args.seeds, int), args.rounds)
@@ -893,29 +919,70 @@ def main_grid(args: argparse.Namespace) -> int:
                 for j in args.jobs.split(",") if j]
     started = time.perf_counter()
     if args.redo:
+        if training:
+            raise SystemExit("bench_learning: --redo runs each cell at the [training] "
+                             "settings it was measured at; leave --training out")
         return redo_grid(args, size, redo_jobs(args.redo, grid_jobs(size)), out, started)
     done: list[dict[str, Any]] = []
+    keys = {cell_key(c, training) for c in cells}
     if args.resume and (out / "learning_grid.json").exists():
+        # the file's cells outside this slice (other models, --training settings) are kept
+        # as they are; one of the slice's is measured again without a job asked for or
+        # on other folds
         wanted = {f"{t}+{a}" for t, a in jobs}
-        keys = {cell_key(c) for c in cells}
-        done = [c for c in load_cells([str(out)]) if cell_key(c) in keys
-                and wanted <= set(c["jobs"]) | set(c.get("refused", {}))
-                and c.get("folds", 1) == folds_of(c)]
-        print(f"bench_learning: --resume: {len(done)} of {len(cells)} cells already in "
+        done = [c for c in load_cells([str(out)]) if cell_key(c) not in keys
+                or (wanted <= set(c["jobs"]) | set(c.get("refused", {}))
+                    and c.get("folds", 1) == folds_of(c))]
+        print(f"bench_learning: --resume: "
+              f"{sum(cell_key(c) in keys for c in done)} of {len(cells)} cells already in "
               f"{out / 'learning_grid.json'}", file=sys.stderr, flush=True)
     have = {cell_key(c) for c in done}
     version = code_version()
     for i, cell in enumerate(cells, 1):
-        if cell_key(cell) in have:
+        if cell_key(cell, training) in have:
             continue
-        print(f"bench_learning: cell {i}/{len(cells)} {cell}", file=sys.stderr, flush=True)
-        done.append({**bench_cell(cell, jobs, out, args.workers, folds_of(cell)),
+        print(f"bench_learning: cell {i}/{len(cells)} {cell}{training_tag(training)}",
+              file=sys.stderr, flush=True)
+        done.append({**bench_cell(cell, jobs, out, args.workers, folds_of(cell), training),
                      "commit": version,
                      "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         write_grid(out, grid_report(size, done, time.perf_counter() - started))
     report = grid_report(size, done, time.perf_counter() - started)
     print(json.dumps(report))
     return 0
+
+
+#: [training] keys --training may not set: the grid's own options set them
+TRAINING_FIXED = {"federated_learning_rounds": "--rounds"}
+
+
+def training_settings(items: list[str] | None) -> dict[str, Any]:
+    """--training KEY=VALUE ([training] keys; a value is read as JSON where it parses, a
+    string otherwise), checked as a job would check them: a bad key or value is refused
+    here, naming it, before any cell runs."""
+    from proto.job import JobSpec, JobSpecError
+
+    settings: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, text = item.partition("=")
+        key = key.strip().removeprefix("training.")
+        if not sep or not key:
+            raise SystemExit(f"bench_learning: --training {item!r}: expected KEY=VALUE, "
+                             "e.g. lr_schedule=constant")
+        if key in TRAINING_FIXED:
+            raise SystemExit(f"bench_learning: --training {key}: set it with "
+                             f"{TRAINING_FIXED[key]}")
+        try:
+            settings[key] = json.loads(text)
+        except ValueError:
+            settings[key] = text
+    if settings:
+        job = job_dict(DATASETS["digits"], "digits", "star", "fedavg", training=settings)
+        try:
+            JobSpec.from_dict(job)
+        except JobSpecError as exc:
+            raise SystemExit(f"bench_learning: --training: {exc}") from None
+    return settings
 
 
 def redo_jobs(text: str, jobs: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -1025,6 +1092,11 @@ def main(argv: list[str] | None = None) -> int:
                              "cells --out's learning_grid.json holds (narrowed by --dataset, "
                              "--models, --betas, --clients, --seeds), keeping the cells' "
                              "other figures: after a change to one aggregator")
+    parser.add_argument("--training", action="append", metavar="KEY=VALUE",
+                        help="grid: a [training] setting for every cell's jobs, centralized "
+                             "run and reference loop instead of the bench's (repeatable; e.g. "
+                             "lr_schedule=constant, optimizer=adam, number_of_epochs=1); "
+                             "kept in each cell, which is then a cell of its own")
     parser.add_argument("--resume", action="store_true",
                         help="grid: keep the cells --out's learning_grid.json already has "
                              "(with every job asked for) and run only the others")

@@ -104,7 +104,7 @@ def test_resume_runs_only_the_cells_not_yet_measured(tmp_path: Path, monkeypatch
     ran: list[tuple[Any, ...]] = []
 
     def fake_cell(cell: tuple[Any, ...], jobs: Any, out: Path, workers: int,
-                  folds: int = 1) -> dict[str, Any]:
+                  folds: int = 1, training: Any = None) -> dict[str, Any]:
         ran.append(cell)
         assert folds == bench.FOLDS["table"]   # a small table is cross-validated
         done = _measured(cell[4], 0.9, star_fedavg=0.9)
@@ -275,4 +275,75 @@ def test_redo_runs_one_aggregator_again_and_keeps_the_rest_of_each_cell(
         assert "--redo 'fedsgd'" in str(exc) and "star:fedavg" in str(exc)
     else:
         raise AssertionError("--redo of a job the grid has not accepted")
+    assert (out / "learning_grid.json").read_bytes() == before
+
+
+def test_training_settings_run_every_task_of_a_cell_and_make_it_a_cell_of_its_own(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """--training lr_schedule=constant: centralized, the reference loop and every job run
+    at it; the cell keeps it, and is not the cell at the bench's own settings (--resume
+    measures that one again, --merge keeps both); --redo runs a cell at its own."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def fake_tasks(tasks: list[tuple[str, str, dict[str, Any]]], clusters: int, workers: int,
+                   tag: str) -> dict[str, dict[str, Any]]:
+        seen.extend((name, job["training"]) for _kind, name, job in tasks)
+        return {name: {"final": 0.9, "best": 0.95, "curve": [0.5, 0.9], "test_samples": 100,
+                       "personalized": 0.95, "global_on_clients": 0.9, "bytes_inter": 100,
+                       "bytes_intra": 0, "seconds": 1.0} for _kind, name, _job in tasks}
+
+    monkeypatch.setattr(bench, "_run_tasks", fake_tasks)
+    out = tmp_path / "grid"
+    args = ["--grid", "medium", "--dataset", "digits", "--models", "mlp", "--betas", "0.3",
+            "--clients", "20", "--seeds", "0", "--jobs", "star:fedavg,star:fedadam",
+            "--rounds", "2", "--out", str(out), "--resume"]
+    assert bench.main([*args, "--training", "lr_schedule=constant",
+                       "--training", "number_of_epochs=1"]) == 0
+    assert sorted(name for name, _ in seen) == ["centralized", "reference_fedavg",
+                                                "star+fedadam", "star+fedavg"]
+    assert all(t["lr_schedule"] == "constant" and t["number_of_epochs"] == 1 for _, t in seen)
+    (cell,) = json.loads((out / "learning_grid.json").read_text())["cells"]
+    assert cell["training"] == {"lr_schedule": "constant", "number_of_epochs": 1}
+    # the same split at the bench's own settings is another cell; both are kept
+    seen.clear()
+    assert bench.main(args) == 0 and len(seen) == 4
+    assert all("lr_schedule" not in t for _, t in seen)
+    report = json.loads((out / "learning_grid.json").read_text())
+    assert [c.get("training") for c in report["cells"]] == [cell["training"], None]
+    assert len(report["seed_means"]) == 2
+    seen.clear()
+    assert bench.main([*args, "--training", "number_of_epochs=1",
+                       "--training", "lr_schedule=constant"]) == 0 and seen == []   # resumed
+    # --redo runs each cell at its own settings
+    monkeypatch.setattr(bench, "code_version", lambda: "abc")
+    assert bench.main(["--grid", "full", "--redo", "star:fedadam", "--out", str(out)]) == 0
+    assert sorted((name, t.get("lr_schedule", "")) for name, t in seen) == [
+        ("star+fedadam", ""), ("star+fedadam", "constant")]
+    merged = tmp_path / "merged"
+    assert bench.main(["--merge", str(out), "--out", str(merged)]) == 0
+    assert len(json.loads((merged / "learning_grid.json").read_text())["cells"]) == 2
+
+
+def test_bad_training_settings_are_refused_before_anything_runs(tmp_path: Path) -> None:
+    out = tmp_path / "grid"
+    for bad, says in (("bogus=1", "unknown key training.bogus"),
+                      ("learning_rate=-1", "training.learning_rate = -1"),
+                      ("lr_schedule", "expected KEY=VALUE"),
+                      ("federated_learning_rounds=3", "set it with --rounds")):
+        try:
+            bench.main(["--grid", "medium", "--dataset", "digits", "--training", bad,
+                        "--out", str(out)])
+        except SystemExit as exc:
+            assert says in str(exc), (bad, str(exc))
+        else:
+            raise AssertionError(f"--training {bad} accepted")
+    (out / "learning_grid.json").write_text(json.dumps({"cells": []}))
+    before = (out / "learning_grid.json").read_bytes()
+    try:
+        bench.main(["--grid", "full", "--redo", "fedadam", "--training", "lr_schedule=constant",
+                    "--out", str(out)])
+    except SystemExit as exc:
+        assert "leave --training out" in str(exc)
+    else:
+        raise AssertionError("--redo with --training accepted")
     assert (out / "learning_grid.json").read_bytes() == before
