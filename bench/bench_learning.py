@@ -419,7 +419,8 @@ def bench_dataset(ds: Dataset, out: Path, rows: list[dict[str, str]], workers: i
         job = job_dict(ds, dataset, row["topology"], row["aggregation"],
                        compression=row["compression"], placement=row["placement"], seed=seed,
                        label=name.replace("+", "-"),
-                       training={"personal_epochs": int(row.get("personal", 0))})
+                       training=({"personal_epochs": int(row["personal"])}
+                                 if "personal" in row else None))
         if "period" in row:
             job["topology"]["inter_cluster_period"] = int(row["period"])
         if "steps" in row:
@@ -1093,10 +1094,10 @@ def main(argv: list[str] | None = None) -> int:
                              "--models, --betas, --clients, --seeds), keeping the cells' "
                              "other figures: after a change to one aggregator")
     parser.add_argument("--training", action="append", metavar="KEY=VALUE",
-                        help="grid: a [training] setting for every cell's jobs, centralized "
-                             "run and reference loop instead of the bench's (repeatable; e.g. "
-                             "lr_schedule=constant, optimizer=adam, number_of_epochs=1); "
-                             "kept in each cell, which is then a cell of its own")
+                        help="a [training] setting for every job, the centralized run and the "
+                             "reference loop instead of the bench's (repeatable; e.g. "
+                             "lr_schedule=constant, optimizer=adam, number_of_epochs=1); in "
+                             "the grid kept in each cell, which is then a cell of its own")
     parser.add_argument("--resume", action="store_true",
                         help="grid: keep the cells --out's learning_grid.json already has "
                              "(with every job asked for) and run only the others")
@@ -1113,7 +1114,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     names = args.dataset or (["digits"] if args.quick else list(DATASETS))
     rows = grid(args.quick, [j for j in args.jobs.split(",") if j])
-    report: dict[str, Any] = {"benchmark": "learning", "seed": args.seed, "datasets": {}}
+    training = training_settings(args.training)
+    report: dict[str, Any] = {"benchmark": "learning", "seed": args.seed, "datasets": {},
+                              **({"training": training} if training else {})}
     started = time.perf_counter()
     for name in names:
         ds = DATASETS[name]
@@ -1121,6 +1124,7 @@ def main(argv: list[str] | None = None) -> int:
             ds = replace(ds, clients=12, clusters=3, rounds=4)
         if args.rounds:
             ds = replace(ds, rounds=args.rounds)
+        ds = replace(ds, training={**ds.training, **training})
         report["datasets"][name] = bench_dataset(ds, out, rows, args.workers, args.seed)
     report["seconds"] = round(time.perf_counter() - started, 1)
     (out / "learning.json").write_text(json.dumps(report, indent=1))

@@ -347,3 +347,25 @@ def test_bad_training_settings_are_refused_before_anything_runs(tmp_path: Path) 
     else:
         raise AssertionError("--redo with --training accepted")
     assert (out / "learning_grid.json").read_bytes() == before
+
+
+def test_training_settings_reach_every_task_outside_the_grid_too(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """bench_learning --dataset digits --training ...: not silently dropped outside --grid."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def fake_tasks(tasks: list[tuple[str, str, dict[str, Any]]], clusters: int, workers: int,
+                   tag: str) -> dict[str, dict[str, Any]]:
+        seen.extend((name, job["training"]) for _kind, name, job in tasks)
+        return {name: {"final": 0.9, "best": 0.95, "curve": [0.5, 0.9]}
+                for _kind, name, _job in tasks}
+
+    monkeypatch.setattr(bench, "_run_tasks", fake_tasks)
+    monkeypatch.setattr(bench, "plot", lambda report, path: None)
+    assert bench.main(["--dataset", "digits", "--jobs", "star:fedavg,star:fedadam:none:locality:2",
+                       "--rounds", "2", "--training", "optimizer=adam", "--out",
+                       str(tmp_path)]) == 0
+    assert {name for name, _ in seen} >= {"centralized", "reference_fedavg"}
+    assert len(seen) >= 4 and all(t["optimizer"] == "adam" for _, t in seen)
+    assert [t.get("personal_epochs") for name, t in seen if name.startswith("star")] == [None, 2]
+    assert json.loads((tmp_path / "learning.json").read_text())["training"] == {"optimizer": "adam"}
