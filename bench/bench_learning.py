@@ -276,8 +276,10 @@ def run_centralized(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_reference_fedavg(job: dict[str, Any]) -> dict[str, Any]:
-    """Plain FedAvg, no engine: every client trains from the global weights with the
-    engine's seeds and schedule; the sample-weighted mean (float64) is the next model."""
+    """Plain FedAvg, no engine: every client of the round (all of them, or the engine's
+    draw for `client_fraction` < 1) trains from the global weights with the engine's seeds
+    and schedule; the sample-weighted mean (float64) is the next model."""
+    from worker.executor.graph import participants
     from worker.nodes.federated import client_seed
     from worker.serialization import load_weights, model_weights
     from worker.training import evaluate, round_training, train_local
@@ -288,7 +290,11 @@ def run_reference_fedavg(job: dict[str, Any]) -> dict[str, Any]:
     for r in range(1, spec.training.federated_learning_rounds + 1):
         total: dict[str, np.ndarray] = {k: np.zeros(v.shape) for k, v in weights.items()}
         samples = 0
+        drawn = set(participants(len(parts.train_indices), spec.training.client_fraction,
+                                 spec.seed, r))
         for client, idx in enumerate(parts.train_indices):
+            if client not in drawn:
+                continue
             load_weights(net, weights)
             result = train_local(net, data.x_train[idx], data.y_train[idx],
                                  round_training(spec.training, r),

@@ -369,3 +369,34 @@ def test_training_settings_reach_every_task_outside_the_grid_too(
     assert len(seen) >= 4 and all(t["optimizer"] == "adam" for _, t in seen)
     assert [t.get("personal_epochs") for name, t in seen if name.startswith("star")] == [None, 2]
     assert json.loads((tmp_path / "learning.json").read_text())["training"] == {"optimizer": "adam"}
+
+
+def test_the_reference_loop_trains_the_engines_participants_only(monkeypatch: Any) -> None:
+    """With client_fraction < 1 the reference loop trained every client every round, so a
+    cell at 0.3 compared the engine's jobs with a loop that had three times their clients
+    (digits SmallCNN beta 0.3: reference 0.864, star fedavg 0.674). It now trains the
+    engine's draw (graph.participants), round by round."""
+    import types
+    from dataclasses import replace
+
+    import worker.nodes.federated as federated
+    import worker.training as training
+    from worker.executor.graph import participants
+
+    trained: dict[int, set[int]] = {}
+    seed_of = federated.client_seed
+
+    def recording_seed(seed: int, client: int, r: int) -> int:
+        trained.setdefault(r, set()).add(client)
+        return seed_of(seed, client, r)
+
+    monkeypatch.setattr(federated, "client_seed", recording_seed)
+    monkeypatch.setattr(training, "train_local",
+                        lambda net, x, y, cfg, seed, global_weights=None:
+                        types.SimpleNamespace(num_samples=len(y)))
+    ds = replace(bench.DATASETS["digits"], clients=10, rounds=3,
+                 training={"client_fraction": 0.3})
+    job = bench.job_dict(ds, "digits", "star", "fedavg", seed=4)
+    assert len(bench.run_reference_fedavg(job)["curve"]) == 3
+    assert trained == {r: set(participants(10, 0.3, 4, r)) for r in (1, 2, 3)}
+    assert all(len(c) == 3 for c in trained.values()) and trained[1] != trained[2]
