@@ -15,6 +15,7 @@ from scheduler.jobfile import load_job
 from scheduler.planning.clusters import ClusterSlot, parse_clusters
 from scheduler.planning.placement.histograms import synthetic_histograms
 from scheduler.planning.plan import Plan, plan_job
+from scheduler.planning.topology import partial_participation_warning
 from scheduler.rundir.placement import results_routing, routing_json
 
 COMPARE = ("random", "round_robin")
@@ -78,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
         summary["privacy"] = privacy_noise(spec, model_bytes)
     if scaled is not None:
         summary["data_scaling"] = scaled
+    if warning := partial_participation_warning(spec.topology.kind,
+                                                spec.training.client_fraction):
+        summary["warnings"] = [warning]
     if args.json:
         json.dump(summary, sys.stdout)
         sys.stdout.write("\n")
@@ -109,6 +113,7 @@ def format_summary(s: dict[str, Any]) -> str:
         *([privacy_line(s["privacy"])] if "privacy" in s else []),
         *([scaling_line(s["data_scaling"])] if s.get("data_scaling", {}).get("applied") else []),
         "seconds: " + " ".join(f"{k}={v:.3f}" for k, v in s["stage_seconds"].items()),
+        *(f"warning: {w}" for w in s.get("warnings", ())),
     ]
     return "\n".join(lines) + "\n"
 
