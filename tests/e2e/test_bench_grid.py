@@ -13,6 +13,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_learning as bench  # noqa: E402
 
 
+def _refused(what: str, call: Any, *args: Any) -> str:
+    """The message `call(*args)` exits with; `what` (the input that should have been
+    refused) fails the test where it returns instead."""
+    try:
+        call(*args)
+    except SystemExit as exc:
+        return str(exc)
+    raise AssertionError(what)
+
+
 def _cell(seed: int, reference: float, **finals: float) -> dict[str, Any]:
     return {"dataset": "digits", "model": "m", "beta": 0.1, "clients": 20, "seed": seed,
             "centralized_best": 0.98, "reference_fedavg": reference,
@@ -52,12 +62,8 @@ def test_shards_split_the_grid_and_together_are_it() -> None:
     assert all(len(s) in (len(cells) // 5, len(cells) // 5 + 1) for s in shards)
     assert {c[0] for c in shards[0]} == {"mnist", "digits", "table", "wine"}   # a mix, not a block
     for bad in ("0/5", "6/5", "2", "a/b"):
-        try:
-            bench.shard(cells, bad)
-        except SystemExit as exc:
-            assert bad in str(exc)
-        else:
-            raise AssertionError(f"--shard {bad} accepted")
+        said = _refused(f"--shard {bad} accepted", bench.shard, cells, bad)
+        assert bad in said
 
 
 def _measured(seed: int, reference: float, **finals: float) -> dict[str, Any]:
@@ -90,12 +96,9 @@ def test_merge_joins_runs_into_one_table_without_training(tmp_path: Path, capsys
     (group,) = report["seed_means"]
     assert group["seeds"] == [0, 1] and abs(group["jobs"]["star+fedadam"]["final"] - 0.65) < 1e-9
     assert "again, the first copy kept" in capsys.readouterr().err
-    try:
-        bench.main(["--merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "m")])
-    except SystemExit as exc:
-        assert "nothing" in str(exc) and "not a learning_grid.json" in str(exc)
-    else:
-        raise AssertionError("a missing run merged")
+    said = _refused("a missing run merged", bench.main,
+                    ["--merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "m")])
+    assert "nothing" in said and "not a learning_grid.json" in said
 
 
 def test_resume_runs_only_the_cells_not_yet_measured(tmp_path: Path, monkeypatch: Any) -> None:
@@ -209,12 +212,9 @@ def test_a_cross_validated_cell_runs_every_task_per_fold_and_pools_them(
 
 def test_a_negative_fold_count_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     out = tmp_path / "grid"
-    try:
-        bench.main(["--grid", "medium", "--dataset", "wine", "--folds", "-2", "--out", str(out)])
-    except SystemExit as exc:
-        assert "--folds -2" in str(exc) and "K >= 1" in str(exc)
-    else:
-        raise AssertionError("--folds -2 accepted")
+    said = _refused("--folds -2 accepted", bench.main,
+                    ["--grid", "medium", "--dataset", "wine", "--folds", "-2", "--out", str(out)])
+    assert "--folds -2" in said and "K >= 1" in said
     assert not out.exists()
 
 
@@ -262,19 +262,13 @@ def test_redo_runs_one_aggregator_again_and_keeps_the_rest_of_each_cell(
     assert ran == ["star+fedprox"]
     before = (out / "learning_grid.json").read_bytes()
     empty = tmp_path / "nothing-measured"
-    try:
-        bench.main(["--grid", "full", "--redo", "fedprox", "--out", str(empty)])
-    except SystemExit as exc:
-        assert "learning_grid.json does not exist" in str(exc) and "--out" in str(exc)
-    else:
-        raise AssertionError("--redo without measured cells")
+    said = _refused("--redo without measured cells", bench.main,
+                    ["--grid", "full", "--redo", "fedprox", "--out", str(empty)])
+    assert "learning_grid.json does not exist" in said and "--out" in said
     assert not (empty / "learning_grid.json").exists()
-    try:
-        bench.main(["--grid", "full", "--redo", "fedsgd", "--out", str(out)])
-    except SystemExit as exc:
-        assert "--redo 'fedsgd'" in str(exc) and "star:fedavg" in str(exc)
-    else:
-        raise AssertionError("--redo of a job the grid has not accepted")
+    said = _refused("--redo of a job the grid has not accepted", bench.main,
+                    ["--grid", "full", "--redo", "fedsgd", "--out", str(out)])
+    assert "--redo 'fedsgd'" in said and "star:fedavg" in said
     assert (out / "learning_grid.json").read_bytes() == before
 
 
@@ -330,22 +324,16 @@ def test_bad_training_settings_are_refused_before_anything_runs(tmp_path: Path) 
                       ("learning_rate=-1", "training.learning_rate = -1"),
                       ("lr_schedule", "expected KEY=VALUE"),
                       ("federated_learning_rounds=3", "set it with --rounds")):
-        try:
-            bench.main(["--grid", "medium", "--dataset", "digits", "--training", bad,
-                        "--out", str(out)])
-        except SystemExit as exc:
-            assert says in str(exc), (bad, str(exc))
-        else:
-            raise AssertionError(f"--training {bad} accepted")
+        said = _refused(f"--training {bad} accepted", bench.main,
+                        ["--grid", "medium", "--dataset", "digits", "--training", bad, "--out",
+                         str(out)])
+        assert says in said, (bad, said)
     (out / "learning_grid.json").write_text(json.dumps({"cells": []}))
     before = (out / "learning_grid.json").read_bytes()
-    try:
-        bench.main(["--grid", "full", "--redo", "fedadam", "--training", "lr_schedule=constant",
-                    "--out", str(out)])
-    except SystemExit as exc:
-        assert "leave --training out" in str(exc)
-    else:
-        raise AssertionError("--redo with --training accepted")
+    said = _refused("--redo with --training accepted", bench.main,
+                    ["--grid", "full", "--redo", "fedadam", "--training", "lr_schedule=constant",
+                     "--out", str(out)])
+    assert "leave --training out" in said
     assert (out / "learning_grid.json").read_bytes() == before
 
 
