@@ -949,6 +949,7 @@ class DataPlane:
         raw.setblocking(True)
         slots = self._expected if kind == "ticket" else self._handshakes
         if slots.value == 0:
+            self.refused += 1
             self._throttle.warning("dataplane.handshake_refused", address=where,
                                    reason=f"more than {MAX_HANDSHAKES} data-plane handshakes at once")
             raw.close()

@@ -90,6 +90,13 @@ def _flooded(port: int, a: Node, b: Node) -> Any:
             thread.join(30)
 
 
+def _refused_at_least(node: Node, count: int) -> None:
+    try:
+        wait_until(lambda: bridge_status(node)["transfer"]["dataplane_refused"] >= count, timeout=30)
+    except AssertionError:
+        raise AssertionError((count, bridge_status(node)["transfer"])) from None
+
+
 def test_a_member_keeps_the_data_plane_under_a_stranger_flood(pair: tuple[Node, Node]) -> None:
     a, b = pair
     port = int(bridge_status(b)["transfer"]["dataplane_port"])
@@ -101,8 +108,9 @@ def test_a_member_keeps_the_data_plane_under_a_stranger_flood(pair: tuple[Node, 
     sent = after_a["bytes_by_path"].get("dataplane", 0) - before_a["bytes_by_path"].get("dataplane", 0)
     assert sent >= 8 * 4 * MIB, (before_a, after_a)
     assert after_b["dataplane_accepted"] - before_b["dataplane_accepted"] >= 1, after_b
-    # the flood did reach the port and was refused
-    assert after_b["dataplane_refused"] - before_b["dataplane_refused"] >= STRANGERS // 2, after_b
+    # the flood did reach the port and was refused (a stranger is counted when its
+    # handshake times out or it hangs up, so the count may trail the flood's end)
+    _refused_at_least(b, before_b["dataplane_refused"] + STRANGERS // 2)
 
 
 def test_private_members_keep_their_splices_under_a_stranger_flood_of_the_gateway(
@@ -116,6 +124,8 @@ def test_private_members_keep_their_splices_under_a_stranger_flood_of_the_gatewa
         before_p, before_g = bridge_status(p)["transfer"], bridge_status(g)
         result = _flooded(port, p, q)
         after_p, after_g = bridge_status(p)["transfer"], bridge_status(g)
+        # the flood did reach the gateway's port and was refused
+        _refused_at_least(g, before_g["transfer"]["dataplane_refused"] + STRANGERS // 2)
     finally:
         for node in nodes:
             node.stop()
@@ -126,6 +136,3 @@ def test_private_members_keep_their_splices_under_a_stranger_flood_of_the_gatewa
     assert spliced >= 8 * 4 * MIB, (before_p, after_p)
     service = after_g["relay"]["service"]
     assert service["splices_joined"] > before_g["relay"]["service"]["splices_joined"], service
-    # the flood did reach the gateway's port and was refused
-    assert (after_g["transfer"]["dataplane_refused"] - before_g["transfer"]["dataplane_refused"]
-            >= STRANGERS // 2), after_g["transfer"]
