@@ -228,8 +228,7 @@ def pre_placement_topology(spec: JobSpec, histograms: np.ndarray | None, *,
     n = spec.data.number_of_clients
     if spec.topology.kind in _PRE_PLACEMENT:
         topology = replace(spec.topology, mixing_steps=fixed_mixing_steps(spec) or 0)
-        return build_topology(topology, n, histograms=histograms, seed=seed,
-                              client_fraction=spec.training.client_fraction)
+        return build_topology(topology, n, histograms=histograms, seed=seed)
     if spec.topology.kind == "hierarchical":
         # Siblings under one level-1 aggregator share its traffic: a path through them
         # makes placement keep them together.

@@ -76,15 +76,13 @@ def test_graphs_that_mix_too_slowly_or_at_once_take_one_step() -> None:
     assert auto_mixing_steps(np.array([(0, 1), (2, 3)]), np.ones(4)) == 1  # disconnected
 
 
-def test_a_sampled_round_mixes_over_its_participants_only() -> None:
-    edges = random_k_edges(40, 7, seed=0)
-    # two of forty clients a round are (almost surely) not neighbours: nothing to mix
-    assert auto_mixing_steps(edges, np.ones(40), client_fraction=0.05) == 1
 
 
-def plan(topology: dict[str, object], aggregation: str | None = None) -> RoutingMatrix:
+def plan(topology: dict[str, object], aggregation: str | None = None,
+         fraction: float = 1.0) -> RoutingMatrix:
     job: dict[str, object] = {"job": {"id": "mix", "seed": 0},
                               "data": {"number_of_clients": 40, "dirichlet_beta": 0.3},
+                              "training": {"client_fraction": fraction},
                               "topology": topology}
     if aggregation:
         job["aggregation"] = {"name": aggregation}
@@ -103,6 +101,15 @@ def test_the_plan_carries_the_steps_auto_or_as_set() -> None:
     back = RoutingMatrix.from_bytes(auto.to_bytes())
     assert back == auto and back.mixing_steps == auto.mixing_steps
     assert auto.to_dict(readable=True)["mixing_steps"] == auto.mixing_steps
+
+
+def test_a_sampled_round_mixes_over_the_whole_graph() -> None:
+    """Nodes not drawn still mix (ClusterEngine.mixers), so the fraction does not thin
+    the graph the steps are chosen for."""
+    full = plan({"kind": "k_connected", "traffic_budget": 0}, "fedavg")
+    for fraction in (0.05, 0.3):
+        sampled = plan({"kind": "k_connected", "traffic_budget": 0}, "fedavg", fraction)
+        assert sampled.mixing_steps == full.mixing_steps > 1
 
 
 @pytest.mark.parametrize(("kind", "steps", "needle"), [
