@@ -244,19 +244,23 @@ def _setup(job: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
 
 
 def global_on_clients(job: dict[str, Any], model: bytes | None) -> float | None:
-    """The job's final model scored where personalized accuracy is: on the clients' own
-    test splits, pooled (the data set's test set, where `final` is scored, has other
-    samples: personalized against global is like for like only here)."""
+    """The job's final model scored where personalized accuracy is: on the own test
+    splits of the clients of the last round (all of them, or its draw for
+    `client_fraction` < 1), pooled (the data set's test set, where `final` is scored, has
+    other samples: personalized against global is like for like only here)."""
     from safetensors.numpy import load as st_load
 
+    from worker.executor.graph import participants
     from worker.serialization import load_weights
     from worker.training import evaluate
 
     if not model:
         return None
-    _spec, data, parts, net = _setup(job)
+    spec, data, parts, net = _setup(job)
     load_weights(net, st_load(model))
-    idx = np.concatenate(parts.test_indices)
+    drawn = participants(len(parts.test_indices), spec.training.client_fraction, spec.seed,
+                         spec.training.federated_learning_rounds)
+    idx = np.concatenate([parts.test_indices[c] for c in sorted(drawn)])
     return round(evaluate(net, data.x_train[idx], data.y_train[idx]).accuracy, 4)
 
 
