@@ -282,22 +282,23 @@ def _sparsify(edges: np.ndarray, ci: np.ndarray, keep: int, seed: int,
 
 def partial_participation_warning(kind: str, client_fraction: float) -> str | None:
     """What a ring job with `client_fraction` < 1 should know before it runs (None for any
-    other). Every decentralized node now mixes every round (worker.executor.engine.Draw),
-    which brought k_connected to star at 0.3 (bench_learning cells, fedavg, 15 rounds,
-    star / k_connected before / now: digits SmallCNN beta 0.3, 20 clients 0.674 / 0.356 /
-    0.702, MNIST SmallCNN beta 0.3, 20 clients 0.935 / 0.825 / 0.929, digits SmallCNN beta
-    1.0, 50 clients 0.922 / 0.635 / 0.919, digits BNCNN beta 0.3, 20 clients 0.922 / 0.869
-    / 0.925); a ring's two neighbours carry a round's training a node further only
+    other). A decentralized round now mixes every drawn node and its neighbours, each with
+    its drawn neighbours' trained models (worker.executor.engine.Draw), which brought
+    k_connected to star at 0.3 (bench_learning cells, fedavg, 15 rounds, star /
+    k_connected before / now: digits SmallCNN beta 0.3, 20 clients 0.674 / 0.356 / 0.702,
+    MNIST SmallCNN beta 0.3, 20 clients 0.935 / 0.825 / 0.929, digits SmallCNN beta 1.0,
+    50 clients 0.922 / 0.635 / 0.919, digits BNCNN beta 0.3, 20 clients 0.922 / 0.869 /
+    0.925); a ring's two neighbours carry a round's training one node further only
     (mixing factor ~0.99): digits SmallCNN beta 0.3, 20 clients 0.780 with every client,
-    0.382 at 0.5, 0.323 at 0.3 (star 0.811 at 0.5, 0.674 at 0.3); MNIST 0.725 at 0.3
+    0.440 at 0.5, 0.323 at 0.3 (star 0.811 at 0.5, 0.674 at 0.3); MNIST 0.810 at 0.3
     (star 0.935)."""
     if kind != "ring" or client_fraction >= 1.0:
         return None
     return (f"topology.kind = 'ring' with training.client_fraction = {client_fraction:g}: a "
             "round's training reaches a ring's nodes one neighbour at a time, and at this "
-            "fraction most of it is averaged away before it spreads (measured at 0.3: "
-            "0.32 and 0.73 where star reached 0.67 and 0.94); use k_connected, star or "
-            "hybrid, or client_fraction = 1")
+            "fraction it learns far slower than star (measured at 0.3: 0.32 and 0.81 where "
+            "star reached 0.67 and 0.94); use k_connected, star or hybrid, or "
+            "client_fraction = 1")
 
 
 def auto_mixing_steps(edges: np.ndarray, samples: np.ndarray) -> int:
@@ -309,8 +310,10 @@ def auto_mixing_steps(edges: np.ndarray, samples: np.ndarray) -> int:
     3 steps; 1 step reaches 0.948 / 0.944 x centralized, 2 steps 0.948 / 0.953, 3 steps
     0.953 / 0.955, star 0.952 / 0.955; fedprox (seed 0) 0.946 with 1 step, 0.954 with 3. Log-degree graphs (auto k) keep the factor
     near 0.55-0.7 from 40 to 100,000 clients, i.e. 3-4 steps; a ring's is ~1, so 1 step.
-    Every node mixes in every round, drawn (`client_fraction`) or not, so this is the
-    whole graph's factor whatever the fraction."""
+    The whole graph's factor, whatever `client_fraction`: a round mixes its participants
+    and their neighbours (worker.executor.engine.Draw), nearly every node at 0.3 (until
+    stop 61 only the participants mixed, and the factor was that of the graph they
+    induced: at small fractions almost no edges, so 1 step)."""
     samples = np.asarray(samples, dtype=np.float64)
     factor = mixing_factor(edges, samples, stop_above=MIXING_USEFUL ** (1 / MAX_MIXING_STEPS))
     if factor <= MIXING_TARGET:

@@ -227,41 +227,57 @@ def test_mixing_steps_average_with_neighbours_again_across_clusters() -> None:
     assert not any(key[0] == 1 for t in links.transports.values() for key in t._mailbox._taken)
 
 
-def test_nodes_not_drawn_take_their_neighbours_training_so_none_goes_stale() -> None:
+def test_nodes_not_drawn_take_their_neighbours_training() -> None:
     """client_fraction < 1 in a decentralized job (engine.Draw): only the drawn nodes
-    train; every node averages its own model (trained or not) with its trained
-    neighbours', by samples, and a node with no trained node around it averages with its
-    neighbours' untrained models. (k_connected at 0.3 sat near chance when the others kept stale models, and
-    still when every node averaged every neighbour: the training was diluted.)"""
+    train; every drawn node and every neighbour of one averages its own model (trained or
+    not) with its drawn neighbours' trained models, by samples; a node with no drawn node
+    around it keeps its model and nothing is sent to it. (k_connected at 0.3 sat near
+    chance when only drawn neighbours mixed, and when every node averaged every
+    neighbour: the training was diluted.)"""
     n, fraction = 8, 0.25
     graph, _ = graph_of("ring", n)
     placement = {f"c{i}": "a" if i < 4 else "b" for i in range(n)}
-    engines, _ = build(graph, placement, fraction=fraction)
     samples = np.arange(1.0, n + 1)  # of c0..c7
-    models = np.zeros(n)
-    lonely_seen = 0
-    for r in (1, 2, 3, 4):
-        drawn = set(g.participants(n, fraction, 0, r))
-        assert 0 < len(drawn) < n
-        trained = models + np.arange(n)  # client i's training adds i
-        new = np.empty(n)
-        for i in range(n):
-            near = [(i - 1) % n, i, (i + 1) % n]
-            pick = [j for j in near if j in drawn and j != i]
-            lonely = i not in drawn and not pick
-            lonely_seen += lonely
-            own = trained[i] if i in drawn else models[i]
-            mix = [(j, models[j]) for j in near if j != i] if lonely else [(j, trained[j]) for j in pick]
-            new[i] = np.average([own] + [v for _, v in mix],
-                                weights=[samples[i]] + [samples[j] for j, _ in mix])
-        models = new
-        reports = run_round(engines, r)
-        got = [engines[placement[f"c{i}"]].current_model(f"c{i}")["w"][0, 0] for i in range(n)]
-        assert got == pytest.approx(models)
-        ran = sorted(c for e in engines.values() for c, rr in e.pool.trained if rr == r)
-        assert ran == sorted(f"c{i}" for i in drawn)
-        assert sum(rep.participants for rep in reports.values()) == len(drawn)
-    assert lonely_seen  # the draws above include a node with no trained neighbour
+
+    def near(i: int) -> tuple[int, int]:
+        return (i - 1) % n, (i + 1) % n
+
+    for steps in (1, 2):
+        engines, _ = build(graph, placement, fraction=fraction, mixing_steps=steps)
+        models = np.zeros(n)
+        kept = 0
+        for r in (1, 2, 3, 4):
+            drawn = set(g.participants(n, fraction, 0, r))
+            assert 0 < len(drawn) < n
+            mixing = drawn | {j for i in drawn for j in near(i)}
+            trained = models + np.arange(n)  # client i's training adds i
+            new = models.copy()
+            for i in sorted(mixing):
+                pick = [j for j in near(i) if j in drawn]
+                own = trained[i] if i in drawn else models[i]
+                new[i] = np.average([own] + [trained[j] for j in pick],
+                                    weights=[samples[i]] + [samples[j] for j in pick])
+            kept += n - len(mixing)
+            for _step in range(2, steps + 1):  # the nodes that mixed, with each other
+                new = np.array([np.average([new[j] for j in (i, *near(i)) if j in mixing],
+                                           weights=[samples[j] for j in (i, *near(i))
+                                                    if j in mixing])
+                                if i in mixing else new[i] for i in range(n)])
+            models = new
+            reports = run_round(engines, r)
+            got = [engines[placement[f"c{i}"]].current_model(f"c{i}")["w"][0, 0]
+                   for i in range(n)]
+            assert got == pytest.approx(models)
+            ran = sorted(c for e in engines.values() for c, rr in e.pool.trained if rr == r)
+            assert ran == sorted(f"c{i}" for i in drawn)
+            assert sum(rep.participants for rep in reports.values()) == len(drawn)
+            # step 1 sends only trained models across: one per drawn node with a neighbour
+            # on the other cluster
+            crossing = sum(1 for i in drawn for j in near(i)
+                           if placement[f"c{i}"] != placement[f"c{j}"])
+            if steps == 1:
+                assert sum(rep.messages_inter for rep in reports.values()) == crossing
+        assert kept  # the draws above leave a node with no drawn node around it
 
 
 def test_a_nodes_model_crosses_to_each_neighbouring_cluster_once() -> None:

@@ -164,8 +164,8 @@ def test_plan_warns_a_ring_job_that_trains_a_fraction_of_its_clients(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A ring at client_fraction 0.3 learned far slower than star (bench_learning: digits
     SmallCNN beta 0.3, 20 clients: 0.32 against 0.67): plan says so, naming both keys;
-    star and k_connected at the same fraction (k_connected 0.70 there since every node
-    mixes every round), and a ring with every client, say nothing."""
+    star and k_connected at the same fraction (k_connected 0.70 there since a round mixes
+    its participants' neighbours too), and a ring with every client, say nothing."""
     job = tmp_path / "job.toml"
     base = "[data]\nnumber_of_clients = 30\n[training]\nclient_fraction = {f}\n[topology]\nkind = '{k}'\n"
     job.write_text(base.format(f=0.3, k="ring"))

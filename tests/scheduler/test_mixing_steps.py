@@ -104,8 +104,8 @@ def test_the_plan_carries_the_steps_auto_or_as_set() -> None:
 
 
 def test_a_sampled_round_mixes_over_the_whole_graph() -> None:
-    """Nodes not drawn still mix (ClusterEngine.mixers), so the fraction does not thin
-    the graph the steps are chosen for."""
+    """A round mixes its participants and their neighbours (engine.Draw), so the
+    fraction does not thin the graph the steps are chosen for."""
     full = plan({"kind": "k_connected", "traffic_budget": 0}, "fedavg")
     for fraction in (0.05, 0.3):
         sampled = plan({"kind": "k_connected", "traffic_budget": 0}, "fedavg", fraction)

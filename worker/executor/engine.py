@@ -25,6 +25,8 @@ Its weights are the plan's sample counts of the node and its neighbours. Measure
 two textbook alternatives (bench_learning, MNIST, k_connected + fedavg, seeds 0 / 1; this
 rule 0.909 / 0.918): Metropolis-Hastings weights, which keep the job's sample-weighted
 mean exactly, 0.898 / 0.880; uniform 1 / (degree + 1), 0.895 / 0.901. Both mix slower.
+With `client_fraction` < 1 a round mixes its participants and their neighbours, each with
+its drawn neighbours' trained models only (`Draw`).
 With the plan's mixing steps s > 1 (`topology.mixing_steps`, or for 0 what the plan chose
 from the graph's mixing factor) the nodes then average with their neighbours s - 1 more
 times (the mixed models, kinds peer2, peer3, ...): their disagreement shrinks by the
@@ -180,12 +182,11 @@ class ClusterEngine:
         """Who trains in `round_index` and, decentralized, who mixes (see `Draw`)."""
         trained = self.participants(round_index)
         if not self.graph.decentralized or self.client_fraction >= 1.0:
-            return Draw(trained, trained, set())
-        mixing = set(self.graph.clients) - self.absent
+            return Draw(trained, trained)
         covered = set(trained)
         for node in trained:
             covered.update(self.graph.peers.get(node, ()))
-        return Draw(trained, mixing, mixing - covered)
+        return Draw(trained, covered - self.absent)
 
     def current_model(self, node: str) -> Any:
         with self._lock:
@@ -385,7 +386,7 @@ class ClusterEngine:
         """Train and send: from the parent's model of this round (it sends it down first;
         twice the timeout, so that if the parent is stuck its own wait fails first and
         names the node really missing), or, decentralized, from the node's own model (a
-        node not drawn sends that model, untrained, to its lonely neighbours only)."""
+        node not drawn sends nothing: it only takes its drawn neighbours' models)."""
         trained = draw.trained
         if not self.graph.decentralized:
             parent = self.graph.parent[node]
@@ -394,9 +395,6 @@ class ClusterEngine:
         else:
             start = self.current_model(node)
             if node not in trained:
-                lonely = [p for p in self._mixing_peers(node, draw.mixing) if p in draw.lonely]
-                self.transport.send_many(r, PEER, node, lonely, start, self.pool.samples(node),
-                                         self._model_nbytes)
                 return start
         update = self.pool.train(node, start, r)
         samples = self.pool.samples(node)
@@ -419,20 +417,17 @@ class ClusterEngine:
                         record: RoundRecord) -> None:
         trained = draw.trained
         if self.graph.decentralized:
-            # the node's own model (trained or not) and its trained neighbours'; a lonely
-            # node's, its untrained neighbours'
-            lonely = node in draw.lonely
+            # the node's own model (trained or not) and its trained neighbours'
             received = [(self.pool.resolve(update), self.pool.samples(node))]
             for peer in self._mixing_peers(node, draw.mixing):
-                if lonely or peer in trained:
+                if peer in trained:
                     env = self.transport.receive(r, PEER, peer, node, self.timeout)
                     received.append((self.pool.resolve(env.weights),
                                      self._trusted_samples(peer, env.samples, draw.mixing)))
             # the node's model before it trained is the reference: the mix minus it is the
-            # round's pseudo-gradient, which a server optimizer (fedavgm, fedadam...) needs;
-            # a lonely node only averages (as in the later mixing steps)
+            # round's pseudo-gradient, which a server optimizer (fedavgm, fedadam...) needs
             before = self.pool.resolve(self.current_model(node))
-            mixed = self._mix(self._step_aggregator(node, not lonely), 1, before, received)
+            mixed = self._mix(self._aggregator(node), 1, before, received)
             self._store_mixed(node, mixed, record, last=self.mixing_steps == 1,
                               evaluate=node in trained)
         if node not in trained:
@@ -712,18 +707,15 @@ class ClusterEngine:
 class Draw:
     """Who does what in a round. `trained`: the participants (`client_fraction`), which
     train. `mixing`: the nodes that exchange models; in a tree the participants; in a
-    decentralized topology with `client_fraction` < 1 every client that does not sit out,
-    so no model goes stale. In its first step a node averages its own model (trained or
+    decentralized topology the participants and their neighbours (less those that sit
+    out). In its first step every node of `mixing` averages its own model (trained or
     not) with its trained neighbours' (a trained node sends its model to all its
     neighbours), as star's FedAvg averages its sample only: what the round learnt is not
-    diluted by the untrained models around it (k_connected at 0.3 stayed near chance both
-    when only drawn neighbours mixed and when every node averaged every neighbour).
-    `lonely`: the nodes with no trained node among themselves and their neighbours; they
-    average with their neighbours' untrained models instead (sent to them alone). Later
-    mixing steps average over `mixing`. Measured: docs/job.md, Participants."""
+    diluted by untrained models. Later mixing steps average each node of `mixing` with its
+    neighbours in it; the other nodes keep their models (nothing reached them to mix).
+    Measured against the alternatives: docs/job.md, Participants."""
     trained: set[str]
     mixing: set[str]
-    lonely: set[str]
 
 
 def average(items: list[tuple[Weights, int]], fedavg: Aggregate) -> Weights:
