@@ -419,17 +419,17 @@ class ClusterEngine:
         if self.graph.decentralized:
             # the node's own model (trained or not) and its trained neighbours'
             received = [(self.pool.resolve(update), self.pool.samples(node))]
-            for peer in self._mixing_peers(node, draw.mixing):
+            for peer in self.graph.peers.get(node, ()):
                 if peer in trained:
                     env = self.transport.receive(r, PEER, peer, node, self.timeout)
                     received.append((self.pool.resolve(env.weights),
-                                     self._trusted_samples(peer, env.samples, draw.mixing)))
+                                     self._trusted_samples(peer, env.samples, trained)))
             # the node's model before it trained is the reference: the mix minus it is the
             # round's pseudo-gradient, which a server optimizer (fedavgm, fedadam...) needs
             before = self.pool.resolve(self.current_model(node))
             mixed = self._mix(self._aggregator(node), 1, before, received)
-            self._store_mixed(node, mixed, record, last=self.mixing_steps == 1,
-                              evaluate=node in trained)
+            self._store_mixed(node, mixed, record,
+                              evaluate=self.mixing_steps == 1 and node in trained)
         if node not in trained:
             return
         # (a tree's client keeps no model: it starts each round it takes part in from
@@ -439,16 +439,15 @@ class ClusterEngine:
             record.add_personal(correct, total)
 
     def _store_mixed(self, node: str, mixed: Weights, record: RoundRecord, *,
-                     last: bool, evaluate: bool) -> None:
-        """The node's model after a mixing step; after the round's last, a node that
-        trained in the round is evaluated (as served: `_evaluate_global`)."""
+                     evaluate: bool) -> None:
+        """The node's model after a mixing step; `evaluate` (after the round's last, for a
+        node that trained in it) scores it as served (`_evaluate_global`)."""
         handle = self.pool.put(mixed)
-        last = last and evaluate
-        if last:
+        if evaluate:
             accuracy, loss = self._evaluate_global(mixed)
         with self._lock:
             self._models[node] = handle
-            if last:
+            if evaluate:
                 record.add_evaluation(accuracy, loss, self.pool.samples(node))
 
     def _mix_send(self, node: str, r: int, step: int, mixing: set[str]) -> None:
@@ -469,18 +468,12 @@ class ClusterEngine:
         for peer in self._mixing_peers(node, draw.mixing):
             env = self.transport.receive(r, mixing_kind(step), peer, node, self.timeout)
             received.append((self.pool.resolve(env.weights),
-                             self._trusted_samples(peer, env.samples, draw.mixing)))
-        mixed = self._mix(self._step_aggregator(node, False), step, received[0][0], received)
-        self._store_mixed(node, mixed, record, last=step == self.mixing_steps,
-                          evaluate=node in draw.trained)
-
-    def _step_aggregator(self, node: str, learning: bool) -> Aggregate:
-        """The job's aggregator where trained models are in the mix; elsewhere a server
-        optimizer's plain mean (it steps once per round, on what was learnt), a robust
-        aggregator still itself (a lying neighbour gains nothing anywhere)."""
-        if not learning and self._is_server_optimizer(node):
-            return self._make_inner()
-        return self._aggregator(node)
+                             self._trusted_samples(peer, env.samples, draw.trained)))
+        aggregator = (self._make_inner() if self._is_server_optimizer(node)
+                      else self._aggregator(node))
+        mixed = self._mix(aggregator, step, received[0][0], received)
+        self._store_mixed(node, mixed, record,
+                          evaluate=step == self.mixing_steps and node in draw.trained)
 
     def _mix(self, aggregator: Aggregate, step: int, before: Weights,
              received: list[tuple[Weights, int]]) -> Weights:
