@@ -76,8 +76,6 @@ def test_graphs_that_mix_too_slowly_or_at_once_take_one_step() -> None:
     assert auto_mixing_steps(np.array([(0, 1), (2, 3)]), np.ones(4)) == 1  # disconnected
 
 
-
-
 def plan(topology: dict[str, object], aggregation: str | None = None,
          fraction: float = 1.0) -> RoutingMatrix:
     job: dict[str, object] = {"job": {"id": "mix", "seed": 0},
