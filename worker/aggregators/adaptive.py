@@ -36,6 +36,18 @@ digits SmallCNN beta 0.1, 50 clients, seed 2: at chance until round 4 (0.14), 0.
 0.877 / 0.944 / 0.964 and 0.869 / 0.936 / 0.964. Measured on
 bench_learning's grid (several models, data sets and splits, one set of defaults): docs/job.md.
 Buffers (BatchNorm statistics, counters) are averaged, never stepped (`base`).
+
+Measured and not taken (stop 62), on the one family where the adaptive steps stay below
+FedAvg (MNIST usercnn:Conv1dBN, beta 0.3, 20 clients, star; fedavg 0.652 / 0.369 / 0.628
+over seeds 0-2, fedadam 0.614 / 0.348 / 0.614). On seed 0, FedAvg's direction for one
+tensor at a time located the gap in the output layer: for the conv layer only 0.617, for
+the linear head only 0.649, for both 0.645; an AdamP-style radial projection of the
+BatchNorm'd conv weights 0.611; statistics measured instead of pooled 0.617 (fedavg 0.657).
+The head along its pseudo-gradient on every BatchNorm model closed that family (0.649 /
+0.367 / 0.622; fedadagrad 0.645 / 0.368 / 0.621) but cost usercnn:BNResCNN, where Adam's
+head is the gain (digits, 20 clients: beta 0.3 seed 0 fedadam 0.858 -> 0.833, fedavg
+0.838; beta 0.1 seed 1 0.877 -> 0.827, fedadagrad 0.877 -> 0.808, fedavg 0.833); on every
+model it cost digits SmallCNN beta 0.1 seed 1 fedadam 0.947 -> 0.886.
 """
 
 from __future__ import annotations
