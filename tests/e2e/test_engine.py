@@ -280,6 +280,60 @@ def test_nodes_not_drawn_take_their_neighbours_training() -> None:
         assert kept  # the draws above leave a node with no drawn node around it
 
 
+def test_a_neighbours_model_the_round_does_not_have_is_refused() -> None:
+    """Decentralized at client_fraction < 1, a member may deliver a model only from a
+    drawn neighbour (a later mixing step: from a neighbour that mixes) to a node that
+    mixes in the round; anything else is refused by name and stored nowhere: a member
+    cannot add a voter to a robust aggregator's count or park models, and the honest
+    rounds that follow are those of a run without it."""
+    n, fraction = 8, 0.25
+    graph, _ = graph_of("ring", n)
+    placement = {f"c{i}": "a" if i < 4 else "b" for i in range(n)}
+    engines, _ = build(graph, placement, fraction=fraction)
+    honest, _ = build(graph, placement, fraction=fraction)
+    transport = engines["a"].transport
+    w = {"w": np.full((2, 2), 1e6, np.float32)}
+
+    def deliver(r: int, src: int, dst: int, kind: str = "peer") -> bool:
+        return transport.deliver_remote(
+            job_id="j", round=r, source_node=f"c{src}", target_node=f"c{dst}",
+            source_cluster="b", payload=encode(w, kind=kind, samples=1),
+            message_id=f"j/{r}/{kind}/c{src}/c{dst}")
+
+    tried = set()
+    for r in (1, 2, 3, 4, 5, 6):
+        transport.begin_round(r)
+        draw = engines["a"].draw(r)
+        # c4 and c7 (cluster b) border cluster a's c3 and c0
+        for src, dst in ((4, 3), (7, 0)):
+            if f"c{dst}" in draw.mixing and f"c{src}" not in draw.trained:
+                with pytest.raises(DeliveryRefused, match=f"c{src} was not drawn"):
+                    deliver(r, src, dst)
+                tried.add("not drawn")
+            if f"c{dst}" not in draw.mixing:
+                with pytest.raises(DeliveryRefused, match=f"c{dst} takes no neighbour"):
+                    deliver(r, src, dst)
+                tried.add("not mixing")
+        with pytest.raises(DeliveryRefused, match="c5 is not a neighbour of c1"):
+            deliver(r, 5, 1)
+        with pytest.raises(DeliveryRefused, match="mixes 1 time"):
+            deliver(r, 4, 3, kind="peer2")
+        assert len(transport._mailbox) == 0
+        run_round(engines, r)
+        run_round(honest, r)
+        for i in range(n):
+            node, cluster = f"c{i}", placement[f"c{i}"]
+            np.testing.assert_array_equal(engines[cluster].current_model(node)["w"],
+                                          honest[cluster].current_model(node)["w"])
+    assert tried == {"not drawn", "not mixing"}
+    # what the round has is taken, once
+    r = next(r for r in range(7, 40) if {"c4", "c3"} <= engines["a"].draw(r).mixing
+             and "c4" in engines["a"].draw(r).trained)
+    transport.begin_round(r)
+    assert deliver(r, 4, 3) and not deliver(r, 4, 3)
+    assert transport.receive(r, "peer", "c4", "c3", 1).samples == 1
+
+
 def test_a_nodes_model_crosses_to_each_neighbouring_cluster_once() -> None:
     """Full graph, two nodes a cluster: each node's model goes to the other cluster in one
     message for both its neighbours there (send_many), and every node still averages all

@@ -60,7 +60,15 @@ import numpy as np
 from proto.rounds import RoundRecord
 from worker.aggregators.base import Aggregator, Memo, SharedMeans, digest
 from worker.executor.contributions import CloseRule, Contribution, ContributionBuffer, applied
-from worker.executor.graph import DOWN, PEER, UP, RoundGraph, mixing_kind, participants
+from worker.executor.graph import (
+    DOWN,
+    MIXING_KINDS,
+    PEER,
+    UP,
+    RoundGraph,
+    mixing_kind,
+    participants,
+)
 from worker.executor.transport import HybridTransport, Weights
 from worker.privacy import flatten
 
@@ -85,6 +93,10 @@ class ClientPool(Protocol):
 class Aggregate(Protocol):
     def aggregate(self, global_weights: Weights,
                   updates: list[tuple[Weights, int]]) -> Weights: ...
+
+
+#: rounds whose `Draw` an engine keeps (the one it runs, the next, a late neighbour's)
+DRAWS_KEPT = 4
 
 
 def model_nbytes(weights: Weights) -> int:
@@ -161,6 +173,8 @@ class ClusterEngine:
         if close_rule is not None and graph.kind == "star":
             self.buffer = ContributionBuffer(close_rule, transport._locate, transport.aborted)
             transport.collectors = {r: self.buffer for r in self.local_aggregators()}
+        self._draws: dict[tuple[int, frozenset[str]], Draw] = {}  # the last few rounds'
+        transport.expects = self.unexpected if graph.decentralized else None
 
     # -- placement (fixed for the life of an engine: a new plan makes a new engine) -----
     def local_clients(self) -> list[str]:
@@ -180,13 +194,46 @@ class ClusterEngine:
 
     def draw(self, round_index: int) -> Draw:
         """Who trains in `round_index` and, decentralized, who mixes (see `Draw`)."""
+        key = (round_index, self.absent)
+        with self._lock:
+            known = self._draws.get(key)
+        if known is not None:
+            return known
         trained = self.participants(round_index)
         if not self.graph.decentralized or self.client_fraction >= 1.0:
-            return Draw(trained, trained)
-        covered = set(trained)
-        for node in trained:
-            covered.update(self.graph.peers.get(node, ()))
-        return Draw(trained, covered - self.absent)
+            draw = Draw(trained, trained)
+        else:
+            covered = set(trained)
+            for node in trained:
+                covered.update(self.graph.peers.get(node, ()))
+            draw = Draw(trained, covered - self.absent)
+        with self._lock:
+            self._draws[key] = draw
+            for old in sorted(self._draws, key=lambda k: k[0])[:-DRAWS_KEPT]:
+                del self._draws[old]
+        return draw
+
+    def unexpected(self, round_index: int, kind: str, src: str, dst: str) -> str | None:
+        """Why this round's plan has no `kind` model from `src` for `dst` (None: it has
+        one), for a decentralized job's neighbours' models: from a neighbour, to a node
+        that mixes in the round, in the first step only from one drawn to train, in a
+        later step (up to the job's mixing steps) only from one that mixes. Set as the
+        transport's `expects`: a member cannot add models the round does not have (a voter
+        more for a robust aggregator) or park them in this executor's memory."""
+        if kind != PEER and kind not in MIXING_KINDS:
+            return None
+        if dst not in self.graph.peers.get(src, ()):
+            return f"{src} is not a neighbour of {dst} in the plan"
+        step = 1 if kind == PEER else MIXING_KINDS.index(kind) + 2
+        if step > self.mixing_steps:
+            return f"the job mixes {self.mixing_steps} time(s) a round, not {step}"
+        draw = self.draw(round_index)
+        if dst not in draw.mixing:
+            return f"{dst} takes no neighbour's model in round {round_index}"
+        if src not in (draw.trained if step == 1 else draw.mixing):
+            return (f"{src} was not drawn to train in round {round_index}" if step == 1
+                    else f"{src} does not mix in round {round_index}")
+        return None
 
     def current_model(self, node: str) -> Any:
         with self._lock:

@@ -145,6 +145,11 @@ class HybridTransport:
         #: a round may skip this cluster while it trains an earlier one: an update for a
         #: round it has not begun yet is "not ready" (retried), not refused
         self.rounds_skip = False
+        #: why the plan sends no (round, kind, src, dst) model (None: it does); set by a
+        #: decentralized engine, whose neighbours' models depend on who is drawn
+        #: (`ClusterEngine.unexpected`): anything else a member delivers is refused, not
+        #: parked in the mailbox where it would wait for a reader that never comes
+        self.expects: Callable[[int, str, str, str], str | None] | None = None
 
     def is_local(self, node: str) -> bool:
         return self._locate(node) == self.local_cluster
@@ -336,6 +341,10 @@ class HybridTransport:
                                       f"cluster accepts rounds {self.current_round} and "
                                       f"{self.current_round + 1} only")
             targets = self._targets(dst, kind, decoded.metadata, what)
+            if self.expects is not None:
+                for target in targets or [dst]:
+                    if (why := self.expects(round, kind, src, target)) is not None:
+                        raise DeliveryRefused(f"{what}: {why}")
             weights = self._codec.decompress(decoded.tensors, decoded.metadata,
                                              (src, dst, placed, self.local_cluster))
             if targets:
