@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from proto.errors import FabricError
+from proto.rounds import clients_per_round
 
 DISTRIBUTIONS = ("iid", "dirichlet", "labels", "shards", "quantity")
 #: simulated: every cluster can rebuild every client from one dataset (the job's path);
@@ -625,9 +626,14 @@ def _check_cross(source: str, spec: JobSpec) -> None:
         raise JobSpecError(source, "placement.precomputed_file",
                            "placement.precomputed_file is required when placement.strategy = "
                            "'precomputed' (JSON or CSV client -> cluster)")
-    if spec.aggregation.name == "krum" and n <= 2 * spec.aggregation.krum_byzantine + 2:
+    drawn = clients_per_round(n, training.client_fraction)
+    if spec.aggregation.name == "krum" and drawn <= 2 * spec.aggregation.krum_byzantine + 2:
         raise _fail(source, "aggregation.krum_byzantine", spec.aggregation.krum_byzantine,
-                    f"an integer f with data.number_of_clients ({n}) > 2f + 2 for krum")
+                    f"an integer f with data.number_of_clients ({n}) > 2f + 2 for krum"
+                    if drawn == n else
+                    f"an integer f with the clients a round draws ({drawn} of {n} at "
+                    f"training.client_fraction = {training.client_fraction:g}) > 2f + 2 "
+                    "for krum (or a larger client_fraction)")
     if spec.aggregation.name in ADAPTIVE_AGGREGATORS and topo.kind in ("ring", "k_connected",
                                                                        "custom"):
         raise _fail(source, "aggregation.name", spec.aggregation.name,
@@ -641,6 +647,14 @@ def _check_cross(source: str, spec: JobSpec) -> None:
                     "on its disagreement with its neighbours too, and mixing again after it "
                     "feeds that back (bench_learning, MNIST k_connected fedavgm with 2 steps: "
                     "the loss explodes, chance at round 15)")
+    if (spec.aggregation.name == "krum" and topo.kind in DECENTRALIZED_TOPOLOGIES
+            and training.client_fraction < 1):
+        # a round mixes each drawn node and its neighbours with their drawn neighbours only
+        # (worker.executor.engine.Draw): a node with one drawn neighbour has 2 models
+        raise _fail(source, "training.client_fraction", training.client_fraction,
+                    f"1 with krum on {topo.kind}: at a smaller fraction a node mixes its own "
+                    "model with its drawn neighbours' only, as few as 2 models, and krum "
+                    "needs krum_byzantine + 3 (use median, or star / hierarchical)")
     if spec.aggregation.name == "krum" and topo.kind in ("ring", "k_connected"):
         # a decentralized node mixes its own model and its neighbours' with the aggregator
         least = 3 if topo.kind == "ring" else k_neighbors(topo, n) + 1

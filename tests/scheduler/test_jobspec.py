@@ -73,6 +73,13 @@ BAD = [
      ["aggregation.name = 'fedadam'", "fedavg or fedavgm on k_connected", "drift apart"]),
     ("[aggregation]\nname = 'krum'\n[topology]\nkind = 'ring'\n",
      ["aggregation.krum_byzantine = 1", "at most 0 on ring", "median"]),
+    # krum in a round that cannot have krum_byzantine + 3 updates (it failed the round)
+    ("[aggregation]\nname = 'krum'\n[topology]\nkind = 'k_connected'\n"
+     "[training]\nclient_fraction = 0.3\n",
+     ["training.client_fraction = 0.3", "1 with krum on k_connected", "as few as 2 models"]),
+    ("[aggregation]\nname = 'krum'\n[data]\nnumber_of_clients = 20\n"
+     "[training]\nclient_fraction = 0.1\n",
+     ["aggregation.krum_byzantine = 1", "a round draws (2 of 20", "client_fraction"]),
     ("[training]\nlr_schedule = 'step'\n", ["training.lr_schedule", "cosine"]),
     ("[aggregation]\nname = 'fedavgg'\n", ["aggregation.name = 'fedavgg'", "'fedavg'"]),
     ("[aggregation]\ntrim_ratio = 0.5\n", ["aggregation.trim_ratio = 0.5", "< 0.5"]),

@@ -224,7 +224,26 @@ def test_krum_picks_the_most_central_update() -> None:
     assert agg.last_selected == 1
     np.testing.assert_allclose(out["w"], [1.0])
     with pytest.raises(AggregationError, match="at least krum_byzantine \\+ 3 = 4 updates, got 3"):
-        agg.aggregate(_w([0], [0]), ups[:3])
+        agg.scores(ups[:3])
+
+
+def test_krum_with_too_few_updates_takes_their_median_and_says_so(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A hierarchy's root or a hybrid group at client_fraction < 1 may get fewer than
+    krum_byzantine + 3 updates: the round takes their coordinate-wise median (a liar among
+    3 moves nothing) and warns once, instead of failing the job."""
+    agg = _agg("krum", krum_byzantine=1)
+    liar = (_w([1e6], [-1e6]), 1)
+    with caplog.at_level("WARNING"):
+        out = agg.aggregate(_w([0], [0]), [(_w([1.0], [2.0]), 1), liar, (_w([1.2], [2.2]), 1)])
+        np.testing.assert_allclose(out["w"], [1.2])
+        np.testing.assert_allclose(out["b"], [2.0])
+        assert agg.last_selected is None
+        np.testing.assert_allclose(agg.aggregate(_w([0], [0]), [(_w([3.0], [1.0]), 1)])["w"], [3.0])
+    assert sum("event=krum_too_few updates=3" in r.getMessage() for r in caplog.records) == 1
+    assert not any("updates=1" in r.getMessage() for r in caplog.records)
+    agg.aggregate(_w([0], [0]), [(_w([float(x)], [0.0]), 1) for x in range(4)])
+    assert agg.last_selected is not None
 
 
 def test_robust_aggregators_shrug_off_one_outlier() -> None:
