@@ -63,7 +63,7 @@ from scheduler.planning.pinned import (
     pinned_plan_extra,
 )
 from scheduler.planning.plan import Plan, plan_job
-from scheduler.planning.topology import partial_participation_warning
+from scheduler.planning.topology import partial_participation_warnings
 from scheduler.run.channel import ClusterChannel, ClusterInfo
 from scheduler.run.checkpoint import Checkpoint
 from scheduler.run.health import LearningWatch
@@ -305,8 +305,7 @@ class Driver(Recovery):
         else:
             holders = {cid: list(range(k, n, len(ids))) for k, cid in enumerate(ids)}
         log.info("event=job_start job=%s clusters=%s clients=%d", spec.job_id, ",".join(ids), n)
-        if warning := partial_participation_warning(spec.topology.kind,
-                                                    spec.training.client_fraction):
+        for warning in partial_participation_warnings(spec):
             log.warning("event=partial_participation job=%s hint=%s", spec.job_id, warning)
         started = self._all({cid: self._start_body(holders[cid]) for cid in ids})
         self._privacy_keys = {cid: k for cid, reply in started.items()

@@ -180,3 +180,25 @@ def test_plan_warns_a_ring_job_that_trains_a_fraction_of_its_clients(
         job.write_text(base.format(f=f, k=k))
         assert main(["plan", str(job), "--clusters", "a:15,b:15", "--json"]) == 0
         assert "warnings" not in json.loads(capsys.readouterr().out)
+    # a robust aggregator in a decentralized job at a fraction < 1 votes over few models
+    # (synthetic histograms: the warnings do not depend on the data)
+    robust = base + "[aggregation]\nname = '{a}'\n"
+    job.write_text(robust.format(f=0.3, k="k_connected", a="median"))
+    assert main(["plan", str(job), "--clusters", "a:15,b:15", "--json",
+                 "--synthetic-histograms"]) == 0
+    (warning,) = json.loads(capsys.readouterr().out)["warnings"]
+    # 30 clients: k = ceil(log2 30) + 1 = 6 neighbours, 1 + 6 x 0.3 = 2.8 models
+    assert "aggregation.name = 'median' on k_connected" in warning
+    assert "about 2.8 models a round (with every client 7)" in warning and "from 3" in warning
+    job.write_text(robust.format(f=0.3, k="ring", a="trimmed_mean"))
+    assert main(["plan", str(job), "--clusters", "a:15,b:15", "--json",
+                 "--synthetic-histograms"]) == 0
+    ring, trimmed = json.loads(capsys.readouterr().out)["warnings"]
+    assert "topology.kind = 'ring'" in ring and "about 1.6 models" in trimmed
+    assert "from 10" in trimmed  # trim_ratio 0.1 trims one of 10
+    for f, k, a in ((1.0, "k_connected", "median"), (0.3, "star", "median"),
+                    (0.3, "k_connected", "fedavg")):
+        job.write_text(robust.format(f=f, k=k, a=a))
+        assert main(["plan", str(job), "--clusters", "a:15,b:15", "--json",
+                     "--synthetic-histograms"]) == 0
+        assert "warnings" not in json.loads(capsys.readouterr().out)
