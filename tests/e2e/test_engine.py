@@ -334,6 +334,55 @@ def test_a_neighbours_model_the_round_does_not_have_is_refused() -> None:
     assert transport.receive(r, "peer", "c4", "c3", 1).samples == 1
 
 
+def test_a_tree_update_the_round_does_not_have_is_refused() -> None:
+    """Star at client_fraction 0.5: an update up only from a drawn client to its parent,
+    down only from the parent to a drawn child; hybrid groups' models only in a round
+    they exchange in. Anything else is refused by name, stored nowhere, and the rounds
+    are those of a run without it."""
+    graph, _ = graph_of("star", 6)
+    placement = {"server": "a", **{f"c{i}": "a" if i < 3 else "b" for i in range(6)}}
+    engines, _ = build(graph, placement, fraction=0.5)
+    honest, _ = build(graph, placement, fraction=0.5)
+    transport = engines["a"].transport
+    w = {"w": np.full((2, 2), 1e6, np.float32)}
+
+    def deliver(r: int, src: str, dst: str, kind: str, engine: str = "a") -> bool:
+        return engines[engine].transport.deliver_remote(
+            job_id="j", round=r, source_node=src, target_node=dst,
+            source_cluster=placement[src], payload=encode(w, kind=kind, samples=1),
+            message_id=f"j/{r}/{kind}/{src}/{dst}")
+
+    for r in (1, 2, 3):
+        for t in (transport, engines["b"].transport):
+            t.begin_round(r)
+        drawn = engines["a"].draw(r).trained
+        idle = sorted({"c3", "c4", "c5"} - drawn)
+        busy = sorted({"c3", "c4", "c5"} & drawn)
+        assert idle and busy
+        with pytest.raises(DeliveryRefused, match=f"{idle[0]} takes no part in round {r}"):
+            deliver(r, idle[0], "server", "up")
+        with pytest.raises(DeliveryRefused, match=f"c0 is not the parent of {busy[0]}"):
+            deliver(r, busy[0], "c0", "up")
+        with pytest.raises(DeliveryRefused, match=f"{busy[0]} is not the parent of c1"):
+            deliver(r, busy[0], "c1", "down")
+        with pytest.raises(DeliveryRefused, match=f"{idle[0]} takes no part"):
+            deliver(r, "server", idle[0], "down", engine="b")
+        assert len(transport._mailbox) == len(engines["b"].transport._mailbox) == 0
+        run_round(engines, r)
+        run_round(honest, r)
+        np.testing.assert_array_equal(engines["a"].current_model("server")["w"],
+                                      honest["a"].current_model("server")["w"])
+
+    graph, _ = graph_of("hybrid", 4, groups=[0, 0, 1, 1], inter_cluster_period=2)
+    placement = {"g:a": "a", "c0": "a", "c1": "a", "g:b": "b", "c2": "b", "c3": "b"}
+    engines, _ = build(graph, placement)
+    engines["a"].transport.begin_round(1)
+    with pytest.raises(DeliveryRefused, match="do not exchange peer models in round 1"):
+        deliver(1, "g:b", "g:a", "peer")
+    engines["a"].transport.begin_round(2)
+    assert deliver(2, "g:b", "g:a", "peer")
+
+
 def test_a_nodes_model_crosses_to_each_neighbouring_cluster_once() -> None:
     """Full graph, two nodes a cluster: each node's model goes to the other cluster in one
     message for both its neighbours there (send_many), and every node still averages all

@@ -173,8 +173,9 @@ class ClusterEngine:
         if close_rule is not None and graph.kind == "star":
             self.buffer = ContributionBuffer(close_rule, transport._locate, transport.aborted)
             transport.collectors = {r: self.buffer for r in self.local_aggregators()}
-        self._draws: dict[tuple[int, frozenset[str]], Draw] = {}  # the last few rounds'
-        transport.expects = self.unexpected if graph.decentralized else None
+        # the last few rounds' Draw and active nodes (`_round_nodes`)
+        self._draws: dict[tuple[int, frozenset[str]], tuple[Draw, frozenset[str]]] = {}
+        transport.expects = self.unexpected
 
     # -- placement (fixed for the life of an engine: a new plan makes a new engine) -----
     def local_clients(self) -> list[str]:
@@ -194,6 +195,11 @@ class ClusterEngine:
 
     def draw(self, round_index: int) -> Draw:
         """Who trains in `round_index` and, decentralized, who mixes (see `Draw`)."""
+        return self._round_nodes(round_index)[0]
+
+    def _round_nodes(self, round_index: int) -> tuple[Draw, frozenset[str]]:
+        """The round's `Draw` and its active nodes (`RoundGraph.active`), kept for the
+        last DRAWS_KEPT rounds: every delivery asks (`unexpected`)."""
         key = (round_index, self.absent)
         with self._lock:
             known = self._draws.get(key)
@@ -207,27 +213,42 @@ class ClusterEngine:
             for node in trained:
                 covered.update(self.graph.peers.get(node, ()))
             draw = Draw(trained, covered - self.absent)
+        nodes = (draw, frozenset(self.graph.active(trained)))
         with self._lock:
-            self._draws[key] = draw
+            self._draws[key] = nodes
             for old in sorted(self._draws, key=lambda k: k[0])[:-DRAWS_KEPT]:
                 del self._draws[old]
-        return draw
+        return nodes
 
     def unexpected(self, round_index: int, kind: str, src: str, dst: str) -> str | None:
         """Why this round's plan has no `kind` model from `src` for `dst` (None: it has
-        one), for a decentralized job's neighbours' models: from a neighbour, to a node
-        that mixes in the round, in the first step only from one drawn to train, in a
-        later step (up to the job's mixing steps) only from one that mixes. Set as the
-        transport's `expects`: a member cannot add models the round does not have (a voter
-        more for a robust aggregator) or park them in this executor's memory."""
-        if kind != PEER and kind not in MIXING_KINDS:
+        one). A tree's: up only from an active node to its parent, down only from a
+        parent to an active child, between hybrid groups only in a round they exchange
+        in. A decentralized job's neighbours' models: from a neighbour, to a node that
+        mixes in the round, in the first step only from one drawn to train, in a later
+        step (up to the job's mixing steps) only from one that mixes. Set as the
+        transport's `expects`: a member cannot add models the round does not have (a
+        voter more for a robust aggregator) or park them in this executor's memory."""
+        graph = self.graph
+        if kind not in (UP, DOWN, PEER, *MIXING_KINDS):
             return None
-        if dst not in self.graph.peers.get(src, ()):
+        draw, active = self._round_nodes(round_index)
+        if kind in (UP, DOWN):
+            child, parent = (src, dst) if kind == UP else (dst, src)
+            if graph.parent.get(child) != parent:
+                return f"{parent} is not the parent of {child} in the plan"
+            if child not in active:
+                return f"{child} takes no part in round {round_index}"
+            return None
+        if dst not in graph.peers.get(src, ()):
             return f"{src} is not a neighbour of {dst} in the plan"
+        if not graph.decentralized:
+            if kind != PEER or not graph.exchanges(round_index):
+                return f"the groups do not exchange {kind} models in round {round_index}"
+            return None
         step = 1 if kind == PEER else MIXING_KINDS.index(kind) + 2
         if step > self.mixing_steps:
             return f"the job mixes {self.mixing_steps} time(s) a round, not {step}"
-        draw = self.draw(round_index)
         if dst not in draw.mixing:
             return f"{dst} takes no neighbour's model in round {round_index}"
         if src not in (draw.trained if step == 1 else draw.mixing):
