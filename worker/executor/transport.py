@@ -145,10 +145,10 @@ class HybridTransport:
         #: a round may skip this cluster while it trains an earlier one: an update for a
         #: round it has not begun yet is "not ready" (retried), not refused
         self.rounds_skip = False
-        #: why the plan sends no (round, kind, src, dst) model (None: it does); set by a
-        #: decentralized engine, whose neighbours' models depend on who is drawn
-        #: (`ClusterEngine.unexpected`): anything else a member delivers is refused, not
-        #: parked in the mailbox where it would wait for a reader that never comes
+        #: why the round's plan sends no (round, kind, src, dst) model (None: it does);
+        #: set by the engine (`ClusterEngine.unexpected`: who sends what depends on who is
+        #: drawn): anything else a member delivers is refused, not parked in the mailbox
+        #: where it would wait for a reader that never comes
         self.expects: Callable[[int, str, str, str], str | None] | None = None
 
     def is_local(self, node: str) -> bool:
