@@ -15,7 +15,7 @@ from scheduler.jobfile import load_job
 from scheduler.planning.clusters import ClusterSlot, parse_clusters
 from scheduler.planning.placement.histograms import synthetic_histograms
 from scheduler.planning.plan import Plan, plan_job
-from scheduler.planning.topology import partial_participation_warnings
+from scheduler.planning.topology import topology_warnings
 from scheduler.rundir.placement import results_routing, routing_json
 
 COMPARE = ("random", "round_robin")
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         summary["privacy"] = privacy_noise(spec, model_bytes)
     if scaled is not None:
         summary["data_scaling"] = scaled
-    if warnings := partial_participation_warnings(spec):
+    if warnings := topology_warnings(spec):
         summary["warnings"] = warnings
     if args.json:
         json.dump(summary, sys.stdout)

@@ -286,34 +286,44 @@ def _sparsify(edges: np.ndarray, ci: np.ndarray, keep: int, seed: int,
     return np.array(sorted(have), dtype=np.int64).reshape(-1, 2)
 
 
-def partial_participation_warnings(spec: JobSpec) -> list[str]:
-    """What a decentralized job with `client_fraction` < 1 should know before it runs: a
-    ring learns far slower (`partial_participation_warning`), and a robust aggregator votes
-    over few models (`robust_voters_warning`)."""
+def topology_warnings(spec: JobSpec) -> list[str]:
+    """What a decentralized job should know before it runs (`fedpilot-scheduler plan`
+    prints it, the driver logs it): a ring learns far slower at `client_fraction` < 1
+    (`partial_participation_warning`), and a robust aggregator may vote over too few
+    models to outvote a liar (`robust_voters_warning`)."""
     return [w for w in (partial_participation_warning(spec.topology.kind,
                                                       spec.training.client_fraction),
                         robust_voters_warning(spec)) if w]
 
 
 def robust_voters_warning(spec: JobSpec) -> str | None:
-    """median / trimmed_mean in a decentralized job at `client_fraction` < 1 (krum is
-    refused there): a round's node votes over its own model and its drawn neighbours'
-    (worker.executor.engine.Draw), on average 1 + degree x fraction; a median outvotes one
-    lying neighbour from 3 models, a trimmed mean (trim_ratio r) only from 1 / r."""
+    """median / trimmed_mean in a decentralized job that votes over too few models to
+    outvote one lying neighbour (krum is refused there): a round's node votes over its own
+    model and its neighbours' (at `client_fraction` < 1 its drawn neighbours' only,
+    worker.executor.engine.Draw: on average 1 + degree x fraction); a median outvotes one
+    liar from 3 models, a trimmed mean (trim_ratio r) only from 1 / r (at the default 0.1,
+    10: more than k_connected's nodes have up to 256 clients)."""
     topo, fraction, name = spec.topology, spec.training.client_fraction, spec.aggregation.name
-    if (fraction >= 1.0 or topo.kind not in DECENTRALIZED_TOPOLOGIES
-            or name not in ("median", "trimmed_mean")):
+    if topo.kind not in DECENTRALIZED_TOPOLOGIES or name not in ("median", "trimmed_mean"):
         return None
     n = spec.data.number_of_clients
     degree = {"ring": min(2, n - 1), "k_connected": k_neighbors(topo, n),
               "full": n - 1}.get(topo.kind)
     needs = 3 if name == "median" else math.ceil(1 / max(spec.aggregation.trim_ratio, 1e-9))
-    votes = (f"about {1 + degree * fraction:.1f} models a round (with every client "
-             f"{degree + 1})" if degree is not None else "fewer models than with every client")
-    return (f"aggregation.name = '{name}' on {topo.kind} with training.client_fraction = "
-            f"{fraction:g}: a node votes over its own model and its drawn neighbours' only, "
-            f"{votes}, and {name} outvotes one lying neighbour only from {needs}; for robust "
-            "aggregation use client_fraction = 1, or star / hierarchical")
+    where = f"aggregation.name = '{name}' on {topo.kind}"
+    if fraction < 1.0:
+        votes = (f"about {1 + degree * fraction:.1f} models a round (with every client "
+                 f"{degree + 1})" if degree is not None else "fewer models than with every client")
+        return (f"{where} with training.client_fraction = {fraction:g}: a node votes over "
+                f"its own model and its drawn neighbours' only, {votes}, and {name} outvotes "
+                f"one lying neighbour only from {needs}; for robust aggregation use "
+                "client_fraction = 1, or star / hierarchical")
+    if degree is None or degree + 1 >= needs:
+        return None
+    return (f"{where}: a node votes over its own model and its {degree} neighbours' "
+            f"({degree + 1} models), and trimmed_mean at aggregation.trim_ratio = "
+            f"{spec.aggregation.trim_ratio:g} trims none of them (it needs {needs}): set "
+            f"trim_ratio >= 1 / {degree + 1}, or use median")
 
 
 def partial_participation_warning(kind: str, client_fraction: float) -> str | None:

@@ -63,7 +63,7 @@ from scheduler.planning.pinned import (
     pinned_plan_extra,
 )
 from scheduler.planning.plan import Plan, plan_job
-from scheduler.planning.topology import partial_participation_warnings
+from scheduler.planning.topology import topology_warnings
 from scheduler.run.channel import ClusterChannel, ClusterInfo
 from scheduler.run.checkpoint import Checkpoint
 from scheduler.run.health import LearningWatch
@@ -305,8 +305,10 @@ class Driver(Recovery):
         else:
             holders = {cid: list(range(k, n, len(ids))) for k, cid in enumerate(ids)}
         log.info("event=job_start job=%s clusters=%s clients=%d", spec.job_id, ",".join(ids), n)
-        for warning in partial_participation_warnings(spec):
-            log.warning("event=partial_participation job=%s hint=%s", spec.job_id, warning)
+        for warning in topology_warnings(spec):
+            log.warning("event=%s job=%s hint=%s", "partial_participation" if
+                        spec.training.client_fraction < 1 else "weak_robust_aggregation",
+                        spec.job_id, warning)
         started = self._all({cid: self._start_body(holders[cid]) for cid in ids})
         self._privacy_keys = {cid: k for cid, reply in started.items()
                               if (k := privacy_key(reply))}

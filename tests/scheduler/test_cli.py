@@ -196,8 +196,15 @@ def test_plan_warns_a_ring_job_that_trains_a_fraction_of_its_clients(
     ring, trimmed = json.loads(capsys.readouterr().out)["warnings"]
     assert "topology.kind = 'ring'" in ring and "about 1.6 models" in trimmed
     assert "from 10" in trimmed  # trim_ratio 0.1 trims one of 10
+    # ... and trimmed_mean at its default 0.1 trims none of a k_connected node's 7
+    job.write_text(robust.format(f=1.0, k="k_connected", a="trimmed_mean"))
+    assert main(["plan", str(job), "--clusters", "a:15,b:15", "--json",
+                 "--synthetic-histograms"]) == 0
+    (warning,) = json.loads(capsys.readouterr().out)["warnings"]
+    assert "(7 models)" in warning and "trims none" in warning and "1 / 7" in warning
     for f, k, a in ((1.0, "k_connected", "median"), (0.3, "star", "median"),
-                    (0.3, "k_connected", "fedavg")):
+                    (0.3, "k_connected", "fedavg"), (1.0, "ring", "median"),
+                    (1.0, "star", "trimmed_mean")):
         job.write_text(robust.format(f=f, k=k, a=a))
         assert main(["plan", str(job), "--clusters", "a:15,b:15", "--json",
                      "--synthetic-histograms"]) == 0

@@ -246,6 +246,19 @@ def test_krum_with_too_few_updates_takes_their_median_and_says_so(
     assert agg.last_selected is not None
 
 
+def test_trimmed_mean_says_when_it_trims_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    agg = _agg("trimmed_mean", trim_ratio=0.19)
+    with caplog.at_level("WARNING"):
+        out = agg.aggregate(_w([0.0]), [(_w([x]), 1) for x in (1.0, 2.0, 9.0)])
+        np.testing.assert_allclose(out["w"], [4.0])  # 3 updates at 0.19: the plain mean
+        _agg("trimmed_mean", trim_ratio=0.19).aggregate(  # said once per process
+            _w([0.0]), [(_w([x]), 1) for x in (1.0, 2.0, 9.0)])
+        out = agg.aggregate(_w([0.0]), [(_w([x]), 1) for x in (1.0, 2.0, 3.0, 4.0, 5.0, 90.0)])
+        np.testing.assert_allclose(out["w"], [3.5])
+    said = [r.getMessage() for r in caplog.records if "trimmed_mean_trims_nothing" in r.getMessage()]
+    assert len(said) == 1 and "updates=3 trim_ratio=0.19" in said[0]
+
+
 def test_robust_aggregators_shrug_off_one_outlier() -> None:
     honest = [(_w([1.0 + 0.01 * i, 2.0]), 10) for i in range(6)]
     attack = [(_w([1e6, -1e6]), 10)]
