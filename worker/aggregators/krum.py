@@ -19,16 +19,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .base import (
-    AggregationError,
-    Aggregator,
-    Update,
-    Weights,
-    cast_like,
-    check_updates,
-    require,
-    stack,
-)
+from .base import AggregationError, Aggregator, Update, Weights, cast_like, check_updates, require
+from .median import coordinate_median
 
 if TYPE_CHECKING:
     from proto.job import AggregationSpec
@@ -80,8 +72,7 @@ class Krum(Aggregator):
                             "coordinate-wise median (raise training.client_fraction or "
                             "lower aggregation.krum_byzantine)", len(updates), self.byzantine)
             self.last_selected = None
-            return cast_like({name: np.median(stack(updates, name), axis=0)
-                              for name in global_weights}, global_weights)
+            return coordinate_median(global_weights, updates)
         chosen = int(np.argmin(self.scores(updates)))
         self.last_selected = chosen
         weights = updates[chosen][0]

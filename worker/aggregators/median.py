@@ -17,7 +17,13 @@ class Median(Aggregator):
 
     def aggregate(self, global_weights: Mapping[str, np.ndarray], updates: Sequence[Update]) -> Weights:
         check_updates(global_weights, updates, self.name)
-        return cast_like(
-            {name: np.median(stack(updates, name), axis=0) for name in global_weights},
-            global_weights,
-        )
+        return coordinate_median(global_weights, updates)
+
+
+def coordinate_median(global_weights: Mapping[str, np.ndarray], updates: Sequence[Update]
+                      ) -> Weights:
+    """Each coordinate's median over `updates` (checked), in `global_weights`' dtypes."""
+    return cast_like(
+        {name: np.median(stack(updates, name), axis=0) for name in global_weights},
+        global_weights,
+    )

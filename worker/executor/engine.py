@@ -50,7 +50,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Set
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -337,7 +337,7 @@ class ClusterEngine:
             return None
         return average(items, self._make_inner()), sum(k for _, k in items)
 
-    def _trusted_samples(self, node: str, claimed: int, active: set[str] | None) -> int:
+    def _trusted_samples(self, node: str, claimed: int, active: Set[str] | None) -> int:
         """The weight a message from `node` gets: what the plan says stands behind it (its
         own samples; an aggregator's participating descendants'; a hybrid group's whole
         membership), never the sender's claim, so a member cannot inflate its say in an
@@ -382,9 +382,8 @@ class ClusterEngine:
         record = RoundRecord(round_index)
         with self._lock:
             self._evaluations, self._means = Memo(), {}
-        draw = self.draw(round_index)
+        draw, active = self._round_nodes(round_index)
         trained = draw.trained
-        active = self.graph.active(trained)
         clients = [c for c in self.local_clients() if c in draw.mixing]
         aggregators = [a for a in self.local_aggregators() if a in active]
         errors: list[BaseException] = []
@@ -590,7 +589,7 @@ class ClusterEngine:
                            for u, n in c.updates)
         return aggregator.aggregate(current, updates) if updates else current
 
-    def _collect_program(self, node: str, r: int, active: set[str],
+    def _collect_program(self, node: str, r: int, active: Set[str],
                          record: RoundRecord) -> None:
         """A star root whose rounds close early: the round's model to the participants of
         the clusters that train in it, then the contributions its buffer lets through."""
@@ -645,7 +644,7 @@ class ClusterEngine:
         if failed:
             raise failed[0][1]
 
-    def _aggregator_program(self, node: str, r: int, active: set[str],
+    def _aggregator_program(self, node: str, r: int, active: Set[str],
                             record: RoundRecord) -> None:
         graph = self.graph
         if self.buffer is not None and graph.root(node):
