@@ -132,6 +132,25 @@ def test_without_kept_state_a_switch_only_binds_data_and_training_uses_the_given
             assert stateless.stats.dematerializations == stateful.stats.dematerializations == 4
 
 
+def test_without_kept_state_calls_share_the_actors_that_train_at_once() -> None:
+    """The engine's mode: one call per client (the final personalized score, local
+    BatchNorm's training) binds clients in turn to the `batch_slots` actors; before, each
+    started an actor of its own up to max_materialized (Ray on 2 CPUs: 30 s of actor
+    starts after a job's last round)."""
+    with InProcessContext(num_cpus=2) as ctx:
+        manager = setup_manager(ctx, 6, 6, keep_state=False)
+        manager.batch_slots = 2
+        with manager:
+            model = ctx.get(manager.call(0, "weights")).weights
+            updates = ctx.get([manager.call(c, "train", 1, dict(model)) for c in range(6)])
+            assert [u.client_id for u in updates] == list(range(6))
+            assert manager.stats.created == 2
+            # a client bound again after others took its actor trains on its own data
+            again = ctx.get(manager.call(1, "train", 1, dict(model)))
+            assert again.client_id == 1 and again.num_samples == updates[1].num_samples
+            assert manager.stats.created == 2
+
+
 def test_personal_epochs_score_a_fine_tuned_copy_and_send_the_trained_model() -> None:
     """training.personal_epochs: the personalized figure comes from a fine-tuned copy; the
     update (what is aggregated) is the same as without it."""
