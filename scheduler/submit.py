@@ -255,7 +255,12 @@ def submit(spec: JobSpec, source: str, args: argparse.Namespace) -> dict[str, An
             if bar is not None:
                 bar(record, total, driver.health.note)
 
+        def stage(line: str) -> None:
+            if not args.quiet:
+                print(line, file=sys.stderr, flush=True)
+
         driver = Driver(spec, clusters, channel, backend=args.backend, progress=progress,
+                        stage=stage,
                         timeout=args.round_timeout, run_dir=out, resume=checkpoint)
         if live is not None:
             live.driver = driver

@@ -120,6 +120,8 @@ class JobResult:
 
 
 Progress = Callable[[RoundRecord, int], None]
+#: what the job is doing before its first round and after its last (a line for a person)
+Stage = Callable[[str], None]
 STOP_TIMEOUT = 120.0  # seconds an executor gets to release its actors and answer job.stop
 
 
@@ -132,6 +134,7 @@ class Driver(Recovery):
         *,
         backend: str,
         progress: Progress | None = None,
+        stage: Stage | None = None,
         timeout: float = 900.0,
         run_dir: str | Path | None = None,
         resume: Checkpoint | None = None,
@@ -143,6 +146,7 @@ class Driver(Recovery):
         self.channel = channel
         self.backend = backend
         self.progress = progress
+        self.stage = stage
         self.health = LearningWatch(spec, 2)   # the job's classes are known at job.start
         self.timeout = timeout
         # checkpoints go to run_dir/checkpoints every [faults] checkpoint_every rounds;
@@ -281,6 +285,11 @@ class Driver(Recovery):
         finally:
             self.leases.stop()
 
+    def _say(self, line: str) -> None:
+        log.info("event=stage job=%s stage=%r", self.spec.job_id, line)
+        if self.stage is not None:
+            self.stage(line)
+
     def _stop_quietly(self) -> None:
         """Best effort after a failure: let every executor that started release its actors
         (in parallel, skipping clusters known to be gone)."""
@@ -309,7 +318,13 @@ class Driver(Recovery):
             log.warning("event=%s job=%s hint=%s", "partial_participation" if
                         spec.training.client_fraction < 1 else "weak_robust_aggregation",
                         spec.job_id, warning)
+        self._say(f"starting job {spec.job_id} on {len(ids)} cluster(s): each starts its "
+                  "executor and loads its clients' data")
+        began = time.monotonic()
         started = self._all({cid: self._start_body(holders[cid]) for cid in ids})
+        self._say(f"{len(ids)} cluster(s) started in {time.monotonic() - began:.1f} s; "
+                  f"placing {n} clients ({spec.placement.strategy}); the clusters start "
+                  "their actors")
         self._privacy_keys = {cid: k for cid, reply in started.items()
                               if (k := privacy_key(reply))}
         if self._pinned is not None:
@@ -345,6 +360,9 @@ class Driver(Recovery):
             log.info("event=resumed job=%s round=%d epoch=%d nodes=%d", spec.job_id,
                      resume.round, resume.epoch, len(resume.models))
         rounds = self._privacy_rounds(started, summary)
+        k = plan.placement.communities
+        self._say(f"placed: {k} communit{'y' if k == 1 else 'ies'} of similar clients; "
+                  f"round {first} of {rounds}")
         period = spec.placement.clustering_period
         every = spec.faults.checkpoint_every
         self._epoch = plan.routing.epoch
@@ -388,6 +406,7 @@ class Driver(Recovery):
             r, stage = r + 1, "round"
         if summary.privacy and summary.rounds:
             summary.privacy["epsilon"] = summary.rounds[-1].epsilon
+        self._say("rounds done: fetching the final model and scoring it on the clients")
         self._drain(ending=True)  # a slow cluster's last round: its report counts, not its update
         if summary.rounds:
             self._fold_late(summary.rounds[-1])

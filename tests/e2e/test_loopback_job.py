@@ -339,3 +339,24 @@ def test_a_cluster_that_cannot_score_the_final_model_leaves_the_job_as_it_was(
     assert "are not counts" in caplog.text
     assert (lied.summary.rounds[-1].personalized_accuracy
             == failed.summary.rounds[-1].personalized_accuracy)
+
+
+def test_the_driver_says_what_it_waits_for_before_the_first_round_and_after_the_last() -> None:
+    """`submit` prints these lines: on Ray the clusters' start (Ray, data, actors) took
+    30 s with nothing on the screen before round 1's bar."""
+    spec = job()
+    mesh = LoopbackMesh(["a", "b"], lambda cid: runtime_factory(InProcessContext(), cid),
+                        capacity=6)
+    seen: list[str] = []
+    driver = Driver(spec, mesh.clusters(), mesh, backend="inprocess", timeout=120,
+                    stage=seen.append,
+                    progress=lambda record, total: seen.append(f"round {record.round}/{total}"))
+    try:
+        driver.run()
+    finally:
+        driver.close()
+    assert seen[0].startswith("starting job loop on 2 cluster(s)")
+    assert seen[1].startswith("2 cluster(s) started in ") and "placing 9 clients" in seen[1]
+    assert seen[2].startswith("placed: ") and seen[2].endswith("round 1 of 2")
+    assert seen[3:5] == ["round 1/2", "round 2/2"]
+    assert seen[5].startswith("rounds done") and len(seen) == 6
