@@ -360,8 +360,8 @@ class Driver(Recovery):
             log.info("event=resumed job=%s round=%d epoch=%d nodes=%d", spec.job_id,
                      resume.round, resume.epoch, len(resume.models))
         rounds = self._privacy_rounds(started, summary)
-        k = plan.placement.communities
-        self._say(f"placed: {k} communit{'y' if k == 1 else 'ies'} of similar clients; "
+        groups = plan.placement.communities
+        self._say(f"placed: {groups} communit{'y' if groups == 1 else 'ies'} of similar clients; "
                   f"round {first} of {rounds}")
         period = spec.placement.clustering_period
         every = spec.faults.checkpoint_every
