@@ -280,6 +280,10 @@ def _load_file(name: str) -> Dataset:
     path_text, options = sources.split_options(name, kind, rest)
     path = os.path.abspath(os.path.expanduser(path_text))
     declared = sources.int_option(name, options, "classes")
+    names = sources.class_names(name, options)
+    if names is not None and kind not in ("csv", "parquet"):
+        raise DatasetError(f"dataset {name!r}: #classes lists names, which only a csv: or "
+                           f"parquet: label column of names takes; {kind}: takes #classes=C")
     if kind == "npz":
         return _load_npz(path, name, declared)
     if kind == "imagefolder":
@@ -296,8 +300,9 @@ def _load_file(name: str) -> Dataset:
                            label_name="class folder")
         return _split_and_finish(path, "folder", x, y, name, len(classes), "class folder")
     label = options.get("label", sources.DEFAULT_LABEL_COLUMN)
-    x, y = sources.read_table(path, kind, label)
-    return _split_and_finish(path, "file", x, y, name, declared, f"column {label!r}")
+    x, y = sources.read_table(path, kind, label, names)
+    return _split_and_finish(path, "file", x, y, name,
+                             len(names) if names is not None else declared, f"column {label!r}")
 
 
 def _wh(x: np.ndarray) -> tuple[int, int]:

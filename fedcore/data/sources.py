@@ -42,7 +42,7 @@ def split_options(name: str, kind: str, text: str) -> tuple[str, dict[str, str]]
 
 
 def int_option(name: str, options: Mapping[str, str], key: str) -> int | None:
-    if key not in options:
+    if key not in options or (key == "classes" and class_names(name, options) is not None):
         return None
     try:
         value = int(options[key])
@@ -56,10 +56,29 @@ def int_option(name: str, options: Mapping[str, str], key: str) -> int | None:
 # ---- tables ----------------------------------------------------------------------------
 
 
-def read_table(path: str, kind: str, label_column: str) -> tuple[np.ndarray, np.ndarray]:
+def class_names(name: str, options: Mapping[str, str]) -> list[str] | None:
+    """``#classes=NAME,NAME,...``: a label column of names, each name's class id its place
+    in the list; None for no option or a count (``#classes=C``, `int_option`)."""
+    text = options.get("classes")
+    if text is None or text.strip().isdigit():
+        return None
+    names = [n.strip() for n in text.split(",")]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if len(names) < 2 or "" in names or dupes:
+        raise DatasetError(f"dataset {name!r}: option #classes={text} must be a class count or "
+                           "two or more distinct names joined by ','"
+                           + (f" ({', '.join(map(repr, dupes))} twice)" if dupes else ""))
+    return names
+
+
+def read_table(path: str, kind: str, label_column: str, names: list[str] | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
     """Features (n, f) float32 and labels (n,) int64 of a CSV or Parquet file.
 
     Every column but ``label_column`` is a feature and must be numeric without missing values.
+    A label column of names (strings) needs ``names``, the classes in the order of their
+    ids (``#classes=NAME,...``): sorted as found, a site whose file lacks a class would
+    number the others differently from the rest.
     """
     try:
         import pyarrow as pa
@@ -97,16 +116,47 @@ def read_table(path: str, kind: str, label_column: str) -> tuple[np.ndarray, np.
                                "value(s); fill or drop them before training")
         typ = arr.type
         if col == label_column:
+            if pa.types.is_string(typ) or pa.types.is_large_string(typ):
+                continue  # names: mapped to ids below
+            if names is not None:
+                raise DatasetError(f"dataset file {path}: #classes names classes, but label "
+                                   f"column {col!r} holds {typ} values, not names; give the "
+                                   "class count (#classes=C) or none")
             if not pa.types.is_integer(typ):
                 raise DatasetError(f"dataset file {path}: label column {col!r} has type {typ}; "
-                                   "labels must be integer class ids 0..C-1")
+                                   "labels must be integer class ids 0..C-1 or names (strings)")
         elif not (pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_boolean(typ)):
             raise DatasetError(f"dataset file {path}: feature column {col!r} has type {typ}; "
                                "features must be numbers (encode or drop this column)")
     x = np.column_stack([table.column(c).to_numpy(zero_copy_only=False).astype(np.float32)
                          for c in features])
-    y = table.column(label_column).to_numpy(zero_copy_only=False).astype(np.int64)
+    column = table.column(label_column)
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        y = label_ids(path, label_column, kind,
+                      np.asarray(column.to_pylist(), dtype=object), names)
+    else:
+        y = column.to_numpy(zero_copy_only=False).astype(np.int64)
     return np.ascontiguousarray(x), y
+
+
+def label_ids(path: str, column: str, kind: str, values: np.ndarray,
+              names: list[str] | None) -> np.ndarray:
+    """Class ids of a label column of names: each name's place in `names`."""
+    found, counts = np.unique(values.astype(str), return_counts=True)
+    if names is None:
+        raise DatasetError(
+            f"dataset file {path}: label column {column!r} holds names "
+            f"({', '.join(map(repr, found[:10].tolist()))}{' ...' if len(found) > 10 else ''}); "
+            f"list the classes in the order of their ids, the same list at every site: "
+            f"{kind}:PATH#label={column}&classes={','.join(found[:50].tolist())}")
+    ids = {n: i for i, n in enumerate(names)}
+    unknown = [(str(n), int(k)) for n, k in zip(found, counts, strict=True) if n not in ids]
+    if unknown:
+        raise DatasetError(
+            f"dataset file {path}: label column {column!r} has name(s) "
+            f"{', '.join(f'{n!r} ({k} sample(s))' for n, k in unknown[:5])} not in "
+            f"#classes={','.join(names)}; add them to the list or fix the rows")
+    return np.fromiter((ids[str(v)] for v in values), dtype=np.int64, count=len(values))
 
 
 # ---- image folders ---------------------------------------------------------------------

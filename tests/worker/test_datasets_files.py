@@ -122,6 +122,49 @@ def test_table_mistakes_are_one_line_naming_file_and_column(tmp_path: Path) -> N
         load_dataset(f"csv:{tmp_path / 'neg.csv'}#lable=y")
 
 
+@pytest.mark.parametrize("kind", ["csv", "parquet"])
+def test_a_label_column_of_names_takes_the_class_list_from_the_name(tmp_path: Path,
+                                                                    kind: str) -> None:
+    """Species, diagnosis, cultivar: names are ids by their place in #classes=NAME,...; the
+    list is asked for, not guessed (a site whose file lacks a class would number the others
+    differently), and the error offers the names it found."""
+    rng = np.random.default_rng(0)
+    names = np.array(["setosa", "virginica", "versicolor"])[np.arange(30) % 3]
+    x = rng.normal(size=(30, 2)) + (np.arange(30) % 3)[:, None]
+    path = tmp_path / f"iris.{kind}"
+    import pyarrow as pa
+    table = pa.table({"f1": x[:, 0], "f2": x[:, 1], "species": names})
+    if kind == "csv":
+        import pyarrow.csv as pacsv
+        pacsv.write_csv(table, path)
+    else:
+        import pyarrow.parquet as pq
+        pq.write_table(table, path)
+    with pytest.raises(DatasetError, match=rf"iris\.{kind}: label column 'species' holds names "
+                       r"\('setosa', 'versicolor', 'virginica'\); list the classes .*"
+                       rf"{kind}:PATH#label=species&classes=setosa,versicolor,virginica$"):
+        load_dataset(f"{kind}:{path}#label=species")
+    order = ["virginica", "setosa", "versicolor", "unseen"]
+    d = load_dataset(f"{kind}:{path}#label=species&classes={','.join(order)}")
+    assert d.num_classes == 4  # a listed class no row has is a class still
+    train_names = [order[k] for k in d.y_train]
+    # every row keeps its own name: the ids follow the list, not the file's order
+    ids = {n: i for i, n in enumerate(order)}
+    assert sorted(train_names + [order[k] for k in d.y_test]) == sorted(names.tolist())
+    assert all(ids[n] == k for n, k in zip(train_names, d.y_train, strict=True))
+    with pytest.raises(DatasetError, match=r"name\(s\) 'versicolor' \(10 sample\(s\)\) not in "
+                       r"#classes=setosa,virginica"):
+        load_dataset(f"{kind}:{path}#label=species&classes=setosa,virginica")
+    with pytest.raises(DatasetError, match=r"'setosa' twice"):
+        load_dataset(f"{kind}:{path}#label=species&classes=setosa,setosa,virginica")
+    with pytest.raises(DatasetError, match=r"holds double values, not names"):
+        load_dataset(f"{kind}:{path}#label=f1&classes=a,b")
+    np.savez(tmp_path / "d.npz", x_train=x, y_train=np.arange(30) % 3, x_test=x[:3],
+             y_test=np.arange(3))
+    with pytest.raises(DatasetError, match=r"only a csv: or parquet: label column of names"):
+        load_dataset(f"npz:{tmp_path / 'd.npz'}#classes=a,b,c")
+
+
 def test_stray_labels_are_caught_with_or_without_a_declared_class_count(tmp_path: Path) -> None:
     labels = np.arange(40) % 3
     labels[7] = 255
