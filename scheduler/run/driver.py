@@ -147,6 +147,7 @@ class Driver(Recovery):
         self.backend = backend
         self.progress = progress
         self.stage = stage
+        self.stage_line = ""  # the last stage said (the live page shows it)
         self.health = LearningWatch(spec, 2)   # the job's classes are known at job.start
         self.timeout = timeout
         # checkpoints go to run_dir/checkpoints every [faults] checkpoint_every rounds;
@@ -287,6 +288,7 @@ class Driver(Recovery):
 
     def _say(self, line: str) -> None:
         log.info("event=stage job=%s stage=%r", self.spec.job_id, line)
+        self.stage_line = line
         if self.stage is not None:
             self.stage(line)
 

@@ -53,6 +53,7 @@ class LiveState:
                        rounds=[{k: _finite(r.get(k)) for k in ROUND_KEYS} for r in status.rounds])
         faults = list(getattr(getattr(self.driver, "summary", None), "faults", None) or [])
         out["faults"] = faults
+        out["stage"] = str(getattr(self.driver, "stage_line", "") or "")
         out["mesh"] = self._mesh(faults)
         out["placement"] = self._placement()
         out["time"] = time.time()

@@ -131,6 +131,8 @@ def test_state_follows_the_job_and_matches_summary(job: Job) -> None:
             want = final[r["round"]]
             for key in ("accuracy", "loss", "bytes_inter", "bytes_intra"):
                 assert r[key] == want[key], (r["round"], key)
+        # what the driver did last before or after the rounds (submit prints it too)
+        assert s["stage"].startswith(("placed: ", "rounds done")), s["stage"]
         # the mesh and the placement the driver holds
         assert [c["cluster"] for c in s["mesh"]] == ["cluster-1", "cluster-2", "cluster-3"]
         assert all(c["state"] == "connected" for c in s["mesh"])
