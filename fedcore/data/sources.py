@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -116,7 +117,7 @@ def read_table(path: str, kind: str, label_column: str, names: list[str] | None 
                                "value(s); fill or drop them before training")
         typ = arr.type
         if col == label_column:
-            if pa.types.is_string(typ) or pa.types.is_large_string(typ):
+            if _names_type(pa, typ):
                 continue  # names: mapped to ids below
             if names is not None:
                 raise DatasetError(f"dataset file {path}: #classes names classes, but label "
@@ -131,12 +132,23 @@ def read_table(path: str, kind: str, label_column: str, names: list[str] | None 
     x = np.column_stack([table.column(c).to_numpy(zero_copy_only=False).astype(np.float32)
                          for c in features])
     column = table.column(label_column)
-    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+    if _names_type(pa, column.type):
         y = label_ids(path, label_column, kind,
-                      np.asarray(column.to_pylist(), dtype=object), names)
+                      np.asarray(column.cast(pa.string()).to_pylist(), dtype=object), names)
     else:
         y = column.to_numpy(zero_copy_only=False).astype(np.int64)
     return np.ascontiguousarray(x), y
+
+
+def _names_type(pa: Any, typ: Any) -> bool:
+    """A label column of names: strings, or a dictionary of them (a pandas category)."""
+    if pa.types.is_dictionary(typ):
+        typ = typ.value_type
+    return bool(pa.types.is_string(typ) or pa.types.is_large_string(typ))
+
+
+#: names a label column's error spells out, ready to paste into #classes=
+PASTE_NAMES = 100
 
 
 def label_ids(path: str, column: str, kind: str, values: np.ndarray,
@@ -144,11 +156,13 @@ def label_ids(path: str, column: str, kind: str, values: np.ndarray,
     """Class ids of a label column of names: each name's place in `names`."""
     found, counts = np.unique(values.astype(str), return_counts=True)
     if names is None:
+        listed = (",".join(found.tolist()) if len(found) <= PASTE_NAMES
+                  else f"NAME,... (its {len(found)} names, in the order of their ids)")
         raise DatasetError(
             f"dataset file {path}: label column {column!r} holds names "
             f"({', '.join(map(repr, found[:10].tolist()))}{' ...' if len(found) > 10 else ''}); "
             f"list the classes in the order of their ids, the same list at every site: "
-            f"{kind}:PATH#label={column}&classes={','.join(found[:50].tolist())}")
+            f"{kind}:PATH#label={column}&classes={listed}")
     ids = {n: i for i, n in enumerate(names)}
     unknown = [(str(n), int(k)) for n, k in zip(found, counts, strict=True) if n not in ids]
     if unknown:

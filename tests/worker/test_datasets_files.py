@@ -157,6 +157,12 @@ def test_a_label_column_of_names_takes_the_class_list_from_the_name(tmp_path: Pa
         load_dataset(f"{kind}:{path}#label=species&classes=setosa,virginica")
     with pytest.raises(DatasetError, match=r"'setosa' twice"):
         load_dataset(f"{kind}:{path}#label=species&classes=setosa,setosa,virginica")
+    if kind == "parquet":  # a pandas category column: a dictionary of names
+        pq.write_table(table.set_column(2, "species", table.column("species").dictionary_encode()),
+                       path)
+        clear_cache()
+        again = load_dataset(f"{kind}:{path}#label=species&classes={','.join(order)}")
+        np.testing.assert_array_equal(again.y_train, d.y_train)
     with pytest.raises(DatasetError, match=r"holds double values, not names"):
         load_dataset(f"{kind}:{path}#label=f1&classes=a,b")
     np.savez(tmp_path / "d.npz", x_train=x, y_train=np.arange(30) % 3, x_test=x[:3],
