@@ -85,8 +85,12 @@ def test_user_class_by_module_path(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert torch.equal(a.scale, b.scale)  # type: ignore[arg-type]
         with pytest.raises(ModelError, match="not a torch.nn.Module subclass"):
             build_model(ModelSpec(name="fedpilot_user_models:NotAModule"), DIGITS, 10, seed=0)
-        with pytest.raises(ModelError, match="has no attribute 'Missing'"):
+        with pytest.raises(ModelError, match="has no attribute 'Missing'; its torch.nn.Module "
+                           "classes: Tiny$"):
             build_model(ModelSpec(name="fedpilot_user_models:Missing"), DIGITS, 10, seed=0)
+        # a typo: the module's own classes, the closest first (not nn.Module it imports)
+        with pytest.raises(ModelError, match="'Tyni'; its torch.nn.Module classes: Tiny$"):
+            build_model(ModelSpec(name="fedpilot_user_models:Tyni"), DIGITS, 10, seed=0)
     finally:
         sys.modules.pop("fedpilot_user_models", None)
     with pytest.raises(ModelError, match="cannot import module 'no_such_pkg.models'"):

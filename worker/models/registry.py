@@ -6,6 +6,7 @@ random state (standard layers are re-initialised from a private `torch.Generator
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import logging
 import math
@@ -124,7 +125,14 @@ def _user_builder(name: str) -> Builder:
         ) from None
     cls = getattr(module, class_name, None)
     if cls is None:
-        raise ModelError(f"model {name!r}: module {module_name!r} has no attribute {class_name!r}")
+        # the module's own torch.nn.Module classes (not the ones it imports), closest first
+        own = [k for k, v in vars(module).items() if isinstance(v, type)
+               and issubclass(v, nn.Module) and v.__module__ == module.__name__]
+        close = difflib.get_close_matches(class_name, own, n=len(own), cutoff=0.0)
+        raise ModelError(f"model {name!r}: module {module_name!r} has no attribute "
+                         f"{class_name!r}; " + (f"its torch.nn.Module classes: {', '.join(close)}"
+                                                if close else "it defines no torch.nn.Module "
+                                                "class"))
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise ModelError(f"model {name!r}: {class_name} is not a torch.nn.Module subclass")
 
