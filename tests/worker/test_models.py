@@ -70,6 +70,10 @@ class Tiny(nn.Module):
 class NotAModule:
     def __init__(self, input_shape, num_classes):
         pass
+
+class NoArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
 '''
 
 
@@ -86,10 +90,14 @@ def test_user_class_by_module_path(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         with pytest.raises(ModelError, match="not a torch.nn.Module subclass"):
             build_model(ModelSpec(name="fedpilot_user_models:NotAModule"), DIGITS, 10, seed=0)
         with pytest.raises(ModelError, match="has no attribute 'Missing'; its torch.nn.Module "
-                           "classes: Tiny$"):
+                           "classes: (Tiny, NoArgs|NoArgs, Tiny)$"):
             build_model(ModelSpec(name="fedpilot_user_models:Missing"), DIGITS, 10, seed=0)
+        with pytest.raises(ModelError, match=r"takes 1 positional argument but 3 were given; a "
+                           r"model class is called as Class\(input_shape, num_classes\), e\.g\. "
+                           r"Class\(\(1, 8, 8\), 10\)$"):
+            build_model(ModelSpec(name="fedpilot_user_models:NoArgs"), DIGITS, 10, seed=0)
         # a typo: the module's own classes, the closest first (not nn.Module it imports)
-        with pytest.raises(ModelError, match="'Tyni'; its torch.nn.Module classes: Tiny$"):
+        with pytest.raises(ModelError, match="'Tyni'; its torch.nn.Module classes: Tiny, NoArgs$"):
             build_model(ModelSpec(name="fedpilot_user_models:Tyni"), DIGITS, 10, seed=0)
     finally:
         sys.modules.pop("fedpilot_user_models", None)

@@ -72,7 +72,11 @@ def build_model(
         except ModelError:
             raise
         except (ValueError, TypeError) as exc:
-            raise ModelError(f"model {name!r} cannot be built for input {shape}: {exc}") from None
+            hint = ("; a model class is called as Class(input_shape, num_classes), e.g. "
+                    f"Class({shape}, {num_classes})" if ":" in name
+                    and isinstance(exc, TypeError) and "argument" in str(exc) else "")
+            raise ModelError(f"model {name!r} cannot be built for input {shape}: {exc}"
+                             f"{hint}") from None
     if not isinstance(model, nn.Module):
         raise ModelError(f"model {name!r} built a {type(model).__name__}, not a torch.nn.Module")
     reset_parameters(model, seed)
