@@ -101,5 +101,9 @@ def test_user_class_by_module_path(tmp_path: Path, monkeypatch: pytest.MonkeyPat
             build_model(ModelSpec(name="fedpilot_user_models:Tyni"), DIGITS, 10, seed=0)
     finally:
         sys.modules.pop("fedpilot_user_models", None)
+    # a module with no model class at all (json's JSONDecoder is no torch.nn.Module)
+    with pytest.raises(ModelError, match="has no attribute 'Net'; it defines no "
+                       "torch.nn.Module class$"):
+        build_model(ModelSpec(name="json:Net"), DIGITS, 10, seed=0)
     with pytest.raises(ModelError, match="cannot import module 'no_such_pkg.models'"):
         build_model(ModelSpec(name="no_such_pkg.models:Net"), DIGITS, 10, seed=0)

@@ -132,7 +132,7 @@ def _user_builder(name: str) -> Builder:
         # the module's own torch.nn.Module classes (not the ones it imports), closest first
         own = [k for k, v in vars(module).items() if isinstance(v, type)
                and issubclass(v, nn.Module) and v.__module__ == module.__name__]
-        close = difflib.get_close_matches(class_name, own, n=len(own), cutoff=0.0)
+        close = difflib.get_close_matches(class_name, own, n=max(1, len(own)), cutoff=0.0)
         raise ModelError(f"model {name!r}: module {module_name!r} has no attribute "
                          f"{class_name!r}; " + (f"its torch.nn.Module classes: {', '.join(close)}"
                                                 if close else "it defines no torch.nn.Module "
