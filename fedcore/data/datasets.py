@@ -279,8 +279,8 @@ def _load_file(name: str) -> Dataset:
     kind, _, rest = name.partition(":")
     path_text, options = sources.split_options(name, kind, rest)
     path = os.path.abspath(os.path.expanduser(path_text))
-    declared = sources.int_option(name, options, "classes")
-    names = sources.class_names(name, options)
+    names = sources.class_names(name, options)  # #classes=NAME,...; else a count, or none
+    declared = sources.int_option(name, options, "classes") if names is None else None
     if names is not None and kind not in ("csv", "parquet"):
         raise DatasetError(f"dataset {name!r}: #classes lists names, which only a csv: or "
                            f"parquet: label column of names takes; {kind}: takes #classes=C")

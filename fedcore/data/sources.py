@@ -43,7 +43,7 @@ def split_options(name: str, kind: str, text: str) -> tuple[str, dict[str, str]]
 
 
 def int_option(name: str, options: Mapping[str, str], key: str) -> int | None:
-    if key not in options or (key == "classes" and class_names(name, options) is not None):
+    if key not in options:
         return None
     try:
         value = int(options[key])
@@ -110,6 +110,7 @@ def read_table(path: str, kind: str, label_column: str, names: list[str] | None 
                            "need at least one feature column")
     if table.num_rows == 0:
         raise DatasetError(f"dataset file {path}: no rows")
+    label_names = _names_type(pa, table.column(label_column).type)
     for col in columns:
         arr = table.column(col)
         if arr.null_count:
@@ -117,7 +118,7 @@ def read_table(path: str, kind: str, label_column: str, names: list[str] | None 
                                "value(s); fill or drop them before training")
         typ = arr.type
         if col == label_column:
-            if _names_type(pa, typ):
+            if label_names:
                 continue  # names: mapped to ids below
             if names is not None:
                 raise DatasetError(f"dataset file {path}: #classes names classes, but label "
@@ -132,7 +133,7 @@ def read_table(path: str, kind: str, label_column: str, names: list[str] | None 
     x = np.column_stack([table.column(c).to_numpy(zero_copy_only=False).astype(np.float32)
                          for c in features])
     column = table.column(label_column)
-    if _names_type(pa, column.type):
+    if label_names:
         y = label_ids(path, label_column, kind,
                       np.asarray(column.cast(pa.string()).to_pylist(), dtype=object), names)
     else:
