@@ -284,9 +284,13 @@ def batch_starts(n: int, batch_size: int, min_batches: int = 0, min_batch: int =
 
 @contextmanager
 def _masks_seeded(seed: int, step: int) -> Iterator[None]:
-    """Hold torch's global generator, seeded from (seed, step), for one forward pass."""
+    """Hold torch's global generator, seeded from (seed, step), for one forward pass.
+    Only the CPU generator, the one `fork_rng(devices=[])` saves and restores:
+    `torch.manual_seed` also seeds every accelerator backend it can import, about 280 us a
+    call against 1 us, under GLOBAL_RNG, once per mini-batch: most of a small model's
+    training time, with the clients' threads queued on the lock (bench_training_step)."""
     with GLOBAL_RNG, torch.random.fork_rng(devices=[]):
-        torch.manual_seed((int(seed) * 1_000_003 + step) % 2**63)
+        torch.default_generator.manual_seed((int(seed) * 1_000_003 + step) % 2**63)
         yield
 
 

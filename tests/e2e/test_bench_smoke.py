@@ -115,3 +115,17 @@ def test_bench_learning_quick_reports_the_baselines_and_every_job(tmp_path: Path
     assert -1 <= aware["adjusted_rand_index"] <= 1
     assert -1 <= aware["pairwise_cosine_correlation"] <= 1
     assert (tmp_path / "learning.json").exists() and (tmp_path / "learning.png").exists()
+
+
+def test_bench_training_step_quick_times_three_ways_and_the_masks_agree() -> None:
+    report = run_bench("bench_training_step.py", "--quick")
+    assert report["benchmark"] == "training_step"
+    seconds = report["seconds_per_client_round"]
+    assert set(seconds) == {"plain", "dropout", "dropout_all_devices"}
+    assert all(value > 0 for value in seconds.values())
+    assert report["dropout_over_plain"] == pytest.approx(
+        seconds["dropout"] / seconds["plain"], abs=2e-3)
+    assert report["all_devices_over_cpu"] == pytest.approx(
+        seconds["dropout_all_devices"] / seconds["dropout"], abs=2e-3)
+    # seeding only the CPU generator draws the masks torch.manual_seed drew
+    assert report["same_masks"] is True
