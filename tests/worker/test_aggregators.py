@@ -121,6 +121,40 @@ def test_adaptive_steps_a_batchnorm_model_without_a_first_moment_unless_the_job_
                                three_rounds(_agg(name, beta1=0.5), plain))
 
 
+@pytest.mark.parametrize("name", ["fedadam", "fedyogi", "fedadagrad"])
+def test_adaptive_turns_a_batchnorm_models_step_a_quarter_of_the_way_to_adams(
+        name: str) -> None:
+    """Past the warm-up, the scaled step of a model without statistics takes Adam's
+    direction; a BatchNorm model's turns from FedAvg's only NORM_ADAM_SHARE of the way
+    (its pooled statistics were measured around FedAvg's mean): its cosine with the
+    round's pseudo-gradient stays high where Adam's own is low."""
+    from worker.aggregators.adaptive import NORM_ADAM_SHARE, WARMUP_ROUNDS
+
+    def run(stats: bool) -> tuple[float, float]:
+        agg = _agg(name)
+        rng = np.random.default_rng(0)
+        w = {"conv.weight": np.zeros(50, np.float32)}
+        if stats:
+            w["bn.running_var"] = np.ones(1, np.float32)
+        scale = np.geomspace(1e-3, 1.0, 50)   # coordinates of very different sizes
+        for _ in range(WARMUP_ROUNDS + 2):
+            target = dict(w, **{"conv.weight": (w["conv.weight"] + scale * (
+                1.0 + 0.1 * rng.standard_normal(50))).astype(np.float32)})
+            new = agg.aggregate(w, [(target, 1)])
+            delta = target["conv.weight"].astype(np.float64) - w["conv.weight"]
+            step = new["conv.weight"].astype(np.float64) - w["conv.weight"]
+            w = new
+        cosine = float(delta @ step / (np.linalg.norm(delta) * np.linalg.norm(step)))
+        return cosine, float(np.linalg.norm(step) / np.linalg.norm(delta))
+
+    adam_cosine, _ = run(stats=False)
+    norm_cosine, norm_length = run(stats=True)
+    assert adam_cosine < 0.8            # Adam's direction evens out the coordinates
+    assert norm_cosine > 0.95 > adam_cosine
+    assert norm_length <= 1.0 + 1e-6    # and FedAvg's length at most
+    assert 0 < NORM_ADAM_SHARE < 1
+
+
 def test_fedavgm_forgets_its_momentum_when_the_clients_turn_back() -> None:
     agg = _agg("fedavgm")   # the defaults: scaled step, momentum 0.5
     w1 = agg.aggregate(_w([0.0]), [(_w([1.0]), 1)])
