@@ -122,12 +122,12 @@ def test_adaptive_steps_a_batchnorm_model_without_a_first_moment_unless_the_job_
 
 
 @pytest.mark.parametrize("name", ["fedadam", "fedyogi", "fedadagrad"])
-def test_adaptive_turns_a_batchnorm_models_step_a_quarter_of_the_way_to_adams(
+def test_adaptive_turns_a_batchnorm_models_step_only_part_of_the_way_to_adams(
         name: str) -> None:
     """Past the warm-up, the scaled step of a model without statistics takes Adam's
     direction; a BatchNorm model's turns from FedAvg's only NORM_ADAM_SHARE of the way
     (its pooled statistics were measured around FedAvg's mean): its cosine with the
-    round's pseudo-gradient stays high where Adam's own is low."""
+    round's pseudo-gradient stays between Adam's own and FedAvg's."""
     from worker.aggregators.adaptive import NORM_ADAM_SHARE, WARMUP_ROUNDS
 
     def run(stats: bool) -> tuple[float, float]:
@@ -149,10 +149,12 @@ def test_adaptive_turns_a_batchnorm_models_step_a_quarter_of_the_way_to_adams(
 
     adam_cosine, _ = run(stats=False)
     norm_cosine, norm_length = run(stats=True)
-    assert adam_cosine < 0.8            # Adam's direction evens out the coordinates
-    assert norm_cosine > 0.95 > adam_cosine
+    assert adam_cosine < 0.7            # Adam's direction evens out the coordinates
+    # half-way between the unit vectors: cosine sqrt((1 + c) / 2) for Adam's cosine c
+    # (0.58 here at share 1, FedAvg's direction 1.0)
+    assert 0.85 < norm_cosine < 0.95
     assert norm_length <= 1.0 + 1e-6    # and FedAvg's length at most
-    assert 0 < NORM_ADAM_SHARE < 1
+    assert NORM_ADAM_SHARE == 0.5
 
 
 def test_fedavgm_forgets_its_momentum_when_the_clients_turn_back() -> None:
