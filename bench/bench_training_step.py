@@ -56,7 +56,7 @@ def mlp(features: int, classes: int, dropout: bool) -> nn.Module:
 
 
 @contextmanager
-def all_devices_seeded(seed: int, step: int) -> Iterator[None]:
+def all_devices_seeded(seed: int, step: int, _device: torch.device) -> Iterator[None]:
     """`_masks_seeded` as it was: `torch.manual_seed` seeds every backend it can import."""
     with GLOBAL_RNG, torch.random.fork_rng(devices=[]):
         torch.manual_seed((int(seed) * 1_000_003 + step) % 2**63)

@@ -224,7 +224,7 @@ def train_local(
                 batch = order[start:end]
                 optimizer.zero_grad()
                 step += 1
-                with _masks_seeded(seed, step) if dropout else nullcontext():
+                with _masks_seeded(seed, step, xt.device) if dropout else nullcontext():
                     data_loss = F.cross_entropy(model(xt[batch]), yt[batch])
                 loss = data_loss
                 if anchors:
@@ -283,14 +283,20 @@ def batch_starts(n: int, batch_size: int, min_batches: int = 0, min_batch: int =
 
 
 @contextmanager
-def _masks_seeded(seed: int, step: int) -> Iterator[None]:
+def _masks_seeded(seed: int, step: int, device: torch.device) -> Iterator[None]:
     """Hold torch's global generator, seeded from (seed, step), for one forward pass.
-    Only the CPU generator, the one `fork_rng(devices=[])` saves and restores:
-    `torch.manual_seed` also seeds every accelerator backend it can import, about 280 us a
-    call against 1 us, under GLOBAL_RNG, once per mini-batch: most of a small model's
-    training time, with the clients' threads queued on the lock (bench_training_step)."""
-    with GLOBAL_RNG, torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed((int(seed) * 1_000_003 + step) % 2**63)
+    Only the generator that draws the masks, of the model's `device` (the CPU's; a CUDA
+    device's own too), saved and restored around it: `torch.manual_seed` seeds every
+    accelerator backend it can import, about 280 us a call against 1 us (on a CPU-only
+    build each lazy seeder formats a stack trace), under GLOBAL_RNG, once per mini-batch:
+    most of a small model's training time, with the clients' threads queued on the lock
+    (bench_training_step)."""
+    value = (int(seed) * 1_000_003 + step) % 2**63
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with GLOBAL_RNG, torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(value)
+        for index in cuda:
+            torch.cuda.default_generators[index].manual_seed(value)
         yield
 
 

@@ -117,6 +117,40 @@ def test_dropout_masks_follow_the_seed_not_the_threads() -> None:
     assert any(not np.array_equal(alone[k], together["1"][k]) for k in alone)
 
 
+def test_dropout_masks_seed_the_generator_of_the_models_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU generator always (the shuffle's device-independent draws are not it: its
+    own Generator), a CUDA model's device generator too, with the same value, inside a
+    fork of exactly those devices' states; never torch.manual_seed's every backend."""
+    from worker import training
+
+    forked: list[list[int]] = []
+    seeded: dict[int, int] = {}
+
+    class Gen:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def manual_seed(self, value: int) -> None:
+            seeded[self.index] = value
+
+    real_fork = torch.random.fork_rng
+
+    def fork(devices: list[int]) -> object:
+        forked.append(list(devices))
+        return real_fork(devices=[])
+
+    monkeypatch.setattr(torch.random, "fork_rng", fork)
+    monkeypatch.setattr(torch.cuda, "default_generators", (Gen(0), Gen(1)), raising=False)
+    monkeypatch.setattr(torch, "manual_seed", lambda _v: pytest.fail("torch.manual_seed"))
+    with training._masks_seeded(3, 7, torch.device("cuda", 1)):
+        cpu_value = torch.default_generator.initial_seed()
+    assert forked == [[1]] and seeded == {1: cpu_value} and cpu_value == 3 * 1_000_003 + 7
+    with training._masks_seeded(3, 8, torch.device("cpu")):
+        assert torch.default_generator.initial_seed() == 3 * 1_000_003 + 8
+    assert forked[-1] == [] and seeded == {1: cpu_value}
+
+
 def _one_full_batch_step(spec: TrainingSpec, global_weights: dict | None = None) -> dict:
     x, y = _blobs(30)
     model = _mlp()
