@@ -101,6 +101,26 @@ def test_merge_joins_runs_into_one_table_without_training(tmp_path: Path, capsys
     assert "nothing" in said and "not a learning_grid.json" in said
 
 
+def test_the_table_gives_each_job_its_mean_gap_over_the_cells() -> None:
+    """One cell's last round swings (an adaptive job 0.06 below FedAvg in one, 0.10 above
+    in the other); the table's means say what the aggregator does over the cells."""
+    cells = [_measured(0, 0.80, star_fedavg=0.80, star_fedadam=0.74, hybrid_fedavg=0.82,
+                       hybrid_fedadam=0.85, hierarchical_fedyogi=0.78),
+             _measured(1, 0.60, star_fedavg=0.60, star_fedadam=0.70, hybrid_fedavg=0.58,
+                       hybrid_fedadam=0.57, hierarchical_fedyogi=0.64)]
+    table = bench.grid_table(cells)
+    star = table["star+fedadam"]
+    assert len(star["adaptive_below_fedavg"]) == 1            # the one cell's verdict stays
+    assert star["mean_minus_fedavg"] == 0.02 and star["mean_minus_reference"] == 0.02
+    # against FedAvg on its own topology (hybrid: +0.03, -0.01), not star's or the loop's
+    assert table["hybrid+fedadam"]["mean_minus_fedavg"] == 0.01
+    assert table["hybrid+fedadam"]["mean_minus_reference"] == 0.01
+    # a topology without a FedAvg job of its own: star's
+    assert table["hierarchical+fedyogi"]["mean_minus_fedavg"] == 0.01
+    assert table["hybrid+fedavg"]["mean_minus_reference"] == 0.0
+    assert "mean_minus_fedavg" not in table["star+fedavg"]
+
+
 def test_resume_runs_only_the_cells_not_yet_measured(tmp_path: Path, monkeypatch: Any) -> None:
     cells = bench.grid_cells("medium", ["table"], ["mlp"], betas=[0.3], clients=[20],
                              seeds=[0, 1])
