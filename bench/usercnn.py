@@ -110,6 +110,28 @@ class WideBNCNN(nn.Module):
         return self.net(x.reshape(x.shape[0], *self.shape))
 
 
+class TutorialCNN(nn.Module):
+    """The tutorials' MNIST CNN: two 3x3 conv layers without bias (32, 64 channels), each
+    with BatchNorm, ReLU and a 2x2 max-pool, 128 dense units and dropout 0.5. At sgd 0.05
+    with momentum 0.9 (the defaults) its units die within 20 steps, centralized too
+    (worker.training.learning_rate_trial)."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        c, h, w = self.shape = _chw(input_shape)
+        self.features = nn.Sequential(
+            nn.Conv2d(c, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(64 * (h // 4) * (w // 4), 128), nn.ReLU(), nn.Dropout(0.5),
+            nn.Linear(128, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x.reshape(x.shape[0], *self.shape)))
+
+
 class BNMLP(nn.Module):
     """Any input flattened; 128 hidden units with BatchNorm and dropout 0.25, twice."""
 

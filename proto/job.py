@@ -48,6 +48,10 @@ OPTIMIZERS = ("sgd", "adam")
 #: the client learning rate over the job's rounds: constant, or a cosine from
 #: learning_rate at round 1 to near 0 at the last round
 LR_SCHEDULES = ("constant", "cosine")
+#: training.learning_rate_check: "auto" tries the learning rate before the job starts
+#: (worker.training.learning_rate_trial) and halves it where it leaves the model at a
+#: uniform guess; "off" trains at learning_rate as given
+LR_CHECKS = ("auto", "off")
 DEVICES = ("cpu", "cuda", "auto")           # auto: cuda when the actor sees a GPU, else cpu
 DATASETS = ("digits",)                      # plus a file dataset PREFIX:PATH[#options]
 # file datasets (fedcore/data reads them; docs/job.md says what each holds)
@@ -123,6 +127,7 @@ class TrainingSpec:
     weight_decay: float = 0.0
     momentum: float = 0.9                   # sgd's; restarts every round (no client state)
     lr_schedule: str = "cosine"             # constant | cosine (over the job's rounds)
+    learning_rate_check: str = "auto"       # auto | off (LR_CHECKS)
     personal_epochs: int = 0                # > 0: personalized accuracy after a fine-tune
     fedprox_mu: float = 0.0                 # > 0 adds the FedProx proximal term (FEDPROX_MU
                                             # when aggregation.name = "fedprox" leaves it out)
@@ -533,6 +538,7 @@ _RULES: dict[str, Rule] = {
     "training.weight_decay": _rule_float(0.0),
     "training.momentum": _rule_float(0.0, 1.0, high_open=True),
     "training.lr_schedule": _rule_choice(LR_SCHEDULES),
+    "training.learning_rate_check": _rule_choice(LR_CHECKS),
     "training.personal_epochs": _rule_int(0, 100),
     "training.fedprox_mu": _rule_float(0.0),
     "training.client_fraction": _rule_float(0.0, 1.0, low_open=True),

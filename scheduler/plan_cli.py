@@ -58,15 +58,19 @@ def run(args: argparse.Namespace) -> int:
     spec = load_job(args.job)
     n = spec.data.number_of_clients
     slots = parse_clusters(args.clusters) if args.clusters else default_clusters(n)
-    histograms, model_bytes = None, None
+    histograms, model_bytes, lowered = None, None, ""
     if args.synthetic_histograms:
         histograms = synthetic_histograms(n, beta=spec.data.dirichlet_beta, seed=spec.seed)
     else:
         # Labels 0..C-1 here; the model's output size and bytes in a child (plan never
         # imports torch).
-        from fedcore.data.preflight import check_before_start
+        from fedcore.data.preflight import check_before_start, with_checked_learning_rate
 
-        model_bytes = check_before_start(spec, str(args.job), measure=True)
+        checked = check_before_start(spec, str(args.job), measure=True)
+        model_bytes = checked.model_bytes
+        spec, lowered = with_checked_learning_rate(spec, checked)
+        if lowered:
+            print(lowered, file=sys.stderr)
     scaled = data_scaling(spec) if histograms is None else None
     plan = plan_job(spec, slots, strategy=args.strategy, histograms=histograms,
                     compare=COMPARE if args.json else ())
@@ -75,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     summary = plan.summary()
     if model_bytes is not None:
         summary["model_bytes"] = model_bytes
+    if lowered:
+        summary["learning_rate_check"] = lowered
     if spec.privacy.dp != "none":
         summary["privacy"] = privacy_noise(spec, model_bytes)
     if scaled is not None:

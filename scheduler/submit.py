@@ -168,14 +168,20 @@ def options(**values: Any) -> argparse.Namespace:
 def submit(spec: JobSpec, source: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run `spec` as `fedpilot-scheduler submit` does with `args` (see `options`); the
     summary it prints. Raises KeyboardInterrupt after tearing down on Ctrl-C or SIGTERM."""
-    from fedcore.data.preflight import check_before_start
+    from fedcore.data.preflight import check_before_start, with_checked_learning_rate
     from scheduler.run.mesh import BridgeChannel, wait_for_clusters
     from scheduler.rundir.status import RunRecorder
 
     # labels and model, before any daemon or Ray starts; a DP job's model measured too, for
     # the noise it will add (as `plan` shows it)
     dp_job = spec.privacy.dp != "none"
-    model_bytes = check_before_start(spec, source, measure=dp_job)
+    checked = check_before_start(spec, source, measure=dp_job)
+    model_bytes = checked.model_bytes
+    # a user model the job's learning rate leaves at a uniform guess trains at a smaller
+    # one (training.learning_rate_check)
+    spec, lowered = with_checked_learning_rate(spec, checked)
+    if lowered:
+        print(lowered, file=sys.stderr)
     if dp_job:
         from scheduler.plan_cli import privacy_line, privacy_noise
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from fedcore.data import Dataset
 from fedcore.data.preflight import check_job_data
@@ -60,13 +61,35 @@ def check_model(spec: JobSpec, source: str, dataset: Dataset) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
+def trial_learning_rate(spec: JobSpec, dataset: Dataset) -> dict[str, Any]:
+    """`worker.training.learning_rate_trial` of the job's model (built as the job builds
+    it, from the job's seed) on its training samples as the job prepares them; {} under
+    training.learning_rate_check = "off" or without samples."""
+    if spec.training.learning_rate_check == "off" or not len(dataset.y_train):
+        return {}
+    from fedcore.data.datasets import prepare
+    from worker.models import build_model
+    from worker.training import learning_rate_trial
+
+    data = prepare(dataset, spec.data)
+    found = learning_rate_trial(
+        lambda: build_model(spec.model, data.input_shape, data.num_classes, seed=spec.seed),
+        data.x_train, data.y_train, spec.training, data.num_classes, spec.seed)
+    return {"learning_rate": found.learning_rate,
+            "trial": [[lr, loss] for lr, loss in found.losses],
+            "uniform_loss": found.uniform_loss}
+
+
 def main(argv: Sequence[str]) -> int:
     """Child side of `fedcore.data.preflight.check_model_in_child`: the spec as JSON on stdin, the source as argv[0];
-    prints {"model_bytes"}, or {"key", "message"} and exits 2 if the check fails."""
+    prints {"model_bytes", "learning_rate", "trial", "uniform_loss"} (the last three:
+    `trial_learning_rate`), or {"key", "message"} and exits 2 if the check fails."""
     source = argv[0] if argv else "<job>"
     try:
         spec = JobSpec.from_dict(json.loads(sys.stdin.read()), source=source)
-        print(json.dumps({"model_bytes": check_model(spec, source, check_job_data(spec, source))}))
+        dataset = check_job_data(spec, source)
+        model_bytes = check_model(spec, source, dataset)
+        print(json.dumps({"model_bytes": model_bytes, **trial_learning_rate(spec, dataset)}))
     except JobSpecError as exc:
         message = str(exc)
         if message.startswith(source + ": "):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -486,3 +486,64 @@ def held_out_choice(trained: np.ndarray, received: np.ndarray) -> np.ndarray:
     own_rest = trained.sum() - trained.astype(np.int64)
     keep = own_rest > received.sum() - received.astype(np.int64)
     return np.where(keep, trained, received).astype(bool)
+
+
+#: `learning_rate_trial`: training samples it trains on (drawn evenly from the data set),
+#: passes over them, and the learning rates it tries: the job's, then each half of the one
+#: before
+TRIAL_SAMPLES = 512
+TRIAL_EPOCHS = 2
+TRIAL_HALVINGS = 4
+#: a trial run "learned" when its loss on its samples ends below this share of a uniform
+#: guess's (ln classes): a model whose units died on too large a step ends at a uniform
+#: guess exactly (its outputs no longer depend on the input)
+TRIAL_LEARNED = 0.8
+
+
+@dataclass(frozen=True)
+class LrTrial:
+    """What `learning_rate_trial` found: the learning rate to train at (the job's unless it
+    left the model at a uniform guess and a smaller one did not), and each rate's loss."""
+
+    learning_rate: float
+    losses: tuple[tuple[float, float], ...]
+    uniform_loss: float
+
+    @property
+    def lowered(self) -> bool:
+        return bool(self.losses) and self.learning_rate != self.losses[0][0]
+
+
+def learning_rate_trial(build: Callable[[], nn.Module], x: np.ndarray, y: np.ndarray,
+                        training: TrainingSpec, classes: int, seed: int) -> LrTrial:
+    """Train fresh models from `build()` (the job's seeded initial model) for TRIAL_EPOCHS
+    passes over up to TRIAL_SAMPLES of (x, y), at `training.learning_rate`; where that
+    does not learn (its loss ends above TRIAL_LEARNED x a uniform guess's), at each half
+    of it (TRIAL_HALVINGS at most) until one learns and its half ends no lower (by the
+    same share): the one to train at is the last that gained. Where none learns, the
+    job's (nothing to choose by: the data may need more steps than a trial). Measured (MNIST 4,000 images, centralized, one epoch at sgd 0.05, momentum
+    0.9, batches of 16): a tutorial CNN (3x3 convolutions without bias, BatchNorm, 128
+    dense units, dropout 0.5) ends at 0.100, its loss at ln 10; at 0.01, 0.917."""
+    rng = np.random.default_rng(seed)
+    pick = np.sort(rng.permutation(len(y))[:TRIAL_SAMPLES])
+    xs, ys = np.asarray(x)[pick], np.asarray(y)[pick]
+    uniform = math.log(max(2, classes))
+    trial = replace(training, number_of_epochs=TRIAL_EPOCHS, fedprox_mu=0.0)
+    lr = float(training.learning_rate)
+    losses: list[tuple[float, float]] = []
+    best: tuple[float, float] | None = None   # (loss, lr) of the best run that learned
+    for _ in range(TRIAL_HALVINGS + 1):
+        model = build()
+        train_local(model, xs, ys, replace(trial, learning_rate=lr), seed=seed)
+        loss = evaluate(model, xs, ys).loss
+        losses.append((lr, loss))
+        learned = math.isfinite(loss) and loss < TRIAL_LEARNED * uniform
+        if learned and len(losses) == 1:
+            break                               # the job's own rate learns: kept
+        if best is not None and not (learned and loss < TRIAL_LEARNED * best[0]):
+            break                               # half of it gained no more
+        if learned:
+            best = (loss, lr)
+        lr /= 2
+    chosen = best[1] if best is not None else float(training.learning_rate)
+    return LrTrial(chosen, tuple(losses), uniform)

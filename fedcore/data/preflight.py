@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import dataclass, replace
 
 from proto.job import JobSpec, JobSpecError
 
@@ -29,32 +30,67 @@ def check_job_data(spec: JobSpec, source: str) -> Dataset:
         raise JobSpecError(source, "data.dataset", f"data.dataset: {exc}") from None
 
 
-def check_before_start(spec: JobSpec, source: str, *, measure: bool = False) -> int | None:
+@dataclass(frozen=True)
+class ModelCheck:
+    """What the child found: the model's bytes (one transfer, uncompressed) and the
+    learning-rate trial (`worker.training.learning_rate_trial`): the rate to train at and
+    each tried rate's loss after the trial, against a uniform guess's. Empty where no
+    model was built here."""
+
+    model_bytes: int | None = None
+    learning_rate: float | None = None
+    trial: tuple[tuple[float, float], ...] = ()
+    uniform_loss: float | None = None
+
+
+def check_before_start(spec: JobSpec, source: str, *, measure: bool = False) -> ModelCheck:
     """What `plan` and `submit` run first: the data here, a user model (any model with
     `measure`) in a child Python (the calling process never imports torch); JobSpecError
-    naming the key otherwise. Returns the model's bytes where the child built it.
+    naming the key otherwise. What the child found, where it built the model.
 
     A pinned job's data is on the clusters, not here: each cluster checks its own file and
     the model against it when the job starts (`job.start`)."""
     if spec.data.placement == "pinned":
-        return None
+        return ModelCheck()
     check_job_data(spec, source)
     if measure or ":" in spec.model.name:
         return check_model_in_child(spec, source)
-    return None
+    return ModelCheck()
 
 
-def check_model_in_child(spec: JobSpec, source: str, timeout: float = 600) -> int | None:
-    """`worker.preflight.check_job_inputs` in a fresh Python (same environment), for
-    callers without torch; returns the model's bytes (None if the child did not say)."""
+def with_checked_learning_rate(spec: JobSpec, checked: ModelCheck) -> tuple[JobSpec, str]:
+    """`spec` at the learning rate the trial chose, and the line that says why; `spec`
+    and "" where it kept the job's."""
+    lr = checked.learning_rate
+    if lr is None or lr == spec.training.learning_rate:
+        return spec, ""
+    tried = ", ".join(f"{rate:g}: {loss:.3f}" for rate, loss in checked.trial)
+    line = (f"training.learning_rate {spec.training.learning_rate:g} left model.name "
+            f"{spec.model.name!r} near a uniform guess (loss {checked.uniform_loss or 0:.3f}) "
+            f"in a short trial on its training samples (the loss after it, per rate: "
+            f"{tried}); the job trains at {lr:g}. training.learning_rate_check = \"off\" "
+            f"trains at {spec.training.learning_rate:g} anyway")
+    return replace(spec, training=replace(spec.training, learning_rate=lr)), line
+
+
+def check_model_in_child(spec: JobSpec, source: str, timeout: float = 600) -> ModelCheck:
+    """`worker.preflight.main` in a fresh Python (same environment), for callers without
+    torch; what it found (empty where the child did not say)."""
     proc = subprocess.run([sys.executable, "-m", "worker.preflight", source],
                           input=json.dumps(spec.to_dict()), capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode == 0:
         try:
-            return int(json.loads(proc.stdout.strip().splitlines()[-1])["model_bytes"])
-        except (IndexError, ValueError, KeyError, TypeError):
-            return None
+            said = json.loads(proc.stdout.strip().splitlines()[-1])
+            lr = said.get("learning_rate")
+            return ModelCheck(
+                model_bytes=int(said["model_bytes"]),
+                learning_rate=float(lr) if lr is not None else None,
+                trial=tuple((float(a), float(b)) for a, b in said.get("trial", [])),
+                uniform_loss=(float(said["uniform_loss"]) if "uniform_loss" in said
+                              else None))
+        except (IndexError, ValueError, KeyError, TypeError, AttributeError):
+            return ModelCheck()
     try:
         verdict = json.loads(proc.stdout.strip().splitlines()[-1])
         key, message = str(verdict["key"]), str(verdict["message"])

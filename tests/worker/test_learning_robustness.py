@@ -4,6 +4,7 @@ job that acts. The user models are bench/usercnn.py's, by `module:Class`."""
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from dataclasses import replace
@@ -463,3 +464,72 @@ def test_every_probe_model_builds_by_name_for_images_and_tables(name: str) -> No
         for train in (True, False):
             one.train(train)
             assert one(x).shape == (4, classes)
+
+
+@pytest.fixture(scope="module")
+def mnist_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    import bench_learning as bl
+
+    return bl.mnist_npz(tmp_path_factory.mktemp("mnist"), 100, 30)
+
+
+def test_a_learning_rate_that_kills_the_model_is_halved_before_the_job_starts(
+        mnist_file: str) -> None:
+    """The tutorials' BatchNorm CNN at sgd 0.05 with momentum 0.9 (the defaults): its units
+    die in the first steps, centralized too, and every round of every job sat at 0.100,
+    loss ln 10. The trial halves the rate until the model learns and its half gains no
+    more; a model the job's rate trains keeps it after one trial run."""
+    import torch
+
+    from fedcore.data.datasets import load_dataset as load
+    from proto.job import TrainingSpec
+    from worker.models import build_model
+    from worker.training import TRIAL_LEARNED, learning_rate_trial
+
+    data = load(mnist_file)
+
+    def trial(name: str) -> Any:
+        spec = job("star", model={"name": name}).model
+        return learning_rate_trial(lambda: build_model(spec, data.input_shape, 10, seed=0),
+                                   data.x_train, data.y_train, TrainingSpec(), 10, seed=0)
+
+    torch.set_num_threads(1)
+    tutorial = trial("usercnn:TutorialCNN")
+    (first, dead), *halves = tutorial.losses
+    assert first == 0.05 and dead > TRIAL_LEARNED * tutorial.uniform_loss, tutorial
+    assert tutorial.lowered and tutorial.learning_rate < 0.05
+    kept = dict(tutorial.losses)[tutorial.learning_rate]
+    assert kept < TRIAL_LEARNED * tutorial.uniform_loss and kept < dead / 2, tutorial
+    assert all(rate == 0.05 / 2 ** (i + 1) for i, (rate, _) in enumerate(halves))
+    small = trial("usercnn:SmallCNN")
+    assert small.learning_rate == 0.05 and len(small.losses) == 1 and not small.lowered
+
+
+@pytest.mark.slow
+def test_submit_trains_at_the_trials_learning_rate_and_off_keeps_the_jobs(
+        mnist_file: str, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through `fedpilot.run` (submit's path, in-process clusters): the job leaves chance
+    in 2 rounds where, at the rate as given (learning_rate_check = "off"), it sits at a
+    uniform guess; the line on stderr names the key, both rates and the way out."""
+    import fedpilot
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2] / "bench")   # usercnn, for the check
+    def run_job(check: str) -> list[float]:
+        spec = {"job": {"id": f"tutorial-{check}"},
+                "data": {"dataset": mnist_file, "number_of_clients": 6},
+                "model": {"name": "usercnn:TutorialCNN"},
+                "training": {"federated_learning_rounds": 2, "number_of_epochs": 1,
+                             "learning_rate_check": check},
+                "topology": {"kind": "star"}, "aggregation": {"name": "fedavg"}}
+        fedpilot.run(spec, local=2, backend="inprocess", quiet=True,
+                     out=str(tmp_path / check), workdir=str(tmp_path / f"tb-{check}"))
+        rounds = json.loads((tmp_path / check / "summary.json").read_text())["rounds"]
+        return [r["accuracy"] for r in rounds]
+
+    assert max(run_job("off")) < CHANCE + 0.05
+    assert "learning_rate_check" not in capsys.readouterr().err
+    curve = run_job("auto")
+    said = capsys.readouterr().err
+    assert curve[-1] > CHANCE + 0.3, curve
+    assert ("training.learning_rate 0.05 left model.name 'usercnn:TutorialCNN'" in said
+            and 'learning_rate_check = "off"' in said), said
