@@ -522,6 +522,9 @@ def cell_tasks(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
                  training={**DATASETS[name].training, **(training or {})})
     splits = ([(dataset_name(name, out), 0)] if folds <= 1
               else [fold_dataset(name, out, k, folds) for k in range(folds)])
+    lr = trial_learning_rate(job_dict(ds, splits[0][0], "star", "fedavg", seed=seed))
+    if lr is not None:   # as submit would: centralized and the reference loop at it too
+        ds = replace(ds, training={**ds.training, "learning_rate": lr})
     tasks: list[tuple[str, str, dict[str, Any]]] = []
     refused: dict[str, str] = {}
     for k, (dataset, _rows) in enumerate(splits):
@@ -540,6 +543,30 @@ def cell_tasks(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
                 continue
             tasks.append(("engine", f"{topology}+{aggregation}{tag}", job))
     return tasks, refused, [rows for _dataset, rows in splits], ds.clusters
+
+
+def trial_learning_rate(job: dict[str, Any]) -> float | None:
+    """The learning rate `submit` would train `job` at where its trial lowers it (a user
+    model its rate leaves at a uniform guess: training.learning_rate_check), else None;
+    the trial runs here, on the cell's data, so the whole cell trains at it."""
+    from proto.job import JobSpec, JobSpecError
+
+    try:
+        spec = JobSpec.from_dict(job)
+    except JobSpecError:
+        return None   # the cell's jobs say why
+    if ":" not in spec.model.name:
+        return None
+    from fedcore.data import load_dataset
+    from worker.preflight import trial_learning_rate as trial
+
+    found = trial(spec, load_dataset(spec.data.dataset))
+    if not found or found["learning_rate"] == spec.training.learning_rate:
+        return None
+    print(f"bench_learning: {spec.model.name}: training.learning_rate "
+          f"{spec.training.learning_rate:g} -> {found['learning_rate']:g} (trial: "
+          f"{found['trial']})", file=sys.stderr, flush=True)
+    return float(found["learning_rate"])
 
 
 def cell_tag(cell: tuple[str, str, float, int, int, int],
@@ -565,6 +592,9 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
 
     name, model, beta, clients, seed, rounds = cell
     tasks, refused, sizes, clusters = cell_tasks(cell, jobs, out, folds, training=training)
+    lowered = next((t[2]["training"].get("learning_rate") for t in tasks), None)
+    if lowered == {**DATASETS[cell[0]].training, **(training or {})}.get("learning_rate"):
+        lowered = None   # (the bench's or --training's, not the trial's)
     results = _run_tasks(tasks, clusters, workers, cell_tag(cell, training))
     if folds > 1:
         results = pool_folds(results, sizes)
@@ -590,6 +620,8 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
             "reference_at_chance_after_round_3": any(a <= chance + CHANCE_MARGIN
                                                      for a in (reference.get("curve") or [])[3:]),
             "jobs": rows, "refused": refused, "folds": max(1, folds),
+            # every task's learning rate, where the trial lowered the bench's
+            **({"learning_rate": lowered} if lowered is not None else {}),
             **({"training": training} if training else {})}
 
 

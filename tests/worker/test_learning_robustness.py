@@ -533,3 +533,19 @@ def test_submit_trains_at_the_trials_learning_rate_and_off_keeps_the_jobs(
     assert curve[-1] > CHANCE + 0.3, curve
     assert ("training.learning_rate 0.05 left model.name 'usercnn:TutorialCNN'" in said
             and 'learning_rate_check = "off"' in said), said
+
+
+def test_a_bench_cell_trains_all_its_tasks_at_the_trials_learning_rate(tmp_path: Path) -> None:
+    """bench_learning measures a cell as submit would run it: centralized training, the
+    reference loop and every job at the rate the trial chose (else centralized and the
+    reference loop sat at chance with the jobs, and the cell judged nothing)."""
+    import bench_learning as bl
+
+    tasks, _refused, _rows, _clusters = bl.cell_tasks(
+        ("mnist", "usercnn:TutorialCNN", 0.3, 20, 0, 3), [("star", "fedavg")], tmp_path, 1)
+    rates = {name: job["training"].get("learning_rate") for _kind, name, job in tasks}
+    assert set(rates) == {"centralized", "reference_fedavg", "star+fedavg"}
+    assert len(set(rates.values())) == 1 and 0 < rates["star+fedavg"] < 0.05, rates
+    tasks, *_ = bl.cell_tasks(("mnist", "usercnn:SmallCNN", 0.3, 20, 0, 3),
+                              [("star", "fedavg")], tmp_path, 1)
+    assert all("learning_rate" not in job["training"] for *_, job in tasks)
