@@ -61,10 +61,12 @@ def check_model(spec: JobSpec, source: str, dataset: Dataset) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def trial_learning_rate(spec: JobSpec, dataset: Dataset) -> dict[str, Any]:
+def trial_learning_rate(spec: JobSpec, dataset: Dataset, source: str = "<job>"
+                        ) -> dict[str, Any]:
     """`worker.training.learning_rate_trial` of the job's model (built as the job builds
     it, from the job's seed) on its training samples as the job prepares them; {} under
-    training.learning_rate_check = "off" or without samples."""
+    training.learning_rate_check = "off" or without samples. JobSpecError naming
+    ``model.name`` where the model fails to train (every client would fail the same)."""
     if spec.training.learning_rate_check == "off" or not len(dataset.y_train):
         return {}
     from fedcore.data.datasets import prepare
@@ -72,9 +74,17 @@ def trial_learning_rate(spec: JobSpec, dataset: Dataset) -> dict[str, Any]:
     from worker.training import learning_rate_trial
 
     data = prepare(dataset, spec.data)
-    found = learning_rate_trial(
-        lambda: build_model(spec.model, data.input_shape, data.num_classes, seed=spec.seed),
-        data.x_train, data.y_train, spec.training, data.num_classes, spec.seed)
+    try:
+        found = learning_rate_trial(
+            lambda: build_model(spec.model, data.input_shape, data.num_classes, seed=spec.seed),
+            data.x_train, data.y_train, spec.training, data.num_classes, spec.seed)
+    except Exception as exc:  # noqa: BLE001 - user code may raise anything
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise JobSpecError(
+            source, "model.name",
+            f"model.name {spec.model.name!r} fails to train on {spec.data.dataset}: "
+            f"{type(exc).__name__}: {first} (in the learning-rate trial; "
+            "training.learning_rate_check = \"off\" skips it)") from None
     return {"learning_rate": found.learning_rate,
             "trial": [[lr, loss] for lr, loss in found.losses],
             "uniform_loss": found.uniform_loss}
@@ -89,7 +99,8 @@ def main(argv: Sequence[str]) -> int:
         spec = JobSpec.from_dict(json.loads(sys.stdin.read()), source=source)
         dataset = check_job_data(spec, source)
         model_bytes = check_model(spec, source, dataset)
-        print(json.dumps({"model_bytes": model_bytes, **trial_learning_rate(spec, dataset)}))
+        print(json.dumps({"model_bytes": model_bytes,
+                          **trial_learning_rate(spec, dataset, source)}))
     except JobSpecError as exc:
         message = str(exc)
         if message.startswith(source + ": "):

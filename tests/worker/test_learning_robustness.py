@@ -549,3 +549,34 @@ def test_a_bench_cell_trains_all_its_tasks_at_the_trials_learning_rate(tmp_path:
     tasks, *_ = bl.cell_tasks(("mnist", "usercnn:SmallCNN", 0.3, 20, 0, 3),
                               [("star", "fedavg")], tmp_path, 1)
     assert all("learning_rate" not in job["training"] for *_, job in tasks)
+
+
+def test_a_model_that_fails_to_train_is_refused_naming_the_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose forward pass works in eval mode but raises in training: one line
+    naming model.name and the way to skip the trial, before any cluster trains it."""
+    from fedcore.data import load_dataset as load
+    from proto.job import JobSpecError
+    from worker.preflight import trial_learning_rate
+
+    (tmp_path / "trainfails.py").write_text(
+        "import torch\n"
+        "class TrainModeFails(torch.nn.Module):\n"
+        "    def __init__(self, input_shape, num_classes):\n"
+        "        super().__init__()\n"
+        "        self.head = torch.nn.Linear(64, num_classes)\n"
+        "    def forward(self, x):\n"
+        "        if self.training:\n"
+        "            raise RuntimeError('no training here')\n"
+        "        return self.head(x.reshape(x.shape[0], -1))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = job("star", model={"name": "trainfails:TrainModeFails"})
+    with pytest.raises(JobSpecError) as raised:
+        trial_learning_rate(spec, load("digits"), "job.toml")
+    said = str(raised.value)
+    assert raised.value.key == "model.name" and "trainfails:TrainModeFails" in said
+    assert "fails to train" in said and "no training here" in said
+    assert 'learning_rate_check = "off"' in said
+    off = job("star", model={"name": "trainfails:TrainModeFails"},
+              training={"learning_rate_check": "off"})
+    assert trial_learning_rate(off, load("digits")) == {}
