@@ -537,11 +537,12 @@ def learning_rate_trial(build: Callable[[], nn.Module], x: np.ndarray, y: np.nda
         model = build()
         train_local(model, xs, ys, replace(trial, learning_rate=lr), seed=seed)
         loss = evaluate(model, xs, ys).loss
-        before = losses[-1][1] if losses else math.inf
-        losses.append((lr, loss))
-        if not (math.isfinite(loss) and loss < TRIAL_LEARNED * before):
+        value = loss if math.isfinite(loss) else math.inf   # diverged: halve it again
+        before = min((v for _, v in losses), default=math.inf)
+        losses.append((lr, value))
+        if math.isfinite(value) and not value < TRIAL_LEARNED * before:
             break             # half of the rate before gained no more (a slow model: none)
-        if loss < TRIAL_LEARNED * uniform:
+        if value < TRIAL_LEARNED * uniform:
             chosen = lr
             if len(losses) == 1:
                 break         # the job's own rate learns: kept
