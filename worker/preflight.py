@@ -25,6 +25,12 @@ def check_job_inputs(spec: JobSpec, source: str) -> Dataset:
     return dataset
 
 
+def _first_line(exc: BaseException) -> str:
+    """The first line of a user error's message ("" without one), for a one-line verdict."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def check_model(spec: JobSpec, source: str, dataset: Dataset) -> int:
     """Build the model, run it once; returns the bytes of its state dict (one model
     transfer, uncompressed)."""
@@ -42,7 +48,7 @@ def check_model(spec: JobSpec, source: str, dataset: Dataset) -> int:
         with torch.no_grad():
             out = model.eval()(sample)
     except Exception as exc:  # noqa: BLE001 - user code may raise anything
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        first = _first_line(exc)
         raise JobSpecError(
             source, "model.name",
             f"model.name {name!r} fails on input of shape {tuple(sample.shape)} from "
@@ -79,7 +85,7 @@ def trial_learning_rate(spec: JobSpec, dataset: Dataset, source: str = "<job>"
             lambda: build_model(spec.model, data.input_shape, data.num_classes, seed=spec.seed),
             data.x_train, data.y_train, spec.training, data.num_classes, spec.seed)
     except Exception as exc:  # noqa: BLE001 - user code may raise anything
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        first = _first_line(exc)
         raise JobSpecError(
             source, "model.name",
             f"model.name {spec.model.name!r} fails to train on {spec.data.dataset}: "
