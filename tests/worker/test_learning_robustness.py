@@ -580,3 +580,12 @@ def test_a_model_that_fails_to_train_is_refused_naming_the_key(
     off = job("star", model={"name": "trainfails:TrainModeFails"},
               training={"learning_rate_check": "off"})
     assert trial_learning_rate(off, load("digits")) == {}
+
+
+def test_an_unknown_learning_rate_check_is_refused_naming_the_key() -> None:
+    from proto.job import JobSpecError
+
+    with pytest.raises(JobSpecError) as raised:
+        JobSpec.from_dict({"training": {"learning_rate_check": "maybe"}}, source="job.toml")
+    assert raised.value.key == "training.learning_rate_check"
+    assert "auto, off" in str(raised.value) and str(raised.value).startswith("job.toml")
