@@ -42,6 +42,32 @@ def test_every_kind_is_disjoint_and_deterministic(kind: str) -> None:
     assert not all(np.array_equal(x, z) for x, z in zip(a, c, strict=True))
 
 
+def test_the_same_request_is_drawn_once_and_its_arrays_are_read_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    draws: list[int] = []
+    real = partition_module._draw
+
+    def counting(*args: object) -> list[np.ndarray]:
+        draws.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(partition_module, "_draw", counting)
+    y = np.repeat(np.arange(10), 57)  # labels no other test partitions
+    spec = _spec("dirichlet", dirichlet_beta=0.2)
+    a = partition(y, 13, spec, seed=5)
+    b = partition(y, 13, spec, seed=5)
+    assert len(draws) == 1 and a is not b
+    assert all(np.array_equal(x, z) for x, z in zip(a, b, strict=True))
+    with pytest.raises(ValueError, match="read-only"):
+        a[0][0] = 1
+    other = y.copy()
+    other[:2] = other[:2][::-1] + 1  # other labels, same size: drawn again
+    partition(other, 13, spec, seed=5)
+    partition(y, 13, replace(spec, dirichlet_beta=0.3), seed=5)
+    assert len(draws) == 3
+
+
 def test_iid_uses_all_samples_with_equal_sizes() -> None:
     parts = partition(Y, 7, _spec("iid"), seed=0)
     flat = _check_disjoint(parts, len(Y), 7)
