@@ -118,19 +118,19 @@ def _draw(y: np.ndarray, num_clients: int, spec: DataSpec, kind: str,
 
 
 def _cached(key: tuple[object, ...], draw: Callable[[], list[np.ndarray]]) -> list[np.ndarray]:
+    # One lock over lookup and draw: the clusters' runtimes start together and would
+    # otherwise all miss and draw the same split at once (a draw holds the GIL anyway).
     with _cache_lock:
         hit = _cache.get(key)
-        if hit is not None:
-            _cache.move_to_end(key)
-            return list(hit)
-    parts = draw()
-    for part in parts:
-        part.setflags(write=False)
-    with _cache_lock:
-        _cache[key] = tuple(parts)
-        while len(_cache) > PARTITION_CACHE_SIZE:
-            _cache.popitem(last=False)
-    return list(parts)
+        if hit is None:
+            parts = draw()
+            for part in parts:
+                part.setflags(write=False)
+            hit = _cache[key] = tuple(parts)
+            while len(_cache) > PARTITION_CACHE_SIZE:
+                _cache.popitem(last=False)
+        _cache.move_to_end(key)
+        return list(hit)
 
 
 def label_histograms(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
@@ -50,6 +52,7 @@ def test_the_same_request_is_drawn_once_and_its_arrays_are_read_only(
 
     def counting(*args: object) -> list[np.ndarray]:
         draws.append(1)
+        time.sleep(0.05)  # a slow draw, so that callers at once overlap
         return real(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(partition_module, "_draw", counting)
@@ -66,6 +69,11 @@ def test_the_same_request_is_drawn_once_and_its_arrays_are_read_only(
     partition(other, 13, spec, seed=5)
     partition(y, 13, replace(spec, dirichlet_beta=0.3), seed=5)
     assert len(draws) == 3
+    # the clusters' runtimes ask at once: still one draw
+    with ThreadPoolExecutor(4) as pool:
+        splits = list(pool.map(lambda _: partition(y, 17, spec, seed=5), range(4)))
+    assert len(draws) == 4
+    assert all(np.array_equal(x, z) for s in splits for x, z in zip(s, splits[0], strict=True))
 
 
 def test_iid_uses_all_samples_with_equal_sizes() -> None:
