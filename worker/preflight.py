@@ -72,12 +72,13 @@ def trial_learning_rate(spec: JobSpec, dataset: Dataset, source: str = "<job>"
     """`worker.training.learning_rate_trial` of the job's model (built as the job builds
     it, from the job's seed) on its training samples as the job prepares them; {} under
     training.learning_rate_check = "off" or without samples. JobSpecError naming
-    ``model.name`` where the model fails to train (every client would fail the same)."""
+    ``model.name`` where the model fails to train (every client would fail the same), or
+    naming ``training.learning_rate`` where every rate tried diverged."""
     if spec.training.learning_rate_check == "off" or not len(dataset.y_train):
         return {}
     from fedcore.data.datasets import prepare
     from worker.models import build_model
-    from worker.training import learning_rate_trial
+    from worker.training import TRIAL_DIVERGED, TRIAL_EPOCHS, TRIAL_SAMPLES, learning_rate_trial
 
     data = prepare(dataset, spec.data)
     try:
@@ -91,6 +92,17 @@ def trial_learning_rate(spec: JobSpec, dataset: Dataset, source: str = "<job>"
             f"model.name {spec.model.name!r} fails to train on {spec.data.dataset}: "
             f"{type(exc).__name__}: {first} (in the learning-rate trial; "
             "training.learning_rate_check = \"off\" skips it)") from None
+    if found.diverged:
+        tried = ", ".join(f"{lr:g}: {loss:.3g}" for lr, loss in found.losses)
+        raise JobSpecError(
+            source, "training.learning_rate",
+            f"training.learning_rate {spec.training.learning_rate:g} makes model "
+            f"{spec.model.name!r} diverge on {spec.data.dataset}: after {TRIAL_EPOCHS} "
+            f"passes over {min(TRIAL_SAMPLES, len(data.y_train))} of its samples the loss "
+            f"is above {TRIAL_DIVERGED:g} x a uniform guess's ({found.uniform_loss:.3g}) at "
+            f"every rate tried ({tried}); set a learning_rate below "
+            f"{found.losses[-1][0]:g}, or training.learning_rate_check = \"off\" to "
+            "train at it anyway")
     return {"learning_rate": found.learning_rate,
             "trial": [[lr, loss] for lr, loss in found.losses],
             "uniform_loss": found.uniform_loss}

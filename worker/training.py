@@ -498,6 +498,16 @@ TRIAL_HALVINGS = 4
 #: guess's (ln classes): a model whose units died on too large a step ends at a uniform
 #: guess exactly (its outputs no longer depend on the input)
 TRIAL_LEARNED = 0.8
+#: ... and "diverged" when it is not finite or above this many x a uniform guess's (the
+#: aggregators' DIVERGED_LOSS): the step overshoots, and its half is tried like a dead
+#: model's. Measured (digits, a linear model, sgd momentum 0.9): lr 32 ends at 18.5, its
+#: half at 19.9; before, the trial stopped there (the half "gained nothing") and kept 32
+TRIAL_DIVERGED = 3.0
+
+
+def trial_diverged(loss: float, uniform: float) -> bool:
+    """Whether a trial run's `loss` diverged (`TRIAL_DIVERGED`)."""
+    return not loss <= TRIAL_DIVERGED * uniform
 
 
 @dataclass(frozen=True)
@@ -513,6 +523,12 @@ class LrTrial:
     def lowered(self) -> bool:
         return bool(self.losses) and self.learning_rate != self.losses[0][0]
 
+    @property
+    def diverged(self) -> bool:
+        """Every rate tried diverged (`trial_diverged`): the job's rate is far too large."""
+        return bool(self.losses) and all(trial_diverged(loss, self.uniform_loss)
+                                         for _, loss in self.losses)
+
 
 def learning_rate_trial(build: Callable[[], nn.Module], x: np.ndarray, y: np.ndarray,
                         training: TrainingSpec, classes: int, seed: int) -> LrTrial:
@@ -520,11 +536,14 @@ def learning_rate_trial(build: Callable[[], nn.Module], x: np.ndarray, y: np.nda
     passes over up to TRIAL_SAMPLES of (x, y), at `training.learning_rate`; where that
     does not learn (its loss ends above TRIAL_LEARNED x a uniform guess's), at each half
     of it (TRIAL_HALVINGS at most) while each ends below TRIAL_LEARNED x the best loss
-    before it (one that is not finite diverged, and is halved again): the one to train at is the last of those that learned. Where none does,
-    the job's (a slow model or hard data: its halves gain nothing either, and the trial
-    stops at the first). Measured (MNIST 4,000 images, centralized, one epoch at sgd 0.05, momentum
-    0.9, batches of 16): a tutorial CNN (3x3 convolutions without bias, BatchNorm, 128
-    dense units, dropout 0.5) ends at 0.100, its loss at ln 10; at 0.01, 0.917."""
+    before it; a run that diverged (`trial_diverged`) counts as no loss at all, and its
+    half is tried. The one to train at is the last of those that learned. Where none
+    does, the job's: a slow model or hard data, whose halves gain nothing either (the
+    trial stops at the first), or a rate at which every run diverged (`LrTrial.diverged`;
+    the caller says so). Measured (MNIST 4,000 images, centralized, one epoch at sgd 0.05,
+    momentum 0.9, batches of 16): a tutorial CNN (3x3 convolutions without bias,
+    BatchNorm, 128 dense units, dropout 0.5) ends at 0.100, its loss at ln 10; at 0.01,
+    0.917."""
     rng = np.random.default_rng(seed)
     pick = np.sort(rng.permutation(len(y))[:TRIAL_SAMPLES])
     xs, ys = np.asarray(x)[pick], np.asarray(y)[pick]
@@ -532,19 +551,20 @@ def learning_rate_trial(build: Callable[[], nn.Module], x: np.ndarray, y: np.nda
     trial = replace(training, number_of_epochs=TRIAL_EPOCHS, fedprox_mu=0.0)
     lr = float(training.learning_rate)
     losses: list[tuple[float, float]] = []
+    best = math.inf           # the lowest loss of the runs before that did not diverge
     chosen = lr
     for _ in range(TRIAL_HALVINGS + 1):
         model = build()
         train_local(model, xs, ys, replace(trial, learning_rate=lr), seed=seed)
         loss = evaluate(model, xs, ys).loss
-        value = loss if math.isfinite(loss) else math.inf   # diverged: halve it again
-        before = min((v for _, v in losses), default=math.inf)
-        losses.append((lr, value))
-        if math.isfinite(value) and not value < TRIAL_LEARNED * before:
-            break             # half of the rate before gained no more (a slow model: none)
-        if value < TRIAL_LEARNED * uniform:
-            chosen = lr
-            if len(losses) == 1:
-                break         # the job's own rate learns: kept
+        losses.append((lr, loss))
+        if not trial_diverged(loss, uniform):
+            if not loss < TRIAL_LEARNED * best:
+                break         # half of the rate before gained no more (a slow model: none)
+            best = loss
+            if loss < TRIAL_LEARNED * uniform:
+                chosen = lr
+                if len(losses) == 1:
+                    break     # the job's own rate learns: kept
         lr /= 2
     return LrTrial(chosen, tuple(losses), uniform)

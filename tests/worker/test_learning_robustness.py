@@ -18,7 +18,7 @@ from safetensors.numpy import load as st_load
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from fedcore.data import client_data, load_dataset  # noqa: E402
-from proto.job import AggregationSpec, JobSpec  # noqa: E402
+from proto.job import AggregationSpec, JobSpec, JobSpecError  # noqa: E402
 from tests.e2e.test_one_engine import job, run, tensor_bytes  # noqa: E402
 from worker.aggregators import get_aggregator  # noqa: E402
 
@@ -503,6 +503,50 @@ def test_a_learning_rate_that_kills_the_model_is_halved_before_the_job_starts(
     assert all(rate == 0.05 / 2 ** (i + 1) for i, (rate, _) in enumerate(halves))
     small = trial("usercnn:SmallCNN")
     assert small.learning_rate == 0.05 and len(small.losses) == 1 and not small.lowered
+
+
+def test_a_learning_rate_that_diverges_is_halved_and_one_that_always_does_is_refused(
+) -> None:
+    """A step that overshoots ends far above a uniform guess's loss (finite or not): its
+    half is tried like a dead model's, not taken for a slow model's. Where every rate
+    tried diverges the job is refused naming training.learning_rate, with each rate's
+    loss and the rate to go below."""
+    import torch
+    from torch import nn
+
+    from proto.job import JobSpec, TrainingSpec
+    from worker.preflight import trial_learning_rate
+    from worker.training import TRIAL_LEARNED, learning_rate_trial, trial_diverged
+
+    torch.set_num_threads(1)
+    data = load_dataset("digits")
+
+    def linear() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+
+    def trial(lr: float) -> Any:
+        return learning_rate_trial(linear, data.x_train, data.y_train,
+                                   TrainingSpec(learning_rate=lr), 10, seed=0)
+
+    found = trial(32.0)  # 32 and 16 overshoot (losses ~19); before, 32 was kept
+    assert trial_diverged(found.losses[0][1], found.uniform_loss), found
+    assert found.learning_rate < 16 and not found.diverged, found
+    assert dict(found.losses)[found.learning_rate] < TRIAL_LEARNED * found.uniform_loss
+    gone = trial(1e5)  # losses in the thousands at every half
+    assert gone.diverged and len(gone.losses) == 5 and gone.learning_rate == 1e5, gone
+    spec = JobSpec.from_dict({"data": {"dataset": "digits"}, "model": {"name": "mlp"},
+                              "training": {"learning_rate": 1000.0}})
+    with pytest.raises(JobSpecError, match=r"training\.learning_rate 1000 makes model 'mlp' "
+                       r"diverge on digits.*1000: .*62\.5: .*below 62\.5.*\"off\"") as exc:
+        trial_learning_rate(spec, data, "job.toml")
+    assert exc.value.key == "training.learning_rate"
+    with pytest.raises(JobSpecError, match=r"1e\+30: nan, 5e\+29: nan"):  # not a number
+        trial_learning_rate(replace(spec, training=replace(spec.training,
+                                                           learning_rate=1e30)), data)
+    kept = trial_learning_rate(replace(spec, training=replace(spec.training,
+                                                              learning_rate=0.05)), data)
+    assert kept["learning_rate"] == 0.05 and len(kept["trial"]) == 1
 
 
 @pytest.mark.slow
