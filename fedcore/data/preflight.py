@@ -65,11 +65,12 @@ def with_checked_learning_rate(spec: JobSpec, checked: ModelCheck) -> tuple[JobS
     if lr is None or lr == spec.training.learning_rate:
         return spec, ""
     tried = ", ".join(f"{rate:g}: {loss:.3f}" for rate, loss in checked.trial)
-    line = (f"training.learning_rate {spec.training.learning_rate:g} left model.name "
-            f"{spec.model.name!r} near a uniform guess (loss {checked.uniform_loss or 0:.3f}) "
-            f"in a short trial on its training samples (the loss after it, per rate: "
-            f"{tried}); the job trains at {lr:g}. training.learning_rate_check = \"off\" "
-            f"trains at {spec.training.learning_rate:g} anyway")
+    line = (f"training.learning_rate {spec.training.learning_rate:g} did not train "
+            f"model.name {spec.model.name!r} in a short trial on its training samples (the "
+            f"loss after it, per rate: {tried}; a uniform guess's: "
+            f"{checked.uniform_loss or 0:.3f}); the job trains at {lr:g}. "
+            f"training.learning_rate_check = \"off\" trains at "
+            f"{spec.training.learning_rate:g} anyway")
     return replace(spec, training=replace(spec.training, learning_rate=lr)), line
 
 

@@ -575,7 +575,7 @@ def test_submit_trains_at_the_trials_learning_rate_and_off_keeps_the_jobs(
     curve = run_job("auto")
     said = capsys.readouterr().err
     assert curve[-1] > CHANCE + 0.3, curve
-    assert ("training.learning_rate 0.05 left model.name 'usercnn:TutorialCNN'" in said
+    assert ("training.learning_rate 0.05 did not train model.name 'usercnn:TutorialCNN'" in said
             and 'learning_rate_check = "off"' in said), said
 
 
