@@ -8,12 +8,13 @@ and `plan` never import this module (nor torch): they start it.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from fedcore.data import Dataset
-from fedcore.data.preflight import check_job_data
+from fedcore.data.preflight import PROGRESS, check_job_data
 from proto.job import JobSpec, JobSpecError
 
 
@@ -70,21 +71,32 @@ def check_model(spec: JobSpec, source: str, dataset: Dataset) -> int:
 def trial_learning_rate(spec: JobSpec, dataset: Dataset, source: str = "<job>"
                         ) -> dict[str, Any]:
     """`worker.training.learning_rate_trial` of the job's model (built as the job builds
-    it, from the job's seed) on its training samples as the job prepares them; {} under
-    training.learning_rate_check = "off" or without samples. JobSpecError naming
+    it, from the job's seed) on its training samples as the job prepares them, for a
+    model of the user's own (`module:Class`: what `submit` checks here; `plan` and a DP
+    job measure a built-in model too, and a trial there would show a rate `submit` does
+    not use); {} under training.learning_rate_check = "off" or without samples. JobSpecError naming
     ``model.name`` where the model fails to train (every client would fail the same), or
     naming ``training.learning_rate`` where every rate tried diverged."""
-    if spec.training.learning_rate_check == "off" or not len(dataset.y_train):
-        return {}
+    if (spec.training.learning_rate_check == "off" or not len(dataset.y_train)
+            or ":" not in spec.model.name):
+        return {}  # the built-in models train at the defaults (bench_learning's grid)
     from fedcore.data.datasets import prepare
     from worker.models import build_model
     from worker.training import TRIAL_DIVERGED, TRIAL_EPOCHS, TRIAL_SAMPLES, learning_rate_trial
 
     data = prepare(dataset, spec.data)
+    samples = min(TRIAL_SAMPLES, len(data.y_train))
+
+    def progress(lr: float, loss: float) -> None:  # `fedcore.data.preflight` relays it
+        print(f"{PROGRESS}learning-rate trial of model.name {spec.model.name!r}: "
+              f"{lr:g} -> loss {loss:.3f} after {TRIAL_EPOCHS} passes over {samples} "
+              f"samples (a uniform guess's: {math.log(max(2, data.num_classes)):.3f})",
+              file=sys.stderr, flush=True)
+
     try:
         found = learning_rate_trial(
             lambda: build_model(spec.model, data.input_shape, data.num_classes, seed=spec.seed),
-            data.x_train, data.y_train, spec.training, data.num_classes, spec.seed)
+            data.x_train, data.y_train, spec.training, data.num_classes, spec.seed, progress)
     except Exception as exc:  # noqa: BLE001 - user code may raise anything
         first = _first_line(exc)
         raise JobSpecError(
@@ -98,7 +110,7 @@ def trial_learning_rate(spec: JobSpec, dataset: Dataset, source: str = "<job>"
             source, "training.learning_rate",
             f"training.learning_rate {spec.training.learning_rate:g} makes model "
             f"{spec.model.name!r} diverge on {spec.data.dataset}: after {TRIAL_EPOCHS} "
-            f"passes over {min(TRIAL_SAMPLES, len(data.y_train))} of its samples the loss "
+            f"passes over {samples} of its samples the loss "
             f"is above {TRIAL_DIVERGED:g} x a uniform guess's ({found.uniform_loss:.3g}) at "
             f"every rate tried ({tried}); set a learning_rate below "
             f"{found.losses[-1][0]:g}, or training.learning_rate_check = \"off\" to "

@@ -531,7 +531,8 @@ class LrTrial:
 
 
 def learning_rate_trial(build: Callable[[], nn.Module], x: np.ndarray, y: np.ndarray,
-                        training: TrainingSpec, classes: int, seed: int) -> LrTrial:
+                        training: TrainingSpec, classes: int, seed: int,
+                        progress: Callable[[float, float], None] | None = None) -> LrTrial:
     """Train fresh models from `build()` (the job's seeded initial model) for TRIAL_EPOCHS
     passes over up to TRIAL_SAMPLES of (x, y), at `training.learning_rate`; where that
     does not learn (its loss ends above TRIAL_LEARNED x a uniform guess's), at each half
@@ -543,7 +544,7 @@ def learning_rate_trial(build: Callable[[], nn.Module], x: np.ndarray, y: np.nda
     the caller says so). Measured (MNIST 4,000 images, centralized, one epoch at sgd 0.05,
     momentum 0.9, batches of 16): a tutorial CNN (3x3 convolutions without bias,
     BatchNorm, 128 dense units, dropout 0.5) ends at 0.100, its loss at ln 10; at 0.01,
-    0.917."""
+    0.917. `progress(rate, loss)` after each run."""
     rng = np.random.default_rng(seed)
     pick = np.sort(rng.permutation(len(y))[:TRIAL_SAMPLES])
     xs, ys = np.asarray(x)[pick], np.asarray(y)[pick]
@@ -558,6 +559,8 @@ def learning_rate_trial(build: Callable[[], nn.Module], x: np.ndarray, y: np.nda
         train_local(model, xs, ys, replace(trial, learning_rate=lr), seed=seed)
         loss = evaluate(model, xs, ys).loss
         losses.append((lr, loss))
+        if progress is not None:
+            progress(lr, loss)
         if not trial_diverged(loss, uniform):
             if not loss < TRIAL_LEARNED * best:
                 break         # half of the rate before gained no more (a slow model: none)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, replace
 
 from proto.job import JobSpec, JobSpecError
@@ -74,15 +75,63 @@ def with_checked_learning_rate(spec: JobSpec, checked: ModelCheck) -> tuple[JobS
     return replace(spec, training=replace(spec.training, learning_rate=lr)), line
 
 
+#: the prefix of the child's stderr lines meant for the user (progress of the trial);
+#: its other stderr (warnings, a traceback) is kept for the error message
+PROGRESS = "preflight: "
+
+
 def check_model_in_child(spec: JobSpec, source: str, timeout: float = 600) -> ModelCheck:
     """`worker.preflight.main` in a fresh Python (same environment), for callers without
-    torch; what it found (empty where the child did not say)."""
-    proc = subprocess.run([sys.executable, "-m", "worker.preflight", source],
-                          input=json.dumps(spec.to_dict()), capture_output=True, text=True,
-                          timeout=timeout)
+    torch; what it found (empty where the child did not say). Its progress lines go to
+    our stderr as they come (a large model's learning-rate trial takes a while); a child
+    past `timeout` seconds is killed and the job refused naming ``model.name``."""
+    proc = subprocess.Popen([sys.executable, "-m", "worker.preflight", source],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    errors: list[str] = []
+    out: list[str] = []
+
+    def relay() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if line.startswith(PROGRESS):
+                print(line.rstrip("\n"), file=sys.stderr, flush=True)
+            else:
+                errors.append(line)
+
+    def collect() -> None:
+        assert proc.stdout is not None
+        out.append(proc.stdout.read())
+
+    readers = [threading.Thread(target=f, name=f"preflight-{f.__name__}", daemon=True)
+               for f in (relay, collect)]
+    for reader in readers:
+        reader.start()
+    try:
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(json.dumps(spec.to_dict()))
+            proc.stdin.close()
+        except BrokenPipeError:  # the child died at once: its stderr says why
+            pass
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise JobSpecError(
+            source, "model.name",
+            f"model.name {spec.model.name!r}: checking the data, the model and its "
+            f"learning rate took longer than {timeout:g} s; training.learning_rate_check = "
+            "\"off\" skips the trial, its longest part") from None
+    finally:
+        if proc.poll() is None:  # timed out, or we were interrupted: no child left behind
+            proc.kill()
+            proc.wait()
+        for reader in readers:
+            reader.join(timeout=5)
+    stdout = "".join(out)
+    proc_stderr = "".join(errors)
     if proc.returncode == 0:
         try:
-            said = json.loads(proc.stdout.strip().splitlines()[-1])
+            said = json.loads(stdout.strip().splitlines()[-1])
             lr = said.get("learning_rate")
             return ModelCheck(
                 model_bytes=int(said["model_bytes"]),
@@ -93,9 +142,9 @@ def check_model_in_child(spec: JobSpec, source: str, timeout: float = 600) -> Mo
         except (IndexError, ValueError, KeyError, TypeError, AttributeError):
             return ModelCheck()
     try:
-        verdict = json.loads(proc.stdout.strip().splitlines()[-1])
+        verdict = json.loads(stdout.strip().splitlines()[-1])
         key, message = str(verdict["key"]), str(verdict["message"])
     except (IndexError, ValueError, KeyError, TypeError):
-        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        tail = proc_stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
         key, message = "model.name", f"model.name {spec.model.name!r}: the model check failed: {tail[0]}"
     raise JobSpecError(source, key, message)

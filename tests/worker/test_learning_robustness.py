@@ -5,6 +5,7 @@ job that acts. The user models are bench/usercnn.py's, by `module:Class`."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 from dataclasses import replace
@@ -535,10 +536,12 @@ def test_a_learning_rate_that_diverges_is_halved_and_one_that_always_does_is_ref
     assert dict(found.losses)[found.learning_rate] < TRIAL_LEARNED * found.uniform_loss
     gone = trial(1e5)  # losses in the thousands at every half
     assert gone.diverged and len(gone.losses) == 5 and gone.learning_rate == 1e5, gone
-    spec = JobSpec.from_dict({"data": {"dataset": "digits"}, "model": {"name": "mlp"},
+    spec = JobSpec.from_dict({"data": {"dataset": "digits"},
+                              "model": {"name": "usercnn:SmallCNN"},
                               "training": {"learning_rate": 1000.0}})
-    with pytest.raises(JobSpecError, match=r"training\.learning_rate 1000 makes model 'mlp' "
-                       r"diverge on digits.*1000: .*62\.5: .*below 62\.5.*\"off\"") as exc:
+    with pytest.raises(JobSpecError, match=r"training\.learning_rate 1000 makes model "
+                       r"'usercnn:SmallCNN' diverge on digits.*1000: .*62\.5: .*below 62\.5"
+                       r".*\"off\"") as exc:
         trial_learning_rate(spec, data, "job.toml")
     assert exc.value.key == "training.learning_rate"
     with pytest.raises(JobSpecError, match=r"1e\+30: nan, 5e\+29: nan"):  # not a number
@@ -547,6 +550,43 @@ def test_a_learning_rate_that_diverges_is_halved_and_one_that_always_does_is_ref
     kept = trial_learning_rate(replace(spec, training=replace(spec.training,
                                                               learning_rate=0.05)), data)
     assert kept["learning_rate"] == 0.05 and len(kept["trial"]) == 1
+    # a built-in model trains at the job's rate: submit does not try it, so plan does not
+    assert trial_learning_rate(replace(spec, model=replace(spec.model, name="mlp")), data) == {}
+
+
+def test_the_trials_progress_reaches_the_user_and_a_stuck_check_is_killed(
+        capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """submit and plan check a user model in a child Python: each trial run's loss is a
+    line on our stderr as it comes (a large model's trial takes a while), and a child
+    past its time is killed and the job refused naming model.name."""
+    import uuid
+
+    from fedcore.data.preflight import PROGRESS, check_model_in_child
+
+    bench = str(Path(__file__).resolve().parents[2] / "bench")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([bench, str(Path.cwd())]))
+    spec = JobSpec.from_dict({"data": {"dataset": "digits", "number_of_clients": 4},
+                              "model": {"name": "usercnn:SmallCNN"},
+                              "training": {"learning_rate": 1000.0}})
+    with pytest.raises(JobSpecError) as exc:
+        check_model_in_child(spec, "job.toml")
+    assert exc.value.key == "training.learning_rate"
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith(PROGRESS)]
+    assert len(lines) == 5 and "'usercnn:SmallCNN': 1000 -> loss" in lines[0], lines
+    source = f"stuck-{uuid.uuid4().hex}.toml"
+    with pytest.raises(JobSpecError, match=r"model.name 'usercnn:SmallCNN': checking .* "
+                       r"longer than 0.5 s.*learning_rate_check") as exc:
+        check_model_in_child(spec, source, timeout=0.5)
+    assert exc.value.key == "model.name"
+
+    def cmdline(path: Path) -> bytes:
+        try:
+            return path.read_bytes()
+        except OSError:  # gone since the listing
+            return b""
+
+    left = [p for p in Path("/proc").glob("[0-9]*/cmdline") if source.encode() in cmdline(p)]
+    assert not left, left
 
 
 @pytest.mark.slow
