@@ -121,6 +121,34 @@ def test_the_table_gives_each_job_its_mean_gap_over_the_cells() -> None:
     assert "mean_minus_fedavg" not in table["star+fedavg"]
 
 
+def test_the_table_says_which_misses_hold_over_the_last_rounds() -> None:
+    """A last round that swings below the reference loop is a miss the issue counts; the
+    table also lists the misses that hold on the mean of the last 3 rounds (slack and
+    0.95 x centralized as for the last round; an adaptive job against FedAvg's curve)."""
+    cell = _measured(0, 0.80, star_fedavg=0.78, star_fedadam=0.70, hybrid_fedavg=0.76,
+                     hybrid_fedadam=0.72)
+    cell["reference_curve"] = [0.5, 0.80, 0.78, 0.80]
+    curves = {"star+fedavg": [0.5, 0.80, 0.79, 0.78],      # swung: last 3 0.79 vs 0.7933
+              "star+fedadam": [0.5, 0.72, 0.71, 0.70],     # holds: 0.71
+              "hybrid+fedavg": [0.5, 0.74, 0.75, 0.76],    # holds: 0.75
+              "hybrid+fedadam": [0.5, 0.75, 0.76, 0.72]}   # vs hybrid fedavg: 0.7433 ~ 0.75
+    for job, curve in curves.items():
+        cell["jobs"][job]["curve"] = curve
+    table = bench.grid_table([cell])
+    assert len(table["star+fedavg"]["cells_below_reference"]) == 1
+    assert table["star+fedavg"]["cells_below_reference_last3"] == []
+    assert table["star+fedadam"]["cells_below_reference_last3"] == [
+        "digits/m/b0.1/n20/s0 (-0.0833)"]
+    assert table["star+fedadam"]["adaptive_below_fedavg_last3"] == [
+        "digits/m/b0.1/n20/s0 (-0.0800)"]
+    assert len(table["hybrid+fedavg"]["cells_below_reference_last3"]) == 1
+    assert len(table["hybrid+fedadam"]["adaptive_below_fedavg"]) == 1      # 0.72 < 0.76 - 0.01
+    assert table["hybrid+fedadam"]["adaptive_below_fedavg_last3"] == []    # -0.0067
+    near = {**cell, "centralized_best": 0.76}  # >= 0.95 x centralized: no miss
+    assert bench.last3_verdicts(near, "hybrid+fedavg")[0] is None
+    assert bench.last3_verdicts({**cell, "reference_curve": []}, "star+fedadam") == (None, None)
+
+
 def test_resume_runs_only_the_cells_not_yet_measured(tmp_path: Path, monkeypatch: Any) -> None:
     cells = bench.grid_cells("medium", ["table"], ["mlp"], betas=[0.3], clients=[20],
                              seeds=[0, 1])
