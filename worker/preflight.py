@@ -74,9 +74,9 @@ def trial_learning_rate(spec: JobSpec, dataset: Dataset, source: str = "<job>"
     it, from the job's seed) on its training samples as the job prepares them, for a
     model of the user's own (`module:Class`: what `submit` checks here; `plan` and a DP
     job measure a built-in model too, and a trial there would show a rate `submit` does
-    not use); {} under training.learning_rate_check = "off" or without samples. JobSpecError naming
-    ``model.name`` where the model fails to train (every client would fail the same), or
-    naming ``training.learning_rate`` where every rate tried diverged."""
+    not use); {} under training.learning_rate_check = "off" or without samples.
+    JobSpecError naming ``model.name`` where the model fails to train (every client
+    would fail the same), or ``training.learning_rate`` where every rate tried diverged."""
     if (spec.training.learning_rate_check == "off" or not len(dataset.y_train)
             or ":" not in spec.model.name):
         return {}  # the built-in models train at the defaults (bench_learning's grid)
