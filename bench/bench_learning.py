@@ -774,26 +774,17 @@ def last3_verdicts(cell: dict[str, Any], job: str) -> tuple[float | None, float 
     rounds (digits BNCNN beta 0.1 / 50 / s1) or 14 (beta 0.1 / 20 / s0), then its float
     sums' rounding sends it another way: last rounds 0.922 against 0.936, 0.880 against
     0.889. The issue judges the last round; this says which misses are that swing."""
-    row = cell["jobs"].get(job, {})
     reference = cell.get("reference_curve")
-    if "curve" not in row or not reference:
+    tails = {j: float(np.mean(r["curve"][-LAST_ROUNDS:]))
+             for j, r in cell["jobs"].items() if r.get("curve")}
+    if job not in tails or not reference:
         return None, None
-
-    def tail(curve: list[float]) -> float:
-        return float(np.mean(curve[-LAST_ROUNDS:]))
-
-    topology, aggregation = job.split("+")[:2]
-    slack = 0.02 if topology in ("k_connected", "ring") else 0.01
-    mine, theirs = tail(row["curve"]), tail(reference)
+    ref = float(np.mean(reference[-LAST_ROUNDS:]))
     best = cell.get("centralized_best") or cell.get("centralized") or float("nan")
-    below = (round(mine - theirs, 4) if mine - theirs < -slack - 1e-9
-             and not mine / best >= 0.95 else None)
-    adaptive_below = None
-    if aggregation in ("fedadam", "fedyogi", "fedadagrad"):
-        fedavg = next((cell["jobs"][j]["curve"] for j in (f"{topology}+fedavg", "star+fedavg")
-                       if "curve" in cell["jobs"].get(j, {})), reference)
-        gap = mine - tail(fedavg)
-        adaptive_below = round(gap, 4) if gap < -0.01 - 1e-9 else None
+    verdict = judge(job, tails[job], ref, best, tails)
+    below = None if verdict["meets_reference"] else round(tails[job] - ref, 4)
+    adaptive_below = (round(tails[job] - fedavg_of(job, tails, ref), 4)
+                      if verdict.get("adaptive_meets_fedavg") is False else None)
     return below, adaptive_below
 
 
@@ -810,6 +801,7 @@ def grid_table(cells: list[dict[str, Any]]) -> dict[str, Any]:
     for cell in cells:
         where = (f"{cell['dataset']}/{cell['model']}/b{cell['beta']}/n{cell['clients']}"
                  f"/s{cell['seed']}" + training_tag(cell.get("training")))
+        finals = {j: r["final"] for j, r in cell["jobs"].items() if "final" in r}
         for job, row in cell["jobs"].items():
             entry = table.setdefault(job, {"cells": 0, "worst_minus_reference": None,
                                            "worst_over_centralized": None,
@@ -849,17 +841,21 @@ def grid_table(cells: list[dict[str, Any]]) -> dict[str, Any]:
             gap = gaps.setdefault(job, {"reference": [], "fedavg": []})
             gap["reference"].append(row["final"] - cell["reference_fedavg"])
             if "adaptive_meets_fedavg" in row:
-                topology = job.split("+")[0]
-                fedavg = next((cell["jobs"][j]["final"] for j in (f"{topology}+fedavg",
-                                                                   "star+fedavg")
-                               if "final" in cell["jobs"].get(j, {})),
-                              cell["reference_fedavg"])
+                fedavg = fedavg_of(job, finals, cell["reference_fedavg"])
                 gap["fedavg"].append(row["final"] - fedavg)
     for job, gap in gaps.items():
         for against, diffs in gap.items():
             if diffs:
                 table[job][f"mean_minus_{against}"] = round(float(np.mean(diffs)), 4)
     return table
+
+
+def fedavg_of(job: str, finals: dict[str, float], reference: float) -> float:
+    """What an adaptive `job` is judged against in `finals`: FedAvg on its own topology,
+    where that job was run, else star's, else the reference loop (plain FedAvg)."""
+    topology = job.split("+")[0]
+    return next((finals[j] for j in (f"{topology}+fedavg", "star+fedavg") if j in finals),
+                reference)
 
 
 def judge(job: str, final: float, reference: float, centralized: float,
@@ -873,8 +869,7 @@ def judge(job: str, final: float, reference: float, centralized: float,
     out: dict[str, Any] = {"meets_reference": bool(round(final - reference, 4) >= -slack
                                                    or round(final / centralized, 4) >= 0.95)}
     if aggregation in ("fedadam", "fedyogi", "fedadagrad"):
-        fedavg = next((finals[j] for j in (f"{topology}+fedavg", "star+fedavg") if j in finals),
-                      reference)
+        fedavg = fedavg_of(job, finals, reference)
         out["adaptive_meets_fedavg"] = (bool(final >= fedavg - 0.01) if math.isfinite(fedavg)
                                         else None)
     return out
