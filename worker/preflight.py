@@ -8,7 +8,6 @@ and `plan` never import this module (nor torch): they start it.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -82,7 +81,13 @@ def trial_learning_rate(spec: JobSpec, dataset: Dataset, source: str = "<job>"
         return {}  # the built-in models train at the defaults (bench_learning's grid)
     from fedcore.data.datasets import prepare
     from worker.models import build_model
-    from worker.training import TRIAL_DIVERGED, TRIAL_EPOCHS, TRIAL_SAMPLES, learning_rate_trial
+    from worker.training import (
+        TRIAL_DIVERGED,
+        TRIAL_EPOCHS,
+        TRIAL_SAMPLES,
+        learning_rate_trial,
+        uniform_loss,
+    )
 
     data = prepare(dataset, spec.data)
     samples = min(TRIAL_SAMPLES, len(data.y_train))
@@ -90,7 +95,7 @@ def trial_learning_rate(spec: JobSpec, dataset: Dataset, source: str = "<job>"
     def progress(lr: float, loss: float) -> None:  # `fedcore.data.preflight` relays it
         print(f"{PROGRESS}learning-rate trial of model.name {spec.model.name!r}: "
               f"{lr:g} -> loss {loss:.3f} after {TRIAL_EPOCHS} passes over {samples} "
-              f"samples (a uniform guess's: {math.log(max(2, data.num_classes)):.3f})",
+              f"samples (a uniform guess's: {uniform_loss(data.num_classes):.3f})",
               file=sys.stderr, flush=True)
 
     try:

@@ -511,6 +511,11 @@ TRIAL_GOOD = 0.5
 TRIAL_DIVERGED = 3.0
 
 
+def uniform_loss(classes: int) -> float:
+    """The cross-entropy of a uniform guess over `classes` (at least 2): ln classes."""
+    return math.log(max(2, classes))
+
+
 def trial_diverged(loss: float, uniform: float) -> bool:
     """Whether a trial run's `loss` diverged (`TRIAL_DIVERGED`)."""
     return not loss <= TRIAL_DIVERGED * uniform
@@ -555,7 +560,7 @@ def learning_rate_trial(build: Callable[[], nn.Module], x: np.ndarray, y: np.nda
     rng = np.random.default_rng(seed)
     pick = np.sort(rng.permutation(len(y))[:TRIAL_SAMPLES])
     xs, ys = np.asarray(x)[pick], np.asarray(y)[pick]
-    uniform = math.log(max(2, classes))
+    uniform = uniform_loss(classes)
     trial = replace(training, number_of_epochs=TRIAL_EPOCHS, fedprox_mu=0.0)
     lr = float(training.learning_rate)
     losses: list[tuple[float, float]] = []
