@@ -12,6 +12,7 @@ the output size wrong.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -141,6 +142,8 @@ def check_model_in_child(spec: JobSpec, source: str, timeout: float = 600) -> Mo
                               else None))
         except (IndexError, ValueError, KeyError, TypeError, AttributeError):
             return ModelCheck()
+    if proc.returncode < 0:  # killed from outside (the OOM killer's SIGKILL): not the spec
+        raise JobSpecError(source, "model.name", killed_message(spec, -proc.returncode))
     try:
         verdict = json.loads(stdout.strip().splitlines()[-1])
         key, message = str(verdict["key"]), str(verdict["message"])
@@ -148,3 +151,18 @@ def check_model_in_child(spec: JobSpec, source: str, timeout: float = 600) -> Mo
         tail = proc_stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
         key, message = "model.name", f"model.name {spec.model.name!r}: the model check failed: {tail[0]}"
     raise JobSpecError(source, key, message)
+
+
+def killed_message(spec: JobSpec, signum: int) -> str:
+    """What to say of a check whose child a signal ended: which, the likeliest sender, and
+    the way on (the job itself was not found wrong, so nothing of it is changed)."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    cause = (" (the kernel's out-of-memory killer sends it: the model or its trial batch "
+             "may not fit in memory)" if signum == signal.SIGKILL else "")
+    return (f"model.name {spec.model.name!r}: the process checking the model and its "
+            f"learning rate was killed by {name}{cause} before it finished; nothing was "
+            "started. Submit again, or set training.learning_rate_check = \"off\" to skip "
+            "the trial, the check's longest part")

@@ -618,6 +618,40 @@ def test_the_trials_progress_reaches_the_user_and_a_stuck_check_is_killed(
     assert not left, left
 
 
+def test_a_check_killed_mid_trial_is_refused_naming_the_signal_and_the_way_on(
+        tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child checking a user model dies by SIGKILL (what the OOM killer sends) in the
+    middle of its learning-rate trial: the job is refused naming model.name, the signal
+    and what to do, not "exit code -9" or a traceback."""
+    from fedcore.data.preflight import PROGRESS, check_model_in_child
+
+    (tmp_path / "dies.py").write_text(
+        "import os, signal, torch\n"
+        "class DiesInTrial(torch.nn.Module):\n"
+        "    calls = 0\n"
+        "    def __init__(self, input_shape, num_classes):\n"
+        "        super().__init__()\n"
+        "        self.head = torch.nn.Linear(64, num_classes)\n"
+        "    def forward(self, x):\n"
+        "        if self.training:\n"
+        "            DiesInTrial.calls += 1\n"
+        "            if DiesInTrial.calls == 100:  # a run is 64 steps: in the second rate's\n"
+        "                os.kill(os.getpid(), signal.SIGKILL)\n"
+        "        return self.head(x.reshape(x.shape[0], -1))\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(Path.cwd())]))
+    spec = JobSpec.from_dict({"data": {"dataset": "digits", "number_of_clients": 4},
+                              "model": {"name": "dies:DiesInTrial"},
+                              "training": {"learning_rate": 1000.0}})
+    with pytest.raises(JobSpecError) as exc:
+        check_model_in_child(spec, "job.toml")
+    said = str(exc.value)
+    assert exc.value.key == "model.name" and "'dies:DiesInTrial'" in said, said
+    assert "killed by SIGKILL" in said and "out-of-memory" in said, said
+    assert 'learning_rate_check = "off"' in said and "exit code" not in said, said
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith(PROGRESS)]
+    assert lines and "'dies:DiesInTrial': 1000 -> loss" in lines[0], lines  # it was mid-trial
+
+
 @pytest.mark.slow
 def test_submit_trains_at_the_trials_learning_rate_and_off_keeps_the_jobs(
         mnist_file: str, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
