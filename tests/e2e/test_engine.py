@@ -574,6 +574,33 @@ def test_updates_are_checked_against_the_plan() -> None:
     assert not transport.deliver_remote(round=1, source_cluster="b", **fields)  # a repeat
 
 
+def test_a_members_negative_batchnorm_statistics_are_refused_and_nothing_is_kept() -> None:
+    """A variance below 0 is finite, so the NaN check let it through: averaged into the
+    job's model, it made sqrt(var + eps) NaN in every evaluation after. Refused as it
+    arrives, naming the tensor; the same update with honest statistics is taken."""
+    template = {"conv.weight": np.zeros((2, 2), np.float32),
+                "bn.running_mean": np.zeros(2, np.float32),
+                "bn.running_var": np.ones(2, np.float32),
+                "bn.num_batches_tracked": np.array(3, np.int64)}
+    mailbox = Mailbox()
+    transport = HybridTransport(job_id="j", local_cluster="a",
+                                locate={"server": "a", "c0": "b"}.__getitem__,
+                                mailbox=mailbox, resolve=lambda h: h, codec=PlainCodec(),
+                                link=Links(), template=template)
+    fields = dict(job_id="j", source_node="c0", target_node="server", round=1,
+                  source_cluster="b")
+    for name, bad in (("bn.running_var", np.array([1.0, -0.5], np.float32)),
+                      ("bn.num_batches_tracked", np.array(-1, np.int64))):
+        body = encode({**template, name: bad}, kind="up", samples=3)
+        with pytest.raises(DeliveryRefused, match=f"{name!r} holds negative values"):
+            transport.deliver_remote(payload=body, **fields)
+        assert len(mailbox) == 0
+    # a mean below 0 is a mean: taken
+    honest = {**template, "bn.running_mean": np.array([-3.0, 2.0], np.float32)}
+    assert transport.deliver_remote(payload=encode(honest, kind="up", samples=3), **fields)
+    assert len(mailbox) == 1
+
+
 def test_a_member_cannot_inflate_its_weight_in_an_average() -> None:
     graph, _ = graph_of("star", 2)
     placement = {"server": "a", "c0": "a", "c1": "b"}

@@ -33,6 +33,10 @@ log = logging.getLogger("fedpilot.executor")
 
 #: Backoff between attempts of one update (seconds; doubled per attempt, capped, jittered).
 RETRY_FIRST, RETRY_MAX = 0.2, 2.0
+#: BatchNorm buffers no honest model holds below 0 (torch's names, the tensor name's last
+#: part): a member's negative variance passes every finiteness check, and averaged into the
+#: job's model it makes sqrt(var + eps) NaN in every evaluation after
+NONNEGATIVE_BUFFERS = ("running_var", "num_batches_tracked")
 #: A target cluster whose daemon says it has no executor for the job this long is taken
 #: as gone (its daemon restarted without it, or it exited): the send fails naming that,
 #: and the scheduler's fault path (lease, re-plan) takes over from there.
@@ -393,6 +397,10 @@ class HybridTransport:
                                       f"job's model has {shape}")
             if not finite(value):
                 raise DeliveryRefused(f"{what}: tensor {name!r} holds NaN or infinite values")
+            if name.rpartition(".")[2] in NONNEGATIVE_BUFFERS and bool((value < 0).any()):
+                raise DeliveryRefused(f"{what}: tensor {name!r} holds negative values (no "
+                                      "variance or batch count is below 0; averaged in, it "
+                                      "would break every model that evaluates with it)")
             out[name] = value if value.dtype == dtype else value.astype(dtype)
         return out
 
