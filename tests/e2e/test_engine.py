@@ -601,6 +601,28 @@ def test_a_members_negative_batchnorm_statistics_are_refused_and_nothing_is_kept
     assert len(mailbox) == 1
 
 
+def test_a_migrating_nodes_state_that_lies_is_refused_and_nothing_is_taken() -> None:
+    """restore_aggregator (a node moving in, a checkpoint) checks the state against the
+    job's model before it takes any of it: a negative second moment, a hybrid anchor of
+    another shape or with NaN; AggregationError, and the node has no state after."""
+    from worker.aggregators import AggregationError
+    from worker.executor.engine import ANCHOR
+
+    graph, _ = graph_of("star", 2)
+    engines, _ = build(graph, {"server": "a", "c0": "a", "c1": "b"},
+                       aggregator=lambda: get_aggregator(AggregationSpec(name="fedadam")))
+    engine = engines["a"]
+    honest = {"m/w": np.zeros((2, 2)), "v/w": np.ones((2, 2)), "t/w": np.array(3)}
+    for lie, needle in (({"v/w": -np.ones((2, 2))}, "negative"),
+                        ({ANCHOR + "w": np.zeros((3, 2))}, "anchor tensor 'w' has shape"),
+                        ({ANCHOR + "w": np.full((2, 2), np.nan)}, "anchor tensor 'w' holds NaN")):
+        with pytest.raises(AggregationError, match=needle):
+            engine.restore_aggregator("server", {**honest, **lie})
+        assert engine.aggregator_state("server") == {}
+    engine.restore_aggregator("server", {**honest, ANCHOR + "w": np.ones((2, 2))})
+    assert set(engine.aggregator_state("server")) == {"m/w", "v/w", "t/w", ANCHOR + "w"}
+
+
 def test_a_member_cannot_inflate_its_weight_in_an_average() -> None:
     graph, _ = graph_of("star", 2)
     placement = {"server": "a", "c0": "a", "c1": "b"}

@@ -229,6 +229,47 @@ def test_adaptive_state_moves_between_instances() -> None:
     assert a.state_dict() == {}
 
 
+@pytest.mark.parametrize("name", ["fedadam", "fedyogi", "fedadagrad", "fedavgm"])
+def test_a_server_state_that_lies_is_refused_naming_the_key_and_the_old_one_kept(
+        name: str) -> None:
+    """A migrating node's aggregator state comes from the cluster that held it, which may
+    lie: a negative second moment made sqrt NaN, a round count of 0 made Adam's bias
+    correction divide by 0, a negative step scale turned every server step around, another
+    shape broke the next round. Each is refused naming the key; the state held is kept."""
+    model = _w([0, 0])
+    honest = _agg(name)
+    honest.classes = 10
+    honest.aggregate(model, [(_w([1, -1]), 1)])
+    assert honest.observe(model, accuracy=0.5, loss=1.0) is None   # guard, start, best
+    honest.aggregate(model, [(_w([3, 1]), 1)])
+    state = honest.state_dict()
+    assert {"guard/best_loss", "start/w", "best/w"} <= state.keys(), state.keys()
+    agg = _agg(name)
+    agg.load_state_dict(state, model)   # the honest one is taken as it is
+    assert agg.state_dict().keys() == state.keys()
+    kept = agg.state_dict()
+    moment = "velocity/w" if name == "fedavgm" else "m/w"
+    lies = [({moment: np.zeros(3)}, "has shape"),
+            ({moment: np.array([np.nan, 0.0])}, "NaN"),
+            ({"velocity/x" if name == "fedavgm" else "m/x": np.zeros(2)}, "names no tensor"),
+            ({"mystery/w": np.zeros(2)}, "keeps no 'mystery'"),
+            ({"guard/scale": np.array(-0.5)}, "guard/scale' must be one number"),
+            ({"guard/gain": np.array(1.0)}, "is unknown"),
+            ({"best/w": np.ones(5)}, "has shape"),
+            ({"nodash": np.zeros(2)}, "slot/tensor"),
+            ({moment: np.array(["a", "b"])}, "not numbers")]
+    if name != "fedavgm":
+        lies += [({"v/w": np.array([1.0, -1.0])}, "negative"),
+                 ({"t/w": np.array(0)}, "round count"),
+                 ({"t/w": np.array(1.5)}, "round count"),
+                 ({"t/w": np.array([1, 2])}, "round count")]
+    for lie, needle in lies:
+        with pytest.raises(AggregationError, match=needle):
+            agg.load_state_dict({**state, **lie}, model)
+        assert {k: v.tolist() for k, v in agg.state_dict().items()} == {
+            k: v.tolist() for k, v in kept.items()}, lie
+
+
 def test_median_coordinatewise_odd_and_even() -> None:
     agg = _agg("median")
     g = _w([0, 0], [0])

@@ -58,6 +58,15 @@ COLLAPSE_SHARE = 0.5
 DIVERGED_LOSS = 3.0
 #: state slots of `Aggregator.observe`
 GUARD, BEST, START = "guard", "best", "start"
+#: what a state from another cluster (a migrating node, a checkpoint) may hold, checked by
+#: `Aggregator.load_state_dict` before any of it is taken: per slot, "model" (tensors of the
+#: job's model, its names and shapes), "nonnegative" (the same, none below 0: a second
+#: moment), "rounds" (one whole count >= 1 per tensor: Adam's bias correction divides by
+#: 1 - beta^t, so t = 0 made the step infinite); each subclass adds its own
+#: (`Aggregator.state_slots`). GUARD's scalars and their ranges: a negative step scale
+#: turned every server step around, within the step bound
+GUARD_RANGES = {"scale": (1e-300, 1.0), "best_accuracy": (-1.0, 1.0), "best_loss": (0.0, math.inf),
+                "streak": (0, math.inf), "stalls": (0, math.inf)}
 
 #: the buffers torch's normalization layers keep (BatchNorm, InstanceNorm with running
 #: stats, SyncBatchNorm): recognised by name when the model's own buffer list is not known
@@ -94,6 +103,8 @@ class Aggregator(ABC):
     #: set by the engine for one decentralized mixing phase: the nodes that average the
     #: same updates share one pooled mean (`SharedMeans`); None: this one computes its own
     means: SharedMeans | None = None
+    #: the server state's slots of a subclass and what each holds (`GUARD_RANGES`' note)
+    state_slots: ClassVar[dict[str, str]] = {}
 
     def __init__(self, spec: AggregationSpec) -> None:
         self.spec = spec
@@ -225,14 +236,48 @@ class Aggregator(ABC):
         return {f"{slot}/{k}": v.copy() for slot, tensors in self._state.items()
                 for k, v in tensors.items()}
 
-    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
-        """Restore what `state_dict` returned."""
+    def load_state_dict(self, state: Mapping[str, np.ndarray],
+                        model: Mapping[str, np.ndarray] | None = None) -> None:
+        """Restore what `state_dict` returned. Each key must be a slot this aggregator
+        keeps (`state_slots`, `observe`'s) and, given the job's `model`, name one of its
+        tensors at its shape; values finite and in their slot's range. AggregationError
+        naming the key otherwise, and the state held before is kept: it came from another
+        cluster, which may lie."""
+        slots = {START: "model", BEST: "model", **self.state_slots}
         restored: dict[str, Weights] = {}
         for key, value in state.items():
             slot, sep, name = key.partition("/")
+            where = f"{self.name} server state {key!r}"
             if not sep:
-                raise AggregationError(f"{self.name} state key {key!r} is not 'slot/tensor'")
-            restored.setdefault(slot, {})[name] = np.array(value, dtype=np.float64)
+                raise AggregationError(f"{where} is not 'slot/tensor'")
+            arr = np.asarray(value)
+            if arr.dtype.kind not in "fiub":
+                raise AggregationError(f"{where} holds {arr.dtype} values, not numbers")
+            arr = arr.astype(np.float64)
+            if not np.isfinite(arr).all():
+                raise AggregationError(f"{where} holds NaN or infinite values")
+            kind = "guard" if slot == GUARD else slots.get(slot)
+            if kind is None:
+                raise AggregationError(f"{where}: {self.name} keeps no {slot!r} (it keeps "
+                                       f"{', '.join(sorted([GUARD, *slots]))})")
+            if kind == "guard":
+                if name not in GUARD_RANGES:
+                    raise AggregationError(f"{where} is unknown (the guard keeps "
+                                           f"{', '.join(GUARD_RANGES)})")
+                low, high = GUARD_RANGES[name]
+                if arr.shape != () or not low <= float(arr) <= high:
+                    raise AggregationError(f"{where} must be one number in [{low}, {high}]")
+            elif model is not None and name not in model:
+                raise AggregationError(f"{where} names no tensor of the job's model")
+            elif kind == "rounds":
+                if arr.shape != () or arr < 1 or arr != np.round(arr):
+                    raise AggregationError(f"{where} must be one whole round count >= 1")
+            elif model is not None and arr.shape != np.shape(model[name]):
+                raise AggregationError(f"{where} has shape {arr.shape}, the job's model "
+                                       f"{np.shape(model[name])}")
+            elif kind == "nonnegative" and bool((arr < 0).any()):
+                raise AggregationError(f"{where} holds negative values (a second moment)")
+            restored.setdefault(slot, {})[name] = arr
         self._state = restored
 
 

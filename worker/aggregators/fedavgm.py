@@ -14,7 +14,7 @@ step away from the round's pseudo-gradient.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -61,6 +61,7 @@ class FedAvgM(Aggregator):
 
     name = "fedavgm"
     server_optimizer = True
+    state_slots: ClassVar[dict[str, str]] = {"velocity": "model"}
 
     def __init__(self, spec: AggregationSpec) -> None:
         super().__init__(spec)

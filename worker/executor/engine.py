@@ -58,7 +58,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from proto.rounds import RoundRecord
-from worker.aggregators.base import Aggregator, Memo, SharedMeans, digest
+from worker.aggregators.base import AggregationError, Aggregator, Memo, SharedMeans, digest
 from worker.executor.contributions import CloseRule, Contribution, ContributionBuffer, applied
 from worker.executor.graph import (
     DOWN,
@@ -69,7 +69,7 @@ from worker.executor.graph import (
     mixing_kind,
     participants,
 )
-from worker.executor.transport import HybridTransport, Weights
+from worker.executor.transport import HybridTransport, Weights, conform_error
 from worker.privacy import flatten
 
 log = logging.getLogger("fedpilot.executor")
@@ -315,14 +315,21 @@ class ClusterEngine:
         return out
 
     def restore_aggregator(self, node: str, state: Weights) -> None:
+        """The node's aggregator state and hybrid anchor from another cluster (a migrating
+        node, a checkpoint): checked against the job's model first (`load_state_dict`;
+        an anchor is a model), AggregationError naming the key, nothing taken."""
         anchor = {k[len(ANCHOR):]: v for k, v in state.items() if k.startswith(ANCHOR)}
         rest = {k: v for k, v in state.items() if not k.startswith(ANCHOR)}
         if anchor:
-            with self._lock:
-                self._anchors[node] = anchor
+            wrong = conform_error(anchor, {k: np.shape(v) for k, v in self._initial.items()})
+            if wrong is not None:
+                raise AggregationError(f"node {node!r}: its anchor {wrong}")
         load = getattr(self._aggregator(node), "load_state_dict", None)
         if rest and callable(load):
-            load(rest)
+            load(rest, self._initial)
+        if anchor:
+            with self._lock:
+                self._anchors[node] = anchor
 
     def local_share(self) -> tuple[Weights, int] | None:
         """The sample-weighted mean of the models this cluster evaluates (group models for

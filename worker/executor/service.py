@@ -371,8 +371,8 @@ class ExecutorService:
             envelope = self.transport.receive(routing.epoch, STATE, node, node,
                                               self.round_timeout)
             model, aggregator = envelope.weights
+            self.engine.restore_aggregator(node, aggregator)   # checked first: else nothing
             self.engine.import_node(node, model)
-            self.engine.restore_aggregator(node, aggregator)
         log.info("event=job_planned job=%s cluster=%s epoch=%d local_clients=%d imports=%d",
                  self.spec.job_id, self.cluster_id, routing.epoch, len(local_clients),
                  len(imports))
@@ -571,10 +571,10 @@ class ExecutorService:
                 codec.load(node, weights)
             if not model:  # a node checkpointed for its compression references only
                 continue
-            self.engine.import_node(node, model)
             self.engine.restore_aggregator(node, {k[len(AGGREGATOR):]: v
                                                   for k, v in weights.items()
                                                   if k.startswith(AGGREGATOR)})
+            self.engine.import_node(node, model)
         self._restoring = None
         log.info("event=restored job=%s cluster=%s nodes=%d", self.spec and self.spec.job_id,
                  self.cluster_id, len(nodes))

@@ -384,25 +384,11 @@ class HybridTransport:
         values; anything else is refused before it reaches an aggregator."""
         if not self._template:
             return weights
-        if set(weights) != set(self._template):
-            extra, missing = sorted(set(weights) - set(self._template)), sorted(
-                set(self._template) - set(weights))
-            raise DeliveryRefused(f"{what}: tensors differ from the job's model "
-                                  f"(unexpected {extra[:3]}, missing {missing[:3]})")
-        out: Weights = {}
-        for name, (shape, dtype) in self._template.items():
-            value = weights[name]
-            if value.shape != shape:
-                raise DeliveryRefused(f"{what}: tensor {name!r} has shape {value.shape}, the "
-                                      f"job's model has {shape}")
-            if not finite(value):
-                raise DeliveryRefused(f"{what}: tensor {name!r} holds NaN or infinite values")
-            if name.rpartition(".")[2] in NONNEGATIVE_BUFFERS and bool((value < 0).any()):
-                raise DeliveryRefused(f"{what}: tensor {name!r} holds negative values (no "
-                                      "variance or batch count is below 0; averaged in, it "
-                                      "would break every model that evaluates with it)")
-            out[name] = value if value.dtype == dtype else value.astype(dtype)
-        return out
+        wrong = conform_error(weights, {k: shape for k, (shape, _) in self._template.items()})
+        if wrong is not None:
+            raise DeliveryRefused(f"{what}: {wrong}")
+        return {name: weights[name] if weights[name].dtype == dtype
+                else weights[name].astype(dtype) for name, (_, dtype) in self._template.items()}
 
     def begin_round(self, round_index: int) -> None:
         """Accept updates for `round_index` (and the next) from now on; forget the rounds
@@ -427,3 +413,24 @@ class HybridTransport:
                 timeout: float) -> Envelope:
         where = f" (cluster {self._locate(src)})" if kind not in (STATE, FINAL) else ""
         return self._mailbox.take((round_index, kind, src, dst), timeout, where)
+
+
+def conform_error(weights: Mapping[str, np.ndarray],
+                  shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    """Why `weights` from another cluster cannot be the job's model (its tensors' `shapes`),
+    or None: other tensor names or shapes, NaN or infinities, or a statistic below 0
+    (`NONNEGATIVE_BUFFERS`)."""
+    if set(weights) != set(shapes):
+        extra, missing = sorted(set(weights) - set(shapes)), sorted(set(shapes) - set(weights))
+        return (f"tensors differ from the job's model (unexpected {extra[:3]}, missing "
+                f"{missing[:3]})")
+    for name, shape in shapes.items():
+        value = np.asarray(weights[name])
+        if value.shape != tuple(shape):
+            return f"tensor {name!r} has shape {value.shape}, the job's model has {shape}"
+        if not finite(value):
+            return f"tensor {name!r} holds NaN or infinite values"
+        if name.rpartition(".")[2] in NONNEGATIVE_BUFFERS and bool((value < 0).any()):
+            return (f"tensor {name!r} holds negative values (no variance or batch count is "
+                    "below 0; averaged in, it would break every model that evaluates with it)")
+    return None

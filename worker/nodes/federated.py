@@ -83,7 +83,7 @@ class FederatedNode:
 
             self._aggregator = get_aggregator(self._config.aggregation,
                                               (n for n, _ in self._model.named_buffers()))
-            self._aggregator.load_state_dict(state.aggregator)
+            self._aggregator.load_state_dict(state.aggregator, self._initial)
         return os.getpid()
 
     def bind(self, client_id: int, train_indices: np.ndarray, test_indices: np.ndarray) -> int:
