@@ -23,9 +23,14 @@ train them through the engine.
   dropout and a linear head: a recurrent model.
 - PatchTransformer: the rows as tokens, two pre-LayerNorm transformer encoder layers
   (4 heads, GELU, dropout), mean pooling: attention and LayerNorm.
+- DWSepNet: MobileNet-style depthwise-separable blocks, bias-free convolutions with
+  BatchNorm and ReLU6, global average pooling, dropout.
+- KaimingMLP: any input flattened, three BatchNorm + SiLU + dropout layers, initialized by
+  the user (Kaiming-normal weights, zero biases) instead of torch's defaults.
 GNResCNN and LNMLP (stop 51), BNResCNN and Conv1dBN (stop 58), GRURows and PatchTransformer
-(stop 59) came after the engine's defaults were set and are not in the grid's default
-models: `--models usercnn:GNResCNN` runs them (docs/job.md, "Does it learn?").
+(stop 59), DWSepNet and KaimingMLP (stop 67) came after the engine's defaults were set and
+are not in the grid's default models: `--models usercnn:GNResCNN` runs them (docs/job.md,
+"Does it learn?").
 """
 
 from __future__ import annotations
@@ -284,3 +289,48 @@ class PatchTransformer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = self.embed(x.reshape(x.shape[0], self.rows, self.width)) + self.position
         return self.head(self.encoder(tokens).mean(dim=1))
+
+
+class DWSepNet(nn.Module):
+    """MobileNet-style: a 3x3 stem and three depthwise-separable blocks (the second of
+    stride 2), bias-free convolutions each followed by BatchNorm and ReLU6, global average
+    pooling, dropout 0.2 and a linear head."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        c, h, w = self.shape = _chw(input_shape)
+
+        def separable(cin: int, cout: int, stride: int) -> list[nn.Module]:
+            return [nn.Conv2d(cin, cin, 3, stride, 1, groups=cin, bias=False),
+                    nn.BatchNorm2d(cin), nn.ReLU6(),
+                    nn.Conv2d(cin, cout, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU6()]
+
+        self.net = nn.Sequential(
+            nn.Conv2d(c, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU6(),
+            *separable(16, 32, 1), *separable(32, 64, 2), *separable(64, 64, 1),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2), nn.Linear(64, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.reshape(x.shape[0], *self.shape))
+
+
+class KaimingMLP(nn.Module):
+    """Any input flattened, three hidden layers (256, 128, 64) of Linear, BatchNorm, SiLU
+    and dropout 0.3, with the user's own initialization: Kaiming-normal weights, zero
+    biases."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = _width(input_shape)
+        for out in (256, 128, 64):
+            layers += [nn.Linear(width, out), nn.BatchNorm1d(out), nn.SiLU(), nn.Dropout(0.3)]
+            width = out
+        self.net = nn.Sequential(nn.Flatten(), *layers, nn.Linear(width, num_classes))
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
+                nn.init.zeros_(module.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)

@@ -77,6 +77,58 @@ class NoArgs(nn.Module):
 '''
 
 
+OWN_INIT = """
+import random
+import numpy as np
+import torch
+
+class OwnInit(torch.nn.Module):
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.body = torch.nn.Linear(64, 32)
+        self.head = torch.nn.Linear(32, num_classes)
+        torch.nn.init.kaiming_normal_(self.body.weight, nonlinearity="relu")
+        torch.nn.init.zeros_(self.body.bias)
+        with torch.no_grad():   # drawn from numpy's and Python's global generators
+            self.body.bias.add_(float(np.random.rand()) + random.random())
+        torch.nn.init.zeros_(self.head.weight)   # a zero-initialised last layer
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x.reshape(x.shape[0], -1))))
+"""
+
+
+def test_a_user_class_keeps_its_own_initialisation_the_same_from_every_build(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's init (Kaiming-normal weights, a zero last layer, values drawn from numpy and
+    Python) was overwritten with torch's default for every Linear and Conv layer, so a
+    model that loads its weights or needs its own scheme trained from something else.
+    It stands now, identical on every build from one seed (every cluster builds its own),
+    and the process's generators are as they were."""
+    import random
+
+    (tmp_path / "owninit.py").write_text(OWN_INIT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = ModelSpec(name="owninit:OwnInit")
+    before = (torch.random.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    try:
+        a, b = (build_model(spec, DIGITS, 10, seed=5) for _ in range(2))
+        other = build_model(spec, DIGITS, 10, seed=6)
+    finally:
+        sys.modules.pop("owninit", None)
+    assert torch.count_nonzero(a.head.weight) == 0 and torch.count_nonzero(a.head.bias) == 0
+    assert abs(float(a.body.weight.detach().std()) - (2 / 64) ** 0.5) < 0.03  # Kaiming normal
+    bias = a.body.bias
+    assert torch.allclose(bias, bias[0].expand_as(bias)) and 0 < float(bias[0].detach()) < 2
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                 b.state_dict().values(), strict=True))
+    assert not torch.equal(a.body.weight, other.body.weight)
+    assert not torch.equal(a.body.bias, other.body.bias)
+    assert torch.equal(torch.random.get_rng_state(), before[0])
+    assert np.array_equal(np.random.get_state()[1], before[1]) and random.getstate() == before[2]
+
+
 def test_user_class_by_module_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "fedpilot_user_models.py").write_text(USER_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))

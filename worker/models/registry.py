@@ -1,7 +1,10 @@
 """Model registry: config names -> constructors, plus user classes named `package.module:Class`.
 
-Every model is initialised deterministically from `seed` without disturbing torch's global
-random state (standard layers are re-initialised from a private `torch.Generator`).
+Every model is initialised deterministically from `seed` without disturbing the process's
+global random state: it is built with torch's, numpy's and Python's global generators seeded
+from `seed` and restored afterwards. A built-in's standard layers are then re-initialised from
+a private `torch.Generator`; a user class keeps the initialisation its own code gave it
+(its own scheme, zero-initialised last layers, weights it loaded).
 """
 
 from __future__ import annotations
@@ -10,10 +13,13 @@ import difflib
 import importlib
 import logging
 import math
+import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -65,7 +71,7 @@ def build_model(
             f"unknown model {name!r}; use one of {', '.join(MODEL_NAMES)} "
             "or a user class as 'package.module:Class'"
         )
-    with GLOBAL_RNG, torch.random.fork_rng(devices=[]):
+    with GLOBAL_RNG, torch.random.fork_rng(devices=[]), _seeded_global_rngs(seed):
         torch.manual_seed(seed)
         try:
             model = builder(spec, shape, num_classes)
@@ -79,9 +85,25 @@ def build_model(
                              f"{hint}") from None
     if not isinstance(model, nn.Module):
         raise ModelError(f"model {name!r} built a {type(model).__name__}, not a torch.nn.Module")
-    reset_parameters(model, seed)
+    if name in MODELS:
+        # a user's class keeps its own: the same on every cluster, built from the same seed
+        reset_parameters(model, seed)
     log.debug("event=model_built name=%s params=%d seed=%d", name, count_parameters(model), seed)
     return model
+
+
+@contextmanager
+def _seeded_global_rngs(seed: int) -> Iterator[None]:
+    """numpy's and Python's global generators seeded from `seed` (a user's model may draw
+    its initial weights from them), restored afterwards; the caller holds GLOBAL_RNG."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
 
 
 def count_parameters(model: nn.Module) -> int:
