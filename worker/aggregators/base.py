@@ -243,7 +243,7 @@ class Aggregator(ABC):
         tensors at its shape; values finite and in their slot's range. AggregationError
         naming the key otherwise, and the state held before is kept: it came from another
         cluster, which may lie."""
-        slots = {START: "model", BEST: "model", **self.state_slots}
+        slots = {START: "model", BEST: "model", GUARD: "guard", **self.state_slots}
         restored: dict[str, Weights] = {}
         for key, value in state.items():
             slot, sep, name = key.partition("/")
@@ -256,10 +256,10 @@ class Aggregator(ABC):
             arr = arr.astype(np.float64)
             if not np.isfinite(arr).all():
                 raise AggregationError(f"{where} holds NaN or infinite values")
-            kind = "guard" if slot == GUARD else slots.get(slot)
+            kind = slots.get(slot)
             if kind is None:
                 raise AggregationError(f"{where}: {self.name} keeps no {slot!r} (it keeps "
-                                       f"{', '.join(sorted([GUARD, *slots]))})")
+                                       f"{', '.join(sorted(slots))})")
             if kind == "guard":
                 if name not in GUARD_RANGES:
                     raise AggregationError(f"{where} is unknown (the guard keeps "
