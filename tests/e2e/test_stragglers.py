@@ -44,8 +44,12 @@ def job(n_rounds: int = 4, **sections: Any) -> JobSpec:
     return JobSpec.from_dict(base)
 
 
-def slowed(cid: str, slow: dict[str, float]) -> Callable[[JobSpec], Any]:
-    """The cluster's runtime factory; its training sleeps `slow[cid]` seconds first."""
+def slowed(cid: str, slow: dict[str, float],
+           stretch: dict[str, float] | None = None) -> Callable[[JobSpec], Any]:
+    """The cluster's runtime factory; its training sleeps `slow[cid]` seconds first, and
+    after it `stretch[cid]` times as long as the training took: a cluster stretched so
+    stays that many times slower than the others however loaded the machine is (a fixed
+    sleep alone drowns when every training call slows down)."""
     make = runtime_factory(InProcessContext(), cid)
 
     def factory(spec: JobSpec) -> Any:
@@ -54,7 +58,10 @@ def slowed(cid: str, slow: dict[str, float]) -> Callable[[JobSpec], Any]:
 
         def slow_train(node: str, model: Any, round_index: int) -> Any:
             time.sleep(slow.get(cid, 0.0))
-            return train(node, model, round_index)
+            began = time.monotonic()
+            trained = train(node, model, round_index)
+            time.sleep((stretch or {}).get(cid, 0.0) * (time.monotonic() - began))
+            return trained
 
         runtime.train = slow_train
         return runtime
@@ -223,13 +230,15 @@ def test_buffered_job_rides_through_a_lost_cluster_and_a_resume_counting_every_u
                faults={"on_cluster_loss": "continue", "lease_seconds": 4,
                        "checkpoint_every": 2})
     slow = {"a": 0.15, "b": 0.15, "c": 0.6}
+    stretch = {"c": 3.0}  # c is late in rounds 1-3 however loaded the machine is
     out = tmp_path / "run"
     ledger = Ledger(monkeypatch)
     faults: list[dict[str, Any]] = []
 
     def attempt(resume: bool, stop_after: int) -> list[RoundRecord]:
         ledger.restart()
-        mesh = Losing(list(CLUSTERS), lambda cid: slowed(cid, slow), capacity=6)
+        mesh = Losing(list(CLUSTERS), lambda cid: slowed(cid, slow, stretch),
+                      capacity=6)
         checkpoint = load_checkpoint(out) if resume else None
 
         def progress(record: RoundRecord, total: int) -> None:
