@@ -411,6 +411,45 @@ def test_on_stall_restores_a_real_collapse_not_early_jitter_on_a_flat_loss() -> 
     assert collapse == [False, False, True]
 
 
+@pytest.mark.parametrize("name", ["fedavg", "fedprox"])
+def test_on_stall_halves_fedavgs_move_to_the_mean_and_brings_back_its_best(name: str) -> None:
+    """A FedAvg-family job that collapsed (0.9 then 0.2, the loss tripled) goes back to its
+    best model, and from then on moves half way to the clients' mean (its step halved;
+    before, FedAvg had no step to halve and never acted); the statistics take the mean.
+    With on_stall = warn, or a robust aggregator (median: its step is its defence), the
+    same rounds change nothing."""
+    def model(x: float) -> dict[str, np.ndarray]:
+        return {"w": np.full(3, x, np.float32), "bn.running_var": np.full(2, 1.0 + x),
+                "bn.num_batches_tracked": np.array(4)}
+
+    def run(agg: Any) -> tuple[list[bool], dict[str, np.ndarray] | None]:
+        acted, back = [], None
+        for i, (accuracy, loss) in enumerate([(0.5, 1.2), (0.9, 0.35), (0.2, 1.05)]):
+            back = agg.observe(model(float(i)), accuracy, loss, start=model(-1.0))
+            acted.append(back is not None)
+        return acted, back
+
+    agg = get_aggregator(replace(AggregationSpec(), name=name), classes=10)
+    acted, back = run(agg)
+    assert acted == [False, False, True] and back is not None
+    assert np.all(back["w"] == 1.0) and back["w"].dtype == np.float32   # round 2's, the best
+    assert agg.step_scale == 0.5
+    updates = [(model(3.0), 10), (model(5.0), 30)]   # mean w 4.5, running_var 5.5
+    out = agg.aggregate(back, updates)
+    np.testing.assert_allclose(out["w"], 1.0 + 0.5 * (4.5 - 1.0))
+    assert out["w"].dtype == np.float32 and out["bn.num_batches_tracked"] == 4
+    fresh = get_aggregator(replace(AggregationSpec(), name=name), classes=10)
+    unscaled = fresh.aggregate(back, updates)
+    np.testing.assert_allclose(unscaled["w"], 4.5)
+    np.testing.assert_allclose(out["bn.running_var"], 5.5)   # the mean, not half way to it
+    np.testing.assert_allclose(unscaled["bn.running_var"], 5.5)
+    for other in (get_aggregator(replace(AggregationSpec(), name=name, on_stall="warn"),
+                                 classes=10),
+                  get_aggregator(replace(AggregationSpec(), name="median"), classes=10)):
+        assert run(other) == ([False] * 3, None)
+        assert other.step_scale == 1.0 and other.state_dict() == {}
+
+
 def _models(seed: int, count: int) -> list[tuple[dict[str, np.ndarray], int]]:
     rng = np.random.default_rng(seed)
     return [({"w": rng.normal(size=(3, 4)).astype(np.float32),

@@ -294,6 +294,32 @@ def test_a_stalled_job_takes_its_on_stall_action() -> None:
     assert stalls("warn") == [0] * 5
 
 
+def test_a_fedavg_job_whose_clients_diverge_goes_back_and_halves_its_move() -> None:
+    """FedAvg has a step too: its move to the clients' mean. Clients at learning rate 30
+    (the check off) send models whose mean has diverged (loss 10-28 with on_stall = warn,
+    a uniform guess's is 2.3); with the default the job goes back to where it started,
+    moves half as far each time it stalls (a quarter, ...), and no round's model is
+    diverged. Before, a FedAvg-family job never acted (there was 'no step to halve')."""
+    import math
+
+    from worker.aggregators.base import DIVERGED_LOSS
+
+    def rounds(action: str) -> list[Any]:
+        spec = job("star", clients=9, rounds=4, aggregation={"name": "fedavg",
+                                                             "on_stall": action},
+                   training={"learning_rate": 30.0, "learning_rate_check": "off"})
+        result, _ = run(spec)
+        return result.summary.rounds
+
+    diverged = DIVERGED_LOSS * math.log(10)
+    warned = rounds("warn")
+    assert [r.stalls for r in warned] == [0] * 4
+    assert max(r.loss for r in warned) > diverged, [r.loss for r in warned]
+    acted = rounds("restore")
+    assert sum(r.stalls for r in acted) >= 1, [r.stalls for r in acted]
+    assert all(r.loss < diverged for r in acted), [r.loss for r in acted]
+
+
 def test_a_client_refuses_own_tensors_the_model_lacks_and_keeps_its_model() -> None:
     """FederatedNode.train takes the round's model and at most the client's own tensors;
     own tensors the model does not have, or a third argument, are refused naming them, and

@@ -114,6 +114,7 @@ class AdaptiveAggregator(Aggregator):
     """Base of FedAdagrad/FedAdam/FedYogi; subclasses define `second_moment`."""
 
     server_optimizer: ClassVar[bool] = True
+    stall_step: ClassVar[bool] = True
     state_slots: ClassVar[dict[str, str]] = {"m": "model", "v": "nonnegative", "t": "rounds"}
     #: bias-correct the second moment (an exponential average); Adagrad's is a plain sum
     bias_corrected_v: ClassVar[bool] = True

@@ -95,6 +95,10 @@ class Aggregator(ABC):
     #: the individual client updates: where clients are first averaged in groups (hybrid),
     #: it is applied once to the mean of the groups, so the job follows one trajectory
     server_optimizer: ClassVar[bool] = False
+    #: whether `on_stall` may act: the aggregator has a server step to halve (every server
+    #: optimizer's; FedAvg's move to the mean, `FedAvg.aggregate`). A robust one's (median,
+    #: krum...) is its defence against lying members and is left as it is
+    stall_step: ClassVar[bool] = False
     #: names of the model's buffers (`get_aggregator(spec, buffers=...)` sets it from the
     #: model); buffers are averaged, never stepped (`is_buffer`)
     buffers: frozenset[str] = frozenset()
@@ -134,10 +138,11 @@ class Aggregator(ABC):
         best (the best model so far comes back); or it sits at chance (within CHANCE_MARGIN) with a
         loss above STALL_RISE x its best for STALL_ROUNDS rounds in a row (the best model,
         or the one the job started from). The server step is halved and
-        the optimizer's moments are forgotten (they point where it went wrong). A FedAvg-
-        family aggregator has no step of its own to change: restoring would only replay
-        the same rounds, so it never acts (the progress line still warns)."""
-        if (not self.server_optimizer or self.classes < 2
+        the optimizer's moments are forgotten (they point where it went wrong). FedAvg's
+        step is its move to the clients' mean: halved, the model goes half way there
+        (`FedAvg.aggregate`), so restoring does not replay the same rounds. An aggregator
+        without a step to halve (`stall_step`) never acts (the progress line still warns)."""
+        if (not self.stall_step or self.classes < 2
                 or getattr(self.spec, "on_stall", "restore") != "restore"):
             return None   # (and keeps no model copies in its state, nor in checkpoints)
         guard = self._state.setdefault(GUARD, {})

@@ -61,6 +61,7 @@ class FedAvgM(Aggregator):
 
     name = "fedavgm"
     server_optimizer = True
+    stall_step = True
     state_slots: ClassVar[dict[str, str]] = {"velocity": "model"}
 
     def __init__(self, spec: AggregationSpec) -> None:
