@@ -53,7 +53,11 @@ class Relay:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.target))
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:  # the node behind it stopped (a dial after its test ended)
+                client.close()
+                continue
             self._open += [client, upstream]
             for src, dst in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
