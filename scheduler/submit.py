@@ -94,6 +94,9 @@ class ProgressBar:
         line = (f"[{bar}] round {record.round}/{total}  acc {record.accuracy:.3f}  "
                 f"pers {record.personalized_accuracy:.3f}  inter {self.inter / 1e6:.2f} MB  "
                 f"intra {self.intra / 1e6:.2f} MB  {record.seconds:.1f}s/round")
+        if record.stalls:  # the aggregator went back to its best model, its step halved
+            line += (f"  restored ({record.stalls} stall{'s' * (record.stalls > 1)}: "
+                     "aggregation.on_stall)")
         if note:  # not learning: the line says so and names the key (scheduler/run/health.py)
             line += f"  ! {note}"
         if self.tty:

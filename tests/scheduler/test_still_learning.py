@@ -46,3 +46,24 @@ def test_the_summary_records_it_and_submit_names_the_key() -> None:
                       rounds=[RoundRecord(i + 1, accuracy=0.9, loss=1.0) for i in range(8)])
     flat.finish()
     assert flat.still_learning == {}
+
+
+def test_the_progress_line_says_when_the_aggregator_restored_its_model() -> None:
+    """A round whose aggregator went back to its best model (aggregation.on_stall) says so
+    on submit's progress line, naming the key; other rounds do not."""
+    import io
+
+    from scheduler.submit import ProgressBar
+
+    stream = io.StringIO()
+    bar = ProgressBar(stream)
+    bar(RoundRecord(1, accuracy=0.1, loss=2.3), 3)
+    restored = RoundRecord(2, accuracy=0.1, loss=2.3)
+    restored.stalls = 1
+    bar(restored, 3)
+    restored.stalls = 3
+    bar(restored, 3)
+    first, second, third = stream.getvalue().splitlines()
+    assert "restored" not in first
+    assert second.endswith("restored (1 stall: aggregation.on_stall)")
+    assert third.endswith("restored (3 stalls: aggregation.on_stall)")
