@@ -69,8 +69,10 @@ def slowed(cid: str, slow: dict[str, float],
 
 
 def run(spec: JobSpec, slow: dict[str, float] | None = None,
-        watch: Callable[[LoopbackMesh], None] | None = None) -> tuple[JobResult, LoopbackMesh]:
-    mesh = LoopbackMesh(list(CLUSTERS), lambda cid: slowed(cid, slow or {}), capacity=4)
+        watch: Callable[[LoopbackMesh], None] | None = None,
+        stretch: dict[str, float] | None = None) -> tuple[JobResult, LoopbackMesh]:
+    mesh = LoopbackMesh(list(CLUSTERS), lambda cid: slowed(cid, slow or {}, stretch),
+                        capacity=4)
     if watch is not None:
         watch(mesh)
     driver = Driver(spec, mesh.clusters(), mesh, backend="inprocess", timeout=120)
@@ -191,12 +193,13 @@ def test_buffered_applies_a_slow_clusters_contributions_late_each_once(
     ledger = Ledger(monkeypatch)
     spec = job(n_rounds=8, aggregation={"mode": "buffered", "buffer_size": 2,
                                         "max_staleness": 6}, rounds={"straggler_grace": 0.15})
-    result, _ = run(spec, slow={"a": 0.2, "b": 0.2, "c": 1.6})
+    result, _ = run(spec, slow={"a": 0.2, "b": 0.2, "c": 1.6}, stretch={"c": 3.0})
     rounds = result.summary.rounds
     assert [r.round for r in rounds] == list(range(1, 9))
     late = [c for r in rounds for cid, c in r.contributions.items() if cid == "c"]
     # c counted, rounds late (on a loaded machine a and b slow down too, and a round may
-    # wait for c as for a cluster about as fast as the others: contributions.PATIENCE)
+    # wait for c as for a cluster about as fast as the others: contributions.PATIENCE;
+    # stretched, c stays 4x as slow as its own training)
     assert late and any(c["staleness"] >= 1 for c in late)
     fresh = [c for r in rounds for cid, c in r.contributions.items() if cid != "c"]
     assert len(fresh) >= 2 * 8 - len(late)
