@@ -75,7 +75,8 @@ def trial_learning_rate(spec: JobSpec, dataset: Dataset, source: str = "<job>"
     job measure a built-in model too, and a trial there would show a rate `submit` does
     not use); {} under training.learning_rate_check = "off" or without samples.
     JobSpecError naming ``model.name`` where the model fails to train (every client
-    would fail the same), or ``training.learning_rate`` where every rate tried diverged."""
+    would fail the same), or ``training.learning_rate`` where every rate tried diverged,
+    or none trained and the smallest still gained (`LrTrial.exhausted`)."""
     if (spec.training.learning_rate_check == "off" or not len(dataset.y_train)
             or ":" not in spec.model.name):
         return {}  # the built-in models train at the defaults (bench_learning's grid)
@@ -84,6 +85,7 @@ def trial_learning_rate(spec: JobSpec, dataset: Dataset, source: str = "<job>"
     from worker.training import (
         TRIAL_DIVERGED,
         TRIAL_EPOCHS,
+        TRIAL_LEARNED,
         TRIAL_SAMPLES,
         learning_rate_trial,
         uniform_loss,
@@ -109,17 +111,20 @@ def trial_learning_rate(spec: JobSpec, dataset: Dataset, source: str = "<job>"
             f"model.name {spec.model.name!r} fails to train on {spec.data.dataset}: "
             f"{type(exc).__name__}: {first} (in the learning-rate trial; "
             "training.learning_rate_check = \"off\" skips it)") from None
-    if found.diverged:
+    if found.diverged or found.exhausted:
         tried = ", ".join(f"{lr:g}: {loss:.3g}" for lr, loss in found.losses)
+        verdict, bound = ((f"makes model {spec.model.name!r} diverge", TRIAL_DIVERGED)
+                          if found.diverged else
+                          (f"does not train model {spec.model.name!r}", TRIAL_LEARNED))
         raise JobSpecError(
             source, "training.learning_rate",
-            f"training.learning_rate {spec.training.learning_rate:g} makes model "
-            f"{spec.model.name!r} diverge on {spec.data.dataset}: after {TRIAL_EPOCHS} "
-            f"passes over {samples} of its samples the loss "
-            f"is above {TRIAL_DIVERGED:g} x a uniform guess's ({found.uniform_loss:.3g}) at "
-            f"every rate tried ({tried}); set a learning_rate below "
-            f"{found.losses[-1][0]:g}, or training.learning_rate_check = \"off\" to "
-            "train at it anyway")
+            f"training.learning_rate {spec.training.learning_rate:g} {verdict} on "
+            f"{spec.data.dataset}: after {TRIAL_EPOCHS} passes over {samples} of its "
+            f"samples the loss is above {bound:g} x a uniform guess's "
+            f"({found.uniform_loss:.3g}) at every rate tried ({tried})"
+            f"{'' if found.diverged else ', and still falling at the smallest'}; set a "
+            f"learning_rate below {found.losses[-1][0]:g}, or "
+            "training.learning_rate_check = \"off\" to train at it anyway")
     return {"learning_rate": found.learning_rate,
             "trial": [[lr, loss] for lr, loss in found.losses],
             "uniform_loss": found.uniform_loss}

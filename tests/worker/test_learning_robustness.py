@@ -5,6 +5,7 @@ job that acts. The user models are bench/usercnn.py's, by `module:Class`."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -540,6 +541,12 @@ def test_a_learning_rate_that_kills_the_model_is_halved_before_the_job_starts(
     ({0.05: 1.345, 0.025: 1.106}, 0.05, 2),     # a half not markedly better: kept
     ({0.05: 2.25, 0.025: 2.28}, 0.05, 2),       # a slow model (GRURows): its half no better
     ({0.05: 0.5}, 0.05, 1),                     # learns well: one run
+    # a newcomer's CNN (zero last layer) at rate 10: at 4 halvings the trial ended at 0.625,
+    # still gaining without a rate that learned, and the job ran at 10, at chance
+    ({10: 6.883, 5: math.nan, 2.5: math.nan, 1.25: 11418138.557, 0.625: 2.415,
+      0.3125: 2.359, 0.15625: 1.022, 0.078125: 0.528, 0.0390625: 0.484}, 0.078125, 9),
+    # none learned: the rate whose run ended lowest, not the job's (before: the job's)
+    ({10: 6.883, 5: math.nan, 2.5: 2.41, 1.25: 2.36, 0.625: 2.39}, 1.25, 5),
 ])
 def test_the_trials_rule_on_the_losses_measured(monkeypatch: pytest.MonkeyPatch,
                                                 losses: dict[float, float], chosen: float,
@@ -557,8 +564,38 @@ def test_the_trials_rule_on_the_losses_measured(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(training, "evaluate",
                         lambda model, x, y: SimpleNamespace(loss=losses[ran[-1]]))
     found = training.learning_rate_trial(lambda: None, np.zeros((8, 2)), np.arange(8) % 10,
-                                         TrainingSpec(learning_rate=0.05), 10, seed=0)
+                                         TrainingSpec(learning_rate=next(iter(losses))), 10,
+                                         seed=0)
     assert found.learning_rate == chosen and len(found.losses) == runs, found
+    assert not found.exhausted and not found.diverged
+
+
+def test_a_trial_that_runs_out_of_halvings_still_gaining_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No rate learned and the smallest still gained on the ones before: the job's rate
+    is kept and the trial `exhausted` (preflight refuses the job naming the rate to go
+    below); one that stopped because a half gained nothing is not."""
+    from types import SimpleNamespace
+
+    import worker.training as training
+    from proto.job import TrainingSpec
+
+    def trial(losses: list[float]) -> Any:
+        ran: list[float] = []
+        monkeypatch.setattr(training, "train_local",
+                            lambda model, x, y, spec, seed: ran.append(spec.learning_rate))
+        monkeypatch.setattr(training, "evaluate",
+                            lambda model, x, y: SimpleNamespace(loss=losses[len(ran) - 1]))
+        return training.learning_rate_trial(lambda: None, np.zeros((8, 2)),
+                                            np.arange(8) % 10, TrainingSpec(learning_rate=8.0),
+                                            10, seed=0)
+
+    falling = [2.3 - 0.01 * i for i in range(training.TRIAL_HALVINGS + 1)]
+    found = trial(falling)
+    assert found.exhausted and not found.diverged and found.learning_rate == 8.0, found
+    assert len(found.losses) == training.TRIAL_HALVINGS + 1
+    flat = trial([2.3, 2.29, 2.295])
+    assert not flat.exhausted and flat.learning_rate == 4.0 and len(flat.losses) == 3
 
 
 def test_a_learning_rate_that_diverges_is_halved_and_one_that_always_does_is_refused(
@@ -572,7 +609,12 @@ def test_a_learning_rate_that_diverges_is_halved_and_one_that_always_does_is_ref
 
     from proto.job import JobSpec, TrainingSpec
     from worker.preflight import trial_learning_rate
-    from worker.training import TRIAL_LEARNED, learning_rate_trial, trial_diverged
+    from worker.training import (
+        TRIAL_HALVINGS,
+        TRIAL_LEARNED,
+        learning_rate_trial,
+        trial_diverged,
+    )
 
     torch.set_num_threads(1)
     data = load_dataset("digits")
@@ -590,13 +632,15 @@ def test_a_learning_rate_that_diverges_is_halved_and_one_that_always_does_is_ref
     assert found.learning_rate < 16 and not found.diverged, found
     assert dict(found.losses)[found.learning_rate] < TRIAL_LEARNED * found.uniform_loss
     gone = trial(1e5)  # losses in the thousands at every half
-    assert gone.diverged and len(gone.losses) == 5 and gone.learning_rate == 1e5, gone
+    assert gone.diverged and len(gone.losses) == TRIAL_HALVINGS + 1, gone
+    assert gone.learning_rate == 1e5, gone
     spec = JobSpec.from_dict({"data": {"dataset": "digits"},
                               "model": {"name": "usercnn:SmallCNN"},
                               "training": {"learning_rate": 1000.0}})
-    with pytest.raises(JobSpecError, match=r"training\.learning_rate 1000 makes model "
-                       r"'usercnn:SmallCNN' diverge on digits.*1000: .*62\.5: .*below 62\.5"
-                       r".*\"off\"") as exc:
+    # 1000 down to 7.8 diverge; 3.9 ends at 2.74, above a uniform guess's and still falling
+    with pytest.raises(JobSpecError, match=r"training\.learning_rate 1000 does not train "
+                       r"model 'usercnn:SmallCNN' on digits.*1000: .*3\.90625: 2\.74\), and still falling "
+                       r"at the smallest; set a learning_rate below 3\.90625.*\"off\"") as exc:
         trial_learning_rate(spec, data, "job.toml")
     assert exc.value.key == "training.learning_rate"
     with pytest.raises(JobSpecError, match=r"1e\+30: nan, 5e\+29: nan"):  # not a number
@@ -617,6 +661,7 @@ def test_the_trials_progress_reaches_the_user_and_a_stuck_check_is_killed(
     import uuid
 
     from fedcore.data.preflight import PROGRESS, check_model_in_child
+    from worker.training import TRIAL_HALVINGS
 
     bench = str(Path(__file__).resolve().parents[2] / "bench")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([bench, str(Path.cwd())]))
@@ -627,7 +672,8 @@ def test_the_trials_progress_reaches_the_user_and_a_stuck_check_is_killed(
         check_model_in_child(spec, "job.toml")
     assert exc.value.key == "training.learning_rate"
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith(PROGRESS)]
-    assert len(lines) == 5 and "'usercnn:SmallCNN': 1000 -> loss" in lines[0], lines
+    assert len(lines) == TRIAL_HALVINGS + 1, lines
+    assert "'usercnn:SmallCNN': 1000 -> loss" in lines[0], lines
     source = f"stuck-{uuid.uuid4().hex}.toml"
     with pytest.raises(JobSpecError, match=r"model.name 'usercnn:SmallCNN': checking .* "
                        r"longer than 0.5 s.*learning_rate_check") as exc:
