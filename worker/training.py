@@ -525,8 +525,9 @@ def trial_diverged(loss: float, uniform: float) -> bool:
 
 @dataclass(frozen=True)
 class LrTrial:
-    """What `learning_rate_trial` found: the learning rate to train at (the job's unless it
-    left the model at a uniform guess and a smaller one did not), and each rate's loss."""
+    """What `learning_rate_trial` found: the learning rate to train at (the job's unless a
+    smaller one learned, or none did and a smaller one's run ended lower), and each rate's
+    loss."""
 
     learning_rate: float
     losses: tuple[tuple[float, float], ...]
@@ -559,8 +560,8 @@ def learning_rate_trial(build: Callable[[], nn.Module], x: np.ndarray, y: np.nda
     one whose run ended lowest (the job's for a slow model or hard data, whose halves gain
     nothing either: the trial stops at the first); where none does and the smallest still
     gained (`LrTrial.exhausted`) or every run diverged (`LrTrial.diverged`), the job's, and
-    the caller says so. Measured (MNIST 4,000 images, centralized, one epoch at sgd 0.05, momentum 0.9,
-    batches of 16): a tutorial CNN (3x3 convolutions without bias, BatchNorm, 128 dense
+    the caller says so. Measured (MNIST 4,000 images, centralized, one epoch at sgd 0.05,
+    momentum 0.9, batches of 16): a tutorial CNN (3x3 convolutions without bias, BatchNorm, 128 dense
     units, dropout 0.5) ends at 0.100, its loss at ln 10; at 0.01, 0.917.
     `progress(rate, loss)` after each run."""
     rng = np.random.default_rng(seed)
