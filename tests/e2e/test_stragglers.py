@@ -239,7 +239,7 @@ def test_buffered_job_rides_through_a_lost_cluster_and_a_resume_counting_every_u
     stretch = {"c": 3.0}
     # c is late in rounds 1-3 however loaded the machine is: its training there waits until
     # the round closed without it (slow alone, it was waited for at times: CI, stops 67-68)
-    closed = collections.defaultdict(threading.Event)
+    closed = {r: threading.Event() for r in range(1, 9)}   # made before any thread reads it
 
     def hold(cid: str, r: int) -> None:
         if cid == "c" and r <= 3 and not resuming:
