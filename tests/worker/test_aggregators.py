@@ -450,6 +450,30 @@ def test_on_stall_halves_fedavgs_move_to_the_mean_and_brings_back_its_best(name:
         assert other.step_scale == 1.0 and other.state_dict() == {}
 
 
+@pytest.mark.parametrize("name", ["fedavg", "fedavgm", "fedadam"])
+def test_on_stall_of_a_decentralized_node_keeps_no_models_and_goes_back_a_round(
+        name: str) -> None:
+    """A decentralized node (copies=False) keeps no best or first model in its state (nor
+    in a checkpoint): after the same collapse it goes back to the model it began the
+    stalled round from, and halves its step. Without that model it cannot act: refused."""
+    def model(x: float) -> dict[str, np.ndarray]:
+        return {"w": np.full(3, x, np.float32)}
+
+    agg = get_aggregator(replace(AggregationSpec(), name=name), classes=10)
+    acted = []
+    for i, (accuracy, loss) in enumerate([(0.5, 1.2), (0.9, 0.35), (0.2, 1.05)]):
+        back = agg.observe(model(float(i)), accuracy, loss, start=model(i - 0.5), copies=False)
+        acted.append(back is not None)
+        slots = {k.partition("/")[0] for k in agg.state_dict()}
+        assert "best" not in slots and "start" not in slots, slots
+        assert name != "fedavg" or slots == {"guard"}, slots
+    assert acted == [False, False, True]
+    assert back is not None and np.all(back["w"] == 1.5) and back["w"].dtype == np.float32
+    assert agg.step_scale == 0.5
+    with pytest.raises(ValueError, match="start model"):
+        agg.observe(model(3.0), 0.2, 1.05, copies=False)
+
+
 def _models(seed: int, count: int) -> list[tuple[dict[str, np.ndarray], int]]:
     rng = np.random.default_rng(seed)
     return [({"w": rng.normal(size=(3, 4)).astype(np.float32),

@@ -295,19 +295,22 @@ def test_a_stalled_job_takes_its_on_stall_action() -> None:
     assert stalls("warn") == [0] * 5
 
 
-def test_a_fedavg_job_whose_clients_diverge_goes_back_and_halves_its_move() -> None:
+@pytest.mark.parametrize("topology", ["star", "k_connected"])
+def test_a_fedavg_job_whose_clients_diverge_goes_back_and_halves_its_move(topology: str) -> None:
     """FedAvg has a step too: its move to the clients' mean. Clients at learning rate 30
     (the check off) send models whose mean has diverged (loss 10-28 with on_stall = warn,
     a uniform guess's is 2.3); with the default the job goes back to where it started,
     moves half as far each time it stalls (a quarter, ...), and no round's model is
-    diverged. Before, a FedAvg-family job never acted (there was 'no step to halve')."""
+    diverged. Before, a FedAvg-family job never acted (there was 'no step to halve'),
+    and a decentralized one not even then: each node now goes back to the model it began
+    the round with and halves its move to its neighbourhood's mean."""
     import math
 
     from worker.aggregators.base import DIVERGED_LOSS
 
     def rounds(action: str) -> list[Any]:
-        spec = job("star", clients=9, rounds=4, aggregation={"name": "fedavg",
-                                                             "on_stall": action},
+        spec = job(topology, clients=9, rounds=4, aggregation={"name": "fedavg",
+                                                               "on_stall": action},
                    training={"learning_rate": 30.0, "learning_rate_check": "off"})
         result, _ = run(spec)
         return result.summary.rounds

@@ -128,7 +128,8 @@ class Aggregator(ABC):
         return float(self._state.get(GUARD, {}).get("scale", 1.0))
 
     def observe(self, model: Mapping[str, np.ndarray], accuracy: float, loss: float,
-                start: Mapping[str, np.ndarray] | None = None) -> Weights | None:
+                start: Mapping[str, np.ndarray] | None = None, *,
+                copies: bool = True) -> Weights | None:
         """Called with each model this aggregator produced, once it was evaluated (`start`:
         the model the round started from). Returns None to keep it, or the model to go on
         from instead when a server optimizer stalled the job (`aggregation.on_stall =
@@ -141,12 +142,18 @@ class Aggregator(ABC):
         the optimizer's moments are forgotten (they point where it went wrong). FedAvg's
         step is its move to the clients' mean: halved, the model goes half way there
         (`FedAvg.aggregate`), so restoring does not replay the same rounds. An aggregator
-        without a step to halve (`stall_step`) never acts (the progress line still warns)."""
+        without a step to halve (`stall_step`) never acts (the progress line still warns).
+        `copies=False` (a decentralized node: one aggregator a client, where a best and a
+        first model each would triple the job's models): none are kept, and a stall goes
+        back to `start`, the model the node began the stalled round from (the round a
+        step diverged or collapsed in is the round it is seen in)."""
         if (not self.stall_step or self.classes < 2
                 or getattr(self.spec, "on_stall", "restore") != "restore"):
             return None   # (and keeps no model copies in its state, nor in checkpoints)
+        if not copies and start is None:
+            raise ValueError("observe(copies=False) needs the round's start model")
         guard = self._state.setdefault(GUARD, {})
-        if START not in self._state:
+        if copies and START not in self._state:
             self._state[START] = {k: np.array(v) for k, v in (start or model).items()}
         chance = 1.0 / self.classes
         best = float(guard.get("best_accuracy", -1.0))
@@ -171,10 +178,12 @@ class Aggregator(ABC):
         diverged = not loss <= DIVERGED_LOSS * math.log(self.classes)
         if not diverged and not collapsed and streak < STALL_ROUNDS:
             if not at_chance and accuracy > best:
-                self._state[BEST] = {k: np.array(v) for k, v in model.items()}
+                if copies:
+                    self._state[BEST] = {k: np.array(v) for k, v in model.items()}
                 guard["best_accuracy"] = np.asarray(accuracy, dtype=np.float64)
             return None
-        back = self._state.get(BEST) or self._state[START]
+        back = (self._state.get(BEST) or self._state[START]) if copies else start
+        assert back is not None
         guard["scale"] = np.asarray(self.step_scale * 0.5, dtype=np.float64)
         guard["stalls"] = np.asarray(int(guard.get("stalls", 0)) + 1)
         guard["streak"] = np.asarray(0)
@@ -182,7 +191,8 @@ class Aggregator(ABC):
             del self._state[slot]
         log.warning("event=learning_stalled_action aggregator=%s accuracy=%.4f loss=%s "
                     "action=restore restored=%s step_scale=%g", self.name, accuracy, loss,
-                    "best" if BEST in self._state else "start", self.step_scale)
+                    "best" if BEST in self._state else "start" if copies else "round_start",
+                    self.step_scale)
         return cast_like(back, model)
 
     def step_ratio(self, weights: Mapping[str, np.ndarray]) -> float:

@@ -159,6 +159,9 @@ class ClusterEngine:
         # `_mix`, one SharedMeans per mixing step); both are new every round
         self._evaluations = Memo()
         self._means: dict[int, SharedMeans] = {}
+        # decentralized: each trained node's model as the round began, where its
+        # aggregator's on_stall goes back to (`_store_mixed`); new every round
+        self._starts: dict[str, Any] = {}
         #: clients that sit out every round of this plan (pinned data on a lost cluster)
         self.absent: frozenset[str] = frozenset()
         #: [privacy]: protects each client's update before it goes up, and combines what
@@ -388,7 +391,7 @@ class ClusterEngine:
         self.transport.begin_round(round_index)
         record = RoundRecord(round_index)
         with self._lock:
-            self._evaluations, self._means = Memo(), {}
+            self._evaluations, self._means, self._starts = Memo(), {}, {}
         draw, active = self._round_nodes(round_index)
         trained = draw.trained
         clients = [c for c in self.local_clients() if c in draw.mixing]
@@ -470,6 +473,8 @@ class ClusterEngine:
             start = self.current_model(node)
             if node not in trained:
                 return start
+            with self._lock:
+                self._starts[node] = start
         update = self.pool.train(node, start, r)
         samples = self.pool.samples(node)
         nbytes = self._model_nbytes
@@ -515,14 +520,20 @@ class ClusterEngine:
     def _store_mixed(self, node: str, mixed: Weights, record: RoundRecord, *,
                      evaluate: bool) -> None:
         """The node's model after a mixing step; `evaluate` (after the round's last, for a
-        node that trained in it) scores it as served (`_evaluate_global`)."""
+        node that trained in it) scores it as served (`_evaluate_global`), and the node's
+        aggregator may go back to the model the node began the round from (on_stall,
+        without model copies kept across rounds: `Aggregator.observe`)."""
         handle = self.pool.put(mixed)
-        if evaluate:
-            accuracy, loss = self._evaluate_global(mixed)
         with self._lock:
             self._models[node] = handle
-            if evaluate:
-                record.add_evaluation(accuracy, loss, self.pool.samples(node))
+            start = self._starts.pop(node, None) if evaluate else None
+        if not evaluate:
+            return
+        accuracy, loss = self._observed(
+            node, mixed, None if start is None else self.pool.resolve(start), record,
+            copies=False)
+        with self._lock:
+            record.add_evaluation(accuracy, loss, self.pool.samples(node))
 
     def _mix_send(self, node: str, r: int, step: int, mixing: set[str]) -> None:
         """Mixing step `step` (2, 3, ...): the node's model after the previous step, to
@@ -752,14 +763,20 @@ class ClusterEngine:
         result: tuple[float, float] = evaluations.get(digest(model), evaluate)
         return result
 
-    def _observed(self, node: str, model: Weights, start: Weights, record: RoundRecord
-                  ) -> tuple[float, float]:
+    def _observed(self, node: str, model: Weights, start: Weights | None, record: RoundRecord,
+                  copies: bool = True) -> tuple[float, float]:
         """The accuracy and loss of the node's new model (`start`: the round's), or
         (aggregation.on_stall) of the model its aggregator goes on from instead when the
-        job stalled (counted)."""
+        job stalled (counted). `copies`: whether the aggregator may keep the best and the
+        first model (`Aggregator.observe`)."""
         accuracy, loss = self._evaluate_global(model)
-        observe = getattr(self._aggregator(node), "observe", None)
-        restored = observe(model, accuracy, loss, start) if observe is not None else None
+        aggregator = self._aggregator(node)
+        observe = getattr(aggregator, "observe", None)
+        if observe is None or (not copies and (start is None
+                                               or not isinstance(aggregator, Aggregator))):
+            return accuracy, loss   # (a user's own aggregator: its observe, if any, is its own)
+        restored = (observe(model, accuracy, loss, start) if copies
+                    else observe(model, accuracy, loss, start, copies=False))
         if restored is None:
             return accuracy, loss
         with self._lock:
