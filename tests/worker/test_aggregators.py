@@ -451,27 +451,39 @@ def test_on_stall_halves_fedavgs_move_to_the_mean_and_brings_back_its_best(name:
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fedavgm", "fedadam"])
-def test_on_stall_of_a_decentralized_node_keeps_no_models_and_goes_back_a_round(
+def test_on_stall_of_a_decentralized_node_keeps_its_best_by_reference_not_in_checkpoints(
         name: str) -> None:
-    """A decentralized node (copies=False) keeps no best or first model in its state (nor
-    in a checkpoint): after the same collapse it goes back to the model it began the
-    stalled round from, and halves its step. Without that model it cannot act: refused."""
+    """A decentralized node (shared=True) keeps its best and first models by reference,
+    not copied (the engine never modifies a model it handed over), and leaves them out of
+    its server state (a checkpoint of every node): after the same collapse it goes back
+    to its best and halves its step. Resumed from its state, until it sees a best again,
+    it goes back to the model it began the stalled round from. Without that model it
+    cannot act: refused."""
     def model(x: float) -> dict[str, np.ndarray]:
         return {"w": np.full(3, x, np.float32)}
 
+    def run(agg: Any, steps: list[tuple[float, float]], first: int = 0) -> list[Any]:
+        backs = []
+        for i, (accuracy, loss) in enumerate(steps, start=first):
+            seen = model(float(i))
+            backs.append(agg.observe(seen, accuracy, loss, start=model(i - 0.5), shared=True))
+            slots = {k.partition("/")[0] for k in agg.state_dict()}
+            assert "best" not in slots and "start" not in slots, slots
+            assert name != "fedavg" or slots == {"guard"}, slots
+        return backs
+
     agg = get_aggregator(replace(AggregationSpec(), name=name), classes=10)
-    acted = []
-    for i, (accuracy, loss) in enumerate([(0.5, 1.2), (0.9, 0.35), (0.2, 1.05)]):
-        back = agg.observe(model(float(i)), accuracy, loss, start=model(i - 0.5), copies=False)
-        acted.append(back is not None)
-        slots = {k.partition("/")[0] for k in agg.state_dict()}
-        assert "best" not in slots and "start" not in slots, slots
-        assert name != "fedavg" or slots == {"guard"}, slots
-    assert acted == [False, False, True]
-    assert back is not None and np.all(back["w"] == 1.5) and back["w"].dtype == np.float32
+    backs = run(agg, [(0.5, 1.2), (0.9, 0.35), (0.2, 1.05)])
+    assert [b is not None for b in backs] == [False, False, True]
+    assert np.all(backs[-1]["w"] == 1.0) and backs[-1]["w"].dtype == np.float32  # the best
     assert agg.step_scale == 0.5
+    resumed = get_aggregator(replace(AggregationSpec(), name=name), classes=10)
+    resumed.load_state_dict(agg.state_dict())
+    backs = run(resumed, [(0.1, 9.0)], first=3)   # diverged: no best since the resume
+    assert backs[0] is not None and np.all(backs[0]["w"] == 2.5)   # this round's start
+    assert resumed.step_scale == 0.25
     with pytest.raises(ValueError, match="start model"):
-        agg.observe(model(3.0), 0.2, 1.05, copies=False)
+        agg.observe(model(3.0), 0.2, 1.05, shared=True)
 
 
 def _models(seed: int, count: int) -> list[tuple[dict[str, np.ndarray], int]]:

@@ -114,6 +114,7 @@ class Aggregator(ABC):
         self.spec = spec
         self._state: dict[str, Weights] = {}
         self._moment_noted = False   # the log line of `moment`, once
+        self._shared_models = False  # observe(shared=True): best and first by reference
 
     def mean(self, updates: Sequence[Update]) -> Weights:
         """The sample-weighted mean of `updates` with pooled normalization statistics
@@ -129,7 +130,7 @@ class Aggregator(ABC):
 
     def observe(self, model: Mapping[str, np.ndarray], accuracy: float, loss: float,
                 start: Mapping[str, np.ndarray] | None = None, *,
-                copies: bool = True) -> Weights | None:
+                shared: bool = False) -> Weights | None:
         """Called with each model this aggregator produced, once it was evaluated (`start`:
         the model the round started from). Returns None to keep it, or the model to go on
         from instead when a server optimizer stalled the job (`aggregation.on_stall =
@@ -143,18 +144,25 @@ class Aggregator(ABC):
         step is its move to the clients' mean: halved, the model goes half way there
         (`FedAvg.aggregate`), so restoring does not replay the same rounds. An aggregator
         without a step to halve (`stall_step`) never acts (the progress line still warns).
-        `copies=False` (a decentralized node: one aggregator a client, where a best and a
-        first model each would triple the job's models): none are kept, and a stall goes
-        back to `start`, the model the node began the stalled round from (the round a
-        step diverged or collapsed in is the round it is seen in)."""
+        `shared=True` (a decentralized node: one aggregator a client): the models given
+        are the engine's own, never modified, so the best and the first are kept by
+        reference, not copied (a node costs one more model only while its current one
+        is worse than its best, and its first is every node's one initial model), and left
+        out of `state_dict` (a checkpoint of every node would carry three models each);
+        after a resume, until a best is seen again, a stall goes back to `start`, the
+        model the node began the stalled round from."""
         if (not self.stall_step or self.classes < 2
                 or getattr(self.spec, "on_stall", "restore") != "restore"):
             return None   # (and keeps no model copies in its state, nor in checkpoints)
-        if not copies and start is None:
-            raise ValueError("observe(copies=False) needs the round's start model")
+        if shared and start is None:
+            raise ValueError("observe(shared=True) needs the round's start model")
+        self._shared_models = shared
+
+        def keep(weights: Mapping[str, np.ndarray]) -> Weights:
+            return dict(weights) if shared else {k: np.array(v) for k, v in weights.items()}
         guard = self._state.setdefault(GUARD, {})
-        if copies and START not in self._state:
-            self._state[START] = {k: np.array(v) for k, v in (start or model).items()}
+        if START not in self._state and not (shared and guard):   # (guard: a resumed node)
+            self._state[START] = keep(start or model)
         chance = 1.0 / self.classes
         best = float(guard.get("best_accuracy", -1.0))
         best_loss = float(guard.get("best_loss", math.inf))
@@ -178,11 +186,10 @@ class Aggregator(ABC):
         diverged = not loss <= DIVERGED_LOSS * math.log(self.classes)
         if not diverged and not collapsed and streak < STALL_ROUNDS:
             if not at_chance and accuracy > best:
-                if copies:
-                    self._state[BEST] = {k: np.array(v) for k, v in model.items()}
+                self._state[BEST] = keep(model)
                 guard["best_accuracy"] = np.asarray(accuracy, dtype=np.float64)
             return None
-        back = (self._state.get(BEST) or self._state[START]) if copies else start
+        back = self._state.get(BEST) or self._state.get(START) or start
         assert back is not None
         guard["scale"] = np.asarray(self.step_scale * 0.5, dtype=np.float64)
         guard["stalls"] = np.asarray(int(guard.get("stalls", 0)) + 1)
@@ -191,8 +198,8 @@ class Aggregator(ABC):
             del self._state[slot]
         log.warning("event=learning_stalled_action aggregator=%s accuracy=%.4f loss=%s "
                     "action=restore restored=%s step_scale=%g", self.name, accuracy, loss,
-                    "best" if BEST in self._state else "start" if copies else "round_start",
-                    self.step_scale)
+                    "best" if BEST in self._state else "start" if START in self._state
+                    else "round_start", self.step_scale)
         return cast_like(back, model)
 
     def step_ratio(self, weights: Mapping[str, np.ndarray]) -> float:
@@ -247,9 +254,11 @@ class Aggregator(ABC):
         self._state = {}
 
     def state_dict(self) -> Weights:
-        """Server state as flat named arrays ("slot/tensor"), e.g. for safetensors."""
+        """Server state as flat named arrays ("slot/tensor"), e.g. for safetensors; without
+        the best and first models `observe` keeps by reference (`shared`)."""
+        skip = (BEST, START) if self._shared_models else ()
         return {f"{slot}/{k}": v.copy() for slot, tensors in self._state.items()
-                for k, v in tensors.items()}
+                if slot not in skip for k, v in tensors.items()}
 
     def load_state_dict(self, state: Mapping[str, np.ndarray],
                         model: Mapping[str, np.ndarray] | None = None) -> None:

@@ -147,6 +147,7 @@ class ClusterEngine:
         # fetching the referenced object.
         self._model_nbytes = model_nbytes(initial_weights)
         self._models: dict[str, Any] = {}       # node -> handle of its current model
+        self._initial_handle: Any = None
         self._aggregators: dict[str, Aggregate] = {}
         # hybrid groups under a server optimizer: the common model of the last exchange,
         # from which the optimizer's step is taken (the round's start when every round
@@ -261,8 +262,10 @@ class ClusterEngine:
 
     def current_model(self, node: str) -> Any:
         with self._lock:
-            if node not in self._models:
-                self._models[node] = self.pool.put(self._initial)
+            if node not in self._models:   # one handle of the initial model for every node
+                if self._initial_handle is None:
+                    self._initial_handle = self.pool.put(self._initial)
+                self._models[node] = self._initial_handle
             return self._models[node]
 
     def export_node(self, node: str) -> tuple[Weights, Weights] | None:
@@ -521,8 +524,8 @@ class ClusterEngine:
                      evaluate: bool) -> None:
         """The node's model after a mixing step; `evaluate` (after the round's last, for a
         node that trained in it) scores it as served (`_evaluate_global`), and the node's
-        aggregator may go back to the model the node began the round from (on_stall,
-        without model copies kept across rounds: `Aggregator.observe`)."""
+        aggregator may go back to its best model (on_stall; kept by reference, not copied:
+        `Aggregator.observe`'s `shared`)."""
         handle = self.pool.put(mixed)
         with self._lock:
             self._models[node] = handle
@@ -531,7 +534,7 @@ class ClusterEngine:
             return
         accuracy, loss = self._observed(
             node, mixed, None if start is None else self.pool.resolve(start), record,
-            copies=False)
+            shared=True)
         with self._lock:
             record.add_evaluation(accuracy, loss, self.pool.samples(node))
 
@@ -764,19 +767,19 @@ class ClusterEngine:
         return result
 
     def _observed(self, node: str, model: Weights, start: Weights | None, record: RoundRecord,
-                  copies: bool = True) -> tuple[float, float]:
+                  shared: bool = False) -> tuple[float, float]:
         """The accuracy and loss of the node's new model (`start`: the round's), or
         (aggregation.on_stall) of the model its aggregator goes on from instead when the
-        job stalled (counted). `copies`: whether the aggregator may keep the best and the
-        first model (`Aggregator.observe`)."""
+        job stalled (counted). `shared`: the aggregator keeps the best and the first model
+        by reference (a decentralized node's: `Aggregator.observe`)."""
         accuracy, loss = self._evaluate_global(model)
         aggregator = self._aggregator(node)
         observe = getattr(aggregator, "observe", None)
-        if observe is None or (not copies and (start is None
-                                               or not isinstance(aggregator, Aggregator))):
+        if observe is None or (shared and (start is None
+                                           or not isinstance(aggregator, Aggregator))):
             return accuracy, loss   # (a user's own aggregator: its observe, if any, is its own)
-        restored = (observe(model, accuracy, loss, start) if copies
-                    else observe(model, accuracy, loss, start, copies=False))
+        restored = (observe(model, accuracy, loss, start, shared=True) if shared
+                    else observe(model, accuracy, loss, start))
         if restored is None:
             return accuracy, loss
         with self._lock:
