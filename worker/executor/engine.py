@@ -532,9 +532,11 @@ class ClusterEngine:
             start = self._starts.pop(node, None) if evaluate else None
         if not evaluate:
             return
+        # the models as stored (on Ray: views of the object store's), so that a best or
+        # first model the aggregator keeps by reference is no copy of its own
         accuracy, loss = self._observed(
-            node, mixed, None if start is None else self.pool.resolve(start), record,
-            shared=True)
+            node, self.pool.resolve(handle), None if start is None else self.pool.resolve(start),
+            record, shared=True)
         with self._lock:
             record.add_evaluation(accuracy, loss, self.pool.samples(node))
 
