@@ -411,6 +411,23 @@ def test_on_stall_restores_a_real_collapse_not_early_jitter_on_a_flat_loss() -> 
     assert collapse == [False, False, True]
 
 
+def test_on_stall_acts_on_a_model_worse_than_a_uniform_guess_two_rounds_running() -> None:
+    """Two classes, one a client (beta 0.1): the mean swings between all-majority (0.62,
+    not chance) and all-minority (0.38) guesses, its loss above a uniform guess's (ln 2)
+    and rising: no collapse (0.62 is no gain over chance) and never two rounds at chance,
+    so the guard used to let it swing; a loss worse than a uniform guess's, 5% above its
+    best, two rounds running, is a stall at any accuracy. Below ln(classes) the same rise
+    is not (a plateau's jitter)."""
+    def run(classes: int, steps: list[tuple[float, float]]) -> list[bool]:
+        agg = get_aggregator(replace(AggregationSpec(), name="fedavg"), classes=classes)
+        return [agg.observe(_w([float(i)]), accuracy, loss, start=_w([0.0])) is not None
+                for i, (accuracy, loss) in enumerate(steps)]
+
+    swing = [(0.62, 0.53), (0.38, 0.69), (0.62, 0.955), (0.38, 0.81)]
+    assert run(2, swing) == [False, False, True, False]
+    assert run(10, [(0.5, 1.5), (0.45, 1.7), (0.5, 1.9), (0.55, 1.6)]) == [False] * 4
+
+
 @pytest.mark.parametrize("name", ["fedavg", "fedprox"])
 def test_on_stall_halves_fedavgs_move_to_the_mean_and_brings_back_its_best(name: str) -> None:
     """A FedAvg-family job that collapsed (0.9 then 0.2, the loss tripled) goes back to its
