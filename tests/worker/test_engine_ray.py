@@ -22,3 +22,19 @@ def test_one_engine_on_ray_matches_inprocess(ray_context: Any) -> None:
         r.accuracy for r in local.summary.rounds]
     weights = st_load(on_ray.model)
     assert weights and all(v.dtype.kind == "f" for v in weights.values())
+
+
+@pytest.mark.slow
+def test_a_decentralized_stall_on_ray_restores_as_in_process(ray_context: Any) -> None:
+    """k_connected FedAvg whose clients diverge (learning rate 30): each node's aggregator
+    keeps its best and first models by reference, on Ray views of the object store's, and
+    goes back to them; the job stalls in the same rounds and ends with the same model
+    bytes as in-process."""
+    spec = job("k_connected", clients=6, rounds=3, aggregation={"name": "fedavg"},
+               training={"learning_rate": 30.0, "learning_rate_check": "off"})
+    local, _ = run(spec)
+    on_ray, _ = run(spec, context_for=lambda cid: ray_context)
+    stalls = [r.stalls for r in local.summary.rounds]
+    assert sum(stalls) >= 1, stalls
+    assert [r.stalls for r in on_ray.summary.rounds] == stalls
+    assert tensor_bytes(on_ray.model) == tensor_bytes(local.model)
