@@ -137,9 +137,10 @@ class Aggregator(ABC):
         "restore"`, the default): the loss is not finite or above DIVERGED_LOSS x a
         uniform guess's (ln classes); or the job had clearly learned and one round lost
         more than COLLAPSE_SHARE of its gain over chance with a loss above STALL_RISE x its
-        best (the best model so far comes back); or it sits at chance (within CHANCE_MARGIN),
-        or its loss is above a uniform guess's, with a loss above STALL_RISE x its best for
-        STALL_ROUNDS rounds in a row (the best model, or the one the job started from). The server step is halved and
+        best (the best model so far comes back); or it sits at chance (within
+        CHANCE_MARGIN), or its loss is above a uniform guess's, with a loss above
+        STALL_RISE x its best for STALL_ROUNDS rounds in a row (the best model, or the one
+        the job started from). The server step is halved and
         the optimizer's moments are forgotten (they point where it went wrong). FedAvg's
         step is its move to the clients' mean: halved, the model goes half way there
         (`FedAvg.aggregate`), so restoring does not replay the same rounds. An aggregator
@@ -147,7 +148,8 @@ class Aggregator(ABC):
         `shared=True` (a decentralized node: one aggregator a client): the models given
         are the engine's own, never modified, so the best and the first are kept by
         reference, not copied (a node costs one more model only while its current one
-        is worse than its best, and its first is every node's one initial model), and left
+        is worse than its best; the first of a node that trains in round 1 is every such
+        node's one initial model), and left
         out of `state_dict` (a checkpoint of every node would carry three models each);
         after a resume, until a best is seen again, a stall goes back to `start`, the
         model the node began the stalled round from."""
