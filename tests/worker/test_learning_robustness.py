@@ -302,8 +302,8 @@ def test_a_fedavg_job_whose_clients_diverge_goes_back_and_halves_its_move(topolo
     a uniform guess's is 2.3); with the default the job goes back to where it started,
     moves half as far each time it stalls (a quarter, ...), and no round's model is
     diverged. Before, a FedAvg-family job never acted (there was 'no step to halve'),
-    and a decentralized one not even then: each node now goes back to the model it began
-    the round with and halves its move to its neighbourhood's mean."""
+    and a decentralized one not even then: each node now goes back to its best model (or
+    its first) and halves its move to its neighbourhood's mean."""
     import math
 
     from worker.aggregators.base import DIVERGED_LOSS

@@ -147,12 +147,11 @@ class Aggregator(ABC):
         without a step to halve (`stall_step`) never acts (the progress line still warns).
         `shared=True` (a decentralized node: one aggregator a client): the models given
         are the engine's own, never modified, so the best and the first are kept by
-        reference, not copied (a node costs one more model only while its current one
-        is worse than its best; the first of a node that trains in round 1 is every such
-        node's one initial model), and left
-        out of `state_dict` (a checkpoint of every node would carry three models each);
-        after a resume, until a best is seen again, a stall goes back to `start`, the
-        model the node began the stalled round from."""
+        reference, not copied (a node costs one more model only while its current one is
+        worse than its best; the first of a node that trains in round 1 is every such
+        node's one initial model), and left out of `state_dict` (a checkpoint of every
+        node would carry three models each); after a resume, until a best is seen again,
+        a stall goes back to `start`, the model the node began the stalled round from."""
         if (not self.stall_step or self.classes < 2
                 or getattr(self.spec, "on_stall", "restore") != "restore"):
             return None   # (and keeps no model copies in its state, nor in checkpoints)
