@@ -15,13 +15,15 @@ signed ControlRequest, and the executor (`worker/executor/service.py`) answers e
   histograms (in the order of its clients: this cluster's own, no other), the job.start
   reply's dtype, at most `histogram_bytes` of counts (or one row);
 - `job.plan` {routing | routing_sha256 + routing_size, imports, next_round, client_samples?,
-  absent?, pooled_labels?, scaling_mean? + scaling_sd?}: adopt the routing matrix (the whole plan:
+  absent?, pooled_labels?, scaling_mean? + scaling_sd?, learning_rate?}: adopt the routing matrix (the whole plan:
   the round graph is a read-only view of it), materialize the local clients, and take the
   states of nodes that migrated here (`imports`: node names; the states arrive as update
   streams); a pinned-data job's plan also carries every client's training-sample count
   (what its own cluster reported), the weight its updates get elsewhere, and the clients
   that sit out (`absent`: their cluster is gone, their data with it), and the mean and sd
-  every site standardizes its samples by (`scaling_*`: data.standardize);
+  every site standardizes its samples by (`scaling_*`: data.standardize), and the
+  learning rate its clients train at where the sites' trials lowered the job's
+  (`learning_rate`: training.learning_rate_check);
 - `job.plan.part` {digest, index, count, size, data}: one slice of a routing matrix too
   large for one body (over `INLINE_PLAN_BYTES`; ~26 bytes a client, so past ~120,000
   clients). Every part is a signed, owner-checked control body under the same 4 MiB cap
@@ -383,6 +385,10 @@ class JobPlan(ControlMessage):
                                                   default=None)
     scaling_sd: tuple[float, ...] | None = spec(OrNone(ListOf(Float(1e-300), MAX_ITEMS)),
                                                 default=None)
+    #: pinned data (training.learning_rate_check): the learning rate every client trains
+    #: at, the median of the sites' trials (`fedcore.data.preflight.shared_learning_rate`);
+    #: a plan may only lower the job's (the executor refuses a larger one)
+    learning_rate: float | None = spec(OrNone(Float(1e-300)), default=None)
     routing_sha256: str | None = spec(OrNone(SHA256_HEX), default=None)
     routing_size: int | None = spec(OrNone(Int(1, MAX_PLAN_BYTES)), default=None)
     #: [privacy] secure_aggregation: every cluster's X25519 public key (from its job.start

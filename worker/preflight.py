@@ -8,13 +8,16 @@ and `plan` never import this module (nor torch): they start it.
 from __future__ import annotations
 
 import json
+import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fedcore.data import Dataset
 from fedcore.data.preflight import PROGRESS, check_job_data
 from proto.job import JobSpec, JobSpecError
+
+log = logging.getLogger("fedpilot.preflight")
 
 
 def check_job_inputs(spec: JobSpec, source: str) -> Dataset:
@@ -67,43 +70,29 @@ def check_model(spec: JobSpec, source: str, dataset: Dataset) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def trial_learning_rate(spec: JobSpec, dataset: Dataset, source: str = "<job>"
-                        ) -> dict[str, Any]:
+def run_trial(spec: JobSpec, dataset: Dataset, source: str = "<job>",
+              progress: Callable[[float, float, int], None] | None = None) -> Any:
     """`worker.training.learning_rate_trial` of the job's model (built as the job builds
     it, from the job's seed) on its training samples as the job prepares them, for a
     model of the user's own (`module:Class`: what `submit` checks here; `plan` and a DP
     job measure a built-in model too, and a trial there would show a rate `submit` does
-    not use); {} under training.learning_rate_check = "off" or without samples.
-    JobSpecError naming ``model.name`` where the model fails to train (every client
-    would fail the same), or ``training.learning_rate`` where every rate tried diverged,
-    or none trained and the smallest still gained (`LrTrial.exhausted`)."""
+    not use): its `LrTrial`, None under training.learning_rate_check = "off" or without
+    samples. `progress(rate, loss, samples)` after each run. JobSpecError naming
+    ``model.name`` where the model fails to train (every client would fail the same)."""
     if (spec.training.learning_rate_check == "off" or not len(dataset.y_train)
             or ":" not in spec.model.name):
-        return {}  # the built-in models train at the defaults (bench_learning's grid)
+        return None  # the built-in models train at the defaults (bench_learning's grid)
     from fedcore.data.datasets import prepare
     from worker.models import build_model
-    from worker.training import (
-        TRIAL_DIVERGED,
-        TRIAL_EPOCHS,
-        TRIAL_LEARNED,
-        TRIAL_SAMPLES,
-        learning_rate_trial,
-        uniform_loss,
-    )
+    from worker.training import TRIAL_SAMPLES, learning_rate_trial
 
     data = prepare(dataset, spec.data)
     samples = min(TRIAL_SAMPLES, len(data.y_train))
-
-    def progress(lr: float, loss: float) -> None:  # `fedcore.data.preflight` relays it
-        print(f"{PROGRESS}learning-rate trial of model.name {spec.model.name!r}: "
-              f"{lr:g} -> loss {loss:.3f} after {TRIAL_EPOCHS} passes over {samples} "
-              f"samples (a uniform guess's: {uniform_loss(data.num_classes):.3f})",
-              file=sys.stderr, flush=True)
-
     try:
-        found = learning_rate_trial(
+        return learning_rate_trial(
             lambda: build_model(spec.model, data.input_shape, data.num_classes, seed=spec.seed),
-            data.x_train, data.y_train, spec.training, data.num_classes, spec.seed, progress)
+            data.x_train, data.y_train, spec.training, data.num_classes, spec.seed,
+            None if progress is None else lambda lr, loss: progress(lr, loss, samples))
     except Exception as exc:  # noqa: BLE001 - user code may raise anything
         first = _first_line(exc)
         raise JobSpecError(
@@ -111,23 +100,80 @@ def trial_learning_rate(spec: JobSpec, dataset: Dataset, source: str = "<job>"
             f"model.name {spec.model.name!r} fails to train on {spec.data.dataset}: "
             f"{type(exc).__name__}: {first} (in the learning-rate trial; "
             "training.learning_rate_check = \"off\" skips it)") from None
+
+
+def trial_learning_rate(spec: JobSpec, dataset: Dataset, source: str = "<job>"
+                        ) -> dict[str, Any]:
+    """`run_trial`'s rate and losses as `check_model_in_child` reads them; {} where no
+    trial ran. JobSpecError naming ``training.learning_rate`` where every rate tried
+    diverged, or none trained and the smallest still gained (`LrTrial.exhausted`)."""
+    from worker.training import TRIAL_EPOCHS, uniform_loss
+
+    def progress(lr: float, loss: float, samples: int) -> None:  # `fedcore.data.preflight` relays it
+        print(f"{PROGRESS}learning-rate trial of model.name {spec.model.name!r}: "
+              f"{lr:g} -> loss {loss:.3f} after {TRIAL_EPOCHS} passes over {samples} "
+              f"samples (a uniform guess's: {uniform_loss(dataset.num_classes):.3f})",
+              file=sys.stderr, flush=True)
+
+    found = run_trial(spec, dataset, source, progress)
+    if found is None:
+        return {}
     if found.diverged or found.exhausted:
-        tried = ", ".join(f"{lr:g}: {loss:.3g}" for lr, loss in found.losses)
-        verdict, bound = ((f"makes model {spec.model.name!r} diverge", TRIAL_DIVERGED)
-                          if found.diverged else
-                          (f"does not train model {spec.model.name!r}", TRIAL_LEARNED))
-        raise JobSpecError(
-            source, "training.learning_rate",
-            f"training.learning_rate {spec.training.learning_rate:g} {verdict} on "
-            f"{spec.data.dataset}: after {TRIAL_EPOCHS} passes over {samples} of its "
-            f"samples the loss is above {bound:g} x a uniform guess's "
-            f"({found.uniform_loss:.3g}) at every rate tried ({tried})"
-            f"{'' if found.diverged else ', and still falling at the smallest'}; set a "
-            f"learning_rate below {found.losses[-1][0]:g}, or "
-            "training.learning_rate_check = \"off\" to train at it anyway")
+        raise JobSpecError(source, "training.learning_rate",
+                           trial_refusal(spec, found.losses, found.uniform_loss,
+                                         diverged=found.diverged))
     return {"learning_rate": found.learning_rate,
             "trial": [[lr, loss] for lr, loss in found.losses],
             "uniform_loss": found.uniform_loss}
+
+
+def site_trial(spec: JobSpec, dataset: Dataset, site: str) -> dict[str, Any] | None:
+    """A pinned job's trial at one site (its job.start reply's `learning_rate_trial`), on
+    the site's own training samples, standardized as a job of that site alone would be
+    (the statistics every site shares come with the plan, after this): the rate it
+    found, each rate's loss, a uniform guess's loss, and `verdict` ("trained", or
+    "diverged" / "exhausted" with `message`, the refusal a job of this site alone would
+    get). The scheduler takes the sites' median (`fedcore.data.preflight.shared_learning_rate`).
+    None where no trial runs (`run_trial`)."""
+    from dataclasses import replace
+
+    from worker.training import TRIAL_EPOCHS
+
+    def progress(lr: float, loss: float, samples: int) -> None:
+        log.info("event=learning_rate_trial cluster=%s model=%s rate=%g loss=%.4f passes=%d "
+                 "samples=%d", site, spec.model.name, lr, loss, TRIAL_EPOCHS, samples)
+
+    own = replace(spec, data=replace(spec.data, placement="simulated"))
+    found = run_trial(own, dataset, f"cluster {site}", progress)
+    if found is None:
+        return None
+    out: dict[str, Any] = {"learning_rate": found.learning_rate,
+                           "trial": [[lr, loss] for lr, loss in found.losses],
+                           "uniform_loss": found.uniform_loss, "verdict": "trained"}
+    if found.diverged or found.exhausted:
+        out["verdict"] = "diverged" if found.diverged else "exhausted"
+        out["message"] = trial_refusal(spec, found.losses, found.uniform_loss,
+                                       diverged=found.diverged, where=f" at cluster {site}")
+    return out
+
+
+def trial_refusal(spec: JobSpec, losses: Sequence[Sequence[float]], uniform: float, *,
+                  diverged: bool, where: str = "") -> str:
+    """Why a job is refused when no rate of its trial trained the model: each rate's loss
+    and the rate to go below. `where`: whose samples (a pinned job's sites)."""
+    from worker.training import TRIAL_DIVERGED, TRIAL_EPOCHS, TRIAL_LEARNED, TRIAL_SAMPLES
+
+    tried = ", ".join(f"{lr:g}: {loss:.3g}" for lr, loss in losses)
+    verdict, bound = ((f"makes model {spec.model.name!r} diverge", TRIAL_DIVERGED)
+                      if diverged else
+                      (f"does not train model {spec.model.name!r}", TRIAL_LEARNED))
+    return (f"training.learning_rate {spec.training.learning_rate:g} {verdict} on "
+            f"{spec.data.dataset}{where}: after {TRIAL_EPOCHS} passes over up to "
+            f"{TRIAL_SAMPLES} of its samples the loss is above {bound:g} x a uniform "
+            f"guess's ({uniform:.3g}) at every rate tried ({tried})"
+            f"{'' if diverged else ', and still falling at the smallest'}; set a "
+            f"learning_rate below {losses[-1][0]:g}, or "
+            "training.learning_rate_check = \"off\" to train at it anyway")
 
 
 def main(argv: Sequence[str]) -> int:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedcore.data import preflight as preflight_bounds
 from worker.errors import WorkerError
 from worker.models.registry import GLOBAL_RNG, batchnorm_layers
 
@@ -495,7 +496,7 @@ def held_out_choice(trained: np.ndarray, received: np.ndarray) -> np.ndarray:
 #: 1.25, 2.42 at 0.625) and its job ran at 10, at chance
 TRIAL_SAMPLES = 512
 TRIAL_EPOCHS = 2
-TRIAL_HALVINGS = 8
+TRIAL_HALVINGS = preflight_bounds.TRIAL_HALVINGS  # (the scheduler checks sites' rates by it)
 #: a trial run "learned" when its loss on its samples ends below this share of a uniform
 #: guess's (ln classes): a model whose units died on too large a step ends at a uniform
 #: guess exactly (its outputs no longer depend on the input)

@@ -12,11 +12,14 @@ the output size wrong.
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from proto.job import JobSpec, JobSpecError
 
@@ -74,6 +77,65 @@ def with_checked_learning_rate(spec: JobSpec, checked: ModelCheck) -> tuple[JobS
             f"training.learning_rate_check = \"off\" trains at "
             f"{spec.training.learning_rate:g} anyway")
     return replace(spec, training=replace(spec.training, learning_rate=lr)), line
+
+
+#: the learning-rate trial's halvings at most (`worker.training.learning_rate_trial`): a
+#: rate a pinned site reports is the job's over 2**k for k in 0..TRIAL_HALVINGS
+TRIAL_HALVINGS = 8
+
+
+def shared_learning_rate(spec: JobSpec, sites: Mapping[str, Any]) -> tuple[float | None, str]:
+    """A pinned job's learning rate from its sites' trials (each site's job.start reply's
+    `learning_rate_trial`, `worker.preflight.site_trial`; None from a site that ran none):
+    the median, in halvings of the job's rate, of the rates of the sites whose trial
+    trained the model (with an even count the smaller rate of the middle two: a rate too
+    large kills a model, one too small only slows it), so one lying site of three or more
+    cannot move it beyond what honest sites found. (None, "") where no site ran a trial or
+    the job keeps its rate; else the rate and the line that says why. ValueError naming
+    the cluster and field for a malformed report (a rate the trial cannot have chosen);
+    JobSpecError naming ``training.learning_rate`` where no site's trial trained it."""
+    lr = float(spec.training.learning_rate)
+    halvings: dict[str, int] = {}
+    refused: dict[str, str] = {}
+    for cid, found in sorted(sites.items()):
+        if found is None:
+            continue
+        field = f"cluster {cid}: field 'learning_rate_trial"
+        if not isinstance(found, Mapping):
+            raise ValueError(f"{field}': must be a map, got {type(found).__name__}")
+        verdict = found.get("verdict")
+        if verdict not in ("trained", "diverged", "exhausted"):
+            raise ValueError(f"{field}.verdict': must be trained, diverged or exhausted, "
+                             f"got {str(verdict)[:40]!r}")
+        if verdict != "trained":
+            refused[cid] = str(found.get("message") or verdict)[:2000]
+            continue
+        got = found.get("learning_rate")
+        rate = (float(got) if isinstance(got, int | float) and not isinstance(got, bool)
+                else math.nan)
+        k = round(math.log2(lr / rate)) if math.isfinite(rate) and rate > 0 else -1
+        if not 0 <= k <= TRIAL_HALVINGS or not math.isclose(rate, lr / 2 ** k, rel_tol=1e-9):
+            raise ValueError(f"{field}.learning_rate': must be the job's rate {lr:g} halved "
+                             f"0 to {TRIAL_HALVINGS} times, got {str(got)[:40]}")
+        halvings[cid] = k
+    if not halvings:
+        if refused:
+            raise JobSpecError("<job>", "training.learning_rate",
+                               "no site's trial trained the model: "
+                               + "; ".join(refused.values()))
+        return None, ""
+    ks = sorted(halvings.values())
+    chosen = lr / 2 ** ks[len(ks) // 2]
+    if chosen == lr:
+        return None, ""
+    per_site = ", ".join(f"{cid} {lr / 2 ** k:g}" for cid, k in halvings.items())
+    line = (f"training.learning_rate {lr:g} did not train model.name {spec.model.name!r} in "
+            f"a short trial on the sites' own training samples (the rate each site's trial "
+            f"chose: {per_site}"
+            + (f"; no rate trained it at {', '.join(refused)}" if refused else "")
+            + f"); the job trains at {chosen:g}, their median. training.learning_rate_check"
+            f" = \"off\" trains at {lr:g} anyway")
+    return chosen, line
 
 
 #: the prefix of the child's stderr lines meant for the user (progress of the trial);

@@ -51,7 +51,7 @@ from proto.control import (
     read_histograms,
 )
 from proto.errors import ControlMessageError
-from proto.job import JobSpec, early_close
+from proto.job import JobSpec, JobSpecError, early_close
 from proto.rounds import RoundRecord, personal_choice, personal_reply
 from proto.routing import RoutingMatrix
 from scheduler.errors import JobFailed
@@ -181,6 +181,8 @@ class Driver(Recovery):
         # pinned data: the mean and sd every site standardizes by (data.standardize), fixed
         # at the start: a site that comes back later gets the same
         self._scaling: tuple[list[float], list[float]] | None = None
+        # pinned data: the learning rate the sites' trials chose (None: the job's)
+        self._learning_rate: float | None = None
         self._privacy_keys: dict[str, bytes] = {}  # [privacy]: each executor's public key
         #: a routing matrix over this many bytes goes as job.plan.parts, then a job.plan
         #: naming them by sha256 (every control body is capped at 4 MiB)
@@ -332,6 +334,7 @@ class Driver(Recovery):
         if self._pinned is not None:
             check_pinned_data(started, spec.data.dataset)
             self._scaling = self._shared_scaling(started)
+            self._learning_rate = self._shared_learning_rate(started)
         histograms = self._histograms(started, holders)
         self._client_samples = [int(x) for x in histograms.sum(axis=1)]
         self._pooled_labels = [int(x) for x in histograms.sum(axis=0)]
@@ -502,6 +505,26 @@ class Driver(Recovery):
                      len(found[0]), len(sites))
         return found
 
+    def _shared_learning_rate(self, started: Mapping[str, Mapping[str, Any]]) -> float | None:
+        """Pinned data: the rate every client trains at where the sites' trials lowered the
+        job's (`fedcore.data.preflight.shared_learning_rate`: their median), said on the
+        progress line; None where the job keeps its rate. A malformed report fails the
+        job, naming the cluster; so does a model no site's trial trained."""
+        from fedcore.data.preflight import shared_learning_rate
+
+        sites = {cid: reply.get("learning_rate_trial") for cid, reply in started.items()}
+        try:
+            rate, line = shared_learning_rate(self.spec, sites)
+        except JobSpecError as exc:  # (a ValueError too)
+            raise JobFailed(f"training.learning_rate: {exc.detail}") from None
+        except ValueError as exc:
+            raise JobFailed(f"job.start replies: {exc}") from None
+        if rate is not None:
+            log.warning("event=learning_rate_lowered job=%s rate=%g job_rate=%g sites=%d",
+                        self.spec.job_id, rate, self.spec.training.learning_rate, len(sites))
+            self._say(line)
+        return rate
+
     def _histograms(self, started: Mapping[str, Mapping[str, Any]],
                     holders: Mapping[str, list[int]]) -> np.ndarray:
         """Every client's label histogram (a row per client id): the first page of each
@@ -569,6 +592,8 @@ class Driver(Recovery):
                                                         self._pooled_labels))
         if self._pinned is not None and self._scaling is not None:
             extra["scaling_mean"], extra["scaling_sd"] = self._scaling
+        if self._learning_rate is not None:
+            extra["learning_rate"] = self._learning_rate
         if self._pinned is None and plan.placement.absent:
             extra["absent"] = list(plan.placement.absent)
             log.warning("event=clients_sit_out job=%s epoch=%d clients=%d reason=%s",

@@ -257,3 +257,86 @@ def test_a_site_with_malformed_moments_fails_the_job_named(
     monkeypatch.setattr(NodeRuntime, "data_moments", lying)
     with pytest.raises(JobFailed, match="site b: data moments"):
         run(pinned_job(data={"standardize": "features"}), sites)
+
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def user_model_job(model: str = "usercnn:SmallCNN", **training: Any) -> JobSpec:
+    """A star FedAvg job with a model class of the user's own (bench/usercnn.py)."""
+    return pinned_job(model={"name": model}, topology={"kind": "star"},
+                      aggregation={"name": "fedavg"}, data={"number_of_clients": 6},
+                      training={"federated_learning_rounds": 2, "number_of_epochs": 1,
+                                **training})
+
+
+@pytest.fixture
+def usercnn(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def mnist_sites(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
+    """bench_learning's MNIST subset (1,000 training images) split among the 3 sites."""
+    import sys
+
+    sys.path.insert(0, str(BENCH))
+    import bench_learning as bl
+
+    out = tmp_path_factory.mktemp("mnist-sites")
+    with np.load(bl.mnist_npz(out, 100, 30).split(":", 1)[1]) as src:
+        for k, cid in enumerate(CLUSTERS):
+            np.savez(out / f"{cid}.npz", num_classes=np.int64(10),
+                     **{key: src[key][k::3] for key in ("x_train", "y_train", "x_test", "y_test")})
+    return {cid: {"site": f"npz:{out / cid}.npz"} for cid in CLUSTERS}
+
+
+def test_sites_trials_choose_the_learning_rate_their_clients_train_at(
+        mnist_sites: dict[str, dict[str, str]], usercnn: None) -> None:
+    """A pinned job's data is on its sites, so `submit` cannot try the job's rate on it:
+    each site tries it on its own samples at job.start and every client trains at the
+    median of the rates they chose. The tutorials' BatchNorm CNN dies at sgd 0.05
+    (momentum 0.9): as given it stays near a uniform guess; at the sites' rate it learns."""
+    result, mesh = run(user_model_job("usercnn:TutorialCNN"), mnist_sites)
+    rates = {mesh.services[cid].runtime._config.training.learning_rate for cid in CLUSTERS}
+    assert len(rates) == 1 and rates.pop() < 0.05
+    learned = [r.accuracy for r in result.summary.rounds]
+    off, mesh = run(user_model_job("usercnn:TutorialCNN", learning_rate_check="off"),
+                    mnist_sites)
+    assert {mesh.services[cid].runtime._config.training.learning_rate
+            for cid in CLUSTERS} == {0.05}
+    as_given = [r.accuracy for r in off.summary.rounds]
+    assert max(as_given) < 0.1 + 0.15 and learned[-1] > as_given[-1] + 0.2, (learned, as_given)
+
+
+def test_a_site_that_lies_about_its_trial_moves_the_rate_no_further_than_honest_ones(
+        sites: dict[str, dict[str, str]], usercnn: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One site of three reports the smallest rate a trial can choose (or the largest):
+    the median stays within the honest sites' own rates (1 and 2). A rate no trial can
+    have chosen fails the job before any plan, naming the site and the field."""
+    from worker.executor.runtime import NodeRuntime
+
+    real = NodeRuntime.learning_rate_trial
+    told: dict[str, Any] = {}
+
+    def lying(self: NodeRuntime) -> Any:
+        found = real(self)
+        return {**found, **told} if self.cluster_id == "b" and found else found
+
+    monkeypatch.setattr(NodeRuntime, "learning_rate_trial", lying)
+    for rate, expected in ((8.0 / 256, 1.0), (8.0, 2.0)):
+        told.update(learning_rate=rate)
+        _, mesh = run(user_model_job(learning_rate=8.0, federated_learning_rounds=1), sites)
+        rates = {mesh.services[cid].runtime._config.training.learning_rate for cid in CLUSTERS}
+        assert rates == {expected}, (rate, rates)
+    # a later plan (replayed or forged) cannot change the rate the clients train at
+    runtime: Any = mesh.services["a"].runtime
+    for other, needle in ((16.0, "may only lower it"), (0.5, "a job keeps its first")):
+        with pytest.raises(ValueError, match=needle):
+            runtime.set_learning_rate(other)
+    runtime.set_learning_rate(2.0)   # the same again: nothing to do
+    assert runtime._config.training.learning_rate == runtime.spec.training.learning_rate == 2.0
+    told.update(learning_rate=0.0123)
+    with pytest.raises(JobFailed, match=r"cluster b: field 'learning_rate_trial\.learning_rate'"):
+        run(user_model_job(learning_rate=8.0, federated_learning_rounds=1), sites)

@@ -161,3 +161,53 @@ def test_pinned_spec_round_trips_and_defaults_to_simulated() -> None:
     job = spec()
     assert JobSpec.from_dict(job.to_dict()) == job
     assert JobSpec.from_dict({}).data.placement == "simulated"
+
+
+def trial(rate: float, verdict: str = "trained") -> dict[str, Any]:
+    return {"learning_rate": rate, "trial": [[0.05, 2.3], [rate, 0.5]], "uniform_loss": 2.3,
+            "verdict": verdict, **({} if verdict == "trained" else {"message": f"{verdict} here"})}
+
+
+def test_the_sites_trials_give_the_job_their_median_rate_the_smaller_of_two() -> None:
+    """A pinned job's learning rate from its sites' trials (their job.start replies): the
+    median in halvings of the job's rate; of two, the smaller (a rate too large kills the
+    model, one too small only slows it); a site whose trial trained nothing is left out
+    and named. No trial, or every site keeping the job's rate: the job's, unsaid."""
+    from fedcore.data.preflight import shared_learning_rate
+
+    job = spec(model={"name": "m:Net"})   # learning_rate 0.05
+    assert shared_learning_rate(job, {"a": None, "b": None}) == (None, "")
+    assert shared_learning_rate(job, {"a": trial(0.05), "b": trial(0.05)}) == (None, "")
+    rate, line = shared_learning_rate(job, {"a": trial(0.025), "b": trial(0.00625)})
+    assert rate == 0.00625
+    assert ("training.learning_rate 0.05 did not train model.name 'm:Net'" in line
+            and "a 0.025, b 0.00625" in line and "trains at 0.00625" in line
+            and 'learning_rate_check = "off"' in line), line
+    three = {"a": trial(0.025), "b": trial(0.05 / 256), "c": trial(0.0125)}
+    assert shared_learning_rate(job, three)[0] == 0.0125   # the liar's is not the median
+    rate, line = shared_learning_rate(job, {"a": trial(0.025), "b": trial(0.05, "exhausted")})
+    assert rate == 0.025 and "no rate trained it at b" in line
+    with pytest.raises(JobSpecError, match="no site's trial trained the model: diverged "
+                       "here; exhausted here") as caught:
+        shared_learning_rate(job, {"a": trial(0.05, "diverged"), "b": trial(0.05, "exhausted")})
+    assert caught.value.key == "training.learning_rate"
+
+
+@pytest.mark.parametrize(("report", "needle"), [
+    ("fast", "learning_rate_trial': must be a map"),
+    ({**trial(0.025), "verdict": "maybe"}, "learning_rate_trial.verdict'"),
+    ({**trial(0.025), "learning_rate": 0.0123}, "learning_rate_trial.learning_rate'"),
+    ({**trial(0.025), "learning_rate": 0.1}, "halved 0 to 8 times, got 0.1"),
+    ({**trial(0.025), "learning_rate": 0.05 / 512}, "halved 0 to 8 times"),
+    ({**trial(0.025), "learning_rate": True}, "got True"),
+    ({**trial(0.025), "learning_rate": float("nan")}, "got nan"),
+    ({**trial(0.025), "learning_rate": 1e400}, "got inf"),
+    ({**trial(0.025), "learning_rate": None}, "got None"),
+])
+def test_a_malformed_trial_report_is_refused_naming_the_site_and_field(
+        report: Any, needle: str) -> None:
+    from fedcore.data.preflight import shared_learning_rate
+
+    with pytest.raises(ValueError, match="cluster b: field") as caught:
+        shared_learning_rate(spec(model={"name": "m:Net"}), {"a": trial(0.025), "b": report})
+    assert needle in str(caught.value), caught.value

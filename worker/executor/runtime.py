@@ -112,6 +112,7 @@ class NodeRuntime:
 
         single_threaded_numerics()
         self.spec = spec
+        self._job_learning_rate = float(spec.training.learning_rate)
         self.context = context
         self.cluster_id = cluster_id
         self.pinned = spec.data.placement == "pinned"
@@ -209,6 +210,39 @@ class NodeRuntime:
         if not self.pinned or self.spec.data.standardize == "none":
             return None
         return moments(self.dataset)
+
+    def learning_rate_trial(self) -> dict[str, Any] | None:
+        """Pinned data under training.learning_rate_check: this site's trial of the job's
+        model on its own training samples (`worker.preflight.site_trial`), from which the
+        scheduler chooses the rate every client trains at (`set_learning_rate`); None for
+        simulated data (`submit` ran the trial before the job started) or where no trial
+        runs."""
+        from worker.preflight import site_trial
+
+        if not self.pinned:
+            return None
+        return site_trial(self.spec, self.dataset, self.cluster_id)
+
+    def set_learning_rate(self, rate: float) -> None:
+        """Pinned data: the learning rate the plan names (the median of the sites' trials)
+        for every client of this cluster, before any of them starts; ValueError for a rate
+        above the job's (a plan may only lower it) or one that differs from the rate its
+        clients already train at."""
+        training = self.spec.training
+        if rate == training.learning_rate:
+            return
+        if not 0 < rate <= self._job_learning_rate:
+            raise ValueError(f"cluster {self.cluster_id}: the plan's learning rate {rate:g} is "
+                             "not in (0, the job's training.learning_rate "
+                             f"{self._job_learning_rate:g}]; a plan may only lower it")
+        if self.manager is not None or training.learning_rate != self._job_learning_rate:
+            raise ValueError(f"cluster {self.cluster_id}: the plan's learning rate {rate:g} "
+                             f"differs from the {training.learning_rate:g} this cluster's "
+                             "clients train at; a job keeps its first")
+        self.spec = replace(self.spec, training=replace(training, learning_rate=float(rate)))
+        self._config = replace(self._config, training=self.spec.training)
+        log.info("event=learning_rate_lowered cluster=%s job_rate=%g rate=%g",
+                 self.cluster_id, self._job_learning_rate, rate)
 
     def standardize(self, mean: Sequence[float], sd: Sequence[float]) -> None:
         """Pinned data: this site's samples standardized by the statistics every site

@@ -256,6 +256,10 @@ class ExecutorService:
         found = data_moments() if data_moments is not None else None
         if found is not None:  # pinned: what the shared standardization is made from
             reply["moments"] = found
+        trial = getattr(self.runtime, "learning_rate_trial", None)
+        tried = trial() if trial is not None else None
+        if tried is not None:  # pinned: what the job's learning rate is chosen from
+            reply["learning_rate_trial"] = tried
         return reply
 
     def _profile(self, message: JobProfile) -> dict[str, Any]:
@@ -313,6 +317,14 @@ class ExecutorService:
                 except (ValueError, DatasetError) as exc:
                     raise ControlMessageError(message.TYPE, "scaling_mean",
                                               f"field 'scaling_mean': {exc}") from None
+        if message.learning_rate is not None:
+            set_rate = getattr(self.runtime, "set_learning_rate", None)
+            if set_rate is not None:  # pinned: the rate the sites' trials chose
+                try:
+                    set_rate(message.learning_rate)
+                except ValueError as exc:
+                    raise ControlMessageError(message.TYPE, "learning_rate",
+                                              f"field 'learning_rate': {exc}") from None
         with self._exclusive(f"re-planned (epoch {routing.epoch}) while round "
                              "{round} ran here"):
             return self._install(message, routing)
