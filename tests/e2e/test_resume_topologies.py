@@ -127,6 +127,35 @@ def test_a_hybrid_job_exchanging_every_few_rounds_resumes_from_its_anchors(
     assert tensor_bytes(resumed.model) == tensor_bytes(whole.model)
 
 
+def test_a_stalled_decentralized_job_interrupted_and_resumed_stays_off_divergence(
+        tmp_path: Path) -> None:
+    """k_connected FedAvg whose clients train at learning rate 30 (the check off): the
+    neighbourhoods' means diverge and every node goes back to its best model and halves
+    its move (aggregation.on_stall). Interrupted after round 3 and resumed from round 2's
+    checkpoint, which holds no best model (nothing is copied into it): each resumed node
+    goes back to the model it began the stalled round from until it has seen a best again,
+    with its halved move from the checkpoint. No round of the resumed job is diverged, and
+    the resumed rounds act again."""
+    import math
+
+    from worker.aggregators.base import DIVERGED_LOSS
+
+    base = job("k_connected", tmp_path, compression="none").to_dict()
+    base["aggregation"] = {"name": "fedavg"}
+    base["training"].update(learning_rate=30.0, learning_rate_check="off",
+                            federated_learning_rounds=5)
+    spec = JobSpec.from_dict(base)
+    out = tmp_path / "broken"
+    with pytest.raises(Interrupted):
+        run(spec, out, stop_after=3)
+    assert load_checkpoint(out).round == 2
+    resumed = run(spec, out, resume=True).summary.rounds
+    assert [r.round for r in resumed] == [1, 2, 3, 4, 5]
+    losses = [r.loss for r in resumed]
+    assert all(loss < DIVERGED_LOSS * math.log(10) for loss in losses), losses
+    assert sum(r.stalls for r in resumed[2:]) >= 1, [r.stalls for r in resumed]
+
+
 @pytest.mark.slow
 def test_a_hybrid_job_on_ray_resumes_to_the_uninterrupted_model_bytes(tmp_path: Path, ray_session: None) -> None:
     """The same on the production backend: clients are Ray actors (batched calls), the

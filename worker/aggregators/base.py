@@ -151,7 +151,9 @@ class Aggregator(ABC):
         worse than its best; the first of a node that trains in round 1 is every such
         node's one initial model), and left out of `state_dict` (a checkpoint of every
         node would carry three models each); after a resume, until a best is seen again,
-        a stall goes back to `start`, the model the node began the stalled round from."""
+        a stall goes back to `start`, the model the node began the stalled round from
+        (where that has diverged too, the engine gives it the initial model:
+        `restart_from`)."""
         if (not self.stall_step or self.classes < 2
                 or getattr(self.spec, "on_stall", "restore") != "restore"):
             return None   # (and keeps no model copies in its state, nor in checkpoints)
@@ -208,6 +210,21 @@ class Aggregator(ABC):
                     "best" if BEST in self._state else "start" if START in self._state
                     else "round_start", self.step_scale)
         return cast_like(back, model)
+
+    def diverged(self, loss: float) -> bool:
+        """A model's loss not finite or above DIVERGED_LOSS x a uniform guess's (`observe`)."""
+        return self.classes >= 2 and not loss <= DIVERGED_LOSS * math.log(self.classes)
+
+    def restart_from(self, first: Mapping[str, np.ndarray]) -> bool:
+        """A decentralized node (`observe`'s `shared`) without a best model whose start it
+        went back to had diverged too: a node that did not train mixed its trained
+        neighbours' diverged models into its own, and trained from that in its first
+        round. `first` (the job's initial model, which guesses uniformly) becomes the model
+        it goes back to, by reference. False (nothing changed) where it has a best."""
+        if BEST in self._state or not self._shared_models:
+            return False
+        self._state[START] = dict(first)
+        return True
 
     def step_ratio(self, weights: Mapping[str, np.ndarray]) -> float:
         """`aggregation.max_step_ratio` (0: unbounded), at most 1 for a model with

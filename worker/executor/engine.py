@@ -52,6 +52,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Set
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -263,10 +264,15 @@ class ClusterEngine:
     def current_model(self, node: str) -> Any:
         with self._lock:
             if node not in self._models:   # one handle of the initial model for every node
-                if self._initial_handle is None:
-                    self._initial_handle = self.pool.put(self._initial)
-                self._models[node] = self._initial_handle
+                self._models[node] = self._initial_model(locked=True)
             return self._models[node]
+
+    def _initial_model(self, locked: bool = False) -> Any:
+        """The one handle of the job's initial model every node starts from."""
+        with nullcontext() if locked else self._lock:
+            if self._initial_handle is None:
+                self._initial_handle = self.pool.put(self._initial)
+            return self._initial_handle
 
     def export_node(self, node: str) -> tuple[Weights, Weights] | None:
         """The node's current model and its aggregator's server state (to migrate it; the
@@ -789,7 +795,19 @@ class ClusterEngine:
             if node in self._anchors:
                 self._anchors[node] = restored
             record.stalls += 1
-        return self._evaluate_global(restored)
+        accuracy, loss = self._evaluate_global(restored)
+        if not (shared and isinstance(aggregator, Aggregator) and aggregator.diverged(loss)):
+            return accuracy, loss
+        # a decentralized node whose start had diverged too (it mixed in diverged
+        # neighbours in a round it did not train): back to the job's initial model
+        initial = self._initial_model()
+        first = self.pool.resolve(initial)
+        if not aggregator.restart_from(first):
+            return accuracy, loss
+        with self._lock:
+            self._models[node] = initial
+        log.warning("event=learning_stalled_action node=%s restored=initial loss=%s", node, loss)
+        return self._evaluate_global(first)
 
 
 @dataclass(frozen=True)
