@@ -181,8 +181,10 @@ class Driver(Recovery):
         # pinned data: the mean and sd every site standardizes by (data.standardize), fixed
         # at the start: a site that comes back later gets the same
         self._scaling: tuple[list[float], list[float]] | None = None
-        # pinned data: the learning rate the sites' trials chose (None: the job's)
+        # pinned data: the learning rate the sites' trials chose (None: the job's), and
+        # the summary's record of it
         self._learning_rate: float | None = None
+        self._rate_report: dict[str, Any] = {}
         self._privacy_keys: dict[str, bytes] = {}  # [privacy]: each executor's public key
         #: a routing matrix over this many bytes goes as job.plan.parts, then a job.plan
         #: naming them by sha256 (every control body is capped at 4 MiB)
@@ -354,6 +356,7 @@ class Driver(Recovery):
             job_id=spec.job_id, backend=self.backend, placement_strategy=plan.placement.strategy,
             topology=spec.topology.kind, aggregation=spec.aggregation.name,
             compression=spec.transfer.compression, communities=plan.placement.communities)
+        summary.learning_rate = dict(self._rate_report)
         self.summary = summary
         first = 1
         if resume is not None:
@@ -523,6 +526,9 @@ class Driver(Recovery):
             log.warning("event=learning_rate_lowered job=%s rate=%g job_rate=%g sites=%d",
                         self.spec.job_id, rate, self.spec.training.learning_rate, len(sites))
             self._say(line)
+            self._rate_report = {"job": self.spec.training.learning_rate, "trained_at": rate,
+                                 "sites": {cid: (found or {}).get("learning_rate")
+                                           for cid, found in sorted(sites.items())}}
         return rate
 
     def _histograms(self, started: Mapping[str, Mapping[str, Any]],

@@ -92,6 +92,9 @@ class JobSummary:
     time_to_accuracy: dict[str, float] = field(default_factory=dict)
     # the accuracy still rising at the end ({} if not): more rounds would likely pay
     still_learning: dict[str, Any] = field(default_factory=dict)
+    # a pinned job whose sites' trials lowered the learning rate ({} if not): the job's,
+    # the one every client trained at, and the one each site's trial chose
+    learning_rate: dict[str, Any] = field(default_factory=dict)
 
     def finish(self, status: str = "finished") -> None:
         """Derive the totals from the per-round records."""

@@ -300,12 +300,16 @@ def test_sites_trials_choose_the_learning_rate_their_clients_train_at(
     result, mesh = run(user_model_job("usercnn:TutorialCNN"), mnist_sites)
     rates = {mesh.services[cid].runtime._config.training.learning_rate for cid in CLUSTERS}
     assert len(rates) == 1 and rates.pop() < 0.05
+    record = result.summary.learning_rate   # summary.json says so
+    assert record["job"] == 0.05 and set(record["sites"]) == set(CLUSTERS)
+    assert record["trained_at"] == sorted(record["sites"].values())[1] < 0.05, record
     learned = [r.accuracy for r in result.summary.rounds]
     off, mesh = run(user_model_job("usercnn:TutorialCNN", learning_rate_check="off"),
                     mnist_sites)
     assert {mesh.services[cid].runtime._config.training.learning_rate
             for cid in CLUSTERS} == {0.05}
     as_given = [r.accuracy for r in off.summary.rounds]
+    assert off.summary.learning_rate == {}
     assert max(as_given) < 0.1 + 0.15 and learned[-1] > as_given[-1] + 0.2, (learned, as_given)
 
 

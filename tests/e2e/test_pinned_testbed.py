@@ -122,3 +122,51 @@ def test_a_lost_sites_clients_sit_out_until_it_is_back(tmp_path: Path) -> None:
     mine = f"dataset=site path=npz:{files[victim]} clients=c3,c4,c5 samples={TRAIN[victim]}"
     assert log.count(mine) == 2
     assert all(str(files[other]) not in log for other in IDS if other != victim)
+
+
+def test_the_sites_trials_lower_a_rate_that_kills_the_model_over_real_daemons(
+        tmp_path: Path) -> None:
+    """A model class of the user's own on pinned data, over 3 fabricd daemons: each site's
+    executor tries the job's learning rate on its own samples at job.start, the replies
+    cross the mesh, and the plan carries the sites' median to every executor. The
+    tutorials' BatchNorm CNN dies at sgd 0.05; at the sites' rate it learns."""
+    import sys
+
+    import numpy as np
+
+    from scheduler.testbed import job_allowances
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    sys.path.insert(0, str(bench))
+    import bench_learning as bl
+
+    with np.load(bl.mnist_npz(tmp_path, 100, 30).split(":", 1)[1]) as src:
+        for k, cid in enumerate(IDS):
+            (tmp_path / cid / "data").mkdir(parents=True)
+            np.savez(tmp_path / cid / "data" / "site.npz", num_classes=np.int64(10),
+                     **{key: src[key][k::3] for key in ("x_train", "y_train", "x_test",
+                                                        "y_test")})
+    job = JobSpec.from_dict({
+        "job": {"id": "pinned-trial", "seed": 2},
+        "data": {"dataset": "site", "placement": "pinned", "number_of_clients": 6,
+                 "data_distribution_kind": "iid"},
+        "model": {"name": "usercnn:TutorialCNN"},
+        "training": {"federated_learning_rounds": 2, "number_of_epochs": 1},
+        "topology": {"kind": "star"}, "aggregation": {"name": "fedavg"},
+        "placement": {"max_materialized": 2}})
+    declared = {cid: {"site": "npz:data/site.npz"} for cid in IDS}
+    said: list[str] = []
+    with LocalTestbed(3, backend="inprocess", workdir=str(tmp_path), capacity=4,
+                      datasets=declared, allow=job_allowances(job)) as tb:
+        clusters = tb.start(timeout=60)
+        result = drive(tb, clusters, job, stage=said.append)
+    lowered = [line for line in said if "did not train model.name 'usercnn:TutorialCNN'" in line]
+    assert lowered and "their median" in lowered[0], said
+    rates = set()
+    for cid in IDS:
+        log = (tmp_path / cid / "executor-pinned-trial.log").read_text()
+        assert "event=learning_rate_trial" in log and "rate=0.05 " in log
+        rates |= {line.split("rate=")[-1].split()[0] for line in log.splitlines()
+                  if "event=learning_rate_lowered" in line}
+    assert len(rates) == 1 and float(rates.pop()) < 0.05, rates
+    assert result.summary.rounds[-1].accuracy > 0.3, [r.accuracy for r in result.summary.rounds]
