@@ -181,9 +181,10 @@ class AdaptiveAggregator(Aggregator):
                 continue
             # a first round has no history: m_hat is its delta, and 2x would only extrapolate it
             lr = min(self.server_lr, 1.0) if t == 1 else self.server_lr
+            # on_stall's halvings shrink the bound too (`stall_bound`)
             step = bounded_step(lr * self.step_scale * scaled_direction(
                 m_hat, direction, t, NORM_ADAM_SHARE if norm else 1.0), delta,
-                min(ratio, 1.0) if restart else ratio)
+                self.stall_bound(min(ratio, 1.0) if restart else ratio))
             out[name] = current + step
         return cast_like(out, global_weights)
 

@@ -92,6 +92,7 @@ class FedAvgM(Aggregator):
             grad = grads[name]
             v = momentum * velocity[name] + grad if name in velocity else grad
             velocity[name] = v
-            step = bounded_step(self.server_lr * self.step_scale * v, grad, ratio)
+            step = bounded_step(self.server_lr * self.step_scale * v, grad,
+                                self.stall_bound(ratio))
             out[name] = currents[name] - step
         return cast_like(out, global_weights)
