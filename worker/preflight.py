@@ -11,11 +11,14 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedcore.data import Dataset
 from fedcore.data.preflight import PROGRESS, check_job_data
 from proto.job import JobSpec, JobSpecError
+
+if TYPE_CHECKING:
+    from worker.training import LrTrial
 
 log = logging.getLogger("fedpilot.preflight")
 
@@ -71,7 +74,7 @@ def check_model(spec: JobSpec, source: str, dataset: Dataset) -> int:
 
 
 def run_trial(spec: JobSpec, dataset: Dataset, source: str = "<job>",
-              progress: Callable[[float, float, int], None] | None = None) -> Any:
+              progress: Callable[[float, float, int], None] | None = None) -> LrTrial | None:
     """`worker.training.learning_rate_trial` of the job's model (built as the job builds
     it, from the job's seed) on its training samples as the job prepares them, for a
     model of the user's own (`module:Class`: what `submit` checks here; `plan` and a DP
@@ -122,6 +125,12 @@ def trial_learning_rate(spec: JobSpec, dataset: Dataset, source: str = "<job>"
         raise JobSpecError(source, "training.learning_rate",
                            trial_refusal(spec, found.losses, found.uniform_loss,
                                          diverged=found.diverged))
+    return trial_report(found)
+
+
+def trial_report(found: LrTrial) -> dict[str, Any]:
+    """A trial's rate, each rate's loss and a uniform guess's, as the child prints them
+    and a pinned site's job.start reply carries them."""
     return {"learning_rate": found.learning_rate,
             "trial": [[lr, loss] for lr, loss in found.losses],
             "uniform_loss": found.uniform_loss}
@@ -147,9 +156,7 @@ def site_trial(spec: JobSpec, dataset: Dataset, site: str) -> dict[str, Any] | N
     found = run_trial(own, dataset, f"cluster {site}", progress)
     if found is None:
         return None
-    out: dict[str, Any] = {"learning_rate": found.learning_rate,
-                           "trial": [[lr, loss] for lr, loss in found.losses],
-                           "uniform_loss": found.uniform_loss, "verdict": "trained"}
+    out = {**trial_report(found), "verdict": "trained"}
     if found.diverged or found.exhausted:
         out["verdict"] = "diverged" if found.diverged else "exhausted"
         out["message"] = trial_refusal(spec, found.losses, found.uniform_loss,

@@ -192,7 +192,7 @@ class Aggregator(ABC):
                      and accuracy < chance + COLLAPSE_SHARE * (best - chance))
         # a model that guesses uniformly has loss ln(classes): far above it, it is
         # confidently wrong (the step overshot), not slow
-        diverged = not loss <= DIVERGED_LOSS * math.log(self.classes)
+        diverged = self.diverged(loss)
         if not diverged and not collapsed and streak < STALL_ROUNDS:
             if not at_chance and accuracy > best:
                 self._state[BEST] = keep(model)
