@@ -174,14 +174,17 @@ def dataset_name(name: str, out: Path) -> str:
 def job_dict(ds: Dataset, dataset: str, topology: str, aggregation: str, *,
              compression: str = "none", placement: str = "locality", seed: int = 0,
              training: dict[str, Any] | None = None, label: str = "") -> dict[str, Any]:
-    """The job file (as a dict) of one engine run."""
+    """The job file (as a dict) of one engine run; a `data.`-prefixed setting (--split's)
+    goes to [data], the others to [training]."""
     agg: dict[str, Any] = {"name": aggregation}
+    settings = {**ds.training, **(training or {})}
+    split = {k.removeprefix("data."): v for k, v in settings.items() if k.startswith("data.")}
     train = {"federated_learning_rounds": ds.rounds, "number_of_epochs": ds.epochs,
-             **ds.training, **(training or {})}
+             **{k: v for k, v in settings.items() if not k.startswith("data.")}}
     return {
         "job": {"id": label or f"{topology}-{aggregation}", "seed": seed},
         "data": {"dataset": dataset, "number_of_clients": ds.clients,
-                 "dirichlet_beta": ds.beta},
+                 "dirichlet_beta": ds.beta, **split},
         "model": {"name": ds.model},
         "training": train,
         "topology": {"kind": topology},
@@ -1009,12 +1012,17 @@ def main_grid(args: argparse.Namespace) -> int:
     def folds_of(cell: Any) -> int:
         return args.folds or FOLDS.get(cell[0] if isinstance(cell, tuple) else cell["dataset"], 1)
 
-    training = training_settings(args.training)
+    training = training_settings(args.training, args.split)
     cells = grid_cells(size, args.dataset, values(args.models, str) or None,
                        values(args.betas, float), values(args.clients, int),
                        values(args.seeds, int), args.rounds)
     if args.shard:
         cells = shard(cells, args.shard)
+    per_client = training.get("data.labels_per_client")
+    for name in sorted({c[0] for c in cells}):
+        if isinstance(per_client, int) and per_client > CLASSES[name]:
+            raise SystemExit(f"bench_learning: --split labels:{per_client}: {name} has "
+                             f"{CLASSES[name]} labels")
     jobs = grid_jobs(size)
     if args.jobs:
         jobs = [tuple(j.split(":")[:2]) if ":" in j else (j, "fedavg")  # type: ignore[misc]
@@ -1023,7 +1031,8 @@ def main_grid(args: argparse.Namespace) -> int:
     if args.redo:
         if training:
             raise SystemExit("bench_learning: --redo runs each cell at the [training] "
-                             "settings it was measured at; leave --training out")
+                             "settings and split it was measured at; leave --training and "
+                             "--split out")
         return redo_grid(args, size, redo_jobs(args.redo, grid_jobs(size)), out, started)
     done: list[dict[str, Any]] = []
     keys = {cell_key(c, training) for c in cells}
@@ -1058,19 +1067,53 @@ def main_grid(args: argparse.Namespace) -> int:
 TRAINING_FIXED = {"federated_learning_rounds": "--rounds"}
 
 
-def training_settings(items: list[str] | None) -> dict[str, Any]:
+#: --split KIND[:VALUE]: the [data] key VALUE sets for each partition kind besides the
+#: grid's Dirichlet (whose beta is --betas)
+SPLIT_KINDS = {"iid": None, "labels": "labels_per_client", "shards": "shards_per_client",
+               "quantity": "quantity_beta"}
+
+
+def split_settings(text: str | None) -> dict[str, Any]:
+    """--split as settings a cell keeps beside --training's: `data.`-prefixed [data] keys
+    (`labels:2` -> data_distribution_kind = "labels", labels_per_client = 2); {} for none
+    or `dirichlet` (the grid's own split). The cell's beta then names nothing."""
+    if not text or text == "dirichlet":
+        return {}
+    kind, sep, value = text.partition(":")
+    if kind not in SPLIT_KINDS:
+        raise SystemExit(f"bench_learning: --split {text!r}: expected dirichlet, iid, "
+                         "labels:N, shards:N or quantity:BETA (docs/job.md, [data])")
+    key = SPLIT_KINDS[kind]
+    if bool(key) != bool(sep and value):
+        raise SystemExit(f"bench_learning: --split {text!r}: "
+                         + (f"give {kind}:VALUE (the job's data.{key})" if key
+                            else f"{kind} takes no value"))
+    settings: dict[str, Any] = {"data.data_distribution_kind": kind}
+    if key:
+        try:
+            settings[f"data.{key}"] = json.loads(value)
+        except ValueError:
+            raise SystemExit(f"bench_learning: --split {text!r}: {value!r} is not a number "
+                             f"(data.{key})") from None
+    return settings
+
+
+def training_settings(items: list[str] | None, split: str | None = None) -> dict[str, Any]:
     """--training KEY=VALUE ([training] keys; a value is read as JSON where it parses, a
-    string otherwise), checked as a job would check them: a bad key or value is refused
-    here, naming it, before any cell runs."""
+    string otherwise) and --split's [data] keys (`split_settings`), checked as a job would
+    check them: a bad key or value is refused here, naming it, before any cell runs."""
     from proto.job import JobSpec, JobSpecError
 
-    settings: dict[str, Any] = {}
+    settings: dict[str, Any] = split_settings(split)
     for item in items or []:
         key, sep, text = item.partition("=")
         key = key.strip().removeprefix("training.")
         if not sep or not key:
             raise SystemExit(f"bench_learning: --training {item!r}: expected KEY=VALUE, "
                              "e.g. lr_schedule=constant")
+        if key.startswith("data."):
+            raise SystemExit(f"bench_learning: --training {key}: not a [training] key; a "
+                             "split of the clients' data is --split's")
         if key in TRAINING_FIXED:
             raise SystemExit(f"bench_learning: --training {key}: set it with "
                              f"{TRAINING_FIXED[key]}")
@@ -1083,7 +1126,7 @@ def training_settings(items: list[str] | None) -> dict[str, Any]:
         try:
             JobSpec.from_dict(job)
         except JobSpecError as exc:
-            raise SystemExit(f"bench_learning: --training: {exc}") from None
+            raise SystemExit(f"bench_learning: --training / --split: {exc}") from None
     return settings
 
 
@@ -1199,6 +1242,13 @@ def main(argv: list[str] | None = None) -> int:
                              "reference loop instead of the bench's (repeatable; e.g. "
                              "lr_schedule=constant, optimizer=adam, number_of_epochs=1); in "
                              "the grid kept in each cell, which is then a cell of its own")
+    parser.add_argument("--split", default=None, metavar="KIND[:VALUE]",
+                        help="partition the clients' data another way than the grid's "
+                             "Dirichlet (--betas then names nothing): iid, labels:N (N "
+                             "labels a client), shards:N (N label-sorted shards a client, "
+                             "as McMahan et al.), quantity:BETA (label mix alike, sizes "
+                             "skewed); kept with a cell's --training settings, which it "
+                             "makes a cell of its own")
     parser.add_argument("--resume", action="store_true",
                         help="grid: keep the cells --out's learning_grid.json already has "
                              "(with every job asked for) and run only the others")
@@ -1215,7 +1265,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     names = args.dataset or (["digits"] if args.quick else list(DATASETS))
     rows = grid(args.quick, [j for j in args.jobs.split(",") if j])
-    training = training_settings(args.training)
+    training = training_settings(args.training, args.split)
     report: dict[str, Any] = {"benchmark": "learning", "seed": args.seed, "datasets": {},
                               **({"training": training} if training else {})}
     started = time.perf_counter()

@@ -381,8 +381,76 @@ def test_bad_training_settings_are_refused_before_anything_runs(tmp_path: Path) 
     said = _refused("--redo with --training accepted", bench.main,
                     ["--grid", "full", "--redo", "fedadam", "--training", "lr_schedule=constant",
                      "--out", str(out)])
-    assert "leave --training out" in said
+    assert "leave --training and --split out" in said
     assert (out / "learning_grid.json").read_bytes() == before
+
+
+def test_a_split_reaches_every_task_of_a_cell_and_makes_it_a_cell_of_its_own(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """--split labels:2: centralized, the reference loop and every job partition the
+    clients' data that way ([data], not [training]); the cell keeps it and is not the
+    Dirichlet cell of the same beta."""
+    seen: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+
+    def fake_tasks(tasks: list[tuple[str, str, dict[str, Any]]], clusters: int, workers: int,
+                   tag: str) -> dict[str, dict[str, Any]]:
+        seen.extend((name, job["data"], job["training"]) for _kind, name, job in tasks)
+        return {name: {"final": 0.9, "best": 0.95, "curve": [0.5, 0.9], "test_samples": 100,
+                       "personalized": 0.95, "global_on_clients": 0.9, "bytes_inter": 100,
+                       "bytes_intra": 0, "seconds": 1.0} for _kind, name, _job in tasks}
+
+    monkeypatch.setattr(bench, "_run_tasks", fake_tasks)
+    out = tmp_path / "grid"
+    args = ["--grid", "medium", "--dataset", "digits", "--models", "mlp", "--betas", "0.3",
+            "--clients", "20", "--seeds", "0", "--jobs", "star:fedavg,hybrid:fedadam",
+            "--rounds", "2", "--out", str(out), "--resume"]
+    assert bench.main([*args, "--split", "labels:2"]) == 0
+    assert sorted(name for name, _, _ in seen) == ["centralized", "hybrid+fedadam",
+                                                   "reference_fedavg", "star+fedavg"]
+    for _name, data, training in seen:
+        assert data["data_distribution_kind"] == "labels" and data["labels_per_client"] == 2
+        assert not any(k.startswith("data") for k in training)
+    (cell,) = json.loads((out / "learning_grid.json").read_text())["cells"]
+    assert cell["training"] == {"data.data_distribution_kind": "labels",
+                                "data.labels_per_client": 2}
+    seen.clear()
+    assert bench.main(args) == 0 and len(seen) == 4   # the Dirichlet cell is another
+    assert all("data_distribution_kind" not in data for _, data, _ in seen)
+    seen.clear()
+    assert bench.main([*args, "--split", "labels:2"]) == 0 and seen == []   # resumed
+    # each kind's key, and a real partition of digits by it (no engine)
+    from fedcore.data import client_data, load_dataset, prepare
+    from proto.job import JobSpec
+    for split, key, value in (("shards:3", "shards_per_client", 3),
+                              ("quantity:0.2", "quantity_beta", 0.2), ("iid", None, None)):
+        settings = bench.split_settings(split)
+        ds = bench.replace(bench.DATASETS["digits"], clients=12, training=settings)
+        spec = JobSpec.from_dict(bench.job_dict(ds, "digits", "star", "fedavg"))
+        assert spec.data.data_distribution_kind == split.split(":")[0]
+        if key:
+            assert getattr(spec.data, key) == value
+        parts = client_data(prepare(load_dataset("digits"), spec.data), spec.data, 0)
+        assert len(parts.train_indices) == 12
+
+
+def test_bad_splits_are_refused_before_anything_runs(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr(bench, "_run_tasks", lambda *a: (_ for _ in ()).throw(
+        AssertionError("a task ran")))
+    out = tmp_path / "grid"
+    for bad, says in (("labels", "give labels:VALUE"), ("iid:3", "iid takes no value"),
+                      ("pathological:2", "expected dirichlet, iid"),
+                      ("shards:two", "'two' is not a number"),
+                      ("labels:0", "labels_per_client"),
+                      ("labels:11", "digits has 10 labels")):
+        said = _refused(f"--split {bad} accepted", bench.main,
+                        ["--grid", "medium", "--dataset", "digits", "--split", bad, "--out",
+                         str(out)])
+        assert says in said, (bad, said)
+    said = _refused("--training data.dataset accepted", bench.main,
+                    ["--grid", "medium", "--dataset", "digits", "--training",
+                     "data.dataset=npz:/etc/passwd", "--out", str(out)])
+    assert "not a [training] key" in said and "--split" in said
+    assert not (out / "learning_grid.json").exists()
 
 
 def test_training_settings_reach_every_task_outside_the_grid_too(
