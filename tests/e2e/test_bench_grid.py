@@ -29,6 +29,18 @@ def _cell(seed: int, reference: float, **finals: float) -> dict[str, Any]:
             "jobs": {job.replace("_", "+"): {"final": f} for job, f in finals.items()}}
 
 
+def _recorder(seen: list[Any], pick: Any) -> Any:
+    """A stand-in for bench._run_tasks: each task's `pick(name, job)` into `seen`, and the
+    same passing result for every task."""
+    def fake_tasks(tasks: list[tuple[str, str, dict[str, Any]]], clusters: int, workers: int,
+                   tag: str) -> dict[str, dict[str, Any]]:
+        seen.extend(pick(name, job) for _kind, name, job in tasks)
+        return {name: {"final": 0.9, "best": 0.95, "curve": [0.5, 0.9], "test_samples": 100,
+                       "personalized": 0.95, "global_on_clients": 0.9, "bytes_inter": 100,
+                       "bytes_intra": 0, "seconds": 1.0} for _kind, name, _job in tasks}
+    return fake_tasks
+
+
 def test_seed_means_judge_each_split_over_its_seeds() -> None:
     cells = [_cell(0, 0.54, star_fedavg=0.54, star_fedadagrad=0.89, hybrid_fedadam=0.59),
              _cell(1, 0.84, star_fedavg=0.84, star_fedadagrad=0.63, hybrid_fedadam=0.80),
@@ -326,15 +338,8 @@ def test_training_settings_run_every_task_of_a_cell_and_make_it_a_cell_of_its_ow
     at it; the cell keeps it, and is not the cell at the bench's own settings (--resume
     measures that one again, --merge keeps both); --redo runs a cell at its own."""
     seen: list[tuple[str, dict[str, Any]]] = []
-
-    def fake_tasks(tasks: list[tuple[str, str, dict[str, Any]]], clusters: int, workers: int,
-                   tag: str) -> dict[str, dict[str, Any]]:
-        seen.extend((name, job["training"]) for _kind, name, job in tasks)
-        return {name: {"final": 0.9, "best": 0.95, "curve": [0.5, 0.9], "test_samples": 100,
-                       "personalized": 0.95, "global_on_clients": 0.9, "bytes_inter": 100,
-                       "bytes_intra": 0, "seconds": 1.0} for _kind, name, _job in tasks}
-
-    monkeypatch.setattr(bench, "_run_tasks", fake_tasks)
+    monkeypatch.setattr(bench, "_run_tasks",
+                        _recorder(seen, lambda name, job: (name, job["training"])))
     out = tmp_path / "grid"
     args = ["--grid", "medium", "--dataset", "digits", "--models", "mlp", "--betas", "0.3",
             "--clients", "20", "--seeds", "0", "--jobs", "star:fedavg,star:fedadam",
@@ -366,16 +371,27 @@ def test_training_settings_run_every_task_of_a_cell_and_make_it_a_cell_of_its_ow
     assert len(json.loads((merged / "learning_grid.json").read_text())["cells"]) == 2
 
 
-def test_bad_training_settings_are_refused_before_anything_runs(tmp_path: Path) -> None:
+def test_bad_training_settings_and_splits_are_refused_before_anything_runs(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr(bench, "_run_tasks", lambda *a: (_ for _ in ()).throw(
+        AssertionError("a task ran")))
     out = tmp_path / "grid"
-    for bad, says in (("bogus=1", "unknown key training.bogus"),
-                      ("learning_rate=-1", "training.learning_rate = -1"),
-                      ("lr_schedule", "expected KEY=VALUE"),
-                      ("federated_learning_rounds=3", "set it with --rounds")):
-        said = _refused(f"--training {bad} accepted", bench.main,
-                        ["--grid", "medium", "--dataset", "digits", "--training", bad, "--out",
+    for option, bad, says in (
+            ("--training", "bogus=1", "unknown key training.bogus"),
+            ("--training", "learning_rate=-1", "training.learning_rate = -1"),
+            ("--training", "lr_schedule", "expected KEY=VALUE"),
+            ("--training", "federated_learning_rounds=3", "set it with --rounds"),
+            ("--training", "data.dataset=npz:/etc/passwd", "not a [training] key"),
+            ("--split", "labels", "give labels:VALUE"), ("--split", "iid:3", "iid takes no value"),
+            ("--split", "pathological:2", "expected dirichlet, iid"),
+            ("--split", "shards:two", "'two' is not a number"),
+            ("--split", "labels:0", "labels_per_client"),
+            ("--split", "labels:11", "digits has 10 labels")):
+        said = _refused(f"{option} {bad} accepted", bench.main,
+                        ["--grid", "medium", "--dataset", "digits", option, bad, "--out",
                          str(out)])
         assert says in said, (bad, said)
+    assert not (out / "learning_grid.json").exists()
     (out / "learning_grid.json").write_text(json.dumps({"cells": []}))
     before = (out / "learning_grid.json").read_bytes()
     said = _refused("--redo with --training accepted", bench.main,
@@ -391,15 +407,8 @@ def test_a_split_reaches_every_task_of_a_cell_and_makes_it_a_cell_of_its_own(
     clients' data that way ([data], not [training]); the cell keeps it and is not the
     Dirichlet cell of the same beta."""
     seen: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
-
-    def fake_tasks(tasks: list[tuple[str, str, dict[str, Any]]], clusters: int, workers: int,
-                   tag: str) -> dict[str, dict[str, Any]]:
-        seen.extend((name, job["data"], job["training"]) for _kind, name, job in tasks)
-        return {name: {"final": 0.9, "best": 0.95, "curve": [0.5, 0.9], "test_samples": 100,
-                       "personalized": 0.95, "global_on_clients": 0.9, "bytes_inter": 100,
-                       "bytes_intra": 0, "seconds": 1.0} for _kind, name, _job in tasks}
-
-    monkeypatch.setattr(bench, "_run_tasks", fake_tasks)
+    monkeypatch.setattr(bench, "_run_tasks", _recorder(
+        seen, lambda name, job: (name, job["data"], job["training"])))
     out = tmp_path / "grid"
     args = ["--grid", "medium", "--dataset", "digits", "--models", "mlp", "--betas", "0.3",
             "--clients", "20", "--seeds", "0", "--jobs", "star:fedavg,hybrid:fedadam",
@@ -431,26 +440,6 @@ def test_a_split_reaches_every_task_of_a_cell_and_makes_it_a_cell_of_its_own(
             assert getattr(spec.data, key) == value
         parts = client_data(prepare(load_dataset("digits"), spec.data), spec.data, 0)
         assert len(parts.train_indices) == 12
-
-
-def test_bad_splits_are_refused_before_anything_runs(tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr(bench, "_run_tasks", lambda *a: (_ for _ in ()).throw(
-        AssertionError("a task ran")))
-    out = tmp_path / "grid"
-    for bad, says in (("labels", "give labels:VALUE"), ("iid:3", "iid takes no value"),
-                      ("pathological:2", "expected dirichlet, iid"),
-                      ("shards:two", "'two' is not a number"),
-                      ("labels:0", "labels_per_client"),
-                      ("labels:11", "digits has 10 labels")):
-        said = _refused(f"--split {bad} accepted", bench.main,
-                        ["--grid", "medium", "--dataset", "digits", "--split", bad, "--out",
-                         str(out)])
-        assert says in said, (bad, said)
-    said = _refused("--training data.dataset accepted", bench.main,
-                    ["--grid", "medium", "--dataset", "digits", "--training",
-                     "data.dataset=npz:/etc/passwd", "--out", str(out)])
-    assert "not a [training] key" in said and "--split" in said
-    assert not (out / "learning_grid.json").exists()
 
 
 def test_training_settings_reach_every_task_outside_the_grid_too(
