@@ -40,7 +40,8 @@ def few_labels(spec: JobSpec) -> str:
         return (f"each client holds {data.shards_per_client} label-sorted shard(s) "
                 "(data.shards_per_client)")
     if kind == "dirichlet" and data.dirichlet_beta <= 0.1:
-        return f"data.dirichlet_beta {data.dirichlet_beta:g} leaves a client one or two labels"
+        return (f"data.dirichlet_beta {data.dirichlet_beta:g} leaves most clients one or two "
+                "labels")
     return ""
 
 
