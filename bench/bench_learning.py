@@ -1018,11 +1018,7 @@ def main_grid(args: argparse.Namespace) -> int:
                        values(args.seeds, int), args.rounds)
     if args.shard:
         cells = shard(cells, args.shard)
-    per_client = training.get("data.labels_per_client")
-    for name in sorted({c[0] for c in cells}):
-        if isinstance(per_client, int) and per_client > CLASSES[name]:
-            raise SystemExit(f"bench_learning: --split labels:{per_client}: {name} has "
-                             f"{CLASSES[name]} labels")
+    check_split(training, [c[0] for c in cells])
     jobs = grid_jobs(size)
     if args.jobs:
         jobs = [tuple(j.split(":")[:2]) if ":" in j else (j, "fedavg")  # type: ignore[misc]
@@ -1096,6 +1092,16 @@ def split_settings(text: str | None) -> dict[str, Any]:
             raise SystemExit(f"bench_learning: --split {text!r}: {value!r} is not a number "
                              f"(data.{key})") from None
     return settings
+
+
+def check_split(settings: dict[str, Any], names: list[str]) -> None:
+    """--split labels:N where a data set of the run has fewer than N labels: refused
+    before any cell runs (the partition would fail every task of its cells)."""
+    per_client = settings.get("data.labels_per_client")
+    for name in sorted(set(names)):
+        if isinstance(per_client, int) and per_client > CLASSES[name]:
+            raise SystemExit(f"bench_learning: --split labels:{per_client}: {name} has "
+                             f"{CLASSES[name]} labels")
 
 
 def training_settings(items: list[str] | None, split: str | None = None) -> dict[str, Any]:
@@ -1266,6 +1272,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.dataset or (["digits"] if args.quick else list(DATASETS))
     rows = grid(args.quick, [j for j in args.jobs.split(",") if j])
     training = training_settings(args.training, args.split)
+    check_split(training, names)
     report: dict[str, Any] = {"benchmark": "learning", "seed": args.seed, "datasets": {},
                               **({"training": training} if training else {})}
     started = time.perf_counter()

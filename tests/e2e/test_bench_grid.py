@@ -392,6 +392,9 @@ def test_bad_training_settings_and_splits_are_refused_before_anything_runs(
                          str(out)])
         assert says in said, (bad, said)
     assert not (out / "learning_grid.json").exists()
+    said = _refused("--split labels:3 on the breast-cancer table accepted", bench.main,
+                    ["--dataset", "table", "--split", "labels:3", "--out", str(out)])
+    assert "table has 2 labels" in said
     (out / "learning_grid.json").write_text(json.dumps({"cells": []}))
     before = (out / "learning_grid.json").read_bytes()
     said = _refused("--redo with --training accepted", bench.main,
