@@ -37,6 +37,9 @@ def test_at_chance_on_a_split_of_few_labels_a_client_it_names_the_local_passes(
     ({"data_distribution_kind": "dirichlet", "dirichlet_beta": 0.3}, {"number_of_epochs": 2}),
     ({"data_distribution_kind": "iid"}, {"number_of_epochs": 5}),
     ({"data_distribution_kind": "labels", "labels_per_client": 1}, {"number_of_epochs": 1}),
+    # a pinned job's split is the sites' own, not the job file's
+    ({"placement": "pinned", "dataset": "site", "data_distribution_kind": "labels",
+      "labels_per_client": 1}, {"number_of_epochs": 2}),
 ])
 def test_otherwise_it_names_the_rates_only(data: dict[str, object],
                                            training: dict[str, object]) -> None:
