@@ -682,7 +682,7 @@ def job_rows(results: dict[str, dict[str, Any]], ref_final: float, best: float,
         if row["global_on_clients"] is not None:
             row["personalized_meets_global"] = bool(
                 res["personalized"] >= row["global_on_clients"])
-        for key in ("fold_finals", "redone"):
+        for key in ("loss", "fold_finals", "redone"):
             if key in res:
                 row[key] = res[key]
         rows[job_name] = row
@@ -715,6 +715,10 @@ def pool_folds(results: dict[str, dict[str, Any]], sizes: list[int]) -> dict[str
             row["curve"] = [pooled(list(r)) for r in rounds]
             if "best" in parts[0]:
                 row["best"] = max(row["curve"])
+        if all("loss" in p for p in parts):
+            # the mean loss over all test rows, round by round (None: a fold's not finite)
+            losses = zip(*(p["loss"] for p in parts), strict=False)
+            row["loss"] = [None if None in r else pooled(list(r)) for r in losses]
         for key in ("personalized", "global_on_clients"):
             values = [p.get(key) for p in parts]
             if all(v is not None for v in values):

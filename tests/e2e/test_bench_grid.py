@@ -218,9 +218,11 @@ def test_folds_test_every_row_once_and_pool_by_rows(tmp_path: Path) -> None:
     # wine as it ships: proline's scale kept (the job standardizes)
     assert x.max() > 1000
     results = {"star+fedavg@1": {"final": 1.0, "curve": [0.5, 1.0], "bytes_inter": 10,
-                                 "personalized": 0.9, "global_on_clients": 0.8, "seconds": 2.0},
+                                 "personalized": 0.9, "global_on_clients": 0.8, "seconds": 2.0,
+                                 "loss": [2.0, 0.4]},
                "star+fedavg@2": {"final": 0.5, "curve": [0.5, 0.5], "bytes_inter": 20,
-                                 "personalized": 0.7, "global_on_clients": 0.6, "seconds": 3.0},
+                                 "personalized": 0.7, "global_on_clients": 0.6, "seconds": 3.0,
+                                 "loss": [None, 0.8]},
                "centralized@1": {"final": 1.0, "best": 1.0, "curve": [1.0, 1.0]},
                "centralized@2": {"final": 0.0, "best": 1.0, "curve": [1.0, 0.0]},
                "star+fedadam@1": {"final": 1.0, "curve": [1.0]},
@@ -229,6 +231,8 @@ def test_folds_test_every_row_once_and_pool_by_rows(tmp_path: Path) -> None:
     # 30 rows right of 40, not the mean of 1.0 and 0.5
     assert pooled["star+fedavg"]["final"] == 0.875
     assert pooled["star+fedavg"]["curve"] == [0.5, 0.875]
+    # the mean loss over all 40 rows; a round with a fold's loss not finite has none
+    assert pooled["star+fedavg"]["loss"] == [None, 0.5]
     assert pooled["star+fedavg"]["bytes_inter"] == 15 and pooled["star+fedavg"]["seconds"] == 5.0
     assert pooled["star+fedavg"]["personalized"] == 0.8
     assert pooled["star+fedavg"]["fold_finals"] == [1.0, 0.5]
@@ -251,7 +255,7 @@ def test_a_cross_validated_cell_runs_every_task_per_fold_and_pools_them(
             fold = int(name.rsplit("@", 1)[1])
             final = 1.0 if fold == 1 else 0.5
             out[name] = {"final": final, "curve": [0.5, final], "best": final,
-                         "test_samples": 0, "personalized": 0.9, "global_on_clients": 0.8,
+                         "loss": [2.0, 1.0 / final], "test_samples": 0, "personalized": 0.9, "global_on_clients": 0.8,
                          "bytes_inter": 100 * fold, "bytes_intra": 0, "seconds": 1.0}
         return out
 
@@ -268,6 +272,8 @@ def test_a_cross_validated_cell_runs_every_task_per_fold_and_pools_them(
     row = cell["jobs"]["star+fedavg"]
     assert row["final"] == pooled and row["fold_finals"] == [1.0, 0.5]
     assert row["bytes_inter"] == 150 and row["minus_reference"] == 0.0
+    # each round's loss kept beside its accuracy (what on_stall judges), pooled the same way
+    assert row["loss"] == [2.0, round((1.0 * rows[0] + 2.0 * rows[1]) / sum(rows), 4)]
 
 
 def test_a_negative_fold_count_is_refused_before_anything_is_written(tmp_path: Path) -> None:
