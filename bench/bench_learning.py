@@ -682,7 +682,7 @@ def job_rows(results: dict[str, dict[str, Any]], ref_final: float, best: float,
         if row["global_on_clients"] is not None:
             row["personalized_meets_global"] = bool(
                 res["personalized"] >= row["global_on_clients"])
-        for key in ("loss", "fold_finals", "redone"):
+        for key in ("loss", "fold_finals", "fold_curves", "fold_losses", "redone"):
             if key in res:
                 row[key] = res[key]
         rows[job_name] = row
@@ -719,6 +719,10 @@ def pool_folds(results: dict[str, dict[str, Any]], sizes: list[int]) -> dict[str
             # the mean loss over all test rows, round by round (None: a fold's not finite)
             losses = zip(*(p["loss"] for p in parts), strict=False)
             row["loss"] = [None if None in r else pooled(list(r)) for r in losses]
+        # each fold's own rounds too: what on_stall saw (a fold's slide hides in the pool)
+        for key, folded in (("curve", "fold_curves"), ("loss", "fold_losses")):
+            if all(key in p for p in parts):
+                row[folded] = [p[key] for p in parts]
         for key in ("personalized", "global_on_clients"):
             values = [p.get(key) for p in parts]
             if all(v is not None for v in values):

@@ -233,6 +233,8 @@ def test_folds_test_every_row_once_and_pool_by_rows(tmp_path: Path) -> None:
     assert pooled["star+fedavg"]["curve"] == [0.5, 0.875]
     # the mean loss over all 40 rows; a round with a fold's loss not finite has none
     assert pooled["star+fedavg"]["loss"] == [None, 0.5]
+    assert pooled["star+fedavg"]["fold_losses"] == [[2.0, 0.4], [None, 0.8]]
+    assert pooled["star+fedavg"]["fold_curves"] == [[0.5, 1.0], [0.5, 0.5]]
     assert pooled["star+fedavg"]["bytes_inter"] == 15 and pooled["star+fedavg"]["seconds"] == 5.0
     assert pooled["star+fedavg"]["personalized"] == 0.8
     assert pooled["star+fedavg"]["fold_finals"] == [1.0, 0.5]
@@ -274,6 +276,8 @@ def test_a_cross_validated_cell_runs_every_task_per_fold_and_pools_them(
     assert row["bytes_inter"] == 150 and row["minus_reference"] == 0.0
     # each round's loss kept beside its accuracy (what on_stall judges), pooled the same way
     assert row["loss"] == [2.0, round((1.0 * rows[0] + 2.0 * rows[1]) / sum(rows), 4)]
+    assert row["fold_losses"] == [[2.0, 1.0], [2.0, 2.0]]
+    assert row["fold_curves"] == [[0.5, 1.0], [0.5, 0.5]]
 
 
 def test_a_negative_fold_count_is_refused_before_anything_is_written(tmp_path: Path) -> None:
