@@ -54,6 +54,23 @@ STALL_RISE = 1.05
 #: a job that had learned and lost more than this share of its gain over chance in one
 #: round (with a loss above its best) overshot: its best model comes back at once
 COLLAPSE_SHARE = 0.5
+#: a job that fell: its loss above FALL_RISE x its best. In one round that lost more than
+#: COLLAPSE_SHARE of the gain, a collapse; up by 5% (STALL_RISE) was enough until stop 72,
+#: and restoring then halved FedAvg's step on a swing its own loop makes and recovers from
+#: (digits SmallCNN, beta 0.1, 100 clients, s0: the reference loop and star fedavg alike
+#: 0.546 in round 5, 0.265 in round 9 on a loss 1.29 x its best, then 0.808 / 0.777 by
+#: round 15; restored and halved in round 9, fedavg ended at 0.727, fedprox 0.724)
+FALL_RISE = 1.5
+#: a job that slid: at any accuracy, STALL_ROUNDS rounds in a row with its loss above
+#: FALL_RISE x its best and its accuracy more than SLIDE_SHARE of its gain over chance
+#: below its best. Both: a loss that rises while the accuracy holds is a model growing
+#: confident (late rounds on a small data set), and an accuracy that dips on a flat loss
+#: is a split that swings, as FedAvg's own does (MNIST SmallCNN, shards:2: the reference
+#: loop's 0.74 / 0.70 / 0.59 / 0.62 / 0.76); a slide is the two together. Measured
+#: there: hierarchical fedprox slid from 0.813 (its loss 0.567) to 0.588 (1.375) over its
+#: last three rounds, below ln(classes) and no round losing half its gain, so the guard
+#: let it (docs/job.md, "Does it learn?")
+SLIDE_SHARE = 0.1
 #: a loss above this x ln(classes) (a uniform guess's) has diverged
 DIVERGED_LOSS = 3.0
 #: state slots of `Aggregator.observe`
@@ -136,11 +153,12 @@ class Aggregator(ABC):
         from instead when a server optimizer stalled the job (`aggregation.on_stall =
         "restore"`, the default): the loss is not finite or above DIVERGED_LOSS x a
         uniform guess's (ln classes); or the job had clearly learned and one round lost
-        more than COLLAPSE_SHARE of its gain over chance with a loss above STALL_RISE x its
+        more than COLLAPSE_SHARE of its gain over chance with a loss above FALL_RISE x its
         best (the best model so far comes back); or it sits at chance (within
         CHANCE_MARGIN), or its loss is above a uniform guess's, with a loss above
         STALL_RISE x its best for STALL_ROUNDS rounds in a row (the best model, or the one
-        the job started from). The server step is halved and
+        the job started from); or it slid, at any accuracy, for STALL_ROUNDS rounds in a
+        row (FALL_RISE, SLIDE_SHARE: the best model). The server step is halved and
         the optimizer's moments are forgotten (they point where it went wrong). FedAvg's
         step is its move to the clients' mean: halved, the model goes half way there
         (`FedAvg.aggregate`), so restoring does not replay the same rounds. An aggregator
@@ -149,11 +167,14 @@ class Aggregator(ABC):
         are the engine's own, never modified, so the best and the first are kept by
         reference, not copied (a node costs one more model only while its current one is
         worse than its best; the first of a node that trains in round 1 is every such
-        node's one initial model), and left out of `state_dict` (a checkpoint of every
-        node would carry three models each); after a resume, until a best is seen again,
-        a stall goes back to `start`, the model the node began the stalled round from
-        (where that has diverged too, the engine gives it the initial model:
-        `restart_from`)."""
+        node's one initial model); `state_dict` holds the best (a copy) but not the
+        first (every node's would be one more model each in a checkpoint): a job
+        resumed from a checkpoint goes back to the same best model as the one that was
+        not stopped (since stop 72: a decentralized job whose node collapsed after a
+        resume went back to its round's start instead, and resumed to another model);
+        after a resume, a node with no best yet goes back to `start`, the model it began
+        the stalled round from (where that has diverged too, the engine gives it the
+        initial model: `restart_from`)."""
         if (not self.stall_step or self.classes < 2
                 or getattr(self.spec, "on_stall", "restore") != "restore"):
             return None   # (and keeps no model copies in its state, nor in checkpoints)
@@ -178,8 +199,11 @@ class Aggregator(ABC):
         # beta 0.1, 20 clients), the mean swung between all-majority (0.62, not chance)
         # and all-minority (0.38) guesses for 5 rounds; now it stalls in round 3 (star
         # 0.861 -> 0.882, k_connected 0.852 -> 0.882, the reference loop 0.863)
-        stuck = ((at_chance or loss > math.log(self.classes)) and worse
-                 and loss > STALL_RISE * best_loss)
+        stalled = ((at_chance or loss > math.log(self.classes)) and worse
+                   and loss > STALL_RISE * best_loss)
+        slid = (worse and loss > FALL_RISE * best_loss and best > chance + CHANCE_MARGIN
+                and accuracy < best - SLIDE_SHARE * (best - chance))
+        stuck = stalled or slid
         streak = int(guard.get("streak", 0)) + 1 if stuck else 0
         guard["streak"] = np.asarray(streak)
         if math.isfinite(loss):
@@ -187,7 +211,7 @@ class Aggregator(ABC):
         # and its loss rose for real: early rounds' accuracy jumps between 0.1 and 0.25
         # on a flat loss (MNIST SmallCNN beta 0.1, 20 clients: two restores on a loss of
         # 2.27 against 2.27 halved fedavgm's step twice, 0.817 against FedAvg's 0.931)
-        collapsed = (worse and loss > STALL_RISE * best_loss
+        collapsed = (worse and loss > FALL_RISE * best_loss
                      and best >= chance + 3 * CHANCE_MARGIN
                      and accuracy < chance + COLLAPSE_SHARE * (best - chance))
         # a model that guesses uniformly has loss ln(classes): far above it, it is
@@ -205,10 +229,13 @@ class Aggregator(ABC):
         guard["streak"] = np.asarray(0)
         for slot in [s for s in self._state if s not in (GUARD, BEST, START)]:
             del self._state[slot]
-        log.warning("event=learning_stalled_action aggregator=%s accuracy=%.4f loss=%s "
-                    "action=restore restored=%s step_scale=%g", self.name, accuracy, loss,
-                    "best" if BEST in self._state else "start" if START in self._state
-                    else "round_start", self.step_scale)
+        reason = ("diverged" if diverged else "collapsed" if collapsed
+                  else "stalled" if stalled else "slid")
+        log.warning("event=learning_stalled_action aggregator=%s reason=%s accuracy=%.4f "
+                    "loss=%s action=restore restored=%s step_scale=%g", self.name, reason,
+                    accuracy, loss, "best" if BEST in self._state
+                    else "start" if START in self._state else "round_start",
+                    self.step_scale)
         return cast_like(back, model)
 
     def stall_bound(self, ratio: float) -> float:
@@ -290,8 +317,8 @@ class Aggregator(ABC):
 
     def state_dict(self) -> Weights:
         """Server state as flat named arrays ("slot/tensor"), e.g. for safetensors; without
-        the best and first models `observe` keeps by reference (`shared`)."""
-        skip = (BEST, START) if self._shared_models else ()
+        the first model `observe` keeps by reference (`shared`)."""
+        skip = (START,) if self._shared_models else ()
         return {f"{slot}/{k}": v.copy() for slot, tensors in self._state.items()
                 if slot not in skip for k, v in tensors.items()}
 
