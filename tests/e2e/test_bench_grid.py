@@ -257,7 +257,8 @@ def test_a_cross_validated_cell_runs_every_task_per_fold_and_pools_them(
             fold = int(name.rsplit("@", 1)[1])
             final = 1.0 if fold == 1 else 0.5
             out[name] = {"final": final, "curve": [0.5, final], "best": final,
-                         "loss": [2.0, 1.0 / final], "test_samples": 0, "personalized": 0.9, "global_on_clients": 0.8,
+                         "loss": [2.0, 1.0 / final], "test_samples": 0, "personalized": 0.9,
+                         "global_on_clients": 0.8,
                          "bytes_inter": 100 * fold, "bytes_intra": 0, "seconds": 1.0}
         return out
 

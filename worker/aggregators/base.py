@@ -201,7 +201,9 @@ class Aggregator(ABC):
         # 0.861 -> 0.882, k_connected 0.852 -> 0.882, the reference loop 0.863)
         stalled = ((at_chance or loss > math.log(self.classes)) and worse
                    and loss > STALL_RISE * best_loss)
-        slid = (worse and loss > FALL_RISE * best_loss and best > chance + CHANCE_MARGIN
+        # fell: the loss well above its best, what a slide and a collapse both need
+        fell = worse and loss > FALL_RISE * best_loss
+        slid = (fell and best > chance + CHANCE_MARGIN
                 and accuracy < best - SLIDE_SHARE * (best - chance))
         stuck = stalled or slid
         streak = int(guard.get("streak", 0)) + 1 if stuck else 0
@@ -211,8 +213,7 @@ class Aggregator(ABC):
         # and its loss rose for real: early rounds' accuracy jumps between 0.1 and 0.25
         # on a flat loss (MNIST SmallCNN beta 0.1, 20 clients: two restores on a loss of
         # 2.27 against 2.27 halved fedavgm's step twice, 0.817 against FedAvg's 0.931)
-        collapsed = (worse and loss > FALL_RISE * best_loss
-                     and best >= chance + 3 * CHANCE_MARGIN
+        collapsed = (fell and best >= chance + 3 * CHANCE_MARGIN
                      and accuracy < chance + COLLAPSE_SHARE * (best - chance))
         # a model that guesses uniformly has loss ln(classes): far above it, it is
         # confidently wrong (the step overshot), not slow
