@@ -536,3 +536,47 @@ def test_global_on_clients_scores_the_clients_personalized_accuracy_is_scored_on
         drawn = participants(10, fraction, 0, 3)
         assert len(drawn) == (3 if fraction < 1 else 10)
         assert rows.pop() == sum(len(parts.test_indices[c]) for c in drawn)
+
+
+def test_status_reads_the_must_shows_as_written_and_names_the_missing_cells(
+        tmp_path: Path, capsys: Any) -> None:
+    def cell(dataset: str, model: str, beta: float, **rows: dict[str, Any]) -> dict[str, Any]:
+        passing = {"final": 0.92, "personalized": 0.96, "global_on_clients": 0.90,
+                   "bytes_over_star": 1.0, "at_chance_after_round_3": False}
+        jobs = {"+".join(job.rsplit("_", 1)): {**passing, **row} for job, row in rows.items()}
+        return {"dataset": dataset, "model": model, "beta": beta, "clients": 20, "seed": 0,
+                "rounds": 15, "centralized_best": 0.95, "reference_fedavg": 0.91,
+                "jobs": jobs, "commit": "abc"}
+    cells = [
+        # 0.895: 0.015 below the loop fails star (slack 0.01), not k_connected (0.02)
+        cell("digits", "usercnn:SmallCNN", 0.1, star_fedavg={"final": 0.895},
+             k_connected_fedavg={"final": 0.895, "bytes_over_star": 3.5},
+             hybrid_fedadam={"final": 0.905}, hybrid_fedavg={},
+             hierarchical_fedavg={"at_chance_after_round_3": True},
+             star_fedyogi={"personalized": 0.89}),
+        cell("mnist", "usercnn:BNCNN", 0.3, star_fedavg={"personalized": 0.94}),
+        # outside the grid: another model, and the grid's cell at other [training] settings
+        cell("digits", "mlp", 0.1, star_fedavg={"final": 0.1}),
+        {**cell("digits", "usercnn:BNCNN", 0.1, star_fedavg={"final": 0.1}),
+         "training": {"optimizer": "adam"}},
+    ]
+    status = bench.grid_status(cells)
+    assert status["cells"] == 270 and status["measured"] == 2
+    assert status["by_dataset"]["mnist"] == {"measured": 1, "cells": 81}
+    assert len(status["missing"]) == 268 and "digits/usercnn:BNCNN/0.1/20/0" in status["missing"]
+    fails = status["fails"]
+    assert [f.split()[1] for f in fails["below_reference"]] == ["star+fedavg"]
+    # the loop reaches 0.95 x centralized (0.958 x): a job below it fails too
+    assert {f.split()[1] for f in fails["below_centralized"]} == {
+        "star+fedavg", "k_connected+fedavg"}
+    assert [f.split()[1] for f in fails["adaptive_below_fedavg"]] == ["hybrid+fedadam"]
+    assert [f.split()[1] for f in fails["at_chance_after_round_3"]] == ["hierarchical+fedavg"]
+    assert [f.split()[1] for f in fails["k_connected_bytes_over_3x_star"]] == ["k_connected+fedavg"]
+    assert [f.split()[1] for f in fails["personalized_below_global"]] == ["star+fedyogi"]
+    assert fails["personalized_below_0.95_mnist_beta_0.3"] == [
+        "mnist/usercnn:BNCNN/b0.3/n20/s0 star+fedavg (0.94)"]
+    assert status["measured_at"] == {"abc": 2}
+    assert bench.main(["--status", str(_written(tmp_path / "r", *cells))]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["failing"]["below_reference"] == 1
+    assert "2 of the full grid's 270 cells measured" in out.err
