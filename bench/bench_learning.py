@@ -956,7 +956,9 @@ def grid_status(cells: list[dict[str, Any]], size: str = "full") -> dict[str, An
             if round(ref / central, 4) >= 0.95 > round(final / central, 4):
                 fails["below_centralized"].append(f"{name} ({final / central:.4f}x)")
             if row.get("at_chance_after_round_3"):
-                fails["at_chance_after_round_3"].append(name)
+                fails["at_chance_after_round_3"].append(
+                    name + (" (the reference loop too)"
+                            if cell.get("reference_at_chance_after_round_3") else ""))
             if aggregation in ("fedadam", "fedyogi", "fedadagrad"):
                 fedavg = fedavg_of(job, finals, ref)
                 if round(final - fedavg, 4) < -0.01:

@@ -572,7 +572,11 @@ def test_status_reads_the_must_shows_as_written_and_names_the_missing_cells(
     assert {f.split()[1] for f in fails["below_centralized"]} == {
         "star+fedavg", "k_connected+fedavg"}
     assert [f.split()[1] for f in fails["adaptive_below_fedavg"]] == ["hybrid+fedadam"]
-    assert [f.split()[1] for f in fails["at_chance_after_round_3"]] == ["hierarchical+fedavg"]
+    assert fails["at_chance_after_round_3"] == [
+        "digits/usercnn:SmallCNN/b0.1/n20/s0 hierarchical+fedavg"]
+    cells[0]["reference_at_chance_after_round_3"] = True
+    assert bench.grid_status(cells)["fails"]["at_chance_after_round_3"] == [
+        "digits/usercnn:SmallCNN/b0.1/n20/s0 hierarchical+fedavg (the reference loop too)"]
     assert [f.split()[1] for f in fails["k_connected_bytes_over_3x_star"]] == ["k_connected+fedavg"]
     assert [f.split()[1] for f in fails["personalized_below_global"]] == ["star+fedyogi"]
     assert fails["personalized_below_0.95_mnist_beta_0.3"] == [
