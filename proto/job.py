@@ -643,10 +643,11 @@ def _check_cross(source: str, spec: JobSpec) -> None:
     if spec.aggregation.name in ADAPTIVE_AGGREGATORS and topo.kind in ("ring", "k_connected",
                                                                        "custom"):
         raise _fail(source, "aggregation.name", spec.aggregation.name,
-                    f"fedavg or fedavgm on {topo.kind}: with no server, every node would take "
-                    "its own adaptive (sign-like) steps from its own neighbourhood and the "
-                    "nodes drift apart (bench_learning, MNIST k_connected: fedadam 0.70, "
-                    "fedavgm 0.91); adaptive optimizers suit star, hierarchical, hybrid, full")
+                    f"fedavg, fedprox or fedavgm on {topo.kind}: with no server, every node "
+                    "would take its own adaptive (sign-like) steps from its own neighbourhood "
+                    "and the nodes drift apart (bench_learning, MNIST k_connected: fedadam "
+                    "0.70, fedavgm 0.91); adaptive optimizers suit star, hierarchical, hybrid, "
+                    "full")
     if spec.aggregation.name == "fedavgm" and topo.mixing_steps > 1:
         raise _fail(source, "topology.mixing_steps", topo.mixing_steps,
                     "1 with fedavgm (or aggregation.name = 'fedavg'): a node's momentum steps "

@@ -70,7 +70,7 @@ BAD = [
     ("[aggregation]\nname = 'fedprox'\n[training]\nfedprox_mu = 0.0\n",
      ["training.fedprox_mu = 0.0", "it is FedAvg", "leave it out for 0.01"]),
     ("[aggregation]\nname = 'fedadam'\n[topology]\nkind = 'k_connected'\n",
-     ["aggregation.name = 'fedadam'", "fedavg or fedavgm on k_connected", "drift apart"]),
+     ["aggregation.name = 'fedadam'", "fedavg, fedprox or fedavgm on k_connected", "drift apart"]),
     ("[aggregation]\nname = 'krum'\n[topology]\nkind = 'ring'\n",
      ["aggregation.krum_byzantine = 1", "at most 0 on ring", "median"]),
     # krum in a round that cannot have krum_byzantine + 3 updates (it failed the round)
