@@ -27,9 +27,10 @@ and keeps what it measured):
 
     python bench/bench_learning.py --grid quick             # one small cell, a smoke run
     python bench/bench_learning.py --grid medium --dataset table --clients 20
-    python bench/bench_learning.py --grid full --workers 2  # 216 cells: hours
+    python bench/bench_learning.py --grid full --workers 2  # 270 cells: days on 2 cores
     python bench/bench_learning.py --grid full --shard 3/8 --resume --out grid-3
     python bench/bench_learning.py --merge grid-1 grid-2 ... --out grid  # one table
+    python bench/bench_learning.py --status bench/results   # where the grid stands
     python bench/bench_learning.py --grid medium --training lr_schedule=constant \
         --training number_of_epochs=1 --rounds 30         # at a user's [training] settings
 
