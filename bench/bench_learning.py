@@ -34,6 +34,9 @@ and keeps what it measured):
     python bench/bench_learning.py --grid medium --training lr_schedule=constant \
         --training number_of_epochs=1 --rounds 30         # at a user's [training] settings
 
+    python bench/bench_learning.py --grid medium --data mine=npz:data/mine.npz \
+        --models mymodels:Net --clients 40                # your data and model
+
     python bench/bench_learning.py --quick                 # CI: digits, few rounds
     python bench/bench_learning.py --dataset mnist --workers 2
     python bench/bench_learning.py --dataset mnist --jobs star:fedavg,hybrid:fedadam
@@ -145,10 +148,17 @@ def fold_dataset(name: str, out: Path, fold: int, folds: int) -> tuple[str, int]
     `name`, as npz (explicit train / test): the job's data.dataset and its test rows."""
     from sklearn.model_selection import StratifiedKFold
 
-    x, y = table_arrays(name)
+    if name in USER_DATA:   # the user's: all of its samples, its own test split's too
+        from fedcore.data import load_dataset
+
+        data = load_dataset(USER_DATA[name])
+        x = np.concatenate([data.x_train, data.x_test])
+        y = np.concatenate([data.y_train, data.y_test])
+    else:
+        x, y = table_arrays(name)
     train, test = list(StratifiedKFold(folds, shuffle=True, random_state=0).split(x, y))[fold]
     path = out / f"{name}-fold{fold + 1}of{folds}.npz"
-    if not path.exists():
+    if name in USER_DATA or not path.exists():   # (a file of the user's may have changed)
         tmp = out / f".{path.name}.{os.getpid()}.npz"
         np.savez(tmp, x_train=x[train].astype(np.float32), y_train=y[train],
                  x_test=x[test].astype(np.float32), y_test=y[test])
@@ -164,10 +174,55 @@ DATASETS = {
 }
 #: each data set's classes (chance is one over them)
 CLASSES = {"digits": 10, "mnist": 10, "table": 2, "wine": 3}
+BUILT_IN = frozenset(DATASETS)
+
+
+#: the user's own data sets (--data NAME=KIND:PATH): name -> the jobs' data.dataset
+USER_DATA: dict[str, str] = {}
+
+
+def register_data(arg: str) -> str:
+    """--data NAME=KIND:PATH: a data set of the user's (what a job's data.dataset takes:
+    npz, csv, parquet, imagefolder) run as the bench's own are, under NAME (--dataset NAME;
+    the grid: --models, default the built-in mlp). Loaded here once: a file that is not
+    there or not a data set is refused naming it, before anything runs or is written."""
+    from fedcore.data import load_dataset
+    from fedcore.data.errors import DatasetError
+
+    name, sep, spec = arg.partition("=")
+    name, spec = name.strip(), spec.strip()
+    if not sep or not name or not spec:
+        raise SystemExit(f"bench_learning: --data {arg!r}: expected NAME=KIND:PATH, e.g. "
+                         "mine=npz:data/mine.npz or mine=csv:data/mine.csv (a `label` "
+                         "column; 20% held out)")
+    if not all(c.isalnum() or c in "-_." for c in name):
+        raise SystemExit(f"bench_learning: --data {arg!r}: name {name!r}: use letters, "
+                         "digits, '-', '_' and '.' (it names the cells)")
+    if name in DATASETS and name not in USER_DATA:
+        raise SystemExit(f"bench_learning: --data {arg!r}: {name!r} is a data set of the "
+                         f"bench's own ({', '.join(sorted(BUILT_IN))}); give yours another "
+                         "name")
+    kind, colon, path = spec.partition(":")
+    if colon and path and kind in ("npz", "csv", "parquet", "imagefolder"):
+        spec = f"{kind}:{Path(path).expanduser().resolve()}"   # the workers' cwd may differ
+    try:
+        data = load_dataset(spec)
+    except DatasetError as exc:
+        raise SystemExit(f"bench_learning: --data {arg!r}: {exc}") from None
+    USER_DATA[name] = spec
+    DATASETS[name] = Dataset(name, "mlp")
+    CLASSES[name] = int(data.num_classes)
+    GRID_MODELS[name] = ("mlp",)
+    print(f"bench_learning: --data {name}: {spec}: {len(data.y_train)} training and "
+          f"{len(data.y_test)} test samples, {data.num_classes} classes, input "
+          f"{'x'.join(map(str, data.input_shape))}", file=sys.stderr, flush=True)
+    return name
 
 
 def dataset_name(name: str, out: Path) -> str:
     """The job's data.dataset of bench data set `name` (files written into `out`)."""
+    if name in USER_DATA:
+        return USER_DATA[name]
     return {"digits": lambda: "digits", "mnist": lambda: mnist_npz(out),
             "table": lambda: table_csv(out), "wine": lambda: table_csv(out, "wine")}[name]()
 
@@ -607,7 +662,8 @@ def bench_cell(cell: tuple[str, str, float, int, int, int], jobs: list[tuple[str
     chance = 1.0 / CLASSES[name]
     ref_final = reference.get("final", float("nan"))
     rows = job_rows(results, ref_final, best, chance)
-    return {"dataset": name, "model": model, "beta": beta, "clients": clients, "seed": seed,
+    return {"dataset": name, **({"data": USER_DATA[name]} if name in USER_DATA else {}),
+            "model": model, "beta": beta, "clients": clients, "seed": seed,
             "rounds": rounds, "centralized": central.get("final"),
             "centralized_best": central.get("best"), "reference_fedavg": ref_final,
             "reference_over_centralized": round(ref_final / best, 4),
@@ -1260,6 +1316,13 @@ def redo_grid(args: argparse.Namespace, size: str, jobs: list[tuple[str, str]], 
                          "again in cells measured before (give their --out)")
     measured = load_cells([str(path)])
     version = code_version()
+    unknown = sorted({c["dataset"] for c in measured if c["dataset"] not in DATASETS
+                      and (not args.dataset or c["dataset"] in args.dataset)})
+    if unknown:
+        raise SystemExit(f"bench_learning: --redo: {path} has cells of data sets not the "
+                         f"bench's own ({', '.join(unknown)}): give each again with --data "
+                         "NAME=KIND:PATH (the cell's `data` says which file), or narrow "
+                         "with --dataset")
     wanted = {"dataset": args.dataset, "model": values(args.models, str),
               "beta": values(args.betas, float), "clients": values(args.clients, int),
               "seed": values(args.seeds, int)}
@@ -1312,8 +1375,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="digits only, 12 clients, 4 rounds, 3 jobs (a CI smoke run)")
-    parser.add_argument("--dataset", action="append", choices=sorted(DATASETS),
-                        help="repeat for several (default: all)")
+    parser.add_argument("--dataset", action="append",
+                        help=f"{', '.join(sorted(DATASETS))} or a --data NAME; repeat for "
+                             "several (default: all of the bench's, or the --data ones)")
+    parser.add_argument("--data", action="append", metavar="NAME=KIND:PATH",
+                        help="a data set of your own, as a job's data.dataset takes it "
+                             "(npz:FILE with x_train, y_train, x_test, y_test; csv:FILE with "
+                             "a `label` column, 20%% held out; parquet:, imagefolder:), run "
+                             "under NAME as the bench's are: centralized, the reference "
+                             "loop and the jobs on it (model: --models, default mlp; a "
+                             "module:Class of yours is found from the current directory); "
+                             "repeatable")
     parser.add_argument("--jobs", default="",
                         help="comma-separated topology[:aggregator[:compression[:placement"
                              "[:personal_epochs[:inter_cluster_period[:mixing_steps]]]]]]")
@@ -1366,6 +1438,19 @@ def main(argv: list[str] | None = None) -> int:
                              "and every job that fails one of issue 31's must-shows, read "
                              "as written (JSON on stdout, one line on stderr)")
     args = parser.parse_args(argv)
+    if os.getcwd() not in sys.path:   # --models mymodels:Net from the user's directory
+        sys.path.append(os.getcwd())
+    for name in USER_DATA:   # one call's --data is not the next one's (tests, callers)
+        DATASETS.pop(name, None), CLASSES.pop(name, None), GRID_MODELS.pop(name, None)
+    USER_DATA.clear()
+    mine = [register_data(arg) for arg in args.data or []]
+    for name in args.dataset or []:
+        if name not in DATASETS:
+            raise SystemExit(f"bench_learning: --dataset {name!r}: not a data set of the "
+                             f"bench ({', '.join(sorted(BUILT_IN))}) nor given with --data "
+                             f"NAME=KIND:PATH" + (f" ({', '.join(mine)})" if mine else ""))
+    if mine and not args.dataset:
+        args.dataset = mine
     if args.status:
         status = grid_status(load_cells(args.status), args.grid or "full")
         print(json.dumps(status, indent=1))
@@ -1375,17 +1460,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.grid or args.merge:
         return main_grid(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    names = args.dataset or (["digits"] if args.quick else list(DATASETS))
+    names = args.dataset or (["digits"] if args.quick else sorted(BUILT_IN))
+    models = values(args.models, str)
+    if len(models) > 1:
+        raise SystemExit(f"bench_learning: --models {args.models}: one model outside --grid "
+                         "(the grid takes several: --grid medium --models ...)")
     rows = grid(args.quick, [j for j in args.jobs.split(",") if j])
     training = training_settings(args.training, args.split)
     check_split(training, names)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"benchmark": "learning", "seed": args.seed, "datasets": {},
                               **({"training": training} if training else {})}
     started = time.perf_counter()
     for name in names:
-        ds = DATASETS[name]
+        ds = replace(DATASETS[name], model=models[0]) if models else DATASETS[name]
         if args.quick:
             ds = replace(ds, clients=12, clusters=3, rounds=4)
         if args.rounds:

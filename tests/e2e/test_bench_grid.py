@@ -586,3 +586,104 @@ def test_status_reads_the_must_shows_as_written_and_names_the_missing_cells(
     out = capsys.readouterr()
     assert json.loads(out.out)["failing"]["below_reference"] == 1
     assert "2 of the full grid's 270 cells measured" in out.err
+
+
+def _own_data(monkeypatch: Any, tmp_path: Path) -> tuple[Path, Path]:
+    """An image npz (sklearn's digits, 1x8x8, shuffled) and a csv table (iris, 150 rows, a
+    `label` column) of a user's; the bench's registries as they were after the test."""
+    import numpy as np
+    from sklearn.datasets import load_digits, load_iris
+
+    for name in ("DATASETS", "CLASSES", "GRID_MODELS", "USER_DATA"):
+        monkeypatch.setattr(bench, name, dict(getattr(bench, name)))
+    x, y = load_digits(return_X_y=True)
+    order = np.random.default_rng(0).permutation(len(y))
+    x, y = (x[order] / 16.0).astype(np.float32).reshape(-1, 1, 8, 8), y[order]
+    npz = tmp_path / "mine.npz"
+    np.savez(npz, x_train=x[:1400], y_train=y[:1400], x_test=x[1400:], y_test=y[1400:])
+    x, y = load_iris(return_X_y=True)
+    csv = tmp_path / "iris.csv"
+    np.savetxt(csv, np.column_stack([x, y]), delimiter=",", header="a,b,c,d,label",
+               comments="", fmt=["%.2f"] * 4 + ["%d"])
+    return npz, csv
+
+
+def test_a_users_own_data_set_runs_as_the_benchs_own(tmp_path: Path, monkeypatch: Any) -> None:
+    """--data NAME=KIND:PATH: centralized, the reference loop and every job of a grid cell
+    train on the user's file (by its absolute path: a worker's cwd may differ), the cell
+    names it and its chance is one over its own classes; --folds cross-validates it over
+    all of its samples; a real run outside the grid learns on it."""
+    import numpy as np
+
+    npz, csv = _own_data(monkeypatch, tmp_path)
+    seen: list[tuple[str, dict[str, Any]]] = []
+    monkeypatch.setattr(bench, "_run_tasks", _recorder(seen, lambda name, job: (name, job)))
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "grid"
+    assert bench.main(["--grid", "medium", "--data", "mine=npz:mine.npz", "--models", "mlp",
+                       "--betas", "0.3", "--clients", "20", "--seeds", "0", "--jobs",
+                       "star:fedavg,hybrid:fedadam", "--rounds", "2", "--out", str(out)]) == 0
+    assert sorted(name for name, _ in seen) == ["centralized", "hybrid+fedadam",
+                                                "reference_fedavg", "star+fedavg"]
+    assert {job["data"]["dataset"] for _, job in seen} == {f"npz:{npz}"}
+    (cell,) = json.loads((out / "learning_grid.json").read_text())["cells"]
+    assert (cell["dataset"], cell["data"], cell["model"]) == ("mine", f"npz:{npz}", "mlp")
+    assert bench.CLASSES["mine"] == 10
+    # a table of 3 classes over 3 folds: every row tested once, its chance 1/3
+    seen.clear()
+    assert bench.main(["--grid", "medium", "--data", f"iris=csv:{csv}", "--folds", "3",
+                       "--betas", "1.0", "--clients", "6", "--seeds", "0", "--jobs",
+                       "star:fedavg", "--rounds", "2", "--out", str(out), "--resume"]) == 0
+    assert sorted(name for name, _ in seen) == sorted(
+        f"{n}@{k}" for n in ("centralized", "reference_fedavg", "star+fedavg") for k in (1, 2, 3))
+    files = sorted({job["data"]["dataset"] for _, job in seen})
+    assert files == [f"npz:{out}/iris-fold{k}of3.npz" for k in (1, 2, 3)]
+    tested = np.concatenate([np.load(f.removeprefix("npz:"))["x_test"] for f in files])
+    table = np.loadtxt(csv, delimiter=",", skiprows=1)
+    assert sorted(map(tuple, tested.round(2))) == sorted(
+        map(tuple, table[:, :4].astype(np.float32).round(2)))
+    assert bench.CLASSES["iris"] == 3
+    cells = json.loads((out / "learning_grid.json").read_text())["cells"]
+    assert [(c["dataset"], c["folds"]) for c in cells] == [("mine", 1), ("iris", 3)]
+    # --redo of a cell of the user's data without it: refused, naming the data set
+    before = (out / "learning_grid.json").read_bytes()
+    monkeypatch.setattr(bench, "USER_DATA", {})
+    monkeypatch.setattr(bench, "DATASETS", {k: v for k, v in bench.DATASETS.items()
+                                            if k in bench.BUILT_IN})
+    said = _refused("--redo of a cell of data not given", bench.main,
+                    ["--grid", "full", "--redo", "fedavg", "--out", str(out)])
+    assert "(iris, mine)" in said and "--data NAME=KIND:PATH" in said
+    assert (out / "learning_grid.json").read_bytes() == before
+    # a real run outside the grid, on the iris table: every figure well above chance
+    monkeypatch.undo()
+    _own_data(monkeypatch, tmp_path)
+    assert bench.main(["--data", f"iris=csv:{csv}", "--jobs", "star:fedavg", "--rounds", "3",
+                       "--workers", "1", "--out", str(tmp_path / "real")]) == 0
+    report = json.loads((tmp_path / "real" / "learning.json").read_text())
+    (res,) = report["datasets"].values()
+    assert res["dataset"] == f"csv:{csv}"
+    finals = [res["centralized"]["final"], res["reference_fedavg"]["final"],
+              *(job["final"] for job in res["jobs"].values())]
+    assert len(finals) == 3 and min(finals) > 0.6, finals
+
+
+def test_a_users_data_set_that_is_not_there_or_not_one_is_refused_naming_it(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr(bench, "_run_tasks", lambda *a: (_ for _ in ()).throw(
+        AssertionError("a task ran")))
+    npz, csv = _own_data(monkeypatch, tmp_path)
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    out = tmp_path / "grid"
+    for args, says in (
+            (["--data", f"mine=npz:{tmp_path}/gone.npz"], "gone.npz"),
+            (["--data", f"mine=npz:{tmp_path}/bad.npz"], "bad.npz"),
+            (["--data", f"digits=npz:{npz}"], "'digits' is a data set of the bench's own"),
+            (["--data", f"npz:{npz}"], "expected NAME=KIND:PATH"),
+            (["--data", f"my data=npz:{npz}"], "name 'my data'"),
+            (["--data", f"mine=npz:{npz}", "--dataset", "other"], "--dataset 'other'"),
+            (["--dataset", "mine"], "given with --data"),
+            (["--data", f"iris=csv:{csv}", "--models", "mlp,usercnn:BNMLP"],
+             "one model outside --grid")):
+        said = _refused(f"{args} accepted", bench.main, [*args, "--out", str(out)])
+        assert says in said, (args, said)
+    assert not out.exists()
