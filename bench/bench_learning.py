@@ -619,7 +619,10 @@ def trial_learning_rate(job: dict[str, Any]) -> float | None:
     from fedcore.data import load_dataset
     from worker.preflight import trial_learning_rate as trial
 
-    found = trial(spec, load_dataset(spec.data.dataset))
+    try:
+        found = trial(spec, load_dataset(spec.data.dataset))
+    except JobSpecError as exc:   # a model that cannot be imported or built, or trained
+        raise SystemExit(f"bench_learning: {exc}") from None   # at no rate: submit's refusal
     if not found or found["learning_rate"] == spec.training.learning_rate:
         return None
     print(f"bench_learning: {spec.model.name}: training.learning_rate "

@@ -687,3 +687,7 @@ def test_a_users_data_set_that_is_not_there_or_not_one_is_refused_naming_it(
         said = _refused(f"{args} accepted", bench.main, [*args, "--out", str(out)])
         assert says in said, (args, said)
     assert not out.exists()
+    said = _refused("a model that cannot be imported accepted", bench.main,
+                    ["--grid", "quick", "--data", f"iris=csv:{csv}", "--models",
+                     "no_such_module_here:Net", "--out", str(out)])
+    assert "cannot import module 'no_such_module_here'" in said and "Traceback" not in said
