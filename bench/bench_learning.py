@@ -547,9 +547,7 @@ def grid_cells(size: str, datasets: list[str] | None, models: list[str] | None,
     seeds, rounds = seeds or list(slice_seeds), rounds or slice_rounds
     cells = []
     for name in datasets or names:
-        for model in models or GRID_MODELS[name]:
-            if model not in GRID_MODELS[name] and models is None:
-                continue
+        for model in models or GRID_MODELS.get(name, ("mlp",)):   # (a user's: mlp)
             for beta in betas:
                 for n in clients:
                     for seed in seeds:
@@ -990,7 +988,10 @@ def seed_means(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def grid_status(cells: list[dict[str, Any]], size: str = "full") -> dict[str, Any]:
+def grid_status(cells: list[dict[str, Any]], size: str = "full",
+                datasets: list[str] | None = None, models: list[str] | None = None,
+                betas: list[float] | None = None, clients: list[int] | None = None,
+                seeds: list[int] | None = None, rounds: int | None = None) -> dict[str, Any]:
     """Where the grid stands against issue 31's "must show", read as written (stricter than
     `judge`, which lets a job pass on 0.95 x centralized alone): of the `size` slice's
     Dirichlet cells at the bench's own settings, which are measured and which are missing,
@@ -1001,10 +1002,13 @@ def grid_status(cells: list[dict[str, Any]], size: str = "full") -> dict[str, An
     topology - 0.01; (2) k_connected's inter-cluster bytes <= 3 x star's; (3) personalized
     >= the global model's on the same clients, and >= 0.95 on the MNIST cells with beta
     0.3. Cells measured at --training / --split settings are left out (the grid is the
-    bench's own defaults); each commit the cells were measured at is counted."""
+    bench's own defaults); each commit the cells were measured at is counted. `datasets`,
+    `models`, `betas`, `clients`, `seeds`, `rounds` narrow or replace the slice's as in a
+    run (a user's --data sets: their cells)."""
     from proto.job import ADAPTIVE_AGGREGATORS
 
-    wanted = {cell_key(c) for c in grid_cells(size, None, None)}
+    wanted = {cell_key(c) for c in grid_cells(size, datasets, models, betas, clients, seeds,
+                                                      rounds)}
     mine = [c for c in cells if cell_key(c) in wanted]
     have = {cell_key(c) for c in mine}
     fails: dict[str, list[str]] = {k: [] for k in (
@@ -1446,6 +1450,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in USER_DATA:   # one call's --data is not the next one's (tests, callers)
         DATASETS.pop(name, None), CLASSES.pop(name, None), GRID_MODELS.pop(name, None)
     USER_DATA.clear()
+    if args.status:   # (any data set the cells have; --data's file is not read)
+        names = sorted(set(args.dataset or []) | {d.partition("=")[0] for d in args.data or []})
+        status = grid_status(load_cells(args.status), args.grid or "full", names or None,
+                             values(args.models, str) or None, values(args.betas, float),
+                             values(args.clients, int), values(args.seeds, int), args.rounds)
+        print(json.dumps(status, indent=1))
+        print(f"bench_learning: {status['measured']} of the {status['grid']} grid's "
+              f"{status['cells']} cells measured; failing: "
+              + ", ".join(f"{k} {v}" for k, v in status["failing"].items()), file=sys.stderr)
+        return 0
     mine = [register_data(arg) for arg in args.data or []]
     for name in args.dataset or []:
         if name not in DATASETS:
@@ -1454,13 +1468,6 @@ def main(argv: list[str] | None = None) -> int:
                              f"NAME=KIND:PATH" + (f" ({', '.join(mine)})" if mine else ""))
     if mine and not args.dataset:
         args.dataset = mine
-    if args.status:
-        status = grid_status(load_cells(args.status), args.grid or "full")
-        print(json.dumps(status, indent=1))
-        print(f"bench_learning: {status['measured']} of the {status['grid']} grid's "
-              f"{status['cells']} cells measured; failing: "
-              + ", ".join(f"{k} {v}" for k, v in status["failing"].items()), file=sys.stderr)
-        return 0
     if args.grid or args.merge:
         return main_grid(args)
     names = args.dataset or (["digits"] if args.quick else sorted(BUILT_IN))

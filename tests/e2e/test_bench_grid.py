@@ -645,6 +645,12 @@ def test_a_users_own_data_set_runs_as_the_benchs_own(tmp_path: Path, monkeypatch
     assert bench.CLASSES["iris"] == 3
     cells = json.loads((out / "learning_grid.json").read_text())["cells"]
     assert [(c["dataset"], c["folds"]) for c in cells] == [("mine", 1), ("iris", 3)]
+    # --status on the user's slice (its data is not read: the file may be gone)
+    status = bench.grid_status(cells, "medium", ["iris"], None, [1.0], [6, 7], [0], 2)
+    assert (status["cells"], status["measured"], status["missing"]) == (2, 1, ["iris/mlp/1.0/7/0"])
+    assert bench.main(["--status", str(out), "--grid", "medium", "--data", "iris=csv:gone.csv",
+                       "--betas", "1.0", "--clients", "6,7", "--seeds", "0", "--rounds",
+                       "2"]) == 0
     # --redo of a cell of the user's data without it: refused, naming the data set
     before = (out / "learning_grid.json").read_bytes()
     monkeypatch.setattr(bench, "USER_DATA", {})
