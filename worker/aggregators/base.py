@@ -274,12 +274,11 @@ class Aggregator(ABC):
         statistics were measured, stop 57: MNIST BNCNN beta 0.3 fedadam's loss 4.2 and 10.4
         in two rounds at ratio 2). Served with measured statistics (`norm_statistics`
         "auto"), the bound of 1 only held the adaptive optimizers back on BatchNorm
-        models: at 2, 26 grid cells' 234 fedadam / fedyogi / fedadagrad jobs +0.006 /
-        +0.009 / +0.009 on average (98 up and 14 down by more than 0.01, -0.028 to
-        +0.045), below the reference loop 24 -> 12, below fedavg by more than 0.01 22 -> 8
-        (digits BNCNN beta 0.1 / 50 / s1 0.914-0.939 -> 0.939-0.958, reference 0.936; MNIST
-        BNCNN beta 0.3 / 50 / s2 0.962-0.966 -> 0.962-0.970, no stall; the breast-cancer
-        BNMLP beta 0.1 / 50 / s2 cell lost 0.01-0.02: docs/job.md, stop 74); models
+        models: at 2, 13 grid cells' 117 fedadam / fedyogi / fedadagrad jobs +0.002 /
+        +0.007 / +0.008 on average (27 up and 4 down by more than 0.01, -0.028 to +0.045),
+        below the reference loop 10 -> 3, below fedavg by more than 0.01 6 -> 0 (digits
+        BNCNN beta 0.1 / 50 / s1 0.914-0.939 -> 0.939-0.958, reference 0.936; MNIST BNCNN
+        beta 0.3 / 50 / s2 0.962-0.966 -> 0.962-0.970, no loss above its best); models
         outside the grid, star fedadam / fedyogi / fedadagrad: MNIST usercnn:Conv1dBN beta
         0.3 0.632 / 0.633 / 0.632 -> 0.648 / 0.653 / 0.657 (fedavg 0.652), digits
         usercnn:BNResCNN beta 0.1 0.850 / 0.850 / 0.852 -> 0.922 / 0.922 / 0.919 (fedavg
