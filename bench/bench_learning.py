@@ -187,6 +187,7 @@ def register_data(arg: str) -> str:
     the grid: --models, default the built-in mlp). Loaded here once: a file that is not
     there or not a data set is refused naming it, before anything runs or is written."""
     from fedcore.data import load_dataset
+    from fedcore.data.datasets import FILE_KINDS
     from fedcore.data.errors import DatasetError
 
     name, sep, spec = arg.partition("=")
@@ -203,7 +204,7 @@ def register_data(arg: str) -> str:
                          f"bench's own ({', '.join(sorted(BUILT_IN))}); give yours another "
                          "name")
     kind, colon, path = spec.partition(":")
-    if colon and path and kind in ("npz", "csv", "parquet", "imagefolder"):
+    if colon and path and kind in FILE_KINDS:
         spec = f"{kind}:{Path(path).expanduser().resolve()}"   # the workers' cwd may differ
     try:
         data = load_dataset(spec)
@@ -211,8 +212,7 @@ def register_data(arg: str) -> str:
         raise SystemExit(f"bench_learning: --data {arg!r}: {exc}") from None
     USER_DATA[name] = spec
     DATASETS[name] = Dataset(name, "mlp")
-    CLASSES[name] = int(data.num_classes)
-    GRID_MODELS[name] = ("mlp",)
+    CLASSES[name] = int(data.num_classes)   # (its grid models: --models, else mlp)
     print(f"bench_learning: --data {name}: {spec}: {len(data.y_train)} training and "
           f"{len(data.y_test)} test samples, {data.num_classes} classes, input "
           f"{'x'.join(map(str, data.input_shape))}", file=sys.stderr, flush=True)
@@ -1448,7 +1448,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path:   # --models mymodels:Net from the user's directory
         sys.path.append(os.getcwd())
     for name in USER_DATA:   # one call's --data is not the next one's (tests, callers)
-        DATASETS.pop(name, None), CLASSES.pop(name, None), GRID_MODELS.pop(name, None)
+        DATASETS.pop(name, None), CLASSES.pop(name, None)
     USER_DATA.clear()
     if args.status:   # (any data set the cells have; --data's file is not read)
         names = sorted(set(args.dataset or []) | {d.partition("=")[0] for d in args.data or []})

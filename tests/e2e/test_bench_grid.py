@@ -594,7 +594,7 @@ def _own_data(monkeypatch: Any, tmp_path: Path) -> tuple[Path, Path]:
     import numpy as np
     from sklearn.datasets import load_digits, load_iris
 
-    for name in ("DATASETS", "CLASSES", "GRID_MODELS", "USER_DATA"):
+    for name in ("DATASETS", "CLASSES", "USER_DATA"):
         monkeypatch.setattr(bench, name, dict(getattr(bench, name)))
     x, y = load_digits(return_X_y=True)
     order = np.random.default_rng(0).permutation(len(y))
