@@ -159,3 +159,66 @@ def test_user_class_by_module_path(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         build_model(ModelSpec(name="json:Net"), DIGITS, 10, seed=0)
     with pytest.raises(ModelError, match="cannot import module 'no_such_pkg.models'"):
         build_model(ModelSpec(name="no_such_pkg.models:Net"), DIGITS, 10, seed=0)
+
+
+LAZY = """
+import torch
+from torch import nn
+
+class LazyNet(nn.Module):
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.LazyLinear(32), nn.LazyBatchNorm1d(),
+                                 nn.ReLU(), nn.Dropout(0.2), nn.LazyLinear(num_classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+class BadLazy(nn.Module):
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.fc = nn.LazyLinear(num_classes)
+
+    def forward(self, x):
+        return self.fc(x.reshape(x.shape[0], 3, -1))   # the user's bug: 64 is not 3 x n
+
+class UnusedLazy(nn.Module):
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.fc = nn.Linear(64, num_classes)
+        self.spare = nn.LazyLinear(8)
+
+    def forward(self, x):
+        return self.fc(x.reshape(x.shape[0], -1))
+"""
+
+
+def test_a_user_class_with_lazy_layers_is_shaped_at_build_the_same_on_every_cluster(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """nn.LazyLinear / nn.LazyBatchNorm1d have no size until a forward pass: the learning
+    rate trial refused such a model ("Attempted to use an uninitialized parameter") and its
+    state dict could not be sent. They are shaped at build, by one forward pass of zeros in
+    eval mode under the build's seed: the same weights on every build from one seed, the
+    running statistics untouched, the model in training mode as built."""
+    (tmp_path / "lazymodels.py").write_text(LAZY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        a, b = (build_model(ModelSpec(name="lazymodels:LazyNet"), DIGITS, 10, seed=3)
+                for _ in range(2))
+        other = build_model(ModelSpec(name="lazymodels:LazyNet"), DIGITS, 10, seed=4)
+        with pytest.raises(ModelError, match=r"'lazymodels:BadLazy' has lazy layers .* a batch "
+                           r"of shape \(2, 1, 8, 8\) to shape them failed: RuntimeError"):
+            build_model(ModelSpec(name="lazymodels:BadLazy"), DIGITS, 10, seed=0)
+        with pytest.raises(ModelError, match="'lazymodels:UnusedLazy': lazy layers"):
+            build_model(ModelSpec(name="lazymodels:UnusedLazy"), DIGITS, 10, seed=0)
+    finally:
+        sys.modules.pop("lazymodels", None)
+    weights = model_weights(a)
+    assert weights["net.1.weight"].shape == (32, 64) and weights["net.5.weight"].shape == (10, 32)
+    assert all(np.array_equal(w, v) for w, v in zip(weights.values(),
+                                                    model_weights(b).values(), strict=True))
+    assert not np.array_equal(weights["net.1.weight"], model_weights(other)["net.1.weight"])
+    assert a.training and np.array_equal(weights["net.2.running_mean"], np.zeros(32))
+    assert int(weights["net.2.num_batches_tracked"]) == 0
+    out = a(torch.randn(4, *DIGITS))
+    assert out.shape == (4, 10) and torch.isfinite(out).all()

@@ -83,8 +83,10 @@ def build_model(
                     and isinstance(exc, TypeError) and "argument" in str(exc) else "")
             raise ModelError(f"model {name!r} cannot be built for input {shape}: {exc}"
                              f"{hint}") from None
-    if not isinstance(model, nn.Module):
-        raise ModelError(f"model {name!r} built a {type(model).__name__}, not a torch.nn.Module")
+        if not isinstance(model, nn.Module):
+            raise ModelError(f"model {name!r} built a {type(model).__name__}, "
+                             "not a torch.nn.Module")
+        _materialize_lazy(name, model, shape)
     if name in MODELS:
         # a user's class keeps its own: the same on every cluster, built from the same seed
         reset_parameters(model, seed)
@@ -136,6 +138,32 @@ def reset_parameters(model: nn.Module, seed: int) -> None:
                     fan_in = module.weight[0].numel()
                     bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
                     nn.init.uniform_(module.bias, -bound, bound, generator=gen)
+
+
+def _materialize_lazy(name: str, model: nn.Module, shape: tuple[int, ...]) -> None:
+    """Shape a model's lazy layers (`nn.LazyLinear`, `nn.LazyConv2d`, ...) as torch's own
+    recipe does: one forward pass of a batch of zeros, in eval mode (no running statistic
+    moves) and without gradients, under the build's seeded generators, so every cluster
+    gets the same weights. Their parameters have no size until then: training, the
+    learning-rate trial and the state dict could not use them."""
+    from torch.nn.parameter import is_lazy
+
+    if not any(is_lazy(t) for t in (*model.parameters(), *model.buffers())):
+        return
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros((2, *shape), dtype=torch.float32))
+    except Exception as exc:  # a user's forward: anything it raises is the user's to see
+        raise ModelError(f"model {name!r} has lazy layers (nn.Lazy*), and one forward pass "
+                         f"of a batch of shape {(2, *shape)} to shape them failed: "
+                         f"{type(exc).__name__}: {exc}") from None
+    finally:
+        model.train(was_training)
+    if any(is_lazy(t) for t in (*model.parameters(), *model.buffers())):
+        raise ModelError(f"model {name!r}: lazy layers (nn.Lazy*) its forward pass does "
+                         "not use stay unshaped; give them their sizes or remove them")
 
 
 def _user_builder(name: str) -> Builder:
