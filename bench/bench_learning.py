@@ -306,12 +306,20 @@ def global_on_clients(job: dict[str, Any], model: bytes | None) -> float | None:
     """The job's final model scored where personalized accuracy is: on the own test
     splits of the clients of the last round (all of them, or its draw for
     `client_fraction` < 1), pooled (the data set's test set, where `final` is scored, has
-    other samples: personalized against global is like for like only here)."""
+    other samples: personalized against global is like for like only here). Each
+    client's split is scored as personalized accuracy scores it (`sample_scores`, the
+    client's training samples as context): the same as one pooled evaluation, except for
+    a model whose BatchNorm keeps no running statistics (`track_running_stats=False`),
+    which normalizes by its batch in eval mode too. Pooled, its batches held every
+    client's labels, which no client's own evaluation has: digits, a user's such MLP,
+    beta 0.3, 20 clients, star fedadam / fedavg, "global" 0.986 / 0.976 against
+    personalized 0.979 / 0.983; per client, as a client sees the global model, 0.844 /
+    0.813 (stop 75)."""
     from safetensors.numpy import load as st_load
 
     from worker.executor.graph import participants
     from worker.serialization import load_weights
-    from worker.training import evaluate
+    from worker.training import sample_scores
 
     if not model:
         return None
@@ -319,8 +327,11 @@ def global_on_clients(job: dict[str, Any], model: bytes | None) -> float | None:
     load_weights(net, st_load(model))
     drawn = participants(len(parts.test_indices), spec.training.client_fraction, spec.seed,
                          spec.training.federated_learning_rounds)
-    idx = np.concatenate([parts.test_indices[c] for c in sorted(drawn)])
-    return round(evaluate(net, data.x_train[idx], data.y_train[idx]).accuracy, 4)
+    hits = [sample_scores(net, data.x_train[parts.test_indices[c]],
+                          data.y_train[parts.test_indices[c]],
+                          context=data.x_train[parts.train_indices[c]])[1]
+            for c in sorted(drawn)]
+    return round(float(np.concatenate(hits).mean()), 4)
 
 
 def run_centralized(job: dict[str, Any]) -> dict[str, Any]:

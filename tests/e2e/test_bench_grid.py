@@ -513,29 +513,58 @@ def test_global_on_clients_scores_the_clients_personalized_accuracy_is_scored_on
         tmp_path: Path, monkeypatch: Any) -> None:
     """With client_fraction < 1 the job's personalized accuracy is scored on the last
     round's draw only, so the final model is scored on those clients' splits too (on all
-    clients' it set 0.86 against the draw's 0.84 on the stop-60 cell: not like for like)."""
+    clients' it set 0.86 against the draw's 0.84 on the stop-60 cell: not like for like).
+    Each client's split is scored with its own training samples as context, as
+    personalized accuracy is: the same as one pooled evaluation for a model with running
+    statistics; a BatchNorm without them (batch statistics in eval mode) was scored on
+    batches that held every client's labels."""
     from dataclasses import replace
 
+    import numpy as np
     from safetensors.numpy import save as st_save
 
     import worker.training
     from worker.executor.graph import participants
     from worker.serialization import model_weights
 
-    ds = replace(bench.DATASETS["digits"], model="mlp", clients=10, rounds=3)
-    rows: list[int] = []
-    evaluate = worker.training.evaluate
-    monkeypatch.setattr(worker.training, "evaluate",
-                        lambda net, x, y: rows.append(len(y)) or evaluate(net, x, y))
-    for fraction in (0.3, 1.0):
-        job = bench.job_dict(ds, bench.dataset_name("digits", tmp_path), "star", "fedavg",
-                             training={"client_fraction": fraction})
-        _spec, _data, parts, net = bench._setup(job)
-        score = bench.global_on_clients(job, st_save(model_weights(net)))
-        assert score is not None and 0.0 <= score <= 1.0
-        drawn = participants(10, fraction, 0, 3)
-        assert len(drawn) == (3 if fraction < 1 else 10)
-        assert rows.pop() == sum(len(parts.test_indices[c]) for c in drawn)
+    (tmp_path / "batchstats.py").write_text(
+        "from torch import nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self, input_shape, num_classes):\n"
+        "        super().__init__()\n"
+        "        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 32),\n"
+        "                                 nn.BatchNorm1d(32, track_running_stats=False),\n"
+        "                                 nn.ReLU(), nn.Linear(32, num_classes))\n"
+        "    def forward(self, x):\n"
+        "        return self.net(x)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    calls: list[tuple[int, int]] = []
+    scores = worker.training.sample_scores
+    monkeypatch.setattr(worker.training, "sample_scores", lambda net, x, y, offsets=None,
+                        context=None: calls.append((len(y), -1 if context is None else len(context))) or scores(
+                            net, x, y, offsets, context))
+    try:
+        for model, fraction in (("mlp", 0.3), ("mlp", 1.0), ("batchstats:Net", 1.0)):
+            ds = replace(bench.DATASETS["digits"], model=model, clients=10, rounds=3)
+            job = bench.job_dict(ds, bench.dataset_name("digits", tmp_path), "star", "fedavg",
+                                 training={"client_fraction": fraction})
+            _spec, data, parts, net = bench._setup(job)
+            score = bench.global_on_clients(job, st_save(model_weights(net)))
+            assert score is not None and 0.0 <= score <= 1.0
+            drawn = sorted(participants(10, fraction, 0, 3))
+            assert len(drawn) == (3 if fraction < 1 else 10)
+            assert calls == [(len(parts.test_indices[c]), len(parts.train_indices[c]))
+                             for c in drawn]
+            calls.clear()
+            pooled = np.concatenate([parts.test_indices[c] for c in drawn])
+            alone = worker.training.evaluate(net, data.x_train[pooled], data.y_train[pooled])
+            calls.clear()
+            if model == "mlp":
+                assert score == round(alone.accuracy, 4)
+            else:   # per client, with its own batch statistics: not the pooled batches'
+                assert score != round(alone.accuracy, 4)
+    finally:
+        sys.modules.pop("batchstats", None)
 
 
 def test_status_reads_the_must_shows_as_written_and_names_the_missing_cells(
