@@ -27,6 +27,9 @@ train them through the engine.
   BatchNorm and ReLU6, global average pooling, dropout.
 - KaimingMLP: any input flattened, three BatchNorm + SiLU + dropout layers, initialized by
   the user (Kaiming-normal weights, zero biases) instead of torch's defaults.
+- SmallInitCNN: SmallCNN's first block and head, every weight drawn 100 x smaller than
+  torch's default (normal, std 0.01) and zero biases: a user's init that starts on a
+  plateau (outputs near zero, the loss a hair below a uniform guess's for many steps).
 GNResCNN and LNMLP (stop 51), BNResCNN and Conv1dBN (stop 58), GRURows and PatchTransformer
 (stop 59), DWSepNet and KaimingMLP (stop 67) came after the engine's defaults were set and
 are not in the grid's default models: `--models usercnn:GNResCNN` runs them (docs/job.md,
@@ -334,3 +337,23 @@ class KaimingMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+class SmallInitCNN(nn.Module):
+    """One 3x3 conv layer (16 channels), a 2x2 max-pool, 64 hidden units: every weight
+    normal with std 0.01, every bias zero (the user's own init, kept by build_model)."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        c, h, w = self.shape = _chw(input_shape)
+        self.net = nn.Sequential(
+            nn.Conv2d(c, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(16 * (h // 2) * (w // 2), 64), nn.ReLU(),
+            nn.Linear(64, num_classes))
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d | nn.Linear):
+                nn.init.normal_(module.weight, std=0.01)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.reshape(x.shape[0], *self.shape))

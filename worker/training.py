@@ -512,6 +512,14 @@ TRIAL_GOOD = 0.5
 #: model's. Measured (digits, a linear model, sgd momentum 0.9): lr 32 ends at 18.5, its
 #: half at 19.9; before, the trial stopped there (the half "gained nothing") and kept 32
 TRIAL_DIVERGED = 3.0
+#: ... and before any rate learned, a half "gains" only where its loss ends this share of
+#: a uniform guess's below the best before it (0.023 for 10 classes): a model on a
+#: plateau (weights a user initialized 100 x smaller than torch's) ends every rate's run a
+#: hair below a uniform guess's, 0.05 at 2.299 and its half at 2.298 (digits), and any
+#: gain took the half, at which every job and the reference loop sat at 0.100 for 15
+#: rounds; at 0.05 the reference loop reached 0.577 and fedadam 0.813 (stop 75). A dead
+#: model's half gains far more where it learns (MNIST TutorialCNN, seed 1: 2.301 -> 2.126)
+TRIAL_MIN_GAIN = 0.01
 
 
 def uniform_loss(classes: int) -> float:
@@ -554,8 +562,9 @@ def learning_rate_trial(build: Callable[[], nn.Module], x: np.ndarray, y: np.nda
     """Train fresh models from `build()` (the job's seeded initial model) for TRIAL_EPOCHS
     passes over up to TRIAL_SAMPLES of (x, y), at `training.learning_rate`; where that
     does not learn well (its loss ends above TRIAL_GOOD x a uniform guess's), at each half
-    of it (TRIAL_HALVINGS at most) while each ends below the best loss before it (below
-    TRIAL_LEARNED x it, once one learned: ended below TRIAL_LEARNED x a uniform guess's);
+    of it (TRIAL_HALVINGS at most) while each ends below the best loss before it (by
+    TRIAL_MIN_GAIN x a uniform guess's; below TRIAL_LEARNED x it, once one learned: ended
+    below TRIAL_LEARNED x a uniform guess's);
     a run that diverged (`trial_diverged`) counts as no loss at all, and its half is
     tried. The one to train at is the last of those that learned. Where none does, the
     one whose run ended lowest (the job's for a slow model or hard data, whose halves gain
@@ -584,11 +593,13 @@ def learning_rate_trial(build: Callable[[], nn.Module], x: np.ndarray, y: np.nda
         if progress is not None:
             progress(lr, loss)
         if not trial_diverged(loss, uniform):
-            # once a rate learned, a half must do markedly better; before, any gain will do
-            # (a dead model's half may be dead too, a little less: MNIST TutorialCNN seed 1
-            # 2.301, its half 2.126); a half that gains nothing is a slow model's
+            # once a rate learned, a half must do markedly better; before, a gain beyond
+            # noise will do (a dead model's half may be dead too, a little less: MNIST
+            # TutorialCNN seed 1 2.301, its half 2.126); a half that gains nothing (or
+            # less than TRIAL_MIN_GAIN) is a slow model's
             learned = best < TRIAL_LEARNED * uniform
-            if not loss < (TRIAL_LEARNED * best if learned else best):
+            if not loss < (TRIAL_LEARNED * best if learned
+                           else best - TRIAL_MIN_GAIN * uniform):
                 stopped = True
                 break
             best, lowest = loss, lr

@@ -536,6 +536,30 @@ def test_a_learning_rate_that_kills_the_model_is_halved_before_the_job_starts(
     assert small.learning_rate == 0.05 and len(small.losses) == 1 and not small.lowered
 
 
+def test_a_model_on_a_plateau_keeps_the_jobs_rate() -> None:
+    """A user's CNN initialized 100 x smaller than torch's default sits on a plateau: every
+    rate's trial run ends a hair below a uniform guess's (0.05: 2.299, 0.025: 2.298 on
+    digits), and the trial took the half for that hair, at which every job and the
+    reference loop sat at 0.100 for 15 rounds (at 0.05: 0.577, fedadam 0.813)."""
+    import torch
+
+    from fedcore.data.datasets import load_dataset as load
+    from proto.job import TrainingSpec
+    from worker.models import build_model
+    from worker.training import TRIAL_MIN_GAIN, learning_rate_trial
+
+    data = load("digits")
+    spec = job("star", model={"name": "usercnn:SmallInitCNN"}).model
+    torch.set_num_threads(1)
+    found = learning_rate_trial(lambda: build_model(spec, data.input_shape, 10, seed=0),
+                                data.x_train, data.y_train, TrainingSpec(), 10, seed=0)
+    (first, loss), (half, half_loss) = found.losses
+    assert (first, half) == (0.05, 0.025) and found.learning_rate == 0.05, found
+    # the plateau: both a hair below a uniform guess's, the half no better by the margin
+    assert 0 < found.uniform_loss - loss < TRIAL_MIN_GAIN * found.uniform_loss, found
+    assert half_loss > loss - TRIAL_MIN_GAIN * found.uniform_loss, found
+
+
 @pytest.mark.parametrize(("losses", "chosen", "runs"), [
     # the tutorials' CNN, seed 1: dead at 0.05, a little less at 0.025 (before: kept 0.05)
     ({0.05: 2.301, 0.025: 2.126, 0.0125: 0.765, 0.00625: 0.633}, 0.0125, 4),
@@ -550,6 +574,9 @@ def test_a_learning_rate_that_kills_the_model_is_halved_before_the_job_starts(
       0.3125: 2.359, 0.15625: 1.022, 0.078125: 0.528, 0.0390625: 0.484}, 0.078125, 9),
     # none learned: the rate whose run ended lowest, not the job's (before: the job's)
     ({10: 6.883, 5: math.nan, 2.5: 2.41, 1.25: 2.36, 0.625: 2.39}, 1.25, 5),
+    # a model on a plateau (usercnn:SmallInitCNN, digits): a half a hair lower is no gain
+    # (before: 0.025 taken, and every job sat at chance)
+    ({0.05: 2.299, 0.025: 2.298}, 0.05, 2),
 ])
 def test_the_trials_rule_on_the_losses_measured(monkeypatch: pytest.MonkeyPatch,
                                                 losses: dict[float, float], chosen: float,
@@ -593,12 +620,16 @@ def test_a_trial_that_runs_out_of_halvings_still_gaining_says_so(
                                             np.arange(8) % 10, TrainingSpec(learning_rate=8.0),
                                             10, seed=0)
 
-    falling = [2.3 - 0.01 * i for i in range(training.TRIAL_HALVINGS + 1)]
+    falling = [2.3 - 0.04 * i for i in range(training.TRIAL_HALVINGS + 1)]
     found = trial(falling)
     assert found.exhausted and not found.diverged and found.learning_rate == 8.0, found
     assert len(found.losses) == training.TRIAL_HALVINGS + 1
-    flat = trial([2.3, 2.29, 2.295])
+    flat = trial([2.3, 2.25, 2.255])
     assert not flat.exhausted and flat.learning_rate == 4.0 and len(flat.losses) == 3
+    # gaining less than TRIAL_MIN_GAIN x a uniform guess's a half: a plateau, not a trend
+    creeping = trial([2.3 - 0.01 * i for i in range(training.TRIAL_HALVINGS + 1)])
+    assert not creeping.exhausted and creeping.learning_rate == 8.0, creeping
+    assert len(creeping.losses) == 2
 
 
 def test_a_learning_rate_that_diverges_is_halved_and_one_that_always_does_is_refused(
