@@ -17,13 +17,14 @@ FedAvg reached 0.92 (its weights are of that order; Flower's FedAdam has the sam
 So by default (`server_step = "scaled"`) each tensor's step keeps Adam's direction but takes
 the length of its own momentum pseudo-gradient, a layer-wise trust ratio as in LAMB:
     u = m_hat / (sqrt(v_hat) + tau);   step = server_lr * u * ||m_hat|| / ||u||
-with server_lr 2.0, and never more than `max_step_ratio` (2; 1 for a model with BatchNorm
+with server_lr 2.0, and never more than `max_step_ratio` (2; 1.5 for a model with BatchNorm
 statistics, `Aggregator.step_ratio`) times FedAvg's own step for the tensor
 (`base.bounded_step`); over the first WARMUP_ROUNDS rounds the direction turns
 from the pseudo-gradient's own to Adam's (`scaled_direction`): Adam's first steps are sign
 steps. The step then follows each tensor's scale, and the adaptivity redistributes it
 across the tensor's coordinates (for a model with BatchNorm statistics, where the step is
-FedAvg's length at most, without a first moment unless the job sets `beta1`:
+at most `base.NORM_STEP_RATIO` (1.5) x FedAvg's length, without a first moment unless the job
+sets `beta1`:
 `base.NORM_MOMENTUM`, and turned only NORM_ADAM_SHARE of the way from FedAvg's direction to
 Adam's).
 A round whose pseudo-gradient points against the first

@@ -2,13 +2,14 @@
 
 With momentum 0.9 the literature's step (`aggregation.server_step = "plain"`) grows to ten
 times FedAvg's once the pseudo-gradients line up. By default (`server_step = "scaled"`)
-each tensor's step is at most `max_step_ratio` (2; 1 for a model with BatchNorm
+each tensor's step is at most `max_step_ratio` (2; 1.5 for a model with BatchNorm
 statistics, `Aggregator.step_ratio`) times FedAvg's own step for it (`base.bounded_step`):
 momentum still carries the direction through noisy rounds, and is forgotten in a round whose
 pseudo-gradient points against it (`base.opposes`: the job went past a minimum; not
 in the plain form). A model with BatchNorm statistics gets no momentum unless the job sets
-`server_momentum` (`base.NORM_MOMENTUM`): bounded to FedAvg's length, momentum only turned the
-step away from the round's pseudo-gradient.
+`server_momentum` (`base.NORM_MOMENTUM`): bounded to FedAvg's length (until stop 75), momentum
+only turned the step away from the round's pseudo-gradient; without momentum, at its
+server rate of 1, its step there is FedAvg's.
 """
 
 from __future__ import annotations
