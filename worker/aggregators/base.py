@@ -288,9 +288,10 @@ class Aggregator(ABC):
         model with normalization statistics: the pooled running statistics describe the
         clients' models, which lie around their mean (FedAvg's step); a server step far
         past that leaves the statistics behind, and the model is evaluated with
-        statistics its activations no longer have (measured before the served statistics
-        were measured, stop 57: MNIST BNCNN beta 0.3, fedadam's loss went to 4.2 and
-        10.4 in two rounds at ratio 2; digits BNCNN beta 0.1: 0.78 at 2 -> 0.84 at 1).
+        statistics its activations no longer have (measured in an earlier stop, at the
+        code of then: MNIST BNCNN beta 0.3, fedadam's loss went to 4.2 and 10.4 in two
+        rounds at ratio 2; digits BNCNN beta 0.1: 0.78 at 2 -> 0.84 at 1; NORM_STEP_RATIO
+        for what 1.5 and 2 do at this one).
         A small table overfits at 2 in the last rounds (breast-cancer mlp beta 1.0 / 50:
         fedadam 0.956, fedavg 0.974; wine one row of 36 below). Cooling the bound to 1
         with the clients' cosine schedule fixed the table (0.965) but cost the skewed
