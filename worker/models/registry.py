@@ -148,7 +148,10 @@ def _materialize_lazy(name: str, model: nn.Module, shape: tuple[int, ...]) -> No
     learning-rate trial and the state dict could not use them."""
     from torch.nn.parameter import is_lazy
 
-    if not any(is_lazy(t) for t in (*model.parameters(), *model.buffers())):
+    def unshaped() -> bool:
+        return any(is_lazy(t) for t in (*model.parameters(), *model.buffers()))
+
+    if not unshaped():
         return
     was_training = model.training
     model.eval()
@@ -161,7 +164,7 @@ def _materialize_lazy(name: str, model: nn.Module, shape: tuple[int, ...]) -> No
                          f"{type(exc).__name__}: {exc}") from None
     finally:
         model.train(was_training)
-    if any(is_lazy(t) for t in (*model.parameters(), *model.buffers())):
+    if unshaped():
         raise ModelError(f"model {name!r}: lazy layers (nn.Lazy*) its forward pass does "
                          "not use stay unshaped; give them their sizes or remove them")
 
