@@ -99,13 +99,14 @@ def _killer(victim: Node, killed: list[tuple[Node, float]]) -> threading.Thread:
 
 
 def _drive_killing(tmp_path: Path, gateways: tuple[str, ...], job: JobSpec
-                   ) -> tuple[float, list[RoundRecord], Any]:
+                   ) -> tuple[float, list[RoundRecord], list[float], Any]:
     """``job`` on the private testbed behind ``gateways``, the one that relayed the most
-    killed in round 3: (when it was killed, the rounds recorded, the job's result
-    or the JobFailed it ended with)."""
+    killed in round 3: (when it was killed, the rounds recorded, when each was recorded,
+    the job's result or the JobFailed it ended with)."""
     nodes: list[Node] = []
     killed: list[tuple[Node, float]] = []
     rounds: list[RoundRecord] = []
+    recorded_at: list[float] = []
     killers: list[threading.Thread] = []
     outcome: Any = None
     try:
@@ -116,6 +117,7 @@ def _drive_killing(tmp_path: Path, gateways: tuple[str, ...], job: JobSpec
 
             def progress(record: RoundRecord, total: int) -> None:
                 rounds.append(record)
+                recorded_at.append(time.monotonic())
                 if record.round == 2:
                     # the one that carried the most models so far carries some of round 3's
                     killers.append(_killer(max(nodes, key=_relayed), killed))
@@ -138,11 +140,11 @@ def _drive_killing(tmp_path: Path, gateways: tuple[str, ...], job: JobSpec
         for g in nodes:
             g.stop()
     assert killed, f"no gateway was killed: round 3 relayed nothing ({outcome})"
-    return killed[0][1], rounds, outcome
+    return killed[0][1], rounds, recorded_at, outcome
 
 
 def test_the_job_goes_on_over_the_other_gateway_when_one_is_killed(tmp_path: Path) -> None:
-    killed, rounds, result = _drive_killing(tmp_path, ("g1", "g2"), _job("relay-killed"))
+    killed, rounds, _, result = _drive_killing(tmp_path, ("g1", "g2"), _job("relay-killed"))
     assert not isinstance(result, JobFailed), str(result)
     summary = result.summary
     print("round seconds:", [round(r.seconds, 2) for r in summary.rounds])
@@ -154,11 +156,15 @@ def test_the_job_goes_on_over_the_other_gateway_when_one_is_killed(tmp_path: Pat
 def test_the_job_fails_in_time_naming_the_relay_when_the_only_gateway_is_killed(tmp_path: Path) -> None:
     # leases of 30 s: the clusters' renewals fail (naming the relay) long before the mesh's
     # word (lease / 2 of silence; it names only a lost connection) would count
-    killed, rounds, failed = _drive_killing(tmp_path, ("g",), _job("relay-gone", lease=30))
+    killed, rounds, recorded_at, failed = _drive_killing(tmp_path, ("g",), _job("relay-gone", lease=30))
     took = time.monotonic() - killed
     print(f"failed {took:.1f} s after the kill: {failed}")
     assert isinstance(failed, JobFailed), failed
-    assert [r.round for r in rounds] == [1, 2]
+    # the kill lands in round 3, or in round 4 when round 3 was quicker than the killer's
+    # poll: rounds 1.. up to the one under way were recorded, and none after it
+    numbers = [r.round for r in rounds]
+    assert numbers == list(range(1, len(numbers) + 1)) and 2 <= len(numbers) < ROUNDS, numbers
+    assert sum(1 for at in recorded_at if at > killed) <= 1, (numbers, recorded_at, killed)
     # the round fails, or its clusters are lost (their leases): either way the relay is named
     assert "relay /ip4/127.0.0.1/" in str(failed) and "unreachable" in str(failed), str(failed)
     # by the round's deadline (DEADLINE_S or the measured rounds' factor; a failed round
