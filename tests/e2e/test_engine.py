@@ -493,7 +493,8 @@ def test_a_failed_training_aborts_the_round_at_once_and_joins_every_thread() -> 
 
     engine.pool.train = broken  # type: ignore[method-assign]
     before = threading.active_count()
-    with pytest.raises(RuntimeError, match="actor for c0 died"):
+    # every client's training fails; whichever fails first (the threads race) aborts it
+    with pytest.raises(RuntimeError, match=r"actor for c[0-2] died"):
         engine.run_round(1)
     assert threading.active_count() == before  # the server's thread was joined
 
