@@ -160,13 +160,30 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(data, sort_keys=False)
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever sys.stderr is when a record comes, not the stream it was when
+    logging was set up: a process that swaps its stderr (a test runner's capture, a
+    daemon redirecting it) must not leave a thread logging into a closed file."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def setup_logging(log_format: str = "kv", level: str = "info") -> None:
     """Route every log record to stderr, one line each; quiet third-party libraries; the
     processes this one starts inherit the format."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format {log_format!r}: expected one of {', '.join(LOG_FORMATS)}")
     os.environ[LOG_FORMAT_ENV] = log_format
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else KeyValueFormatter())
     handler.set_name(_HANDLER_NAME)
     root = logging.getLogger()

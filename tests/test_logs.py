@@ -29,6 +29,27 @@ def test_key_value_and_json_lines(capsys, monkeypatch) -> None:
     _drop_ours()
 
 
+def test_records_go_to_the_stderr_of_the_moment_not_a_closed_one(monkeypatch) -> None:
+    """A thread that logs after sys.stderr was swapped (a test's capture closed, a daemon
+    redirecting it) writes to the stderr of the moment: before, each record raised
+    "I/O operation on closed file" inside logging and was lost."""
+    import io
+
+    monkeypatch.delenv(LOG_FORMAT_ENV, raising=False)
+    first = io.StringIO()
+    monkeypatch.setattr("sys.stderr", first)
+    setup_logging("kv")
+    first.close()
+    second = io.StringIO()
+    monkeypatch.setattr("sys.stderr", second)
+    errors: list[BaseException] = []
+    monkeypatch.setattr(logging.Handler, "handleError", lambda self, record: errors.append(
+        RuntimeError(record.getMessage())))
+    logging.getLogger("fedpilot.leases").warning("event=cluster_lost cluster=%s", "c1")
+    _drop_ours()
+    assert not errors and "event=cluster_lost cluster=c1" in second.getvalue()
+
+
 def _drop_ours() -> None:
     root = logging.getLogger()
     for handler in [h for h in root.handlers if h.get_name() == "fedpilot-stderr"]:
