@@ -180,6 +180,22 @@ def test_auto_serves_measured_statistics_only_where_the_pooled_ones_are_off(
     assert all(np.array_equal(again[k], served[k]) for k in served)
 
 
+def test_a_keras_port_whose_running_averages_lag_learns_on_measured_statistics() -> None:
+    """usercnn:KerasBNCNN keeps 0.99 of its BatchNorm running averages a step (Keras's
+    default; torch's is 0.9): after a round of local steps the clients' averages, and so
+    their pooled mean, still describe the initial model. Served as they are ("pooled"),
+    round 1's model is near chance; under the default "auto" the job serves statistics
+    measured for the model it serves, and the curve is the model's own."""
+    def curve(how: str) -> list[float]:
+        result, _ = run(job("star", clients=6, rounds=3, model={"name": "usercnn:KerasBNCNN"},
+                            aggregation={"name": "fedavg", "norm_statistics": how}))
+        return [r.accuracy for r in result.summary.rounds]
+
+    auto, pooled = curve("auto"), curve("pooled")
+    assert all(a > CHANCE + 0.5 for a in auto), auto
+    assert pooled[0] < auto[0] - 0.3, (pooled, auto)
+
+
 def _pooled(weights: list[dict[str, np.ndarray]], shares: list[float], name: str,
             samples: list[int]) -> np.ndarray:
     """The clients' mean variance plus the spread of their means, less what a mean of n
