@@ -32,6 +32,22 @@ class SevenWay(nn.Module):
         return self.fc(x.flatten(1))
 
 
+class Probabilities(nn.Module):
+    """Ends in a Softmax: cross-entropy takes logits."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, num_classes), nn.Softmax(dim=1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class LogProbabilities(Probabilities):
+    def forward(self, x):
+        return torch.log(super().forward(x))
+
+
 class Crashes(nn.Module):
     def __init__(self, input_shape, num_classes):
         super().__init__()
@@ -79,6 +95,26 @@ def test_library_check(setup: tuple[Path, str], monkeypatch: pytest.MonkeyPatch)
         with pytest.raises(JobSpecError, match=message) as info:
             check_job_inputs(load_job(path), str(path))
         assert str(info.value).startswith(str(path)) and "\n" not in str(info.value)
+
+
+def test_a_model_that_returns_probabilities_is_run_with_a_warning_naming_it(
+        setup: tuple[Path, str], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A final Softmax trains, badly (cross-entropy takes logits): the check says so on
+    a preflight line, names the model and what to drop, and refuses nothing; the same
+    model's log-probabilities, and the built-in MLP's logits, get no such line."""
+    tmp_path, module = setup
+    monkeypatch.syspath_prepend(str(tmp_path))
+    warned = {}
+    for model in (f"{module}:Probabilities", f"{module}:LogProbabilities", "mlp"):
+        path = job(tmp_path, "npz:ok.npz", model)
+        assert check_job_inputs(load_job(path), str(path)).num_classes == 3
+        warned[model] = [line for line in capsys.readouterr().err.splitlines()
+                         if line.startswith("preflight: warning:")]
+    line, = warned[f"{module}:Probabilities"]
+    assert f"model.name '{module}:Probabilities' returns probabilities" in line
+    assert "drop the final Softmax" in line
+    assert warned[f"{module}:LogProbabilities"] == [] and warned["mlp"] == []
 
 
 def test_plan_refuses_a_wrong_model_in_one_line(setup: tuple[Path, str]) -> None:
