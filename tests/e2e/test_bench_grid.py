@@ -726,3 +726,28 @@ def test_a_users_data_set_that_is_not_there_or_not_one_is_refused_naming_it(
                     ["--grid", "quick", "--data", f"iris=csv:{csv}", "--models",
                      "no_such_module_here:Net", "--out", str(out)])
     assert "cannot import module 'no_such_module_here'" in said and "Traceback" not in said
+
+
+def test_every_probe_model_builds_and_gives_one_logit_per_class_on_images_and_rows() -> None:
+    """bench/probe_models.py reproduces stops 75-76's probes: each class builds through
+    the engine's build_model (seeded, lazy layers shaped) for an 8x8 image and a 28x28
+    one, the flat ones for a table's rows too, and returns (batch, classes)."""
+    import inspect
+
+    import probe_models
+    import torch
+
+    from proto.job import ModelSpec
+    from worker.models import build_model
+
+    classes = [name for name, cls in inspect.getmembers(probe_models, inspect.isclass)
+               if issubclass(cls, torch.nn.Module) and cls.__module__ == "probe_models"]
+    assert len(classes) == 15, classes
+    flat = {"ZeroHead", "NoTrackBN", "LazyMLP", "ParamListNet", "LayerNormDropMLP",
+            "WeightNormMLP", "LogSoftmaxBNHead", "SoftmaxOut"}
+    for name in classes:
+        for shape in [(1, 8, 8), (1, 28, 28), *([(13,)] if name in flat else [])]:
+            model = build_model(ModelSpec(name=f"probe_models:{name}"), shape, 3, seed=0)
+            with torch.no_grad():
+                out = model.eval()(torch.zeros(4, *shape))
+            assert tuple(out.shape) == (4, 3), (name, shape, tuple(out.shape))
