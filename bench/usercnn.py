@@ -33,9 +33,9 @@ train them through the engine.
 - KerasBNCNN: BNCNN with Keras's BatchNorm momentum (running averages keep 0.99 a step;
   torch's keep 0.9), as a model ported from Keras has them.
 GNResCNN and LNMLP (stop 51), BNResCNN and Conv1dBN (stop 58), GRURows and PatchTransformer
-(stop 59), DWSepNet and KaimingMLP (stop 67), SmallInitCNN and KerasBNCNN (stops 75-76) came after the engine's defaults were set and
-are not in the grid's default models: `--models usercnn:GNResCNN` runs them (docs/job.md,
-"Does it learn?").
+(stop 59), DWSepNet and KaimingMLP (stop 67), SmallInitCNN and KerasBNCNN (stops 75-76)
+came after the engine's defaults were set and are not in the grid's default models:
+`--models usercnn:GNResCNN` runs them (docs/job.md, "Does it learn?").
 """
 
 from __future__ import annotations
