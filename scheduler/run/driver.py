@@ -341,7 +341,7 @@ class Driver(Recovery):
         self._client_samples = [int(x) for x in histograms.sum(axis=1)]
         self._pooled_labels = [int(x) for x in histograms.sum(axis=0)]
         # says when accuracy sits at chance or the loss explodes, naming the key to change
-        self.health = LearningWatch(spec, histograms.shape[1])
+        self.health = LearningWatch(spec, histograms.shape[1], self._pooled_labels)
         slots = [ClusterSlot(c.cluster_id, c.capacity or int(started[c.cluster_id].get("capacity") or n),
                              c.peer_id) for c in self.clusters]
         resume = self.resume

@@ -1,11 +1,15 @@
 """Is the job learning? A watch over the rounds that says, on the progress line and in the
 log, when accuracy sits at chance or the loss explodes, and which key to change.
 
-Pure: it sees the job spec, the number of classes and each round's record. Rules:
+Pure: it sees the job spec, the number of classes (and the clients' pooled label counts,
+where the scheduler profiled them) and each round's record. Rules:
   - a non-finite loss, or a loss above EXPLODE_FACTOR x the first round's: "diverging";
-  - accuracy within CHANCE_MARGIN of chance (1 / classes) for CHANCE_ROUNDS rounds in a
-    row: "at chance" (the keys to check: a server or client rate tuned for another model
-    is the usual cause).
+  - accuracy within CHANCE_MARGIN of chance for CHANCE_ROUNDS rounds in a row: "at
+    chance" (the keys to check: a server or client rate tuned for another model is the
+    usual cause). Chance is what a model that learned nothing but the labels' shares
+    scores: its most common label's share (`chance_level`), 1 / classes on balanced data;
+    on a table of 90% one label a model that always says that label scores 0.90 and has
+    learned nothing, and 1 / classes alone would never see it.
 Each condition is logged once (event=learning_stalled / event=learning_diverged); the
 note stays on the progress line while the condition holds.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 
 from proto.job import ADAPTIVE_AGGREGATORS, JobSpec
 from proto.rounds import CHANCE_MARGIN, RoundRecord
@@ -45,13 +50,30 @@ def few_labels(spec: JobSpec) -> str:
     return ""
 
 
+def chance_level(classes: int, labels: Sequence[int] | None = None) -> tuple[float, float, int | None]:
+    """(chance, margin, label): the accuracy of a model that always says the most common
+    label of `labels` (the clients' pooled label counts; 1 / classes without them, or on
+    data that balanced), the margin within which an accuracy counts as chance
+    (CHANCE_MARGIN at 1 / classes, narrowed with what is left to learn above it: 0.005 at
+    a 95% majority of two labels), and that label (None at 1 / classes)."""
+    classes = max(2, int(classes))
+    uniform = 1.0 / classes
+    counts = [max(0, int(c)) for c in (labels or [])]
+    total = sum(counts)
+    if total <= 0 or len(counts) != classes or max(counts) / total <= uniform:
+        return uniform, CHANCE_MARGIN, None
+    share = max(counts) / total
+    return share, CHANCE_MARGIN * (1.0 - share) / (1.0 - uniform), counts.index(max(counts))
+
+
 class LearningWatch:
     """Feed it every round's record (`observe`); `note` is what the progress line shows."""
 
-    def __init__(self, spec: JobSpec, classes: int) -> None:
+    def __init__(self, spec: JobSpec, classes: int,
+                 labels: Sequence[int] | None = None) -> None:
         self.spec = spec
         self.classes = max(2, int(classes))
-        self.chance = 1.0 / self.classes
+        self.chance, self.margin, self.majority = chance_level(self.classes, labels)
         self.first_loss: float | None = None
         self.at_chance = 0
         self.note = ""
@@ -86,7 +108,7 @@ class LearningWatch:
             self.first_loss is not None and self.first_loss > 0
             and loss > EXPLODE_FACTOR * self.first_loss))
         if measured:
-            self.at_chance = self.at_chance + 1 if accuracy <= self.chance + CHANCE_MARGIN else 0
+            self.at_chance = self.at_chance + 1 if accuracy <= self.chance + self.margin else 0
         job = self.spec.job_id
         if diverging:
             hint = self.hint("lower")
@@ -97,8 +119,10 @@ class LearningWatch:
             # too large a step is the usual cause (a rate tuned for another model); a
             # decentralized graph that mixes slowly is the other (topology.kind)
             hint = self.hint("check")
-            self.note = (f"accuracy at chance ({self.chance:.2f}) for {self.at_chance} rounds: "
-                         f"{hint}")
+            level = (f"chance ({self.chance:.2f})" if self.majority is None else
+                     f"the share of its most common label ({self.chance:.2f}, label "
+                     f"{self.majority}: a model that always says it scores that)")
+            self.note = f"accuracy at {level} for {self.at_chance} rounds: {hint}"
             self._say("chance", f"event=learning_stalled job={job} round={record.round} "
                                 f"accuracy={accuracy:.4f} chance={self.chance:.4f} "
                                 f"rounds={self.at_chance} hint={hint}")

@@ -360,3 +360,30 @@ def test_the_driver_says_what_it_waits_for_before_the_first_round_and_after_the_
     assert seen[2].startswith("placed: ") and seen[2].endswith("round 1 of 2")
     assert seen[3:5] == ["round 1/2", "round 2/2"]
     assert seen[5].startswith("rounds done") and len(seen) == 6
+
+
+def test_the_progress_watch_takes_chance_from_the_clients_pooled_labels(tmp_path: Any) -> None:
+    """A table of 88% one label: the watch behind the progress line counts a model that
+    always says that label as at chance (its share, from the profiled histograms), not
+    1 / classes."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 4))
+    y = (x[:, 0] > 1.2).astype(int)
+    path = tmp_path / "skewed.csv"
+    rows = ["a,b,c,d,label"] + [",".join(f"{v:.4f}" for v in r) + f",{c}" for r, c in zip(x, y, strict=True)]
+    path.write_text("\n".join(rows) + "\n")
+    spec = job(data={"dataset": f"csv:{path}", "number_of_clients": 6},
+               topology={"kind": "star"})
+    mesh = LoopbackMesh(["a", "b"], lambda cid: runtime_factory(InProcessContext(), cid),
+                        capacity=4)
+    driver = Driver(spec, mesh.clusters(), mesh, backend="inprocess", timeout=120)
+    try:
+        driver.run()
+        pooled = driver._pooled_labels
+        assert len(pooled) == 2 and sum(pooled) > 0
+        assert driver.health.chance == pytest.approx(max(pooled) / sum(pooled))
+        assert driver.health.chance > 0.8 and driver.health.majority == 0
+    finally:
+        driver.close()
