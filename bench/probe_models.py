@@ -2,13 +2,14 @@
 
 Run one as any user model, e.g. `bench/bench_learning.py --grid full --dataset digits
 --models probe_models:KerasLikeVGG --betas 0.3 --clients 20 --seeds 0` (bench/ on
-PYTHONPATH, as for `usercnn`). Stops 75 and 76 ran each on digits (beta 0.3, 20 clients,
+PYTHONPATH, as for `usercnn`). Stops 75-77 ran each on digits (beta 0.3, 20 clients,
 seed 0; some on wine and breast-cancer at beta 0.1) against centralized training and the
-reference FedAvg loop; what each found is in docs/job.md ("Stop 75", "Stop 76").
+reference FedAvg loop; what each found is in docs/job.md ("Stop 75" to "Stop 77").
 
 Stop 75: NoTrackBN, ZeroHead, BNNoAffineMomNone, InstNormCNN, TinyInit, LazyMLP,
 FrozenConv, ParamListNet. Stop 76: GroupNormCNN, LayerNormDropMLP, KerasLikeVGG, RowGRU,
-WeightNormMLP, LogSoftmaxBNHead, SoftmaxOut.
+WeightNormMLP, LogSoftmaxBNHead, SoftmaxOut. Stop 77: SpectralNormMLP, MaskedCounterMLP,
+DoubleMLP, SiLUBNPostAct.
 """
 
 from __future__ import annotations
@@ -264,3 +265,69 @@ class SoftmaxOut(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+# ---- stop 77 ---------------------------------------------------------------------------
+
+class SpectralNormMLP(nn.Module):
+    """Spectral normalization (parametrizations): power-iteration vectors `_u` / `_v` as
+    buffers, updated by every forward in training mode and used as they are in eval."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        from torch.nn.utils.parametrizations import spectral_norm
+        self.net = nn.Sequential(nn.Flatten(), spectral_norm(nn.Linear(_width(input_shape), 128)),
+                                 nn.ReLU(), spectral_norm(nn.Linear(128, 128)), nn.ReLU(),
+                                 nn.Linear(128, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class MaskedCounterMLP(nn.Module):
+    """Non-float buffers: a bool pruning mask on the first layer's weights (constant) and
+    an int64 count of training forwards (a user's own num_batches_tracked)."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        width = _width(input_shape)
+        self.fc1 = nn.Linear(width, 128)
+        self.fc2 = nn.Linear(128, num_classes)
+        gen = torch.Generator().manual_seed(7)
+        self.register_buffer("mask", torch.rand(128, width, generator=gen) > 0.3)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.steps += 1
+        hidden = torch.relu(nn.functional.linear(x.flatten(1), self.fc1.weight * self.mask,
+                                                 self.fc1.bias))
+        return self.fc2(hidden)
+
+
+class DoubleMLP(nn.Module):
+    """float64 parameters (a user who calls `.double()`), casting its input itself."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(_width(input_shape), 128), nn.ReLU(),
+                                 nn.Linear(128, num_classes)).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.double())
+
+
+class SiLUBNPostAct(nn.Module):
+    """BatchNorm after the activation (SiLU), Dropout before the first layer, and a
+    bias-free classifier: layer orders the grid's models do not use."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Dropout(0.2),
+                                 nn.Linear(_width(input_shape), 128), nn.SiLU(),
+                                 nn.BatchNorm1d(128), nn.Linear(128, 64), nn.SiLU(),
+                                 nn.BatchNorm1d(64), nn.Linear(64, num_classes, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+

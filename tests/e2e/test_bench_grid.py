@@ -729,7 +729,7 @@ def test_a_users_data_set_that_is_not_there_or_not_one_is_refused_naming_it(
 
 
 def test_every_probe_model_builds_and_gives_one_logit_per_class_on_images_and_rows() -> None:
-    """bench/probe_models.py reproduces stops 75-76's probes: each class builds through
+    """bench/probe_models.py reproduces stops 75-77's probes: each class builds through
     the engine's build_model (seeded, lazy layers shaped) for an 8x8 image and a 28x28
     one, the flat ones for a table's rows too, and returns (batch, classes)."""
     import inspect
@@ -742,9 +742,10 @@ def test_every_probe_model_builds_and_gives_one_logit_per_class_on_images_and_ro
 
     classes = [name for name, cls in inspect.getmembers(probe_models, inspect.isclass)
                if issubclass(cls, torch.nn.Module) and cls.__module__ == "probe_models"]
-    assert len(classes) == 15, classes
+    assert len(classes) == 19, classes
     flat = {"ZeroHead", "NoTrackBN", "LazyMLP", "ParamListNet", "LayerNormDropMLP",
-            "WeightNormMLP", "LogSoftmaxBNHead", "SoftmaxOut"}
+            "WeightNormMLP", "LogSoftmaxBNHead", "SoftmaxOut", "SpectralNormMLP",
+            "MaskedCounterMLP", "DoubleMLP", "SiLUBNPostAct"}
     for name in classes:
         for shape in [(1, 8, 8), (1, 28, 28), *([(13,)] if name in flat else [])]:
             model = build_model(ModelSpec(name=f"probe_models:{name}"), shape, 3, seed=0)
